@@ -1,0 +1,63 @@
+"""Every workaround megatron-core 0.16 needs to run on a machine without CUDA, in one place.
+
+``apply()`` is idempotent and does nothing when CUDA is available: on a GPU the real code paths
+run untouched. Nothing else in the package patches megatron-core; the other CPU choices (no
+grouped GEMM, allgather dispatcher, CPU initialization) are *configuration* and live in
+``model.build_transformer_config`` as "no CUDA -> this setting".
+See ../shared/notes/megatron-core-on-cpu.md for how each symptom was observed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_APPLIED = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def apply() -> bool:
+    """Patch megatron-core for CPU-only execution. Returns True if patches were applied."""
+    global _APPLIED
+    if cuda_available():
+        return False
+    if _APPLIED:
+        return True
+
+    # 1. RotaryEmbedding moves inv_freq to torch.cuda.current_device() at first forward
+    #    -> "Torch not compiled with CUDA enabled". Answer "cpu" instead: `.to("cpu")` is a no-op.
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+
+    # 2. dist_checkpointing's filesystem writer calls torch.cuda.synchronize() around saves
+    #    -> same error. There is nothing to synchronize without CUDA.
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+
+    # 3. The default causal mask path assumes CUDA; model.causal_attention_mask() builds the
+    #    explicit boolean [1, 1, s, s] mask instead (a forward argument, nothing to patch here).
+
+    # 4. The RNG tracker's fork() swaps CUDA RNG states (dropout in attention forks it even at
+    #    p=0) -> "cuda rng state model-parallel-rng is not added". Megatron's own inference tracker
+    #    has a no-op fork; CPU seeding is torch.manual_seed per rank (parallel.set_seed).
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    # 5. moe_utils references te_general_gemm in the fp32 router GEMM even when TE is absent
+    #    (its import sits in a try block that fails before the name is bound) -> NameError.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    # 6. The alltoall token dispatcher creates a torch.cuda.Stream: model.py picks "allgather"
+    #    on CPU (configuration, see resolve_dispatcher). Nothing to patch.
+    # 7. WrappedTorchNorm refuses sequence parallel: model.py uses megatron_gspo.norms.RMSNorm
+    #    in the local spec. Nothing to patch.
+    # 8. grouped GEMM / gradient-accumulation fusion / permute fusion need CUDA kernels and
+    #    use_cpu_initialization must be on: set in build_transformer_config. Nothing to patch.
+    # 9. The async checkpoint writer spawns processes: entry points keep a __main__ guard.
+
+    _APPLIED = True
+    return True

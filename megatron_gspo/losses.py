@@ -1,0 +1,540 @@
+"""Policy losses for RL post-training: GSPO, GSPO-token and GRPO (PPO-clip), as pure functions.
+
+Token grid
+    Every per-token input is a [B, T] tensor on the *response-aligned token grid*: row i is one
+    sampled response (padded to T), ``mask[i, t]`` is 1 at response tokens and 0 at prompt and
+    padding positions. Response lengths L_i = mask[i].sum() vary; rows with L_i = 0 are ignored
+    (they count neither as sequences nor as tokens). Values at masked positions are never read:
+    they may be garbage, inf or NaN without changing the loss, the gradient or the metrics.
+
+    logp      [B, T]  log pi_theta(y_t | ...) of the current policy (requires grad)
+    old_logp  [B, T]  log pi_theta_old, the policy that sampled the batch (no grad)
+    advantages [B] per sequence, or [B, T] per token
+    mask      [B, T]  bool or 0/1 float
+    ref_logp  [B, T]  reference policy (optional; for the KL penalty)
+    entropy   [B, T]  per-token policy entropy (optional; for the entropy bonus / metric)
+
+Return value
+    Every loss returns ``(loss, metrics)``: a scalar tensor to call ``backward()`` on, and a dict
+    of ``Metric`` (see metrics.py): detached local sums/counts/min/max that reduce exactly over
+    data-parallel ranks and micro-batches with ``reduce_metrics`` / ``MetricAccumulator``.
+
+Normalization, data parallelism and gradient accumulation
+    Each loss is ``numerator / normalizer``: the numerator sums per-sequence terms (gspo,
+    gspo_token, grpo "seq-mean-*") or per-token terms (grpo "token-mean"), and the normalizer
+    counts those units. By default it is the local count, which is right for one process and one
+    micro-batch. Otherwise pass ``global_batch_normalizer`` = the count over the whole global batch
+    (all DP ranks, all micro-batches of the optimizer step): all-reduce (SUM) the local
+    ``batch_normalizer(cfg, mask)`` of every micro-batch. Then the per-rank, per-micro-batch losses
+    *add up* to the global-batch loss, and *summing* their gradients reproduces the DP=1 gradient
+    exactly. Megatron-core does not sum by default: its DDP scales gradients by 1/dp_size and its
+    schedule divides each micro-batch loss by num_microbatches, so either multiply the loss by
+    dp_size * num_microbatches, or run with ``calculate_per_token_loss=True`` and hand Megatron
+    the numerator (``global_batch_normalizer=1``) with ``batch_normalizer`` as its token count.
+
+Numerics
+    Log-ratios are bounded by ``log_ratio_bound`` before ``exp`` (20 -> ratios within
+    [2e-9, 4.9e8]): a 32k-token response whose log-probs drifted cannot overflow to inf. The bound
+    uses ``torch.clamp``, which passes the gradient unchanged inside the bound (and zero outside,
+    where the ratio is so far off-policy that the sample should not steer the update anyway).
+    All arithmetic runs in at least float32, whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+
+from megatron_gspo.metrics import Metric
+
+Tensor = torch.Tensor
+Metrics = dict[str, Metric]
+Normalizer = Optional[Union[float, Tensor]]
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# Paper defaults: GSPO §5.1 uses 3e-4 / 4e-4 (sequence ratios live very close to 1 because they
+# are geometric means); GRPO/PPO use 0.2 / 0.2 (DAPO's clip-higher is 0.2 / 0.28).
+DEFAULT_CLIP_RATIOS: dict[str, tuple[float, float]] = {
+    "gspo": (3e-4, 4e-4),
+    "gspo_token": (3e-4, 4e-4),
+    "grpo": (0.2, 0.2),
+}
+
+
+def _config_error(msg: str) -> Exception:
+    # Imported lazily: config.py composes LossConfig, so a top-level import would be circular.
+    from megatron_gspo.config import ConfigError  # a ValueError subclass
+
+    return ConfigError(msg)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise _config_error(msg)
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_clip(low: float, high: float, bound: float, where: str = "loss.") -> None:
+    """Ranges shared by LossConfig and the loss functions' keyword arguments."""
+    _check(_finite(low) and 0 < low < 1, f"{where}clip_ratio_low must be in (0, 1), got {low}")
+    _check(_finite(high) and high > 0, f"{where}clip_ratio_high must be a finite number > 0, got {high}")
+    _check(_finite(bound) and bound > 0, f"{where}log_ratio_bound must be a finite number > 0, got {bound}")
+    # A bound inside the clip range would cut gradients that clipping means to keep.
+    need = max(math.log1p(high), -math.log1p(-low))
+    _check(
+        bound > need,
+        f"{where}log_ratio_bound={bound} must exceed the clip range's log-width {need:.4g} "
+        f"(clip_ratio_low={low}, clip_ratio_high={high})",
+    )
+
+
+@dataclass
+class LossConfig:
+    """The ``loss`` section of a job.
+
+    name: "gspo" | "gspo_token" | "grpo".
+    clip_ratio_low / clip_ratio_high: epsilons of the clip range [1 - low, 1 + high]. None picks the
+        loss's default: 3e-4 / 4e-4 for gspo and gspo_token (GSPO paper §5.1), 0.2 / 0.2 for grpo
+        (set 0.2 / 0.28 for DAPO's clip-higher).
+    loss_agg_mode (grpo only): "token-mean" (every response token of the batch weighs the same),
+        "seq-mean-token-mean" (GRPO paper: mean over tokens within a sequence, then over
+        sequences), "seq-mean-token-sum-norm" (Dr. GRPO: token sum / loss_agg_norm_constant, then
+        mean over sequences). gspo/gspo_token always aggregate per sequence.
+    loss_agg_norm_constant: the constant of "seq-mean-token-sum-norm", normally the maximum
+        response length; required by that mode and rejected by the others.
+    kl_coef: weight of the k3 KL estimator to the reference policy (needs ref_logp).
+    dual_clip_c (grpo only): > 1; for A < 0 the objective is bounded below by c * A.
+    log_ratio_bound: |log-ratio| cap before exp (see the module docstring).
+    entropy_coef: weight of the entropy bonus (needs an entropy tensor).
+    """
+
+    name: str = "gspo"
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    loss_agg_mode: str = "token-mean"
+    loss_agg_norm_constant: Optional[float] = None
+    kl_coef: float = 0.0
+    dual_clip_c: Optional[float] = None
+    log_ratio_bound: float = 20.0
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.name in POLICY_LOSSES, f"loss.name={self.name!r} is not one of {list(POLICY_LOSSES)}")
+        if self.clip_ratio_low is not None:
+            _check(_finite(self.clip_ratio_low) and 0 < self.clip_ratio_low < 1,
+                   f"loss.clip_ratio_low must be in (0, 1), got {self.clip_ratio_low}")
+        if self.clip_ratio_high is not None:
+            _check(_finite(self.clip_ratio_high) and self.clip_ratio_high > 0,
+                   f"loss.clip_ratio_high must be a finite number > 0, got {self.clip_ratio_high}")
+        low, high = self.clip_range()
+        _check_clip(low, high, self.log_ratio_bound)
+        _check(self.loss_agg_mode in LOSS_AGG_MODES,
+               f"loss.loss_agg_mode={self.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
+        if self.name != "grpo":
+            _check(self.loss_agg_mode == "token-mean",
+                   f"loss.loss_agg_mode={self.loss_agg_mode!r} applies to loss.name='grpo' only; "
+                   f"{self.name} always averages per sequence (leave loss_agg_mode at 'token-mean')")
+            _check(self.dual_clip_c is None,
+                   f"loss.dual_clip_c applies to loss.name='grpo' only, got name={self.name!r}")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm":
+            c = self.loss_agg_norm_constant
+            _check(c is not None and _finite(c) and c > 0,
+                   "loss.loss_agg_norm_constant must be a number > 0 (the maximum response length) "
+                   f"with loss.loss_agg_mode='seq-mean-token-sum-norm', got {c}")
+        else:
+            _check(self.loss_agg_norm_constant is None,
+                   "loss.loss_agg_norm_constant is only used with loss.loss_agg_mode='seq-mean-token-sum-norm', "
+                   f"got loss_agg_mode={self.loss_agg_mode!r}")
+        if self.dual_clip_c is not None:
+            _check(_finite(self.dual_clip_c) and self.dual_clip_c > 1,
+                   f"loss.dual_clip_c must be > 1, got {self.dual_clip_c}")
+        _check(_finite(self.kl_coef) and self.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {self.kl_coef}")
+        _check(_finite(self.entropy_coef) and self.entropy_coef >= 0,
+               f"loss.entropy_coef must be >= 0, got {self.entropy_coef}")
+
+    def clip_range(self) -> tuple[float, float]:
+        """(clip_ratio_low, clip_ratio_high) with None resolved to the loss's default."""
+        d_low, d_high = DEFAULT_CLIP_RATIOS[self.name]
+        low = d_low if self.clip_ratio_low is None else self.clip_ratio_low
+        high = d_high if self.clip_ratio_high is None else self.clip_ratio_high
+        return low, high
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared plumbing
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Batch:
+    mask: Tensor  # [B, T] bool
+    logp: Tensor  # [B, T] compute dtype, differentiable
+    log_ratio: Tensor  # [B, T] logp - old_logp, exactly 0 outside the mask (differentiable)
+    lengths: Tensor  # [B] response tokens per row, compute dtype
+    active: Tensor  # [B] bool, rows with >= 1 response token
+    adv: Tensor  # [B] or [B, T], compute dtype, detached
+
+
+def _prepare(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+             ref_logp: Optional[Tensor], entropy: Optional[Tensor]) -> _Batch:
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
+    shape = tuple(logp.shape)
+    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp), ("entropy", entropy)):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have logp's shape {shape}, got {tuple(t.shape)}")
+    if tuple(advantages.shape) not in (shape[:1], shape):
+        raise ValueError(f"advantages must be [B]={shape[:1]} or [B, T]={shape}, got {tuple(advantages.shape)}")
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    m = mask if mask.dtype == torch.bool else mask != 0
+    lp = logp.to(dtype)
+    # where(), not mask * (...): 0 * inf = NaN, and masked positions may hold anything.
+    log_ratio = torch.where(m, lp - old_logp.detach().to(dtype), 0.0)
+    lengths = m.sum(dim=-1).to(dtype)
+    return _Batch(m, lp, log_ratio, lengths, lengths > 0, advantages.detach().to(dtype))
+
+
+def _masked(x: Tensor, b: _Batch) -> Tensor:
+    return torch.where(b.mask, x, 0.0)
+
+
+def _token_mean_per_seq(x: Tensor, b: _Batch) -> Tensor:
+    """[B, T] -> [B]: mean over each row's response tokens (0 for empty rows)."""
+    return _masked(x, b).sum(dim=-1) / b.lengths.clamp(min=1)
+
+
+def _aggregate(x: Tensor, b: _Batch, mode: str, norm_constant: Optional[float]) -> tuple[Tensor, Tensor]:
+    """[B, T] per-token loss -> (numerator, local unit count); loss = numerator / count."""
+    if mode == "token-mean":
+        return _masked(x, b).sum(), b.lengths.sum()
+    if mode == "seq-mean-token-mean":
+        return _token_mean_per_seq(x, b).sum(), b.active.sum().to(x.dtype)
+    if mode == "seq-mean-token-sum-norm":
+        return (_masked(x, b).sum(dim=-1) / norm_constant).sum(), b.active.sum().to(x.dtype)
+    raise ValueError(f"loss_agg_mode={mode!r} is not one of {list(LOSS_AGG_MODES)}")
+
+
+def _k3(ref_logp: Tensor, b: _Batch, bound: float) -> Tensor:
+    """Per-token k3 estimator of KL(pi_theta || pi_ref): exp(d) - d - 1 with d = ref - logp (>= 0)."""
+    d = torch.where(b.mask, ref_logp.detach().to(b.logp.dtype) - b.logp, 0.0).clamp(-bound, bound)
+    return torch.expm1(d) - d
+
+
+def _seq_log_ratio(b: _Batch) -> Tensor:
+    """[B]: (1/|y_i|) sum_t log(pi/pi_old), the log of GSPO's s_i before the bound."""
+    return b.log_ratio.sum(dim=-1) / b.lengths.clamp(min=1)
+
+
+def _validate_common(kl_coef: float, entropy_coef: float, ref_logp: Optional[Tensor],
+                     entropy: Optional[Tensor], global_batch_normalizer: Normalizer) -> None:
+    if not (_finite(kl_coef) and kl_coef >= 0):
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if not (_finite(entropy_coef) and entropy_coef >= 0):
+        raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef}")
+    if kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"kl_coef={kl_coef} > 0 needs ref_logp (the reference policy's log-probs)")
+    if entropy_coef > 0 and entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} > 0 needs the per-token entropy tensor")
+    if isinstance(global_batch_normalizer, (int, float)) and not global_batch_normalizer > 0:
+        raise ValueError(f"global_batch_normalizer must be > 0, got {global_batch_normalizer}")
+
+
+def _finish(
+    pg_num: Tensor, count: Tensor, b: _Batch, *, mode: str, norm_constant: Optional[float],
+    kl_coef: float, ref_logp: Optional[Tensor], entropy_coef: float, entropy: Optional[Tensor],
+    bound: float, global_batch_normalizer: Normalizer, metrics: Metrics,
+) -> tuple[Tensor, Metrics]:
+    """Add the KL and entropy terms (aggregated like the policy term) and normalize."""
+    num = pg_num
+    metrics["pg_loss"] = Metric.from_sum_count(pg_num, count)
+    if ref_logp is not None:
+        kl_num, _ = _aggregate(_k3(ref_logp, b, bound), b, mode, norm_constant)
+        metrics["kl_ref"] = Metric.from_sum_count(kl_num, count)
+        if kl_coef > 0:
+            num = num + kl_coef * kl_num
+    if entropy is not None:
+        ent = entropy.to(b.logp.dtype)
+        metrics["entropy"] = Metric.mean(ent, b.mask)
+        if entropy_coef > 0:
+            ent_num, _ = _aggregate(ent, b, mode, norm_constant)
+            num = num - entropy_coef * ent_num  # a bonus: higher entropy lowers the loss
+    # metrics["loss"] uses the *local* count so that the reduced value is the global-batch loss.
+    metrics["loss"] = Metric.from_sum_count(num, count)
+    normalizer = count.clamp(min=1) if global_batch_normalizer is None else global_batch_normalizer
+    return num / normalizer, metrics
+
+
+def _batch_metrics(b: _Batch, seq_ratio: Tensor) -> Metrics:
+    """Metrics every loss reports: lengths, advantages, KL(old||new) estimates, sequence ratios."""
+    act, m = b.active, b.mask
+    lr = b.log_ratio.detach().to(torch.float64)
+    adv_sel = act if b.adv.dim() == 1 else m
+    return {
+        "num_sequences": Metric.sum(act.to(torch.float64)),
+        "num_tokens": Metric.sum(b.lengths),
+        "response_length/mean": Metric.mean(b.lengths, act),
+        "response_length/min": Metric.min(b.lengths, act),
+        "response_length/max": Metric.max(b.lengths, act),
+        "advantages/mean": Metric.mean(b.adv, adv_sel),
+        "advantages/std": Metric.std(b.adv, adv_sel),
+        "advantages/min": Metric.min(b.adv, adv_sel),
+        "advantages/max": Metric.max(b.adv, adv_sel),
+        # KL(pi_old || pi_theta) over the sampled tokens: k1 = log(old/new), k3 = r - 1 - log r.
+        "approx_kl": Metric.mean(-lr, m),
+        "approx_kl_k3": Metric.mean(torch.expm1(lr) - lr, m),
+        "seq_ratio/mean": Metric.mean(seq_ratio, act),
+        "seq_ratio/min": Metric.min(seq_ratio, act),
+        "seq_ratio/max": Metric.max(seq_ratio, act),
+        "seq_ratio/hist": Metric.cat(seq_ratio, act),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# GSPO
+# ----------------------------------------------------------------------------------------------
+
+
+def _gspo_common(b: _Batch, bound: float) -> tuple[Tensor, Tensor]:
+    """(s_i [B] differentiable, in-bound [B] bool) for the sequence-level importance ratio."""
+    mean_lr = _seq_log_ratio(b)
+    # clamp passes the gradient for bound-inclusive values; in_bound mirrors that for gspo_token.
+    in_bound = (mean_lr >= -bound) & (mean_lr <= bound)
+    return mean_lr.clamp(-bound, bound).exp(), in_bound
+
+
+def _clip_masks(adv: Tensor, ratio: Tensor, low: float, high: float) -> tuple[Tensor, Tensor]:
+    """Where the *clipped* branch of min(r A, clip(r) A) is the active one.
+
+    A > 0 and r > 1 + high: the objective is flat at (1 + high) A  -> clipped high.
+    A < 0 and r < 1 - low:  the objective is flat at (1 - low) A   -> clipped low.
+    Everywhere else min(...) picks r A, including ratios outside the range whose update would move
+    them back inside (e.g. A > 0, r < 1 - low): those keep their gradient, as in PPO.
+    """
+    return (adv < 0) & (ratio < 1 - low), (adv > 0) & (ratio > 1 + high)
+
+
+def _clip_objective(ratio: Tensor, adv: Tensor, clip_low: Tensor, clip_high: Tensor,
+                    low: float, high: float) -> Tensor:
+    """Value of min(r A, clip(r, 1-low, 1+high) A) with zero gradient where the clip is active."""
+    clipped_value = ratio.detach().clamp(1 - low, 1 + high) * adv
+    return torch.where(clip_low | clip_high, clipped_value, ratio * adv)
+
+
+def _seq_clip_metrics(clip_low: Tensor, clip_high: Tensor, s: Tensor, b: _Batch,
+                      low: float, high: float) -> Metrics:
+    """Clip fractions over sequences (a [B, T] mask counts its token fraction per sequence)."""
+    def per_seq(x: Tensor) -> Tensor:
+        return x.to(b.logp.dtype) if x.dim() == 1 else _token_mean_per_seq(x.to(b.logp.dtype), b)
+
+    return {
+        "clip_frac_low": Metric.mean(per_seq(clip_low), b.active),
+        "clip_frac_high": Metric.mean(per_seq(clip_high), b.active),
+        # Regardless of the advantage's sign: how far off-policy the batch is.
+        "ratio_out_low_frac": Metric.mean((s < 1 - low).to(torch.float64), b.active),
+        "ratio_out_high_frac": Metric.mean((s > 1 + high).to(torch.float64), b.active),
+    }
+
+
+def gspo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    clip_ratio_low: float = 3e-4, clip_ratio_high: float = 4e-4, log_ratio_bound: float = 20.0,
+    kl_coef: float = 0.0, entropy_coef: float = 0.0, ref_logp: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None, global_batch_normalizer: Normalizer = None,
+) -> tuple[Tensor, Metrics]:
+    """GSPO: one importance ratio and one clip per sequence.
+
+    Implements J_GSPO of arXiv 2507.18071 §4.1: mean_i min(s_i A_i, clip(s_i, 1-eps_l, 1+eps_h) A_i), s_i = (pi_theta(y_i)/pi_old(y_i))^(1/|y_i|).
+
+    logp, old_logp, mask (, ref_logp, entropy): [B, T]; advantages: [B], or [B, T] reduced to [B]
+    by its masked mean over each response (a per-sequence advantage broadcast over tokens comes
+    back unchanged; use gspo_token for advantages that genuinely vary per token).
+    s_i is computed in log space, exp(clamp(mean_t(logp - old_logp), +-log_ratio_bound)).
+    loss = -(1/N) sum_i obj_i over the N sequences with >= 1 response token (N = global
+    normalizer if given); KL / entropy terms are averaged per sequence then over sequences.
+    Returns (scalar loss, metrics); clip fractions count sequences.
+    """
+    _check_clip(clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
+    _validate_common(kl_coef, entropy_coef, ref_logp, entropy, global_batch_normalizer)
+    b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
+    adv = b.adv if b.adv.dim() == 1 else _token_mean_per_seq(b.adv, b)
+
+    s, _ = _gspo_common(b, log_ratio_bound)
+    clip_low, clip_high = _clip_masks(adv, s.detach(), clip_ratio_low, clip_ratio_high)
+    obj = _clip_objective(s, adv, clip_low, clip_high, clip_ratio_low, clip_ratio_high)
+    pg_num = torch.where(b.active, -obj, 0.0).sum()
+    count = b.active.sum().to(obj.dtype)
+
+    metrics = _batch_metrics(b, s.detach())
+    metrics.update(_seq_clip_metrics(clip_low, clip_high, s.detach(), b, clip_ratio_low, clip_ratio_high))
+    return _finish(pg_num, count, b, mode="seq-mean-token-mean", norm_constant=None, kl_coef=kl_coef,
+                   ref_logp=ref_logp, entropy_coef=entropy_coef, entropy=entropy, bound=log_ratio_bound,
+                   global_batch_normalizer=global_batch_normalizer, metrics=metrics)
+
+
+def gspo_token_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    clip_ratio_low: float = 3e-4, clip_ratio_high: float = 4e-4, log_ratio_bound: float = 20.0,
+    kl_coef: float = 0.0, entropy_coef: float = 0.0, ref_logp: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None, global_batch_normalizer: Normalizer = None,
+) -> tuple[Tensor, Metrics]:
+    """GSPO-token: GSPO's sequence ratio with a per-token advantage.
+
+    Implements J_GSPO-token of arXiv 2507.18071 §4.3: mean_i (1/|y_i|) sum_t min(s_it A_it, clip(s_it) A_it), s_it = sg[s_i] pi_theta(y_it)/sg[pi_theta(y_it)].
+
+    logp, old_logp, mask (, ref_logp, entropy): [B, T]; advantages: [B] (broadcast) or [B, T].
+    s_it has the value of s_i and the gradient s_i * grad log pi(y_it), so clipping happens on the
+    sequence ratio: a token's clipped branch is active iff sign(A_it) and s_i say so. With
+    per-sequence advantages the loss value and the gradient w.r.t. logp equal gspo_loss's (up to
+    rounding), clipped sequences (zero gradient) and out-of-bound log-ratios included.
+    loss = -(1/N) sum_i (masked token mean of obj_it); N as in gspo_loss.
+    """
+    _check_clip(clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
+    _validate_common(kl_coef, entropy_coef, ref_logp, entropy, global_batch_normalizer)
+    b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
+    adv = b.adv[:, None] if b.adv.dim() == 1 else b.adv  # [B, 1] broadcasts over tokens
+
+    s, in_bound = _gspo_common(b, log_ratio_bound)
+    s_val = s.detach()
+    # pi/sg[pi] = exp(logp - sg[logp]): value exactly 1, gradient grad logp. Outside the bound the
+    # sequence gets no gradient, matching the clamp inside gspo_loss's s_i.
+    tok = torch.where(b.mask & in_bound[:, None], b.logp - b.logp.detach(), 0.0)
+    s_tok = s_val[:, None] * tok.exp()  # [B, T]
+    s_grid = s_val[:, None].expand_as(s_tok)
+    clip_low, clip_high = _clip_masks(adv, s_grid, clip_ratio_low, clip_ratio_high)
+    obj = _clip_objective(s_tok, adv, clip_low, clip_high, clip_ratio_low, clip_ratio_high)
+    per_seq = _token_mean_per_seq(obj, b)
+    pg_num = torch.where(b.active, -per_seq, 0.0).sum()
+    count = b.active.sum().to(obj.dtype)
+
+    metrics = _batch_metrics(b, s_val)
+    metrics.update(_seq_clip_metrics(clip_low, clip_high, s_val, b, clip_ratio_low, clip_ratio_high))
+    return _finish(pg_num, count, b, mode="seq-mean-token-mean", norm_constant=None, kl_coef=kl_coef,
+                   ref_logp=ref_logp, entropy_coef=entropy_coef, entropy=entropy, bound=log_ratio_bound,
+                   global_batch_normalizer=global_batch_normalizer, metrics=metrics)
+
+
+# ----------------------------------------------------------------------------------------------
+# GRPO
+# ----------------------------------------------------------------------------------------------
+
+
+def grpo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, log_ratio_bound: float = 20.0,
+    loss_agg_mode: str = "token-mean", loss_agg_norm_constant: Optional[float] = None,
+    dual_clip_c: Optional[float] = None, kl_coef: float = 0.0, entropy_coef: float = 0.0,
+    ref_logp: Optional[Tensor] = None, entropy: Optional[Tensor] = None,
+    global_batch_normalizer: Normalizer = None,
+) -> tuple[Tensor, Metrics]:
+    """GRPO: PPO-clip on per-token importance ratios.
+
+    Implements J_GRPO of arXiv 2507.18071 §2: (1/G) sum_i (1/|y_i|) sum_t min(w_it A_it, clip(w_it, 1-eps_l, 1+eps_h) A_it), w_it = pi_theta(y_it)/pi_old(y_it).
+
+    logp, old_logp, mask (, ref_logp, entropy): [B, T]; advantages: [B] (broadcast) or [B, T].
+    w_it = exp(clamp(logp - old_logp, +-log_ratio_bound)). dual_clip_c (> 1): for A < 0 the
+    per-token objective is max(obj, c A), i.e. no gradient once w > c. The per-token loss (and the
+    k3 KL / entropy terms) are aggregated by loss_agg_mode:
+      token-mean               sum_it l_it / (number of response tokens)
+      seq-mean-token-mean      (1/N) sum_i (1/|y_i|) sum_t l_it        (the formula above)
+      seq-mean-token-sum-norm  (1/N) sum_i (1/C) sum_t l_it, C = loss_agg_norm_constant (Dr. GRPO)
+    The denominator (tokens or sequences) is replaced by global_batch_normalizer when given.
+    Returns (scalar loss, metrics); clip fractions count tokens.
+    """
+    _check_clip(clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
+    _validate_common(kl_coef, entropy_coef, ref_logp, entropy, global_batch_normalizer)
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
+    if loss_agg_mode == "seq-mean-token-sum-norm" and not (
+        loss_agg_norm_constant is not None and _finite(loss_agg_norm_constant) and loss_agg_norm_constant > 0
+    ):
+        raise ValueError(
+            "loss_agg_mode='seq-mean-token-sum-norm' needs loss_agg_norm_constant > 0 (the maximum "
+            f"response length), got {loss_agg_norm_constant}"
+        )
+    if dual_clip_c is not None and not (_finite(dual_clip_c) and dual_clip_c > 1):
+        raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
+    b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
+    adv = b.adv[:, None] if b.adv.dim() == 1 else b.adv
+
+    ratio = b.log_ratio.clamp(-log_ratio_bound, log_ratio_bound).exp()  # [B, T]; 1 off-mask
+    r_val = ratio.detach()
+    clip_low, clip_high = _clip_masks(adv, r_val, clip_ratio_low, clip_ratio_high)
+    obj = _clip_objective(ratio, adv, clip_low, clip_high, clip_ratio_low, clip_ratio_high)
+    if dual_clip_c is not None:
+        # A < 0 and w > c: PPO's unclipped branch would push an already far-too-likely token down
+        # with weight w (unbounded); dual clip caps the objective at c A (constant, no gradient).
+        dual = (adv < 0) & (r_val > dual_clip_c)
+        obj = torch.where(dual, dual_clip_c * adv.expand_as(obj), obj)
+    pg_num, count = _aggregate(-obj, b, loss_agg_mode, loss_agg_norm_constant)
+
+    m = b.mask
+    seq_ratio = _seq_log_ratio(b).detach().clamp(-log_ratio_bound, log_ratio_bound).exp()
+    metrics = _batch_metrics(b, seq_ratio)  # sequence ratio too, for comparison with GSPO
+    metrics.update({
+        "clip_frac_low": Metric.mean(clip_low.expand_as(m).to(torch.float64), m),
+        "clip_frac_high": Metric.mean(clip_high.expand_as(m).to(torch.float64), m),
+        "ratio_out_low_frac": Metric.mean((r_val < 1 - clip_ratio_low).to(torch.float64), m),
+        "ratio_out_high_frac": Metric.mean((r_val > 1 + clip_ratio_high).to(torch.float64), m),
+        "token_ratio/mean": Metric.mean(r_val, m),
+        "token_ratio/min": Metric.min(r_val, m),
+        "token_ratio/max": Metric.max(r_val, m),
+    })
+    if dual_clip_c is not None:
+        metrics["dual_clip_frac"] = Metric.mean(dual.expand_as(m).to(torch.float64), m)
+    return _finish(pg_num, count, b, mode=loss_agg_mode, norm_constant=loss_agg_norm_constant,
+                   kl_coef=kl_coef, ref_logp=ref_logp, entropy_coef=entropy_coef, entropy=entropy,
+                   bound=log_ratio_bound, global_batch_normalizer=global_batch_normalizer, metrics=metrics)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry and dispatch
+# ----------------------------------------------------------------------------------------------
+
+PolicyLoss = Callable[..., tuple[Tensor, Metrics]]
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "gspo": gspo_loss,
+    "gspo_token": gspo_token_loss,
+    "grpo": grpo_loss,
+}
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    try:
+        return POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy loss {name!r}; valid names: {list(POLICY_LOSSES)}") from None
+
+
+def batch_normalizer(cfg: LossConfig, mask: Tensor) -> Tensor:
+    """The local unit count the loss divides by: response tokens for grpo "token-mean", sequences
+    with >= 1 response token otherwise. Sum it over micro-batches and all-reduce it over the DP
+    group to get ``global_batch_normalizer``. Returns a float32 scalar on mask's device."""
+    m = mask if mask.dtype == torch.bool else mask != 0
+    if cfg.name == "grpo" and cfg.loss_agg_mode == "token-mean":
+        return m.sum().to(torch.float32)
+    return (m.sum(dim=-1) > 0).sum().to(torch.float32)
+
+
+def compute_policy_loss(
+    cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+    ref_logp: Optional[Tensor] = None, entropy: Optional[Tensor] = None,
+    global_batch_normalizer: Normalizer = None,
+) -> tuple[Tensor, Metrics]:
+    """Dispatch to the loss named by ``cfg.name`` with the config's hyperparameters."""
+    low, high = cfg.clip_range()
+    kwargs = dict(
+        clip_ratio_low=low, clip_ratio_high=high, log_ratio_bound=cfg.log_ratio_bound,
+        kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef, ref_logp=ref_logp, entropy=entropy,
+        global_batch_normalizer=global_batch_normalizer,
+    )
+    if cfg.name == "grpo":
+        kwargs.update(loss_agg_mode=cfg.loss_agg_mode, loss_agg_norm_constant=cfg.loss_agg_norm_constant,
+                      dual_clip_c=cfg.dual_clip_c)
+    return get_policy_loss(cfg.name)(logp, old_logp, advantages, mask, **kwargs)

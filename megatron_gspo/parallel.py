@@ -1,0 +1,188 @@
+"""Distributed setup: torch.distributed from torchrun's environment, megatron-core's parallel
+groups for TP / PP / EP / expert-TP / DP, layout validation and seeding.
+
+megatron-core keeps its process groups in module globals; we initialize them once here and hand
+the rest of the package an explicit ``ParallelState`` (sizes, ranks and the
+``ProcessGroupCollection``) so no other module reaches into ``parallel_state`` itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_gspo import cpu_compat
+from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig
+
+
+def validate_layout(model: ModelConfig, par: ParallelConfig, world_size: int) -> int:
+    """Refuse an impossible layout before anything is built. Returns the data-parallel size."""
+    tp, pp, ep, etp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                       par.expert_model_parallel_size, par.etp)
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(f"invalid parallel layout: {msg}")
+
+    need(world_size % (tp * pp) == 0,
+         f"world size {world_size} is not a multiple of tensor_model_parallel_size x "
+         f"pipeline_model_parallel_size = {tp} x {pp} = {tp * pp}")
+    need(world_size % (etp * ep * pp) == 0,
+         f"world size {world_size} is not a multiple of expert_tensor_parallel_size x "
+         f"expert_model_parallel_size x pipeline_model_parallel_size = {etp} x {ep} x {pp} = {etp * ep * pp}")
+    need(model.num_attention_heads % tp == 0,
+         f"num_attention_heads={model.num_attention_heads} is not divisible by tensor_model_parallel_size={tp}")
+    need(model.num_query_groups % tp == 0,
+         f"num_query_groups={model.num_query_groups} (KV heads) is not divisible by tensor_model_parallel_size={tp}")
+    need(model.num_moe_experts % ep == 0,
+         f"num_moe_experts={model.num_moe_experts} is not divisible by expert_model_parallel_size={ep}")
+    need(model.moe_ffn_hidden_size % etp == 0,
+         f"moe_ffn_hidden_size={model.moe_ffn_hidden_size} is not divisible by expert_tensor_parallel_size={etp}")
+    need(model.padded_vocab_size % tp == 0,
+         f"padded vocab size {model.padded_vocab_size} (vocab_size={model.vocab_size} rounded up to "
+         f"make_vocab_size_divisible_by={model.make_vocab_size_divisible_by}) is not divisible by "
+         f"tensor_model_parallel_size={tp}")
+    need(model.num_layers % pp == 0,
+         f"num_layers={model.num_layers} is not divisible by pipeline_model_parallel_size={pp}")
+    if tp > 1:
+        # megatron-core's MoE layer with TP needs the token stream split along the sequence.
+        need(par.sp, f"MoE with tensor_model_parallel_size={tp} requires sequence_parallel=true")
+    if par.sequence_parallel and tp == 1:
+        raise ConfigError("invalid parallel layout: sequence_parallel=true needs tensor_model_parallel_size > 1")
+    return world_size // (tp * pp)
+
+
+@dataclass
+class ParallelState:
+    """Explicit handle to the parallel layout of this process."""
+
+    world_size: int
+    rank: int
+    local_rank: int
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    dp: int
+    sequence_parallel: bool
+    pg: "object"  # megatron.core.process_groups_config.ProcessGroupCollection
+    device: torch.device
+
+    @property
+    def tp_group(self):
+        return self.pg.tp
+
+    @property
+    def dp_group(self):
+        return self.pg.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.pg.tp)
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.pg.dp)
+
+    @property
+    def ep_rank(self) -> int:
+        return dist.get_rank(self.pg.ep)
+
+    @property
+    def pp_rank(self) -> int:
+        return dist.get_rank(self.pg.pp)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None) -> None:
+    """Initialize torch.distributed from torchrun's env vars (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+
+    Without torchrun a single-process group is created, since megatron-core needs one even for
+    one rank. nccl with CUDA, gloo without.
+    """
+    if dist.is_initialized():
+        return
+    cpu_compat.apply()
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def initialize(model: ModelConfig, par: ParallelConfig) -> ParallelState:
+    """Set up torch.distributed and megatron-core's parallel groups for this layout."""
+    from megatron.core import parallel_state as mps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    # Validate against the environment first: a bad layout must fail before any collective.
+    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    validate_layout(model, par, world)
+    init_distributed(par.distributed_timeout_minutes)
+    world = dist.get_world_size()
+    dp = validate_layout(model, par, world)
+    if mps.model_parallel_is_initialized():
+        mps.destroy_model_parallel()
+    mps.initialize_model_parallel(
+        tensor_model_parallel_size=par.tensor_model_parallel_size,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        expert_model_parallel_size=par.expert_model_parallel_size,
+        expert_tensor_parallel_size=par.etp,
+        distributed_timeout_minutes=int(max(1, par.distributed_timeout_minutes)),
+        create_gloo_process_groups=torch.cuda.is_available(),
+    )
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    state = ParallelState(
+        world_size=world, rank=dist.get_rank(), local_rank=local_rank,
+        tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
+        ep=par.expert_model_parallel_size, etp=par.etp, dp=dp, sequence_parallel=par.sp,
+        pg=ProcessGroupCollection.use_mpu_process_groups(), device=device,
+    )
+    set_seed(par.seed, state)
+    return state
+
+
+def set_seed(seed: int, state: Optional[ParallelState] = None) -> None:
+    """Seed Python, numpy and torch. Pipeline stages get distinct seeds (as in Megatron-LM);
+    on GPU megatron's tracker adds the TP / EP model-parallel RNG streams."""
+    s = seed + (100 * state.pp_rank if state is not None else 0)
+    random.seed(s)
+    np.random.seed(s)
+    torch.manual_seed(s)
+    if torch.cuda.is_available() and state is not None:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(s)
+
+
+def destroy() -> None:
+    """Tear down megatron's groups and torch.distributed (tests and re-initialization)."""
+    from megatron.core import parallel_state as mps
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+    if mps.model_parallel_is_initialized():
+        mps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-gspo",
+    version="0.1.0",
+    description="GSPO / GRPO reinforcement-learning post-training of Mixture-of-Experts models on Megatron-core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_gspo", "megatron_gspo.*", "checkpoints_tools", "checkpoints_tools.*"]),
+    package_data={"megatron_gspo": ["configs/*.yaml"]},
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16,<0.17; python_version < '3.12'",
+        "megatron-core>=0.16; python_version >= '3.12'",
+        "numpy",
+        "packaging",
+        "pyyaml",
+        "psutil",  # megatron dist_checkpointing's async writer needs it at save time
+        "tensorboard",
+        "sentencepiece",
+        "tokenizers",
+        "safetensors",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "transformers>=4.51", "safetensors"],
+        "gpu": ["transformer-engine[pytorch]>=2.0"],
+    },
+    entry_points={"console_scripts": ["megatron-gspo-train=megatron_gspo.train:main"]},
+)
