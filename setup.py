@@ -22,10 +22,12 @@ setup(
         "tokenizers",
         "safetensors",
         "matplotlib",
+        "jinja2>=3.1",  # HF chat templates (Qwen3)
     ],
     extras_require={
         "test": ["pytest>=7", "transformers>=4.51", "safetensors"],
         "gpu": ["transformer-engine[pytorch]>=2.0"],
+        "parquet": ["pyarrow"],
     },
     entry_points={"console_scripts": ["megatron-gspo-train=megatron_gspo.train:main"]},
 )

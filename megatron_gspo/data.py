@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
 from megatron_gspo.tasks import Task, build_task
-from megatron_gspo.tokenizer import Tokenizer
+from megatron_gspo.tokenizer import Tokenizer, TokenizerError
 
 OVERLONG_POLICIES = ("drop", "truncate_left", "error")
 BUILTIN_PREFIX = "builtin:"
@@ -194,7 +194,10 @@ class PromptDataset(Sequence[PromptExample]):
                 "sort": dict(min_len=cfg.task_sort_min_len, max_len=cfg.task_sort_max_len,
                              max_value=cfg.task_sort_max_value),
             }
-            task = build_task(name, seed=cfg.seed, **knobs.get(name, {}))
+            try:
+                task = build_task(name, seed=cfg.seed, **knobs.get(name, {}))
+            except ValueError as e:  # name the config section, not only the task's own argument
+                raise DataError(f"data.source={src!r}: {e} (set by the data.task_* options)") from None
             return cls.from_task(task, cfg.task_num_examples)
         if src.endswith(".jsonl"):
             return cls.from_jsonl(src, cfg.prompt_key, cfg.answer_key)
@@ -291,15 +294,19 @@ class PromptSampler:
     def encode(self, example: PromptExample) -> Optional[Prompt]:
         """Render and tokenize one example; None when the overlong policy drops it."""
         cfg, tok = self.cfg, self.tokenizer
-        if cfg.apply_chat_template:
-            messages = example.prompt if isinstance(example.prompt, list) else [{"role": "user", "content": example.prompt}]
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, **cfg.chat_template_kwargs)
-            ids = tok.encode(text, add_special_tokens=False)  # the template spells its own markers
-        else:
-            if isinstance(example.prompt, list):
-                raise DataError(f"{example.where}: the prompt is a list of chat messages; set data.apply_chat_template=true")
-            text = example.prompt
-            ids = tok.encode(text, add_special_tokens=cfg.add_special_tokens)
+        if not cfg.apply_chat_template and isinstance(example.prompt, list):
+            raise DataError(f"{example.where}: the prompt is a list of chat messages; set data.apply_chat_template=true")
+        try:
+            if cfg.apply_chat_template:
+                messages = (example.prompt if isinstance(example.prompt, list)
+                            else [{"role": "user", "content": example.prompt}])
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, **cfg.chat_template_kwargs)
+                ids = tok.encode(text, add_special_tokens=False)  # the template spells its own markers
+            else:
+                text = example.prompt
+                ids = tok.encode(text, add_special_tokens=cfg.add_special_tokens)
+        except TokenizerError as e:  # e.g. a character the built-in tokenizer lacks: say which example
+            raise DataError(f"{example.where} (id {example.id}): {e}") from None
         limit = cfg.max_prompt_length
         if len(ids) <= limit:
             return Prompt(id=example.id, text=text, ids=ids, answer=example.answer)

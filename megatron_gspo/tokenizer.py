@@ -54,10 +54,13 @@ class TokenizerConfig:
     chat_template: Optional[str] = None
 
     def __post_init__(self) -> None:
+        # ConfigError is imported lazily: config.py composes this class, a module-level import would be circular.
+        from megatron_gspo.config import ConfigError
+
         if self.type not in TOKENIZER_TYPES:
-            raise TokenizerError(f"tokenizer.type={self.type!r} is not one of {list(TOKENIZER_TYPES)}")
+            raise ConfigError(f"tokenizer.type={self.type!r} is not one of {list(TOKENIZER_TYPES)}")
         if self.type != "builtin" and not self.path:
-            raise TokenizerError(f"tokenizer.type={self.type!r} needs tokenizer.path (a file or directory)")
+            raise ConfigError(f"tokenizer.type={self.type!r} needs tokenizer.path (a file or directory)")
 
 
 TOKENIZER_TYPES = ("builtin", "hf", "sentencepiece")

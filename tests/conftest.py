@@ -14,8 +14,8 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 def torchrun(script: str, nproc: int, *args: str, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
     """Run tests/dist_scripts/<script> under torchrun on gloo; returns the completed process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", "0", "--local-addr", "127.0.0.1",
+    # --standalone: a local rendezvous on a free port, so parallel test runs never collide
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.join(DIST_SCRIPTS, script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

@@ -1,0 +1,528 @@
+r"""Reward functions: a registry of built-ins, plug-ins by import path, and validated batch scoring.
+
+A reward function has the signature::
+
+    fn(prompt: str, response: str, answer: str | None, **kwargs) -> float
+
+* ``prompt``: the text the model was conditioned on (after the chat template, if any).
+* ``response``: the decoded completion. It may end with (or contain) the end-of-sequence token text,
+  e.g. ``<eos>`` or ``<|im_end|>``; built-ins cut at the first one.
+* ``answer``: the example's reference answer, or None for data without answers.
+* ``kwargs``: ``reward.kwargs`` from the config, passed through unchanged.
+
+It returns a finite number (bool and 0-d tensors/arrays count). Anything else -- an exception, NaN,
+inf, None, a string -- stops training with a :class:`RewardError` that names the function, the
+sample and a piece of the prompt and response: a reward silently coerced to 0 would teach the policy
+from a bug.
+
+Select a function with ``reward.name``: a registered name (:func:`registered_rewards`), or
+``package.module:function`` (or ``path/to/file.py:function``) for your own.
+
+Built-ins:
+
+* ``exact_match``: 1.0 when the response's first line (leading whitespace stripped, cut at the first
+  end-of-sequence marker) equals ``answer.strip()``, else 0.0. The reward of the built-in tasks.
+* ``digit_match``: the fraction of character positions (left-aligned) at which that first line agrees
+  with the answer, over the longer of the two. A denser signal for tiny models that rarely hit an
+  exact answer early on: "18" for "19" earns 0.5 instead of 0.
+* ``math``: 1.0 when the final answer equals the reference. The final answer is the last
+  ``\boxed{...}`` (nested braces fine) of the response, after ``</think>`` if it has one, else the
+  last number there. Equality is numeric where both sides parse (integers, decimals, ``1,234``,
+  ``a/b``, ``\frac{a}{b}``, ``50%`` = 50 or 0.5), else symbolic with sympy (``\frac{\sqrt{2}}{2}``
+  = ``1/\sqrt{2}``) if it is installed, else normalized-string equality. A reference may itself be a
+  ``\boxed{}`` solution or a GSM8K ``... #### 72``.
+* ``format``: 1.0 when the response has the required shape, else 0.0. ``require="think"`` (default):
+  one ``<think>...</think>`` block with non-empty reasoning, at the start, followed by a non-empty
+  answer (a prompt that ends in ``<think>`` counts as having opened the block). ``require="boxed"``:
+  the answer part contains a ``\boxed{}``. ``require="think+boxed"``: both. Mostly used as an
+  additive shaping term (``reward.format_weight``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import os
+import re
+import string
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+RewardFn = Callable[..., float]
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something that is not a finite number."""
+
+    def __init__(self, fn_name: str, index: int, prompt: str, response: str, problem: str) -> None:
+        self.fn_name, self.index, self.prompt, self.response, self.problem = fn_name, index, prompt, response, problem
+        super().__init__(
+            f"reward function {fn_name!r} on sample {index}: {problem}\n"
+            f"  prompt:   {_clip(prompt)}\n  response: {_clip(response)}"
+        )
+
+
+def _clip(text: Any, limit: int = 200) -> str:
+    text = repr(text)
+    return text if len(text) <= limit else text[: limit - 15] + f"... ({len(text)} chars)"
+
+
+def _config_error(msg: str) -> Exception:
+    # Imported lazily: config.py composes RewardConfig, so a module-level import would be circular.
+    from megatron_gspo.config import ConfigError
+
+    return ConfigError(msg)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry and lookup
+# ----------------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` available as ``reward.name=<name>``."""
+
+    def wrap(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered (by {_REGISTRY[name].__module__})")
+        _REGISTRY[name] = fn
+        return fn
+
+    return wrap
+
+
+def registered_rewards() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_reward_fn(name_or_path: str) -> RewardFn:
+    """A registered reward by name, or ``module.path:function`` / ``file.py:function``."""
+    if name_or_path in _REGISTRY:
+        return _REGISTRY[name_or_path]
+    if ":" not in name_or_path:
+        raise ValueError(
+            f"unknown reward {name_or_path!r}; registered: {registered_rewards()}, "
+            "or give your own as 'package.module:function'"
+        )
+    module_name, _, fn_name = name_or_path.rpartition(":")
+    if not module_name or not fn_name:
+        raise ValueError(f"reward {name_or_path!r}: expected 'package.module:function'")
+    if module_name.endswith(".py"):
+        if not os.path.isfile(module_name):
+            raise ValueError(f"reward {name_or_path!r}: file {module_name} not found")
+        plugin_name = "_reward_plugin_" + re.sub(r"\W", "_", os.path.abspath(module_name))
+        spec = importlib.util.spec_from_file_location(plugin_name, module_name)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(f"reward {name_or_path!r}: cannot import module {module_name!r}: {e}") from None
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise ValueError(f"reward {name_or_path!r}: module {module_name!r} has no attribute {fn_name!r}")
+    if not callable(fn):
+        raise ValueError(f"reward {name_or_path!r}: {module_name}.{fn_name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def reward_name(fn: RewardFn) -> str:
+    """How error messages and logs name ``fn``."""
+    name = getattr(fn, "reward_name", None)
+    if name:
+        return str(name)
+    for key, registered in _REGISTRY.items():
+        if registered is fn:
+            return key
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared text helpers
+# ----------------------------------------------------------------------------------------------
+
+# End-of-sequence token texts of the supported tokenizers (built-in, Qwen, Llama, SentencePiece).
+EOS_MARKERS = ("<eos>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+
+
+def cut_at_eos(response: str, extra_stops: Sequence[str] = ()) -> str:
+    """The response up to its first end-of-sequence marker (the text after it was never "said")."""
+    end = len(response)
+    for marker in (*EOS_MARKERS, *extra_stops):
+        i = response.find(marker)
+        if 0 <= i < end:
+            end = i
+    return response[:end]
+
+
+def first_line(response: str, extra_stops: Sequence[str] = ()) -> str:
+    """What the built-in tasks grade: up to the first eos marker and the first newline, stripped."""
+    return cut_at_eos(response, extra_stops).lstrip().split("\n", 1)[0].strip()
+
+
+def _require_answer(answer: Optional[str], fn: str) -> str:
+    if answer is None:
+        raise ValueError(f"{fn} needs a reference answer but the example has none (check data.answer_key)")
+    return str(answer)
+
+
+def _stops(kwargs: dict[str, Any]) -> tuple[str, ...]:
+    stop = kwargs.get("stop", ())
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+# ----------------------------------------------------------------------------------------------
+# Built-in tasks: exact and partial match
+# ----------------------------------------------------------------------------------------------
+
+
+@register_reward("exact_match")
+def exact_match(prompt: str, response: str, answer: Optional[str], **kwargs: Any) -> float:
+    """1.0 if the first line of the response equals the answer (both stripped); ``stop=[...]`` adds stop strings."""
+    return float(first_line(response, _stops(kwargs)) == _require_answer(answer, "exact_match").strip())
+
+
+@register_reward("digit_match")
+def digit_match(prompt: str, response: str, answer: Optional[str], **kwargs: Any) -> float:
+    """Fraction of left-aligned character positions where response and answer agree (see module doc)."""
+    got, want = first_line(response, _stops(kwargs)), _require_answer(answer, "digit_match").strip()
+    if not got and not want:
+        return 1.0
+    return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want))
+
+
+# ----------------------------------------------------------------------------------------------
+# Math
+# ----------------------------------------------------------------------------------------------
+
+
+def last_boxed(text: str) -> Optional[str]:
+    r"""Content of the last ``\boxed{...}`` / ``\fbox{...}`` (balanced braces), or of ``\boxed 5``."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = start + (6 if text.startswith("\\boxed", start) else 5)
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i >= len(text):
+        return None
+    if text[i] != "{":  # "\boxed 5": the argument runs to the next space or $
+        m = re.match(r"[^\s$]+", text[i:])
+        return m.group(0) if m and text[i - 1] == " " else None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1: j]
+    return None  # unbalanced: the response was cut off inside the box
+
+
+# An integer with optional thousands separators, or a decimal; then an optional "/denominator" and "%".
+# No exponent notation: Fraction("1e999999999") would try to build that integer.
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+"
+_NUMBER_RE = re.compile(rf"(?:{_NUMBER})(?:\s*/\s*(?:\d+))?\s*%?")
+_PLAIN_NUMBER_RE = re.compile(r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+")
+
+
+def extract_math_answer(response: str) -> Optional[str]:
+    """The final answer of a solution: last ``\\boxed{}`` after ``</think>``, else the last number there."""
+    text = cut_at_eos(response)
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers_found = _NUMBER_RE.findall(text)
+    return numbers_found[-1].strip() if numbers_found else None
+
+
+def _unwrap_command(s: str, command: str) -> str:
+    r"""Replace ``\command{x}`` by ``x`` (balanced braces)."""
+    while True:
+        i = s.find(command + "{")
+        if i < 0:
+            return s
+        depth, j = 0, i + len(command)
+        for j in range(i + len(command), len(s)):
+            depth += {"{": 1, "}": -1}.get(s[j], 0)
+            if depth == 0:
+                break
+        else:
+            return s  # unbalanced; leave it
+        s = s[:i] + s[i + len(command) + 1: j] + s[j + 1:]
+
+
+def normalize_math(s: str) -> str:
+    """Canonical spelling of a final answer: no $, spacing, \\left/\\right, units text, ``x=`` prefix."""
+    s = s.strip().strip("$").strip()
+    for cmd in ("\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\\ "):
+        s = s.replace(cmd, "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\%", "%")
+    s = s.replace("^\\circ", "").replace("^{\\circ}", "")
+    # Units/words in \text{}: drop them when a value remains ("5\text{ cm}" -> "5"), else keep the words.
+    without_text = re.sub(r"\\(?:text|mbox|mathrm)\{[^{}]*\}", "", s)
+    s = without_text if without_text.strip() else s
+    for cmd in ("\\text", "\\textbf", "\\mathrm", "\\mbox", "\\mathbf"):
+        s = _unwrap_command(s, cmd)
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    m = re.fullmatch(r"[a-zA-Z]=(.+)", s)  # "x=5" -> "5" (one assignment only)
+    if m and "=" not in m.group(1):
+        s = m.group(1)
+    return s
+
+
+def _to_number(s: str) -> Optional[tuple[Fraction, bool]]:
+    """(value, had_percent) of a normalized numeric answer, or None if it is not one."""
+    pct = s.endswith("%")
+    s = s[:-1] if pct else s
+    sign = -1 if s.startswith("-") else 1
+    body = s[1:] if sign < 0 else s
+    if len(body) > 100:
+        return None
+    # \frac{a}{b}, its \frac12 shorthand (single digits only), or a/b, or a plain number.
+    m = re.fullmatch(r"\\frac\{([^{}]+)\}\{([^{}]+)\}|\\frac(\d)(\d)", body)
+    parts = [g for g in m.groups() if g is not None] if m else body.split("/")
+    if len(parts) > 2 or not all(_PLAIN_NUMBER_RE.fullmatch(p) for p in parts):
+        return None
+    num, den = Fraction(parts[0].replace(",", "")), Fraction(parts[1].replace(",", "") if len(parts) == 2 else 1)
+    if den == 0:
+        return None
+    return sign * num / den, pct
+
+
+def _unbracket(s: str) -> tuple[str, str]:
+    """("()", "1,2") for "(1,2)"; ("", s) when s is not wrapped in (), [] or a mix (intervals)."""
+    if len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
+        return s[0] + s[-1], s[1:-1]
+    return "", s
+
+
+def _split_top_level(s: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in s:
+        depth += 1 if ch in "([{" else -1 if ch in ")]}" else 0
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return parts + [cur]
+
+
+_SYMPY_NAMES = {"sqrt", "pi"}
+_SYMPY_TOKEN_RE = re.compile(r"\d+(?:\.\d+)?|[a-zA-Z]+|[-+*/^()]")
+
+
+def _latex_to_sympy_text(s: str) -> Optional[str]:
+    r"""``\frac{a}{b}`` -> ``(a)/(b)`` etc.; None if something is left that we do not translate."""
+    s = s.replace("\\cdot", "*").replace("\\times", "*").replace("\\div", "/").replace("\\pi", " pi ")
+    s = re.sub(r"\\sqrt(\d|[a-zA-Z](?![a-zA-Z]))", r"\\sqrt{\1}", s)  # \sqrt2 -> \sqrt{2}
+    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)  # \frac12 -> \frac{1}{2}
+    for _ in range(20):  # innermost first, so nested \frac/\sqrt translate
+        new = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"((\1)/(\2))", s)
+        new = re.sub(r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)", new)
+        if new == s:  # only then are the braces left plain grouping, e.g. x^{2}
+            new = re.sub(r"(?<!\\frac)(?<!\\sqrt)(?<!\})\{([^{}]*)\}", r"(\1)", s)
+        if new == s:
+            break
+        s = new
+    return None if "\\" in s or "{" in s else s
+
+
+def _sympy_equal(a: str, b: str) -> bool:
+    """Symbolic equality of two small expressions; False whenever sympy is missing or unsure.
+
+    The strings come from model output and ``parse_expr`` evaluates Python, so only a whitelist of
+    tokens gets through (numbers, single-letter variables, sqrt, pi, arithmetic), and inputs that
+    could make sympy compute for minutes (long numbers, big or stacked powers) are skipped.
+    """
+    try:
+        import sympy
+        from sympy.parsing.sympy_parser import (convert_xor, implicit_multiplication_application, parse_expr,
+                                                standard_transformations)
+    except ImportError:
+        return False
+    exprs = []
+    for s in (a, b):
+        t = _latex_to_sympy_text(s)
+        if t is None or len(t) > 80:
+            return False
+        tokens = _SYMPY_TOKEN_RE.findall(t)
+        if "".join(tokens) != re.sub(r"\s+", "", t):
+            return False  # a character outside the whitelist
+        if any(tok.isalpha() and len(tok) > 1 and tok not in _SYMPY_NAMES for tok in tokens):
+            return False
+        if any(tok.isdigit() and len(tok) > 12 for tok in tokens) or t.count("^") > 2 or re.search(r"\^\s*\(?\d{3,}", t):
+            return False
+        local = {c: sympy.Symbol(c) for c in string.ascii_letters}
+        local.update(sqrt=sympy.sqrt, pi=sympy.pi)
+        try:
+            exprs.append(parse_expr(t, local_dict=local, transformations=(
+                *standard_transformations, implicit_multiplication_application, convert_xor)))
+        except Exception:  # sympy raises many types (SyntaxError, TypeError, TokenError, ...)
+            return False
+    try:
+        return bool(sympy.simplify(exprs[0] - exprs[1]) == 0)
+    except Exception:
+        return False
+
+
+def math_equal(prediction: str, reference: str) -> bool:
+    """Whether two final answers are the same value (see the module docstring for the rules)."""
+    ref = reference
+    if "####" in ref:  # GSM8K: "<solution> #### 72"
+        ref = ref.rsplit("####", 1)[1]
+    boxed = last_boxed(ref)
+    ref = boxed if boxed is not None else ref
+    p, r = normalize_math(prediction), normalize_math(ref)
+    if not p or not r:
+        return False
+    if p == r:
+        return True
+    pn, rn = _to_number(p), _to_number(r)
+    if pn is not None and rn is not None:
+        # A percent may be written as its number or as a fraction of 1: "50%" matches 50 and 0.5.
+        p_vals = {pn[0], pn[0] / 100} if pn[1] else {pn[0]}
+        r_vals = {rn[0], rn[0] / 100} if rn[1] else {rn[0]}
+        return bool(p_vals & r_vals)
+    (p_brackets, p_inner), (r_brackets, r_inner) = _unbracket(p), _unbracket(r)
+    p_parts, r_parts = _split_top_level(p_inner), _split_top_level(r_inner)
+    if len(p_parts) > 1 or len(r_parts) > 1:  # tuples, intervals, lists: same brackets, equal elements
+        return (p_brackets == r_brackets and len(p_parts) == len(r_parts)
+                and all(math_equal(x, y) for x, y in zip(p_parts, r_parts)))
+    return _sympy_equal(p, r)
+
+
+@register_reward("math")
+def math_reward(prompt: str, response: str, answer: Optional[str], **kwargs: Any) -> float:
+    """1.0 if the response's final answer equals the reference answer (see module docstring)."""
+    reference = _require_answer(answer, "math")
+    predicted = extract_math_answer(response)
+    return float(predicted is not None and math_equal(predicted, reference))
+
+
+# ----------------------------------------------------------------------------------------------
+# Format
+# ----------------------------------------------------------------------------------------------
+
+_FORMAT_REQUIREMENTS = ("think", "boxed", "think+boxed")
+
+
+@register_reward("format")
+def format_reward(prompt: str, response: str, answer: Optional[str] = None, *, require: str = "think",
+                  **kwargs: Any) -> float:
+    """1.0 if the response has the shape ``require`` asks for (see module docstring), else 0.0."""
+    if require not in _FORMAT_REQUIREMENTS:
+        raise ValueError(f"format reward: require={require!r} is not one of {list(_FORMAT_REQUIREMENTS)}")
+    text = cut_at_eos(response, _stops(kwargs))
+    if prompt.rstrip().endswith("<think>"):  # the generation prompt opened the block for the model
+        text = "<think>" + text
+    answer_part = text
+    if "think" in require:
+        m = re.fullmatch(r"\s*<think>(.*?)</think>(.*)", text, flags=re.S)
+        if m is None or not m.group(1).strip() or not m.group(2).strip():
+            return 0.0
+        if "<think>" in m.group(2) or "</think>" in m.group(2):
+            return 0.0  # a second block: the model is not following the format
+        answer_part = m.group(2)
+    if "boxed" in require and last_boxed(answer_part) is None:
+        return 0.0
+    return 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Config and batch scoring
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RewardConfig:
+    """``reward:`` section of a job.
+
+    name: a registered reward or ``module.path:function``.
+    kwargs: passed to that function on every call.
+    format_weight: when > 0, adds ``format_weight * format(...)`` (with ``format_kwargs``) to it.
+    """
+
+    name: str = "exact_match"
+    kwargs: dict = field(default_factory=dict)
+    format_weight: float = 0.0
+    format_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise _config_error(f"reward.name is empty; registered rewards: {registered_rewards()}")
+        for key in ("kwargs", "format_kwargs"):
+            if not isinstance(getattr(self, key), dict):
+                raise _config_error(f"reward.{key} must be a mapping, got {getattr(self, key)!r}")
+        if not math.isfinite(self.format_weight) or self.format_weight < 0:
+            raise _config_error(f"reward.format_weight must be a finite number >= 0, got {self.format_weight!r}")
+
+
+def build_reward_fn(cfg: RewardConfig) -> RewardFn:
+    """The reward a ``reward:`` section describes, with its kwargs bound (one callable for the trainer)."""
+    main = get_reward_fn(cfg.name)
+    main_kwargs, fmt_kwargs, weight = dict(cfg.kwargs), dict(cfg.format_kwargs), float(cfg.format_weight)
+
+    def reward(prompt: str, response: str, answer: Optional[str], **kwargs: Any) -> float:
+        raw = main(prompt, response, answer, **{**main_kwargs, **kwargs})
+        value = _as_float(raw)
+        if value is None:  # checked here too, so the message blames the main function, not the sum
+            raise TypeError(f"{cfg.name} returned {type(raw).__name__} {_clip(raw, 60)}, not a number")
+        if weight:
+            value += weight * format_reward(prompt, response, answer, **fmt_kwargs)
+        return value
+
+    reward.reward_name = cfg.name + (f" + {weight:g}*format" if weight else "")  # type: ignore[attr-defined]
+    return reward
+
+
+def _as_float(value: Any) -> Optional[float]:
+    """A Python float for a number-like reward (bool, int, float, numpy scalar, 1-element tensor)."""
+    if isinstance(value, torch.Tensor):
+        return float(value.item()) if value.numel() == 1 and not value.is_complex() else None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if hasattr(value, "item") and getattr(value, "size", None) == 1:  # numpy 0-d / 1-element arrays
+        item = value.item()
+        return float(item) if isinstance(item, numbers.Real) else None
+    return None
+
+
+def compute_rewards(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
+                    answers: Optional[Sequence[Optional[str]]] = None, **kwargs: Any) -> torch.Tensor:
+    """Score every (prompt, response, answer) with ``fn``; a float32 tensor of shape [len(responses)].
+
+    Raises :class:`RewardError` (naming the function and the sample) when ``fn`` raises or returns
+    anything but a finite number.
+    """
+    n = len(responses)
+    if answers is None:
+        answers = [None] * n
+    if len(prompts) != n or len(answers) != n:
+        raise ValueError(f"compute_rewards: {len(prompts)} prompts, {n} responses and {len(answers)} answers "
+                         "must be the same number")
+    name = reward_name(fn)
+    out = []
+    for i, (prompt, response, answer) in enumerate(zip(prompts, responses, answers)):
+        try:
+            raw = fn(prompt, response, answer, **kwargs)
+        except Exception as e:
+            raise RewardError(name, i, prompt, response, f"raised {type(e).__name__}: {e}") from e
+        value = _as_float(raw)
+        if value is None:
+            raise RewardError(name, i, prompt, response, f"returned {type(raw).__name__} {_clip(raw, 60)}, not a number")
+        if not math.isfinite(value):
+            raise RewardError(name, i, prompt, response, f"returned {value}, not a finite number")
+        out.append(value)
+    return torch.tensor(out, dtype=torch.float32)
+

@@ -1,0 +1,149 @@
+"""Config loading, presets, parameter-count formulas, and every invalid layout/config error."""
+
+import json
+
+import pytest
+
+from megatron_gspo.config import (
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    apply_overrides,
+    from_dict,
+    load_yaml,
+    model_config_from_hf,
+    model_config_from_preset,
+    parse_overrides,
+)
+from megatron_gspo.parallel import validate_layout
+
+
+def test_qwen3_30b_a3b_parameter_count():
+    cfg = model_config_from_preset("qwen3-30b-a3b")
+    assert cfg.kv_channels == 128 and cfg.hidden_size // cfg.num_attention_heads == 64
+    h, L, E, k, f, V = 2048, 48, 128, 8, 768, 151936
+    attn = h * 32 * 128 + 2 * h * 4 * 128 + 32 * 128 * h
+    per_layer = attn + 2 * h + 2 * 128 + E * h + E * 3 * h * f
+    total = L * per_layer + 2 * V * h + h
+    assert cfg.num_parameters() == total
+    active = L * (attn + 2 * h + 2 * 128 + E * h + k * 3 * h * f) + 2 * V * h + h
+    assert cfg.num_parameters(active=True) == active
+    # the published sizes: 30.5B total, 3.3B activated
+    assert 30.3e9 < total < 30.7e9, total
+    assert 3.2e9 < active < 3.45e9, active
+
+
+def test_proxy_preset_is_single_gpu_sized():
+    cfg = model_config_from_preset("qwen3-moe-2b-proxy")
+    assert 1.0e9 <= cfg.num_parameters() <= 2.2e9
+    assert cfg.hidden_size == 2048 and cfg.moe_ffn_hidden_size == 768  # same per-layer shape
+
+
+def test_tiny_preset_matches_built_model(single_rank):
+    from megatron_gspo.model import build_model
+
+    cfg = model_config_from_preset("tiny", vocab_size=100)  # padded to 128 in the model
+    par = ParallelConfig()
+    st = single_rank(cfg, par)
+    model = build_model(cfg, par, st)
+    n = sum(p.numel() for p in model.parameters())
+    padding = 2 * (cfg.padded_vocab_size - cfg.vocab_size) * cfg.hidden_size
+    assert n == cfg.num_parameters() + padding
+
+
+def test_yaml_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  preset: tiny\n  num_layers: 3\nparallel:\n  tensor_model_parallel_size: 2\n")
+    data = apply_overrides(load_yaml(p), parse_overrides(["model.hidden_size=128", "--parallel.seed", "7",
+                                                          "--model.qk_layernorm=false"]))
+    m = from_dict(ModelConfig, data["model"], "model")
+    par = from_dict(ParallelConfig, data["parallel"], "parallel")
+    assert (m.num_layers, m.hidden_size, m.num_moe_experts, m.qk_layernorm) == (3, 128, 4, False)
+    assert par.tensor_model_parallel_size == 2 and par.seed == 7 and par.sp is True
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"num_layrs": 2}, r"unknown config key model\.num_layrs; did you mean \['num_layers'"),
+        ({"hidden_size": "big"}, r"model\.hidden_size must be an integer, got 'big'"),
+        ({"num_attention_heads": 6, "num_query_groups": 4}, r"num_attention_heads=6 must be a multiple of model\.num_query_groups=4"),
+        ({"moe_router_topk": 8}, r"moe_router_topk=8 exceeds model\.num_moe_experts=4"),
+        ({"preset": "qwen9"}, r"model\.preset='qwen9' is unknown"),
+        ({"precision": "fp16"}, r"model\.precision='fp16' is not one of"),
+        ({"fp8": "e4m3"}, r"model\.fp8='e4m3' needs model\.precision='bf16'"),
+        ({"qk_layernorm": "maybe"}, r"model\.qk_layernorm must be a boolean"),
+    ],
+)
+def test_bad_model_config(data, match):
+    with pytest.raises(ConfigError, match=match):
+        from_dict(ModelConfig, {"preset": "tiny", **data}, "model")
+
+
+def test_bad_yaml_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_yaml(tmp_path / "nope.yaml")
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid YAML"):
+        load_yaml(p)
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        parse_overrides(["model.num_layers"])
+
+
+TINY = dict(num_attention_heads=4, num_query_groups=2, num_moe_experts=4, moe_ffn_hidden_size=32)
+
+
+@pytest.mark.parametrize(
+    "model_kw, par_kw, world, match",
+    [
+        ({}, dict(tensor_model_parallel_size=3), 3, r"num_attention_heads=4 is not divisible by tensor_model_parallel_size=3"),
+        (dict(num_attention_heads=8, num_query_groups=2), dict(tensor_model_parallel_size=4), 4, r"num_query_groups=2 \(KV heads\) is not divisible by tensor_model_parallel_size=4"),
+        ({}, dict(expert_model_parallel_size=3), 3, r"num_moe_experts=4 is not divisible by expert_model_parallel_size=3"),
+        ({}, dict(tensor_model_parallel_size=2), 3, r"world size 3 is not a multiple of tensor_model_parallel_size x pipeline_model_parallel_size = 2 x 1 = 2"),
+        ({}, dict(expert_model_parallel_size=4), 2, r"world size 2 is not a multiple of expert_tensor_parallel_size x expert_model_parallel_size"),
+        ({}, dict(tensor_model_parallel_size=2, sequence_parallel=False), 2, r"MoE with tensor_model_parallel_size=2 requires sequence_parallel=true"),
+        ({}, dict(sequence_parallel=True), 1, r"sequence_parallel=true needs tensor_model_parallel_size > 1"),
+        (dict(num_layers=3), dict(pipeline_model_parallel_size=2), 2, r"num_layers=3 is not divisible by pipeline_model_parallel_size=2"),
+        (dict(moe_ffn_hidden_size=30), dict(tensor_model_parallel_size=2, expert_tensor_parallel_size=4), 4, r"moe_ffn_hidden_size=30 is not divisible by expert_tensor_parallel_size=4"),
+        (dict(vocab_size=70, make_vocab_size_divisible_by=25, num_query_groups=4), dict(tensor_model_parallel_size=4), 4, r"padded vocab size 75 .* not divisible by tensor_model_parallel_size=4"),
+    ],
+)
+def test_invalid_layouts(model_kw, par_kw, world, match):
+    m = model_config_from_preset("tiny", **{**TINY, **model_kw})
+    with pytest.raises(ConfigError, match=match):
+        validate_layout(m, ParallelConfig(**par_kw), world)
+
+
+def test_layout_error_comes_before_any_distributed_setup(monkeypatch):
+    """initialize() refuses a bad layout from WORLD_SIZE alone: no process group is created."""
+    import torch.distributed as dist
+
+    from megatron_gspo import parallel
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = model_config_from_preset("tiny")
+    with pytest.raises(ConfigError, match="not divisible by tensor_model_parallel_size=3"):
+        parallel.initialize(cfg, ParallelConfig(tensor_model_parallel_size=3))
+    assert not dist.is_initialized()
+
+
+def test_hf_config(tmp_path):
+    hf = dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048, num_attention_heads=32,
+              num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,
+              num_experts_per_tok=8, moe_intermediate_size=768, rope_theta=1000000.0,
+              rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], intermediate_size=6144)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = model_config_from_hf(tmp_path)
+    ref = model_config_from_preset("qwen3-30b-a3b")
+    for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+              "vocab_size", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "rotary_base",
+              "norm_epsilon", "untie_embeddings_and_output_weights"):
+        assert getattr(cfg, k) == getattr(ref, k), k
+    with pytest.raises(ConfigError, match="model_type='llama'"):
+        model_config_from_hf({**hf, "model_type": "llama"})
+    with pytest.raises(ConfigError, match="dense layers"):
+        model_config_from_hf({**hf, "mlp_only_layers": [0]})
+    with pytest.raises(ConfigError, match=r"lacks keys \['num_experts'\]"):
+        model_config_from_hf({k: v for k, v in hf.items() if k != "num_experts"})
