@@ -210,18 +210,23 @@ def _token_mean_per_seq(x: Tensor, b: _Batch) -> Tensor:
 
 
 def _aggregate(x: Tensor, b: _Batch, mode: str, norm_constant: Optional[float]) -> tuple[Tensor, Tensor]:
-    """[B, T] per-token loss -> (numerator, local unit count); loss = numerator / count."""
+    """[B, T] per-token loss -> (per-unit terms, local unit count); loss = terms.sum() / count.
+
+    The terms are per token ([B, T], 0 off-mask) for "token-mean" and per sequence ([B], 0 for
+    empty rows) otherwise. Returning them unsummed lets the metrics sum them in float64, so the
+    reduced value does not depend on how the batch was split over ranks and micro-batches.
+    """
     if mode == "token-mean":
-        return _masked(x, b).sum(), b.lengths.sum()
+        return _masked(x, b), b.lengths.sum()
     if mode == "seq-mean-token-mean":
-        return _token_mean_per_seq(x, b).sum(), b.active.sum().to(x.dtype)
+        return _token_mean_per_seq(x, b), b.active.sum().to(x.dtype)
     if mode == "seq-mean-token-sum-norm":
-        return (_masked(x, b).sum(dim=-1) / norm_constant).sum(), b.active.sum().to(x.dtype)
+        return _masked(x, b).sum(dim=-1) / norm_constant, b.active.sum().to(x.dtype)
     raise ValueError(f"loss_agg_mode={mode!r} is not one of {list(LOSS_AGG_MODES)}")
 
 
 def _k3(ref_logp: Tensor, b: _Batch, bound: float) -> Tensor:
-    """Per-token k3 estimator of KL(pi_theta || pi_ref): exp(d) - d - 1 with d = ref - logp (>= 0)."""
+    """Per-token k3 estimator of KL(pi_theta || pi_ref): exp(d) - d - 1 >= 0, d = ref_logp - logp."""
     d = torch.where(b.mask, ref_logp.detach().to(b.logp.dtype) - b.logp, 0.0).clamp(-bound, bound)
     return torch.expm1(d) - d
 
@@ -245,29 +250,35 @@ def _validate_common(kl_coef: float, entropy_coef: float, ref_logp: Optional[Ten
         raise ValueError(f"global_batch_normalizer must be > 0, got {global_batch_normalizer}")
 
 
+def _sum_over_count(terms: Tensor, count: Tensor) -> Metric:
+    # The *local* count: reduced over ranks, sum / count is the global-batch value.
+    return Metric.from_sum_count(terms.detach().to(torch.float64).sum(), count)
+
+
 def _finish(
-    pg_num: Tensor, count: Tensor, b: _Batch, *, mode: str, norm_constant: Optional[float],
+    pg_terms: Tensor, count: Tensor, b: _Batch, *, mode: str, norm_constant: Optional[float],
     kl_coef: float, ref_logp: Optional[Tensor], entropy_coef: float, entropy: Optional[Tensor],
     bound: float, global_batch_normalizer: Normalizer, metrics: Metrics,
 ) -> tuple[Tensor, Metrics]:
-    """Add the KL and entropy terms (aggregated like the policy term) and normalize."""
-    num = pg_num
-    metrics["pg_loss"] = Metric.from_sum_count(pg_num, count)
+    """Add the KL and entropy terms (aggregated like the policy term) and normalize.
+
+    pg_terms: per-unit policy loss terms as returned by _aggregate (sum = numerator)."""
+    terms = pg_terms
+    metrics["pg_loss"] = _sum_over_count(pg_terms, count)
     if ref_logp is not None:
-        kl_num, _ = _aggregate(_k3(ref_logp, b, bound), b, mode, norm_constant)
-        metrics["kl_ref"] = Metric.from_sum_count(kl_num, count)
+        kl_terms, _ = _aggregate(_k3(ref_logp, b, bound), b, mode, norm_constant)
+        metrics["kl_ref"] = _sum_over_count(kl_terms, count)
         if kl_coef > 0:
-            num = num + kl_coef * kl_num
+            terms = terms + kl_coef * kl_terms
     if entropy is not None:
         ent = entropy.to(b.logp.dtype)
         metrics["entropy"] = Metric.mean(ent, b.mask)
         if entropy_coef > 0:
-            ent_num, _ = _aggregate(ent, b, mode, norm_constant)
-            num = num - entropy_coef * ent_num  # a bonus: higher entropy lowers the loss
-    # metrics["loss"] uses the *local* count so that the reduced value is the global-batch loss.
-    metrics["loss"] = Metric.from_sum_count(num, count)
+            ent_terms, _ = _aggregate(ent, b, mode, norm_constant)
+            terms = terms - entropy_coef * ent_terms  # a bonus: higher entropy lowers the loss
+    metrics["loss"] = _sum_over_count(terms, count)
     normalizer = count.clamp(min=1) if global_batch_normalizer is None else global_batch_normalizer
-    return num / normalizer, metrics
+    return terms.sum() / normalizer, metrics
 
 
 def _batch_metrics(b: _Batch, seq_ratio: Tensor) -> Metrics:
@@ -367,12 +378,12 @@ def gspo_loss(
     s, _ = _gspo_common(b, log_ratio_bound)
     clip_low, clip_high = _clip_masks(adv, s.detach(), clip_ratio_low, clip_ratio_high)
     obj = _clip_objective(s, adv, clip_low, clip_high, clip_ratio_low, clip_ratio_high)
-    pg_num = torch.where(b.active, -obj, 0.0).sum()
+    pg_terms = torch.where(b.active, -obj, 0.0)  # [B]
     count = b.active.sum().to(obj.dtype)
 
     metrics = _batch_metrics(b, s.detach())
     metrics.update(_seq_clip_metrics(clip_low, clip_high, s.detach(), b, clip_ratio_low, clip_ratio_high))
-    return _finish(pg_num, count, b, mode="seq-mean-token-mean", norm_constant=None, kl_coef=kl_coef,
+    return _finish(pg_terms, count, b, mode="seq-mean-token-mean", norm_constant=None, kl_coef=kl_coef,
                    ref_logp=ref_logp, entropy_coef=entropy_coef, entropy=entropy, bound=log_ratio_bound,
                    global_batch_normalizer=global_batch_normalizer, metrics=metrics)
 
@@ -408,13 +419,12 @@ def gspo_token_loss(
     s_grid = s_val[:, None].expand_as(s_tok)
     clip_low, clip_high = _clip_masks(adv, s_grid, clip_ratio_low, clip_ratio_high)
     obj = _clip_objective(s_tok, adv, clip_low, clip_high, clip_ratio_low, clip_ratio_high)
-    per_seq = _token_mean_per_seq(obj, b)
-    pg_num = torch.where(b.active, -per_seq, 0.0).sum()
+    pg_terms = -_token_mean_per_seq(obj, b)  # [B], 0 for empty rows
     count = b.active.sum().to(obj.dtype)
 
     metrics = _batch_metrics(b, s_val)
     metrics.update(_seq_clip_metrics(clip_low, clip_high, s_val, b, clip_ratio_low, clip_ratio_high))
-    return _finish(pg_num, count, b, mode="seq-mean-token-mean", norm_constant=None, kl_coef=kl_coef,
+    return _finish(pg_terms, count, b, mode="seq-mean-token-mean", norm_constant=None, kl_coef=kl_coef,
                    ref_logp=ref_logp, entropy_coef=entropy_coef, entropy=entropy, bound=log_ratio_bound,
                    global_batch_normalizer=global_batch_normalizer, metrics=metrics)
 
@@ -471,7 +481,7 @@ def grpo_loss(
         # with weight w (unbounded); dual clip caps the objective at c A (constant, no gradient).
         dual = (adv < 0) & (r_val > dual_clip_c)
         obj = torch.where(dual, dual_clip_c * adv.expand_as(obj), obj)
-    pg_num, count = _aggregate(-obj, b, loss_agg_mode, loss_agg_norm_constant)
+    pg_terms, count = _aggregate(-obj, b, loss_agg_mode, loss_agg_norm_constant)
 
     m = b.mask
     seq_ratio = _seq_log_ratio(b).detach().clamp(-log_ratio_bound, log_ratio_bound).exp()
@@ -487,7 +497,7 @@ def grpo_loss(
     })
     if dual_clip_c is not None:
         metrics["dual_clip_frac"] = Metric.mean(dual.expand_as(m).to(torch.float64), m)
-    return _finish(pg_num, count, b, mode=loss_agg_mode, norm_constant=loss_agg_norm_constant,
+    return _finish(pg_terms, count, b, mode=loss_agg_mode, norm_constant=loss_agg_norm_constant,
                    kl_coef=kl_coef, ref_logp=ref_logp, entropy_coef=entropy_coef, entropy=entropy,
                    bound=log_ratio_bound, global_batch_normalizer=global_batch_normalizer, metrics=metrics)
 

@@ -52,7 +52,7 @@ def _as_stats(values: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple[torch
     return v, sel
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq on tensors would be elementwise; compare .stats instead
 class Metric:
     """A local sufficient statistic; see the module docstring for each kind's layout."""
 
