@@ -9,7 +9,10 @@ See ../shared/notes/megatron-core-on-cpu.md for how each symptom was observed.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
 
@@ -43,6 +46,11 @@ def apply() -> bool:
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    # 4b. Activation recompute (CheckpointFunction) saves and restores the CUDA RNG state around
+    #     the recomputed forward -> "Torch not compiled with CUDA enabled" in backward. There is no
+    #     CUDA RNG to keep in step; the CPU generator needs no restoring (no dropout draws).
+    mrandom._get_cuda_rng_state = lambda *a, **k: None
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
 
     # 5. moe_utils references te_general_gemm in the fp32 router GEMM even when TE is absent
     #    (its import sits in a try block that fails before the name is bound) -> NameError.
@@ -58,6 +66,34 @@ def apply() -> bool:
     # 8. grouped GEMM / gradient-accumulation fusion / permute fusion need CUDA kernels and
     #    use_cpu_initialization must be on: set in build_transformer_config. Nothing to patch.
     # 9. The async checkpoint writer spawns processes: entry points keep a __main__ guard.
+    # 10. megatron's optimizer and grad clipping create device='cuda' tensors and assert
+    #     param.grad.type() == 'torch.cuda.FloatTensor': see optimizer_context() below.
+    # 11. DistributedOptimizer allocates CUDA buffers unconditionally: the trainer uses the plain
+    #     (replicated) megatron optimizer on CPU (configuration, see optim.build_optimizer).
 
     _APPLIED = True
     return True
+
+
+class _CudaTensorsOnCPU(TorchFunctionMode):
+    """Redirect ``device='cuda'`` factory calls to the CPU and report CPU float tensors with their
+    CUDA type name. Scoped to megatron's optimizer calls (a global mode would tax every op)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        dev = kwargs.get("device")
+        if dev is not None and str(dev).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def optimizer_context():
+    """Context for building and stepping megatron-core's optimizer (workaround 10).
+
+    Without it on CPU: FP32Optimizer.__init__ and clip_grads raise "Torch not compiled with CUDA
+    enabled" (``torch.tensor(..., device='cuda')``) and clip_grad_by_total_norm_fp32 asserts on
+    the grad's type name. On GPU it is a no-op context.
+    """
+    return _CudaTensorsOnCPU() if not cuda_available() else contextlib.nullcontext()
