@@ -426,3 +426,107 @@ def load_yaml(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     return data
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole job
+# ----------------------------------------------------------------------------------------------
+# Subsystem sections live next to their code; imported here (after ConfigError exists, which they
+# import back) so that one JobConfig describes a run.
+from megatron_gspo.data import DataConfig  # noqa: E402
+from megatron_gspo.generation import GenerationConfig  # noqa: E402
+from megatron_gspo.losses import LossConfig  # noqa: E402
+from megatron_gspo.optim import OptimizerConfig  # noqa: E402
+from megatron_gspo.rewards import RewardConfig  # noqa: E402
+from megatron_gspo.tokenizer import TokenizerConfig  # noqa: E402
+
+ROUTING_REPLAY_MODES = ("off", "R2", "R3")
+
+
+@dataclass
+class TrainConfig:
+    """The RL loop: P prompts x G samples per step, split into minibatches (one optimizer step each)."""
+
+    num_steps: int = 40
+    prompts_per_step: int = 16
+    # Optimizer steps per rollout: the rollout is split into this many minibatches, so the
+    # later ones are trained off-policy (ratios really leave 1).
+    num_minibatches: int = 2
+    # Sequences per forward/backward (gradient accumulation inside a minibatch).
+    micro_batch_size: int = 16
+    advantage_estimator: str = "grpo"
+    # MoE routing replay for the GRPO baseline: off | R2 (old-log-prob pass) | R3 (rollout).
+    routing_replay: str = "off"
+    # Supervised warm start on the task's reference answers before RL (0 = none).
+    sft_steps: int = 0
+    sft_lr: float = 1e-3
+    sft_batch_size: int = 32
+    # Every response-token log-prob is recomputed by the training model ("old" policy); the
+    # rollout's sampling log-probs are compared with them and logged.
+    output_dir: str = "runs/gspo"
+    tensorboard: bool = True
+    log_interval: int = 1
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "prompts_per_step", "num_minibatches", "micro_batch_size", "log_interval"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v >= 1, f"train.{name} must be an integer >= 1, got {v!r}")
+        _check(self.sft_steps >= 0, f"train.sft_steps must be >= 0, got {self.sft_steps}")
+        _choice("train.routing_replay", self.routing_replay, ROUTING_REPLAY_MODES)
+
+
+@dataclass
+class CheckpointConfig:
+    """Megatron-LM names: save / save_interval / load. ``resume`` continues from save's latest."""
+
+    save: Optional[str] = None
+    save_interval: int = 0
+    load: Optional[str] = None
+    resume: bool = False
+    keep_last: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.save_interval >= 0, f"checkpoint.save_interval must be >= 0, got {self.save_interval}")
+        _check(self.keep_last >= 0, f"checkpoint.keep_last must be >= 0, got {self.keep_last}")
+        _check(not (self.resume and not (self.save or self.load)),
+               "checkpoint.resume=true needs checkpoint.save (or checkpoint.load) to find a checkpoint in")
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=lambda: model_config_from_preset("tiny"))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        # Cross-section checks: fail before anything is built (TRL-style).
+        t, g = self.train, self.generation
+        rollout = t.prompts_per_step * g.n_samples_per_prompt
+        _check(rollout % t.num_minibatches == 0,
+               f"train.prompts_per_step x generation.n_samples_per_prompt = {rollout} responses is not "
+               f"divisible by train.num_minibatches={t.num_minibatches}")
+        if t.routing_replay != "off":
+            _check(self.loss.name == "grpo",
+                   f"train.routing_replay={t.routing_replay!r} is the GRPO baseline's fix; loss.name="
+                   f"{self.loss.name!r} (GSPO needs no routing replay). Set train.routing_replay=off")
+        if t.advantage_estimator in ("grpo",) and g.n_samples_per_prompt < 2:
+            raise ConfigError("generation.n_samples_per_prompt must be >= 2 for group-relative advantages")
+        need = self.data.max_prompt_length + g.max_new_tokens
+        _check(need <= self.model.max_position_embeddings,
+               f"data.max_prompt_length + generation.max_new_tokens = {need} exceeds "
+               f"model.max_position_embeddings={self.model.max_position_embeddings}")
+
+
+def load_job_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> JobConfig:
+    """YAML (optional) + ``section.key=value`` overrides -> validated JobConfig."""
+    data = load_yaml(path) if path else {}
+    data = apply_overrides(data, parse_overrides(list(overrides or [])))
+    return from_dict(JobConfig, data)

@@ -250,10 +250,17 @@ def unwrap(model):
     return model
 
 
+def _human(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
 def model_summary(cfg: ModelConfig) -> str:
     return (f"{cfg.preset or 'custom'}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
             f"{cfg.num_moe_experts} experts top-{cfg.moe_router_topk}, "
-            f"{cfg.num_parameters() / 1e9:.3f}B params ({cfg.num_parameters(active=True) / 1e9:.3f}B active), "
+            f"{_human(cfg.num_parameters())} params ({_human(cfg.num_parameters(active=True))} active), "
             f"impl={resolve_impl(cfg)}, precision={cfg.precision}")
 
 

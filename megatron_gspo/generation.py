@@ -1,0 +1,578 @@
+"""RL rollout generation on the Megatron model itself: batched sampling with a KV cache.
+
+Rollouts are sampled by the very ``GPTModel`` that is trained (same weights, same kernels, same
+TP/EP sharding), so the sampling log-probs are the training policy's log-probs up to the
+floating-point noise of a KV-cache forward versus a full forward (tested below 1e-5 in fp32).
+
+KV cache
+    megatron-core's own ``StaticInferenceContext`` is passed as ``inference_context=`` to
+    ``GPTModel.forward``: every attention layer allocates its [max_len, batch, kv_heads, head_dim]
+    key/value buffers in ``key_value_memory_dict`` on the first (prefill) forward and appends at
+    ``sequence_len_offset`` afterwards, exactly as megatron's static text-generation controller
+    drives it (prefill over the whole prompt block, ``increment_sequence_len_offset``,
+    ``enable_decode_mode``, then one token per forward). The cache is sized to the batch and to
+    ``prompt block + max_new_tokens - 1`` (the last sampled token is never fed to the model).
+    With the context set, megatron's GPTModel materializes only the last position's hidden state
+    before the output layer, so each step computes logits (and log-probs) of one position only.
+    It works on CPU with the local spec, given an explicit boolean mask (True = masked): the
+    prefill mask is [b, 1, P, P] (causal + left padding), the decode mask [b, 1, 1, k].
+
+Ragged prompts: left padding with per-row RoPE positions
+    Prompts are left-padded to a common block length P, so every row's last prompt token sits in
+    the same slot and decode steps write one slot for all rows. Padded key slots are masked in
+    every forward. megatron's RoPE ignores ``position_ids`` (rotary angles are taken from the KV
+    slot index), so for the duration of the call the model's ``rotary_pos_emb`` returns per-row
+    angles ``[L, b, 1, d]`` indexed by each row's true position (slot - pad): a row's prompt
+    token t gets position t exactly as in a training forward of the unpadded sequence. The angles
+    are rows of the very table a training forward uses, so results equal per-prompt generation up
+    to summation-order noise. The mask is applied by megatron's local ``DotProductAttention`` (the
+    local spec: CPU, and GPU without Transformer Engine). Transformer Engine's attention follows
+    megatron's mask *type* ("causal" in the prefill, "no_mask" in decode) and ignores the mask, so
+    with TE attention ``generate`` refuses left-padded (ragged) batches with NotImplementedError
+    rather than attend padding; equal-length prompts need no mask and work with either.
+
+Returned layout
+    ``tokens`` is right-padded, ready for training: row r = prompt (from column 0) + response +
+    ``pad_token_id``. Rows are grouped by prompt: sample j of prompt i is row
+    ``i * n_samples_per_prompt + j``. ``response_mask`` and ``logprobs`` live on the same [B, T]
+    grid: ``logprobs[r, t]`` is the sampling log-prob of ``tokens[r, t]`` given ``tokens[r, :t]``
+    at response positions (0 elsewhere), i.e. it lines up with
+    ``vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:])`` shifted by one column.
+    A stop token that ends a response is part of the response (mask 1, its log-prob is kept).
+
+Sampling log-probs
+    ``logprobs`` = log-softmax of the temperature-scaled, *unfiltered* logits (padded vocabulary
+    columns excluded): what the policy at that temperature assigns to the sampled token, which is
+    what the trainer recomputes with ``vocab_parallel_logprobs(..., temperature=T)``. top-k/top-p
+    only restrict which token is drawn; they do not renormalize the recorded log-probs.
+    Greedy decoding (``temperature == 0``) records temperature-1 log-probs (log-softmax of the raw
+    logits): the policy's own log-prob of the chosen token; a temperature of 0 has no density.
+
+Tensor parallelism
+    megatron's inference path all-gathers the vocab-sharded logits of the *last position only*
+    ([b, V], small; GPTModel asserts ``runtime_gather_output`` under an inference context), so
+    every TP rank samples from the full distribution with a generator seeded identically across
+    the TP group (and differently across DP ranks); the sampled tokens and log-probs are then
+    broadcast from the TP group's first rank so the ranks cannot diverge even if their logits
+    differ in the last bit. Under TP the model runs sequence-parallel for training; decode steps
+    (one token) cannot be split along the sequence, so for the duration of the call the
+    non-MoE modules run without sequence parallelism (the MoE layers keep their TP x EP token
+    all-gather / reduce-scatter, which is correct for a full sequence per rank, as in megatron's
+    own static engine) and every attribute is restored afterwards.
+
+Expert parallelism / lockstep
+    With the allgather dispatcher each MoE forward is a collective over TP x EP ranks that needs
+    the same [b, s] on every rank. Under EP>1 the batch size and prompt block are all-reduced
+    (MAX) over the world first, short batches get dummy rows (never returned), and after every
+    step a "some row is still generating" flag is all-reduced, so a rank whose rows all finished
+    keeps stepping (feeding pad tokens) until every rank is done. Without EP the flag is local
+    to the TP group, which is already in lockstep through the broadcast.
+
+Routing replay (R3)
+    ``on_forward(step_idx, kind)`` is called right after each model forward, ``kind`` being
+    ``"prefill"`` (step 0: the whole left-padded prompt block, P positions per row) or
+    ``"decode"`` (steps 1..: one position per row, the token sampled at the previous step). The
+    last sampled token of a row is never fed to the model, so a routing recorder sees routes for
+    ``prompt + response[:-1]`` of each row, plus positions that are not part of any sequence: the
+    left padding of the prefill block (columns < P - prompt_length), the inputs of rows that already
+    ended (decode step j is a real position of row r iff ``response_lengths[r] > j``; an ended row
+    is fed its last token once, then ``pad_token_id``) and, under EP, dummy rows, which are the
+    last rows of the batch (rows >= B = len(prompts) x n_samples_per_prompt).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+# config.py composes GenerationConfig into JobConfig and imports this module: nothing of the package
+# is imported at the top here (ConfigError and the model helpers are imported where they are used).
+
+OnForward = Callable[[int, str], None]
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling settings of a rollout."""
+
+    max_new_tokens: int = 256
+    # 0 = greedy (argmax); otherwise logits are divided by it before sampling.
+    temperature: float = 1.0
+    # Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off).
+    top_p: float = 1.0
+    # Keep the top_k most likely tokens (0 = off).
+    top_k: int = 0
+    # Samples per prompt (the group size G of GRPO/GSPO): each prompt is repeated G times.
+    n_samples_per_prompt: int = 4
+    # Base seed; the sampling generator mixes it with the data-parallel rank.
+    seed: int = 1234
+    # A response ends after the first of these tokens (which is kept as its last token).
+    stop_token_ids: list[int] = field(default_factory=list)
+    # Token written after a response ends (and fed for finished rows). None: first stop token, or 0.
+    pad_token_id: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        from megatron_gspo.config import ConfigError  # a ValueError subclass
+
+        def check(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+              f"generation.max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+              and math.isfinite(self.temperature) and self.temperature >= 0,
+              f"generation.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        check(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool)
+              and 0 < self.top_p <= 1,
+              f"generation.top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        check(is_int(self.top_k) and self.top_k >= 0,
+              f"generation.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        check(is_int(self.n_samples_per_prompt) and self.n_samples_per_prompt >= 1,
+              f"generation.n_samples_per_prompt must be an integer >= 1, got {self.n_samples_per_prompt!r}")
+        check(is_int(self.seed) and self.seed >= 0, f"generation.seed must be an integer >= 0, got {self.seed!r}")
+        check(isinstance(self.stop_token_ids, (list, tuple))
+              and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+              f"generation.stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        check(self.pad_token_id is None or (is_int(self.pad_token_id) and self.pad_token_id >= 0),
+              f"generation.pad_token_id must be a token id >= 0 or null, got {self.pad_token_id!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def pad_id(self) -> int:
+        if self.pad_token_id is not None:
+            return self.pad_token_id
+        return self.stop_token_ids[0] if self.stop_token_ids else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerationOutput:
+    """A batch of rollouts on the [B, T] token grid (B = prompts x n_samples_per_prompt).
+
+    tokens           [B, T] long  prompt + response + pad, right-padded (row i*G + j: sample j of prompt i)
+    prompt_lengths   [B] long
+    response_lengths [B] long     generated tokens, the stop token included
+    response_mask    [B, T] bool  True at response tokens
+    logprobs         [B, T] fp32  sampling log-prob of tokens[:, t] at response positions, 0 elsewhere
+    stopped          [B] bool     the response ended with a stop token (False: max_new_tokens reached)
+    prompt_index     [B] long     index of the row's prompt in the ``prompts`` argument
+    """
+
+    tokens: torch.Tensor
+    prompt_lengths: torch.Tensor
+    response_lengths: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    stopped: torch.Tensor
+    prompt_index: torch.Tensor
+    # timing (this rank): wall seconds of the whole call / of the prefill forward, model forwards
+    elapsed_s: float = 0.0
+    prefill_s: float = 0.0
+    num_forwards: int = 0
+    temperature: float = 1.0
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return int(self.response_lengths.sum().item())
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated (response) tokens per second on this rank."""
+        return self.num_generated_tokens / self.elapsed_s if self.elapsed_s > 0 else float("nan")
+
+    def responses(self) -> list[list[int]]:
+        """Response token ids of every row (stop token included)."""
+        out = []
+        for r in range(self.tokens.shape[0]):
+            p, n = int(self.prompt_lengths[r]), int(self.response_lengths[r])
+            out.append(self.tokens[r, p:p + n].tolist())
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------------
+
+
+def _filter_top_k_top_p(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside the top-k / nucleus of x [b, V] (temperature-scaled)."""
+    v = x.shape[-1]
+    if 0 < top_k < v:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # drop a token when the tokens ranked before it already reach top_p (the first always stays)
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, idx, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def sample_tokens(logits: torch.Tensor, cfg: GenerationConfig, generator: Optional[torch.Generator] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from full-vocabulary logits [b, V] (padded columns removed).
+
+    Returns (tokens [b] long, log-probs [b] fp32): log-softmax(logits / T) of the drawn token,
+    unfiltered (temperature 1 when greedy). Sampling uses the exponential race
+    argmax(p / E), E ~ Exp(1) from ``generator``: a categorical draw with no host sync.
+    """
+    x = logits.float()
+    if cfg.greedy:
+        tok = x.argmax(dim=-1)
+        logp = torch.log_softmax(x, dim=-1)
+    else:
+        x = x / cfg.temperature
+        logp = torch.log_softmax(x, dim=-1)
+        probs = torch.softmax(_filter_top_k_top_p(x, cfg.top_k, cfg.top_p), dim=-1)
+        e = torch.empty_like(probs).exponential_(generator=generator)
+        tok = (probs / e).argmax(dim=-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def sampling_seed(seed: int, dp_rank: int) -> int:
+    """Identical across a TP group (same DP rank), different across DP ranks."""
+    return (seed * 1_000_003 + dp_rank * 7_919 + 12_345) % (2**63 - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model state for the duration of a generation
+# ----------------------------------------------------------------------------------------------
+
+_SP_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel", "reduce_scatter_embeddings")
+
+
+@contextlib.contextmanager
+def _without_sequence_parallel(model) -> Iterator[None]:
+    """Run the non-MoE modules without sequence parallelism; restore every attribute exactly.
+
+    (megatron's ``set_model_to_sequence_parallel`` restores ``True`` unconditionally and its
+    exclusion compares modules with classes, so it would also flip the experts' linears.)
+    """
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    cfg = model.config
+    if not cfg.sequence_parallel:
+        yield
+        return
+    saved: list[tuple[object, str, object]] = []
+
+    def visit(m) -> None:
+        if isinstance(m, BaseMoELayer):
+            return  # the token dispatcher's TP x EP all-gather handles a full sequence per rank
+        for a in _SP_ATTRS:
+            if hasattr(m, a) and isinstance(getattr(m, a), bool):
+                saved.append((m, a, getattr(m, a)))
+        for c in m.children():
+            visit(c)
+
+    visit(model)
+    configs = {id(cfg): cfg}
+    for m in model.modules():
+        c = getattr(m, "config", None)
+        if c is not None and hasattr(c, "sequence_parallel"):
+            configs[id(c)] = c
+    saved_cfg = [(c, c.sequence_parallel) for c in configs.values()]
+    try:
+        for m, a, _ in saved:
+            setattr(m, a, False)
+        for c, _ in saved_cfg:
+            c.sequence_parallel = False
+        yield
+    finally:
+        for m, a, v in saved:
+            setattr(m, a, v)
+        for c, v in saved_cfg:
+            c.sequence_parallel = v
+
+
+@contextlib.contextmanager
+def _per_row_rope(model, positions: torch.Tensor) -> Iterator[None]:
+    """Make the model's RoPE return per-row angles [L, b, 1, d] for positions [b, L].
+
+    megatron takes rotary angles from the KV slot index (``q_pos_emb[offset:offset+s]``); with
+    left padding a row's true position is slot - pad. Rows of the same angle table a training
+    forward uses are selected, so a token's rotation is bitwise the one of an unpadded forward.
+    """
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is None or getattr(model, "position_embedding_type", "rope") != "rope":
+        raise NotImplementedError("generation supports RoPE GPT models only "
+                                  f"(position_embedding_type={getattr(model, 'position_embedding_type', None)!r})")
+    L = positions.shape[1]
+    table = rope.get_emb(L)  # [L, 1, 1, d]
+    emb = table[:, 0, 0, :][positions.t()].unsqueeze(2)  # [L, b, 1, d]
+
+    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        assert max_seq_len == L and offset == 0 and not packed_seq, (max_seq_len, L, offset, packed_seq)
+        return emb
+
+    rope.forward = forward  # instance attribute shadows the (lru-cached) class method
+    try:
+        yield
+    finally:
+        del rope.forward
+
+
+def _honors_padding_mask(model) -> bool:
+    """True when every core attention is megatron's local DotProductAttention, which applies the
+    explicit boolean mask whatever the mask type. Transformer Engine's attention follows the mask
+    *type* instead (megatron passes "causal" in the prefill and "no_mask" in decode steps, and TE
+    then ignores the mask), so it would attend left-padding slots."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    cores = [mod.core_attention for mod in model.modules() if hasattr(mod, "core_attention")]
+    return all(isinstance(c, DotProductAttention) for c in cores)
+
+
+@contextlib.contextmanager
+def _eval_mode(model) -> Iterator[None]:
+    was_training = model.training
+    model.eval()  # GPTModel takes its inference paths only when not training
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+# ----------------------------------------------------------------------------------------------
+# Collectives
+# ----------------------------------------------------------------------------------------------
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+class _Comm:
+    """The groups a generation must stay in lockstep with."""
+
+    def __init__(self, state) -> None:
+        self.tp_group = state.tp_group if state is not None and state.tp > 1 else None
+        self.tp_src = dist.get_process_group_ranks(self.tp_group)[0] if self.tp_group is not None else None
+        # The allgather MoE dispatcher is a collective over TP x EP ranks, which under EP are
+        # different DP ranks with different prompts: keep the whole world in lockstep then.
+        ep = state.ep if state is not None else 1
+        if ep > 1:
+            self.sync_group, self.sync = dist.group.WORLD, True
+        else:
+            self.sync_group, self.sync = self.tp_group, self.tp_group is not None
+        self.dp_rank = state.dp_rank if state is not None else 0
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.sync:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync_group)
+        return t
+
+    def broadcast_tp(self, t: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is not None:
+            dist.broadcast(t, src=self.tp_src, group=self.tp_group)
+        return t
+
+    def check_same_prompts_in_tp(self, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+        if self.tp_group is None:
+            return
+        w = torch.arange(1, tokens.numel() + 1, device=tokens.device, dtype=torch.float64).view_as(tokens)
+        sig = torch.stack([torch.tensor(float(tokens.shape[0]), dtype=torch.float64, device=tokens.device),
+                           lengths.double().sum(), (tokens.double() * w).sum()])
+        hi, lo = sig.clone(), -sig.clone()
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.tp_group)
+        dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.tp_group)
+        if not torch.equal(hi, -lo):
+            raise ValueError("generate(): the ranks of a tensor-parallel group were given different prompts; "
+                             "every TP rank must pass the same prompts (shard the data over DP ranks only)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------------
+
+
+def _as_list(p: Union[Sequence[int], torch.Tensor]) -> list[int]:
+    return p.tolist() if isinstance(p, torch.Tensor) else [int(t) for t in p]
+
+
+def generate(
+    model,
+    prompts: Sequence[Union[Sequence[int], torch.Tensor]],
+    cfg: GenerationConfig,
+    *,
+    vocab_size: int,
+    state=None,
+    seed: Optional[int] = None,
+    on_forward: Optional[OnForward] = None,
+) -> GenerationOutput:
+    """Sample ``cfg.n_samples_per_prompt`` responses for every prompt with a KV cache.
+
+    Args:
+        model: this rank's GPTModel shard (DDP/Float16Module wrappers are unwrapped); its training
+            mode and sequence-parallel attributes are restored on return.
+        prompts: token-id lists (or 1-D tensors), at least one token each; any lengths.
+            Every rank of a TP group must pass the same prompts; DP ranks pass their own.
+        cfg: sampling settings.
+        vocab_size: the real vocabulary size (padded embedding columns are never sampled).
+        state: ``parallel.ParallelState`` (None: one process, no model parallelism).
+        seed: overrides ``cfg.seed`` (e.g. ``cfg.seed + iteration`` for fresh samples each step).
+        on_forward: ``f(step_idx, kind)`` called after each model forward (see the module doc).
+    Collective when ``state`` has TP or EP > 1: every rank of the layout must call it.
+    """
+    from megatron_gspo.model import unwrap
+
+    t_start = time.perf_counter()
+    m = unwrap(model)
+    ids = [_as_list(p) for p in prompts]
+    if not ids:
+        raise ValueError("generate(): no prompts")
+    for i, p in enumerate(ids):
+        if len(p) == 0:
+            raise ValueError(f"generate(): prompt {i} is empty")
+        if min(p) < 0 or max(p) >= vocab_size:
+            raise ValueError(f"generate(): prompt {i} has a token id outside [0, vocab_size={vocab_size})")
+    comm = _Comm(state)
+    G, pad = cfg.n_samples_per_prompt, cfg.pad_id
+    device = next(m.parameters()).device
+    n_real = len(ids) * G
+    lens_real = torch.tensor([len(p) for p in ids], dtype=torch.long).repeat_interleave(G)
+
+    # every rank of the lockstep group needs the same [batch, prompt block] shapes
+    shape = comm.all_reduce_max(torch.tensor([n_real, int(lens_real.max())], dtype=torch.long, device=device))
+    B, P = int(shape[0]), int(shape[1])
+    S = P + cfg.max_new_tokens  # columns of the internal grid; the KV cache needs S - 1 slots
+    max_len = getattr(m, "max_sequence_length", None)
+    if max_len is not None and S - 1 > max_len:
+        raise ValueError(f"generate(): longest prompt ({P}) + generation.max_new_tokens ({cfg.max_new_tokens}) "
+                         f"- 1 = {S - 1} exceeds the model's max_position_embeddings={max_len}")
+
+    lens = torch.ones(B, dtype=torch.long)  # dummy rows (EP shape padding): one pad token
+    lens[:n_real] = lens_real
+    grid = torch.full((B, S), pad, dtype=torch.long)
+    for i, p in enumerate(ids):
+        row = torch.tensor(p, dtype=torch.long)
+        grid[i * G:(i + 1) * G, P - len(p):P] = row
+    comm.check_same_prompts_in_tp(grid[:n_real, :P], lens_real)
+    if int(lens_real.min()) < P and not _honors_padding_mask(m):
+        raise NotImplementedError(
+            "generate(): prompts of different lengths are left-padded and the padding is masked with an "
+            "explicit attention mask, which Transformer Engine's attention ignores for megatron's "
+            "causal/no_mask inference mask types; use model.transformer_impl='local' for generation or "
+            "give every rank of the EP group prompts of one length")
+    grid, lens = grid.to(device), lens.to(device)
+    left_pad = P - lens  # [B]
+    slots = torch.arange(S - 1, device=device)
+    key_pad = slots[None, :] < left_pad[:, None]  # [B, S-1], True = padding slot, never attended
+    positions = (slots[None, :] - left_pad[:, None]).clamp(min=0)  # true position of each slot
+
+    stop = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    done[n_real:] = True
+    stopped = torch.zeros(B, dtype=torch.bool, device=device)
+    resp_len = torch.zeros(B, dtype=torch.long, device=device)
+    lp_grid = torch.zeros(B, cfg.max_new_tokens, dtype=torch.float32, device=device)
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(sampling_seed(cfg.seed if seed is None else seed, comm.dp_rank))
+
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    ctx = StaticInferenceContext(max_batch_size=B, max_sequence_length=S - 1)
+    n_fwd, prefill_s = 0, 0.0
+
+    def forward(lo: int, hi: int, mask: torch.Tensor) -> torch.Tensor:
+        logits = m(input_ids=grid[:, lo:hi], position_ids=positions[:, lo:hi], attention_mask=mask,
+                   inference_context=ctx, runtime_gather_output=True)
+        ctx.increment_sequence_len_offset(hi - lo)
+        return logits[:, -1, :vocab_size]  # [B, V]: full vocabulary, last position only
+
+    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tok, lp = sample_tokens(logits, cfg, gen)
+        if comm.tp_group is not None:  # one sample per TP group, bitwise
+            packed = comm.broadcast_tp(torch.stack([tok.double(), lp.double()]))
+            tok, lp = packed[0].long(), packed[1].float()
+        return tok, lp
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
+        stack.enter_context(_eval_mode(m))
+        stack.enter_context(_without_sequence_parallel(m))
+        if bool((left_pad[:n_real] > 0).any()):  # equal-length prompts: slot index = position already
+            stack.enter_context(_per_row_rope(m, positions))
+
+        causal = torch.triu(torch.ones(P, P, dtype=torch.bool, device=device), diagonal=1)
+        prefill_mask = (causal[None] | key_pad[:, None, :P])[:, None]  # [B, 1, P, P]
+        t0 = time.perf_counter()
+        logits = forward(0, P, prefill_mask)
+        ctx.enable_decode_mode()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        prefill_s = time.perf_counter() - t0
+        n_fwd += 1
+        if on_forward is not None:
+            on_forward(0, "prefill")
+        tok, lp = pick(logits)
+
+        for step in range(cfg.max_new_tokens):
+            active = ~done
+            col = P + step
+            grid[:, col] = torch.where(active, tok, torch.full_like(tok, pad))
+            lp_grid[:, step] = torch.where(active, lp, torch.zeros_like(lp))
+            resp_len += active.long()
+            if stop.numel():
+                hit = active & torch.isin(tok, stop)
+                stopped |= hit
+                done |= hit
+            if step == cfg.max_new_tokens - 1:
+                break  # the last sampled token is never fed to the model
+            flag = comm.all_reduce_max((~done).any().long().reshape(1))
+            if not bool(flag.item()):
+                break
+            k = col + 1  # keys: slots [0, col]
+            logits = forward(col, col + 1, key_pad[:, None, None, :k])
+            n_fwd += 1
+            if on_forward is not None:
+                on_forward(step + 1, "decode")
+            tok, lp = pick(logits)
+    del ctx  # frees the KV cache
+
+    # left-padded internal grid -> right-padded training grid (real rows only)
+    lens, resp_len = lens[:n_real], resp_len[:n_real]
+    total = lens + resp_len
+    T = int(total.max())
+    cols = torch.arange(T, device=device)[None, :]
+    src = (cols + left_pad[:n_real, None]).clamp(max=S - 1)
+    valid = cols < total[:, None]
+    tokens = torch.where(valid, grid[:n_real].gather(1, src), torch.full_like(src, pad))
+    response_mask = valid & (cols >= lens[:, None])
+    lp_src = (cols - lens[:, None]).clamp(0, cfg.max_new_tokens - 1)
+    logprobs = torch.where(response_mask, lp_grid[:n_real].gather(1, lp_src), torch.zeros((), device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return GenerationOutput(
+        tokens=tokens, prompt_lengths=lens, response_lengths=resp_len, response_mask=response_mask,
+        logprobs=logprobs, stopped=stopped[:n_real],
+        prompt_index=torch.arange(len(ids), device=device).repeat_interleave(G),
+        elapsed_s=time.perf_counter() - t_start, prefill_s=prefill_s, num_forwards=n_fwd,
+        temperature=cfg.temperature,
+    )

@@ -1,0 +1,99 @@
+"""Rank-0 logging: tensorboard scalars and histograms, a JSONL copy, and one progress line per step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from typing import Mapping, Optional, Union
+
+import torch
+
+Value = Union[float, int, torch.Tensor]
+
+log = logging.getLogger("megatron_gspo")
+
+
+def setup_logging(rank: int) -> None:
+    """INFO on rank 0, WARNING elsewhere; megatron's import-time apex/TE notices silenced."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S", force=True)
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
+class MetricsLogger:
+    """Writes on rank 0 only; other ranks get a no-op object with the same methods."""
+
+    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool = True) -> None:
+        self.enabled = enabled
+        self.tb = None
+        self.jsonl = None
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+
+    def log(self, step: int, metrics: Mapping[str, Value]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step}
+        for k, v in metrics.items():
+            if isinstance(v, torch.Tensor) and v.numel() > 1:  # a histogram ("cat" metric)
+                if self.tb is not None and v.numel() > 0:
+                    self.tb.add_histogram(k, v.float(), step)
+                continue
+            x = float(v)
+            row[k] = x
+            if self.tb is not None and math.isfinite(x):
+                self.tb.add_scalar(k, x, step)
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+
+
+def progress_line(step: int, total: int, m: Mapping[str, Value]) -> str:
+    """One compact line: the numbers an RL practitioner watches."""
+
+    def g(k: str, fmt: str = ".3f") -> Optional[str]:
+        v = m.get(k)
+        if v is None or (isinstance(v, torch.Tensor) and v.numel() != 1):
+            return None
+        return format(float(v), fmt)
+
+    parts = [f"step {step}/{total}"]
+    for label, key, fmt in (
+        ("reward", "rollout/reward_mean", ".3f"),
+        ("loss", "loss/loss", ".4g"),
+        ("clip", "loss/clip_frac", ".3f"),
+        ("kl", "loss/approx_kl", ".2e"),
+        ("ent", "loss/entropy", ".3f"),
+        ("gnorm", "train/grad_norm", ".3f"),
+        ("lr", "train/lr", ".2e"),
+        ("len", "rollout/response_length_mean", ".1f"),
+        ("route_chg", "routing/routing_change_frac", ".3f"),
+        ("|lp-lp_gen|", "rollout/logprob_diff_max", ".1e"),
+        ("gen tok/s", "perf/gen_tokens_per_s", ".0f"),
+        ("s/step", "perf/step_time_s", ".2f"),
+    ):
+        s = g(key, fmt)
+        if s is not None:
+            parts.append(f"{label} {s}")
+    return " | ".join(parts)

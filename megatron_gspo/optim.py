@@ -1,0 +1,84 @@
+"""Optimizer and learning-rate schedule: megatron-core's optimizer and OptimizerParamScheduler.
+
+On GPU with DP > 1 the distributed optimizer shards Adam states over data-parallel ranks; on
+CPU megatron's DistributedOptimizer cannot run (CUDA buffers), so the replicated optimizer is
+used and megatron's hard-coded CUDA tensors are redirected by cpu_compat.optimizer_context().
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_gspo import cpu_compat
+from megatron_gspo.config import ConfigError
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam + warmup/decay schedule (Megatron-LM argument names)."""
+
+    optimizer: str = "adam"
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    # None: decay over train.num_steps optimizer steps (the trainer fills it in).
+    lr_decay_steps: Optional[int] = None
+    lr_decay_style: str = "constant"
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ConfigError(f"optimizer.optimizer={self.optimizer!r} is not one of ['adam', 'sgd']")
+        if not self.lr > 0:
+            raise ConfigError(f"optimizer.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"optimizer.min_lr={self.min_lr} must be in [0, optimizer.lr={self.lr}]")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(f"optimizer.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
+            raise ConfigError(f"optimizer.lr_decay_style={self.lr_decay_style!r} is not one of "
+                              "['constant', 'linear', 'cosine', 'inverse-square-root']")
+        if self.clip_grad < 0:
+            raise ConfigError(f"optimizer.clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ConfigError(f"optimizer.adam_beta1/adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+
+
+def build_optimizer(cfg: OptimizerConfig, ddp_model, state, bf16: bool, use_distributed_optimizer: bool):
+    from megatron.core.optimizer import OptimizerConfig as MOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    mcfg = MOptimizerConfig(
+        optimizer=cfg.optimizer, lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=use_distributed_optimizer and torch.cuda.is_available(),
+    )
+    with cpu_compat.optimizer_context():
+        return get_megatron_optimizer(mcfg, [ddp_model], use_gloo_process_groups=False, pg_collection=state.pg)
+
+
+def optimizer_step(optimizer) -> tuple[bool, float]:
+    """One step (grad clipping included). Returns (update applied, global grad norm)."""
+    with cpu_compat.optimizer_context():
+        ok, grad_norm, _ = optimizer.step()
+    return bool(ok), float(grad_norm if grad_norm is not None else 0.0)
+
+
+def build_scheduler(cfg: OptimizerConfig, optimizer, total_steps: int):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay = cfg.lr_decay_steps if cfg.lr_decay_steps is not None else max(1, total_steps)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if cfg.lr_warmup_steps > 0 else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_steps=max(decay, cfg.lr_warmup_steps + 1),
+        lr_decay_style=cfg.lr_decay_style, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+        wd_incr_steps=max(1, total_steps), wd_incr_style="constant",
+    )
