@@ -65,8 +65,16 @@ Expert parallelism / lockstep
     the same [b, s] on every rank. Under EP>1 the batch size and prompt block are all-reduced
     (MAX) over the world first, short batches get dummy rows (never returned), and after every
     step a "some row is still generating" flag is all-reduced, so a rank whose rows all finished
-    keeps stepping (feeding pad tokens) until every rank is done. Without EP the flag is local
-    to the TP group, which is already in lockstep through the broadcast.
+    keeps stepping (feeding pad tokens) until every rank is done. Without EP the flag is
+    all-reduced over the TP group only (on one rank there is no collective at all).
+
+Cost
+    Runs under ``torch.no_grad`` (not ``inference_mode``: megatron's global memory buffers created
+    here are reused by training, where inference tensors would be refused). Per decode step: one
+    forward of one token per row, one [b, V] logits gather under TP, a [2, b] broadcast under TP and
+    a one-element flag all-reduce under TP/EP. The explicit prefill mask is [b, 1, P, P] bool,
+    small next to the local attention's own [b, heads, P, P] scores. megatron's static path
+    re-rotates the cached keys each step (it caches keys before RoPE).
 
 Routing replay (R3)
     ``on_forward(step_idx, kind)`` is called right after each model forward, ``kind`` being

@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 from megatron_gspo import parallel
 from megatron_gspo.config import load_job_config
 
@@ -13,7 +15,7 @@ TINY_JOB = [
     "train.num_steps=3", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4",
     "generation.max_new_tokens=4", "train.micro_batch_size=8", "train.num_minibatches=2",
     # a dense reward so a random model already gets non-zero advantages
-    "reward.name=digit_match", "optimizer.lr=1e-3", "train.tensorboard=true",
+    f"reward.name={HERE}/reward_plugins.py:digit_fraction", "optimizer.lr=1e-3", "train.tensorboard=true",
 ]
 
 

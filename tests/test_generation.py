@@ -1,0 +1,286 @@
+"""Rollout generation on the Megatron model (megatron_gspo.generation).
+
+In-process (one rank, tiny Qwen3-MoE GPTModel, fp32 on CPU):
+- greedy with megatron's KV cache (StaticInferenceContext) and left-padded ragged prompts gives
+  exactly the tokens of a no-cache loop (a full forward_logits per step, one prompt at a time);
+- the returned log-probs equal vocab_parallel_logprobs of a fresh full forward of the returned
+  tokens (max abs diff < 1e-5), greedy (temperature-1 log-probs) and sampled (T=1, and T=0.7 with
+  top-k/top-p: unfiltered temperature-scaled log-probs);
+- top-k=1 equals greedy; stop tokens end responses per row (mask, pad, lengths, stopped flag);
+  G samples per prompt differ at T=1; seeds reproduce; the model's state is restored.
+Under torchrun (tests/dist_scripts/generation_parity.py): TP=2 and EP=2 greedy equal TP=1 greedy on
+the same checkpointed weights, the TP ranks sample identically, EP ranks stay in lockstep.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_gspo import parallel
+from megatron_gspo.config import ConfigError, ParallelConfig, from_dict, model_config_from_preset
+from megatron_gspo.generation import GenerationConfig, generate, sample_tokens
+from megatron_gspo.logprobs import vocab_parallel_logprobs
+from megatron_gspo.model import build_model, forward_logits
+
+VOCAB = 100
+PROMPT_LENS = (4, 1, 9, 6)
+DIST_SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_scripts")
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = model_config_from_preset("tiny", vocab_size=VOCAB, moe_aux_loss_coeff=0.0)
+    par = ParallelConfig(seed=5)
+    st = parallel.initialize(cfg, par)
+    model = build_model(cfg, par, st)
+    yield model, st
+    parallel.destroy()
+
+
+def _fresh_logprobs(model, out, temperature):
+    """log-probs of out.tokens[:, 1:] from one full forward (no cache), on the [B, T-1] grid."""
+    with torch.no_grad():
+        logits = forward_logits(model, out.tokens)
+        lp, _ = vocab_parallel_logprobs(logits[:, :-1], out.tokens[:, 1:], VOCAB, temperature=temperature,
+                                        with_entropy=False)
+    return lp, logits
+
+
+def _max_lp_diff(model, out, temperature):
+    lp, _ = _fresh_logprobs(model, out, temperature)
+    m = out.response_mask[:, 1:]
+    assert m.sum() == out.response_lengths.sum()
+    return (lp - out.logprobs[:, 1:])[m].abs().max().item()
+
+
+# ----------------------------------------------------------------------------------------------
+# config
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_new_tokens", 0), ("temperature", -0.5), ("temperature", float("inf")), ("top_p", 0.0),
+    ("top_p", 1.5), ("top_k", -1), ("n_samples_per_prompt", 0), ("seed", -3), ("stop_token_ids", [1, -2]),
+    ("pad_token_id", -1),
+])
+def test_config_rejects_bad_values_naming_the_field(field, value):
+    with pytest.raises(ConfigError, match=f"generation.{field}"):
+        GenerationConfig(**{field: value})
+
+
+def test_config_from_yaml_style_dict():
+    c = from_dict(GenerationConfig, {"max_new_tokens": "32", "temperature": 0, "stop_token_ids": "5,9",
+                                     "n_samples_per_prompt": 8})
+    assert (c.max_new_tokens, c.greedy, c.stop_token_ids, c.n_samples_per_prompt, c.pad_id) == (32, True, [5, 9], 8, 5)
+    assert GenerationConfig(pad_token_id=3, stop_token_ids=[5]).pad_id == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling primitive
+# ----------------------------------------------------------------------------------------------
+
+
+def test_sample_tokens_filters_only_the_draw():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = p.log().expand(20000, 4).contiguous()
+    g = torch.Generator().manual_seed(0)
+    tok, lp = sample_tokens(logits, GenerationConfig(temperature=1.0, top_p=0.7), g)
+    counts = torch.bincount(tok, minlength=4).float() / tok.numel()
+    assert counts[2:].sum() == 0  # nucleus {0, 1}: 0.5 + 0.3 >= 0.7
+    assert abs(counts[0] - 0.5 / 0.8) < 0.02 and abs(counts[1] - 0.3 / 0.8) < 0.02
+    # recorded log-probs are the unfiltered policy's
+    torch.testing.assert_close(lp, p.log()[tok], rtol=0, atol=1e-6)
+
+    tok, _ = sample_tokens(logits, GenerationConfig(temperature=1.0, top_k=3), g)
+    counts = torch.bincount(tok, minlength=4).float() / tok.numel()
+    assert counts[3] == 0 and abs(counts[0] - 0.5 / 0.95) < 0.02
+
+    tok, lp = sample_tokens(logits, GenerationConfig(temperature=2.0), g)
+    want = torch.log_softmax(p.log() / 2, -1)
+    torch.testing.assert_close(lp, want[tok], rtol=0, atol=1e-6)
+    counts = torch.bincount(tok, minlength=4).float() / tok.numel()
+    assert (counts - want.exp()).abs().max() < 0.02
+
+    tok, lp = sample_tokens(logits[:3], GenerationConfig(temperature=0.0))
+    assert tok.tolist() == [0, 0, 0]
+    torch.testing.assert_close(lp, p.log()[:1].expand(3), rtol=0, atol=1e-6)
+
+    a = sample_tokens(logits[:64], GenerationConfig(), torch.Generator().manual_seed(4))[0]
+    b = sample_tokens(logits[:64], GenerationConfig(), torch.Generator().manual_seed(4))[0]
+    assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# on the model
+# ----------------------------------------------------------------------------------------------
+
+
+def test_greedy_kv_cache_equals_no_cache_loop(tiny):
+    model, st = tiny
+    prompts, new = _prompts(), 10
+    calls = []
+    out = generate(model, prompts, GenerationConfig(max_new_tokens=new, temperature=0.0, n_samples_per_prompt=2),
+                   vocab_size=VOCAB, state=st, on_forward=lambda i, k: calls.append((i, k)))
+
+    # reference: no cache, one prompt at a time, a full forward per generated token
+    model.eval()
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            seq = list(p)
+            for _ in range(new):
+                seq.append(int(forward_logits(model, torch.tensor([seq]))[0, -1, :VOCAB].argmax()))
+            want.append(seq[len(p):])
+    model.train()
+    assert out.responses() == [w for w in want for _ in range(2)]
+
+    B = 2 * len(prompts)
+    lens = torch.tensor(PROMPT_LENS).repeat_interleave(2)
+    assert out.tokens.shape == (B, max(PROMPT_LENS) + new)
+    assert torch.equal(out.prompt_lengths, lens) and torch.equal(out.response_lengths, torch.full((B,), new))
+    assert torch.equal(out.prompt_index, torch.arange(len(prompts)).repeat_interleave(2))
+    for r in range(B):
+        L = int(lens[r])
+        assert out.tokens[r, :L].tolist() == prompts[r // 2]
+        assert (out.tokens[r, L + new:] == 0).all()  # pad_id: 0 without stop tokens
+        assert out.response_mask[r].nonzero().squeeze(1).tolist() == list(range(L, L + new))
+    assert not out.stopped.any()
+    assert (out.logprobs[~out.response_mask] == 0).all() and (out.logprobs[out.response_mask] < 0).all()
+    # one prefill + a decode per further token: the last sampled token is never fed
+    assert calls == [(0, "prefill")] + [(i, "decode") for i in range(1, new)] and out.num_forwards == new
+    assert out.num_generated_tokens == B * new and out.tokens_per_s > 0 and 0 < out.prefill_s < out.elapsed_s
+
+    # greedy records temperature-1 log-probs: those of a fresh full forward
+    assert _max_lp_diff(model, out, temperature=1.0) < 1e-5
+
+
+def test_sampling_logprobs_equal_fresh_forward(tiny):
+    model, st = tiny
+    prompts = _prompts()
+    cfg = GenerationConfig(max_new_tokens=12, temperature=1.0, top_p=1.0, n_samples_per_prompt=4, seed=7)
+    out = generate(model, prompts, cfg, vocab_size=VOCAB, state=st)
+    assert _max_lp_diff(model, out, temperature=1.0) < 1e-5
+    resp = out.responses()
+    for i in range(len(prompts)):
+        assert len({tuple(r) for r in resp[4 * i:4 * i + 4]}) > 1, f"prompt {i}: all 4 samples identical"
+    # seeds: same seed -> same samples; another seed (or the per-call override) -> different ones
+    again = generate(model, prompts, cfg, vocab_size=VOCAB, state=st)
+    assert torch.equal(again.tokens, out.tokens) and torch.equal(again.logprobs, out.logprobs)
+    other = generate(model, prompts, cfg, vocab_size=VOCAB, state=st, seed=8)
+    assert not torch.equal(other.tokens, out.tokens)
+
+
+def test_filtered_sampling_records_unfiltered_tempered_logprobs(tiny):
+    model, st = tiny
+    T, k, top_p = 0.7, 20, 0.9
+    cfg = GenerationConfig(max_new_tokens=10, temperature=T, top_k=k, top_p=top_p, n_samples_per_prompt=3, seed=2)
+    out = generate(model, _prompts(), cfg, vocab_size=VOCAB, state=st)
+    lp, logits = _fresh_logprobs(model, out, temperature=T)
+    m = out.response_mask[:, 1:]
+    assert (lp - out.logprobs[:, 1:])[m].abs().max().item() < 1e-5
+    # every drawn token lies inside the top-k and the nucleus of its (tempered) distribution
+    x = logits[:, :-1, :VOCAB][m] / T
+    tok = out.tokens[:, 1:][m]
+    rank = (x > x.gather(1, tok[:, None])).sum(1)
+    assert rank.max() < k
+    probs = torch.softmax(x, -1)
+    mass_before = (probs * (x > x.gather(1, tok[:, None]))).sum(1)
+    assert mass_before.max() < top_p
+
+
+def test_top_k_1_equals_greedy(tiny):
+    model, st = tiny
+    greedy = generate(model, _prompts(), GenerationConfig(max_new_tokens=8, temperature=0.0, n_samples_per_prompt=1),
+                      vocab_size=VOCAB, state=st)
+    k1 = generate(model, _prompts(),
+                  GenerationConfig(max_new_tokens=8, temperature=1.0, top_k=1, n_samples_per_prompt=3),
+                  vocab_size=VOCAB, state=st)
+    assert k1.responses() == [r for r in greedy.responses() for _ in range(3)]
+
+
+def test_stop_tokens_end_each_response(tiny):
+    model, st = tiny
+    new, pad = 12, 7
+    free = generate(model, _prompts(), GenerationConfig(max_new_tokens=new, temperature=0.0, n_samples_per_prompt=1),
+                    vocab_size=VOCAB, state=st).responses()
+    stop = [free[0][2], free[2][5]]  # row 0 stops by its 3rd token at the latest, row 2 by its 6th
+    calls = []
+    out = generate(model, _prompts(), GenerationConfig(max_new_tokens=new, temperature=0.0, n_samples_per_prompt=1,
+                                                       stop_token_ids=stop, pad_token_id=pad),
+                   vocab_size=VOCAB, state=st, on_forward=lambda i, k: calls.append(i))
+    got = out.responses()
+    n_stopped = 0
+    for r, full in enumerate(free):
+        cut = next((j + 1 for j, t in enumerate(full) if t in stop), None)
+        assert got[r] == full[:cut], f"row {r}"
+        assert bool(out.stopped[r]) == (cut is not None)
+        n_stopped += cut is not None
+        L, n = int(out.prompt_lengths[r]), int(out.response_lengths[r])
+        assert n == len(full[:cut])
+        assert (out.tokens[r, L + n:] == pad).all()
+        assert out.response_mask[r].sum() == n and out.response_mask[r, L:L + n].all()
+        assert (out.logprobs[r, L + n:] == 0).all() and (out.logprobs[r, L:L + n] < 0).all()
+    assert n_stopped >= 2 and out.response_lengths.min() <= 3
+    # the batch stops stepping when its longest response ends
+    assert out.num_forwards == len(calls) == int(out.response_lengths.max())
+    assert out.tokens.shape[1] == int((out.prompt_lengths + out.response_lengths).max())
+    # all rows stopping early ends the loop early
+    early = generate(model, _prompts()[:1], GenerationConfig(max_new_tokens=new, temperature=0.0,
+                                                             n_samples_per_prompt=2, stop_token_ids=[free[0][0]]),
+                     vocab_size=VOCAB, state=st)
+    assert early.response_lengths.tolist() == [1, 1] and early.num_forwards == 1 and early.stopped.all()
+
+
+def test_model_state_restored_and_input_errors(tiny):
+    model, st = tiny
+    probe = torch.tensor([_prompts()[2]])
+    model.train()
+    with torch.no_grad():
+        before = forward_logits(model, probe)
+    generate(model, _prompts(), GenerationConfig(max_new_tokens=4, n_samples_per_prompt=2), vocab_size=VOCAB, state=st)
+    assert model.training
+    with torch.no_grad():
+        assert torch.equal(forward_logits(model, probe), before)
+    cfg = GenerationConfig(max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(model, [[1], []], cfg, vocab_size=VOCAB, state=st)
+    with pytest.raises(ValueError, match="outside"):
+        generate(model, [[1, VOCAB]], cfg, vocab_size=VOCAB, state=st)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, [[1, 2]], GenerationConfig(max_new_tokens=600), vocab_size=VOCAB, state=st)
+
+
+# ----------------------------------------------------------------------------------------------
+# TP / EP under torchrun
+# ----------------------------------------------------------------------------------------------
+
+
+def _torchrun(script: str, nproc: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    # --standalone: torchrun picks a free port itself ("--master-port 0" hands the workers
+    # MASTER_PORT=0 with torch 2.13, and init_process_group then waits forever).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           os.path.join(DIST_SCRIPTS, script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if p.returncode != 0:
+        raise AssertionError(f"torchrun {script} {' '.join(args)} failed (rc={p.returncode}):\n"
+                             f"{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
+    return p
+
+
+def test_tp2_and_ep2_generate_like_single_rank(tmp_path):
+    # one torchrun call: a TP=1 reference on the same processes, then TP=2, then EP=2 (groups
+    # re-initialized in between, weights through a dist_checkpointing checkpoint)
+    p = _torchrun("generation_parity.py", 2, "--dir", str(tmp_path), "--layouts", "tp2,ep2")
+    for layout in ("tp2", "ep2"):
+        for r in range(2):
+            assert f"GENERATION OK {layout} rank {r}" in p.stdout, p.stdout
+    assert p.stdout.count("T=1 sampling log-prob max abs diff") == 2, p.stdout  # the TP=2 ranks
