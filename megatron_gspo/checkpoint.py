@@ -165,6 +165,7 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None,
         os.makedirs(root, exist_ok=True)
         if os.path.exists(tmp):  # leftover of a crashed save
             shutil.rmtree(tmp)
+        os.makedirs(tmp)
     _barrier()
     sd = _training_sharded_state_dict(model, optimizer, is_loading=False)
     sd["step"] = step

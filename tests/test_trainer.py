@@ -63,7 +63,7 @@ def test_short_run_updates_every_parameter_and_logs_metrics(tmp_path, variant):
     tags = read_tensorboard(str(out / "tensorboard"))
     missing = [k for k in EXPECTED_SCALARS if k not in tags["scalars"]]
     assert not missing, f"not in tensorboard: {missing}"
-    assert "loss/seq_ratio/values" in tags["histograms"]
+    assert "loss/seq_ratio/hist" in tags["histograms"]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
