@@ -7,7 +7,10 @@ state dict must be built the same way on save and load: ``model.sharded_state_di
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import zlib
 from typing import Optional
 
 import torch
@@ -93,35 +96,104 @@ def dist_checkpoint_to_tensors(ckpt_dir: str) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------
 # Training checkpoints: model + optimizer + scheduler + data position + step + config
 # ----------------------------------------------------------------------------------------------
-# Layout (Megatron-LM names): <save>/iter_0000010/ (torch_dist) and
-# <save>/latest_checkpointed_iteration.txt. A checkpoint is written to iter_XXXXXXX.tmp and renamed
-# into place only after every rank finished, and the tracker file is replaced last, so a crash
-# mid-save never leaves a directory that looks complete.
+# Layout (Megatron-LM names): <save>/iter_0000010/ (torch_dist + manifest.json) and
+# <save>/latest_checkpointed_iteration.txt. Crash safety:
+#   1. every rank writes into iter_XXXXXXX.tmp; all files are fsynced;
+#   2. rank 0 writes manifest.json (size and crc32 of every file), fsyncs it, renames the directory
+#      into place and fsyncs the parent;
+#   3. the tracker file is replaced (write + fsync + rename) last.
+# A directory without a valid manifest, or whose files differ from it, is incomplete or corrupt:
+# loading skips it with a warning naming it and takes the newest checkpoint that verifies.
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
+
+log = logging.getLogger("megatron_gspo")
 
 
 def iter_dir(root: str, step: int) -> str:
     return os.path.join(root, f"iter_{step:07d}")
 
 
+def _iter_steps(root: str) -> list[int]:
+    """Steps of the iter_XXXXXXX directories under root (temporary ones excluded), newest first."""
+    if not os.path.isdir(root):
+        return []
+    steps = [int(d[5:]) for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit()]
+    return sorted(steps, reverse=True)
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(ckpt_dir: str, step: int) -> None:
+    files = {}
+    for name in sorted(os.listdir(ckpt_dir)):
+        path = os.path.join(ckpt_dir, name)
+        if name == MANIFEST or not os.path.isfile(path):
+            continue
+        _fsync_path(path)
+        files[name] = {"bytes": os.path.getsize(path), "crc32": _crc32(path)}
+    _replace_file(os.path.join(ckpt_dir, MANIFEST), json.dumps({"step": step, "files": files}, indent=1))
+
+
+def verify_checkpoint(ckpt_dir: str) -> Optional[str]:
+    """None if ``ckpt_dir`` is complete and intact, else the reason it is not."""
+    mpath = os.path.join(ckpt_dir, MANIFEST)
+    if not os.path.isfile(mpath):
+        return "no manifest.json (the save did not finish)"
+    try:
+        manifest = json.load(open(mpath, encoding="utf-8"))
+        files = manifest["files"]
+    except (ValueError, KeyError) as e:
+        return f"unreadable manifest.json ({e})"
+    for name, meta in files.items():
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            return f"file {name} is missing"
+        if os.path.getsize(path) != meta["bytes"]:
+            return f"file {name} has {os.path.getsize(path)} bytes, the manifest says {meta['bytes']}"
+        if _crc32(path) != meta["crc32"]:
+            return f"file {name} fails its checksum"
+    return None
+
+
+def latest_complete(root: str) -> Optional[int]:
+    """The newest step under ``root`` whose checkpoint verifies; a bad newer one is skipped with a
+    warning naming it (the tracker is a hint, the manifests are the truth)."""
+    for step in _iter_steps(root):
+        why = verify_checkpoint(iter_dir(root, step))
+        if why is None:
+            return step
+        log.warning("checkpoint %s is incomplete or corrupt (%s); falling back to an earlier one",
+                    iter_dir(root, step), why)
+    return None
+
+
 def latest_step(root: str) -> Optional[int]:
-    path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
-        return None
-    text = open(path, encoding="utf-8").read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{path}: expected an iteration number, found {text[:40]!r}")
-    step = int(text)
-    if not os.path.isdir(iter_dir(root, step)):
-        raise CheckpointError(f"{path} names iteration {step} but {iter_dir(root, step)} does not exist")
-    return step
+    return latest_complete(root)
 
 
 def resolve(path: str) -> str:
-    """A checkpoint root (with a tracker file) -> its latest iteration directory; else path."""
-    if os.path.isfile(os.path.join(path, TRACKER)):
-        return iter_dir(path, latest_step(path))
+    """A checkpoint root -> its newest complete iteration directory; an iteration dir -> itself."""
+    if os.path.isfile(os.path.join(path, TRACKER)) or _iter_steps(path):
+        step = latest_complete(path)
+        if step is None:
+            raise CheckpointError(f"{path}: no complete checkpoint (every iter_* directory failed verification)")
+        return iter_dir(path, step)
     return path
 
 
@@ -152,9 +224,23 @@ def _training_sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
     return sd
 
 
+def rotate(root: str, keep_last: int) -> list[str]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (0 keeps everything). The
+    newest complete checkpoint is never deleted, whatever state the others are in."""
+    import shutil
+
+    if keep_last <= 0:
+        return []
+    complete = [s for s in _iter_steps(root) if verify_checkpoint(iter_dir(root, s)) is None]
+    doomed = complete[max(1, keep_last):]
+    for s in doomed:
+        shutil.rmtree(iter_dir(root, s), ignore_errors=True)
+    return [iter_dir(root, s) for s in doomed]
+
+
 def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None, extra: Optional[dict] = None,
-                    is_main: bool = True) -> str:
-    """Collective. Writes <root>/iter_<step> atomically and points the tracker at it."""
+                    is_main: bool = True, keep_last: int = 0, fault_hook=None) -> str:
+    """Collective. Writes <root>/iter_<step> atomically (see above) and points the tracker at it."""
     import shutil
 
     from megatron.core import dist_checkpointing
@@ -174,22 +260,30 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None,
     if extra:
         sd["extra"] = extra
     dist_checkpointing.save(sd, tmp)
+    if fault_hook is not None:
+        fault_hook("save", tmp)  # tests: die with a half-written checkpoint
     _barrier()
     if is_main:
+        _write_manifest(tmp, step)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_path(root)
         _replace_file(os.path.join(root, TRACKER), str(step))
+        rotate(root, keep_last)
     _barrier()
     return final
 
 
 def load_checkpoint(path: str, model, optimizer=None, scheduler=None) -> dict:
-    """Collective. ``path`` is a checkpoint root (its latest iteration) or an iter_ directory.
-    Returns {"step": int, "extra": dict}."""
+    """Collective. ``path`` is a checkpoint root (its newest complete iteration) or an iter_
+    directory. Returns {"step": int, "extra": dict, "path": str}."""
     from megatron.core import dist_checkpointing
 
     path = resolve(path)
+    why = verify_checkpoint(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None
+    if why is not None:
+        raise CheckpointError(f"{path}: {why}")
     check_compatible(model, path)
     sd = _training_sharded_state_dict(model, optimizer, is_loading=True)
     loaded = dist_checkpointing.load(sd, path)
@@ -204,4 +298,4 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None) -> dict:
             optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and "scheduler" in loaded:
         scheduler.load_state_dict(loaded["scheduler"])
-    return {"step": int(loaded.get("step", 0)), "extra": loaded.get("extra", {})}
+    return {"step": int(loaded.get("step", 0)), "extra": loaded.get("extra", {}), "path": path}

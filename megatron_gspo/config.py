@@ -105,7 +105,7 @@ class ModelConfig:
         _choice("model.moe_router_load_balancing_type", self.moe_router_load_balancing_type,
                 ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
         _choice("model.moe_token_dispatcher_type", self.moe_token_dispatcher_type, ("auto", "allgather", "alltoall", "flex"))
-        _choice("model.moe_expert_impl", self.moe_expert_impl, ("auto", "sequential", "te_grouped"))
+        _choice("model.moe_expert_impl", self.moe_expert_impl, ("auto", "sequential", "batched", "te_grouped"))
         _choice("model.transformer_impl", self.transformer_impl, ("auto", "local", "transformer_engine"))
         _choice("model.precision", self.precision, ("fp32", "bf16"))
         _choice("model.fp8", self.fp8, (None, "e4m3", "hybrid"))
@@ -347,9 +347,11 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls) if f.init}
     kwargs = {}
-    # A model section may name a preset; its values are the defaults the other keys override.
-    if cls is ModelConfig and data.get("preset"):
-        name = data["preset"]
+    # A model section names a preset ("tiny" when absent, null for none); its values are the
+    # defaults the other keys override, so `model.hidden_size=128` alone tweaks the tiny model.
+    if cls is ModelConfig and data.get("preset", "tiny"):
+        name = data.get("preset", "tiny")
+        data = {"preset": name, **data}
         if name not in MODEL_PRESETS:
             raise ConfigError(f"model.preset={name!r} is unknown; valid presets: {sorted(MODEL_PRESETS)}")
         data = {**MODEL_PRESETS[name], **data}
@@ -463,6 +465,8 @@ class TrainConfig:
     sft_batch_size: int = 32
     # Every response-token log-prob is recomputed by the training model ("old" policy); the
     # rollout's sampling log-probs are compared with them and logged.
+    # Non-finite loss / gradients skip the update on every rank; this many in a row stop the run.
+    max_consecutive_skips: int = 5
     output_dir: str = "runs/gspo"
     tensorboard: bool = True
     log_interval: int = 1
@@ -473,6 +477,7 @@ class TrainConfig:
             v = getattr(self, name)
             _check(isinstance(v, int) and v >= 1, f"train.{name} must be an integer >= 1, got {v!r}")
         _check(self.sft_steps >= 0, f"train.sft_steps must be >= 0, got {self.sft_steps}")
+        _check(self.max_consecutive_skips >= 1, f"train.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
         _choice("train.routing_replay", self.routing_replay, ROUTING_REPLAY_MODES)
 
 

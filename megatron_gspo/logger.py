@@ -33,25 +33,32 @@ class MetricsLogger:
 
     def __init__(self, output_dir: str, enabled: bool, tensorboard: bool = True) -> None:
         self.enabled = enabled
+        self.output_dir = output_dir
+        self.use_tb = tensorboard
         self.tb = None
         self.jsonl = None
-        if not enabled:
-            return
-        os.makedirs(output_dir, exist_ok=True)
-        if tensorboard:
+
+    def _open(self) -> None:
+        # opened at the first log line, so a run refused at start-up writes nothing
+        os.makedirs(self.output_dir, exist_ok=True)
+        if self.use_tb:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
-        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+            self.tb = SummaryWriter(os.path.join(self.output_dir, "tensorboard"))
+        self.jsonl = open(os.path.join(self.output_dir, "metrics.jsonl"), "a", encoding="utf-8")
 
     def log(self, step: int, metrics: Mapping[str, Value]) -> None:
         if not self.enabled:
             return
+        if self.jsonl is None:
+            self._open()
         row = {"step": step}
         for k, v in metrics.items():
             if isinstance(v, torch.Tensor) and v.numel() > 1:  # a histogram ("cat" metric)
+                v = v.float()
+                v = v[torch.isfinite(v)]  # a skipped (non-finite) step must not break logging
                 if self.tb is not None and v.numel() > 0:
-                    self.tb.add_histogram(k, v.float(), step)
+                    self.tb.add_histogram(k, v, step)
                 continue
             x = float(v)
             row[k] = x

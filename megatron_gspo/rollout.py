@@ -34,6 +34,7 @@ class RolloutBatch:
     sample_logprobs: torch.Tensor  # [B, T-1] fp32, from the generator
     old_logprobs: Optional[torch.Tensor] = None  # [B, T-1] fp32, recomputed by the training model
     ref_logprobs: Optional[torch.Tensor] = None  # [B, T-1] fp32, reference policy (KL)
+    sample_ids: list = field(default_factory=list)  # "<prompt id>#<sample>" per row, for error reports
     response_texts: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
 
@@ -47,6 +48,7 @@ class RolloutBatch:
             tokens=self.tokens[idx], mask=self.mask[idx], rewards=self.rewards[idx],
             advantages=self.advantages[idx], sample_logprobs=self.sample_logprobs[idx],
             old_logprobs=pick(self.old_logprobs), ref_logprobs=pick(self.ref_logprobs),
+            sample_ids=self.sample_ids[idx],
         )
 
 

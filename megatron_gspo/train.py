@@ -21,14 +21,16 @@ import sys
 import time
 from typing import Optional
 
+import psutil
 import torch
 import torch.distributed as dist
 
 from megatron_gspo import parallel
 from megatron_gspo.advantages import get_advantage_estimator
-from megatron_gspo.checkpoint import load_checkpoint, load_model, save_checkpoint
+from megatron_gspo.checkpoint import latest_complete, load_checkpoint, load_model, save_checkpoint
 from megatron_gspo.config import JobConfig, load_job_config, to_dict
 from megatron_gspo.data import build_prompt_sampler
+from megatron_gspo.faults import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS, Faults, PreemptionFlag
 from megatron_gspo.generation import generate
 from megatron_gspo.logger import MetricsLogger, progress_line, setup_logging
 from megatron_gspo.logprobs import vocab_parallel_logprobs
@@ -49,6 +51,22 @@ def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     if dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
     return t
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is True on any rank (a collective decision)."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+class TrainingStopped(Exception):
+    """The run stops on purpose (preemption, too many non-finite steps): checkpoint written."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class Trainer:
@@ -89,6 +107,10 @@ class Trainer:
         self.monitor = RoutingMonitor(self.ddp)
         self.logger = MetricsLogger(t.output_dir, enabled=st.is_main, tensorboard=t.tensorboard)
         self.timer = Timer()
+        self.faults = Faults(rank=st.rank)
+        self.preempt = PreemptionFlag()
+        self.consecutive_skips = 0
+        self.skipped_total = 0
         self.step = 0
         log.info("model: %s", model_summary(cfg.model))
         log.info("layout: world %d = TP %d x PP %d x DP %d (EP %d, ETP %d, SP %s)", st.world_size, st.tp, st.pp,
@@ -104,13 +126,11 @@ class Trainer:
         ck = cfg.checkpoint
         if ck.resume:
             root = ck.save or ck.load
-            from megatron_gspo.checkpoint import latest_step
-
-            if root and latest_step(root) is not None:
+            if root and latest_complete(root) is not None:
                 info = load_checkpoint(root, self.ddp, self.optimizer, self.scheduler)
                 self.step = info["step"]
                 self.sampler.load_state_dict(info["extra"]["data"])
-                log.info("resumed from %s at step %d", root, self.step)
+                log.info("resumed from %s at step %d", info["path"], self.step)
             elif ck.load:
                 load_model(self.model, ck.load)
 
@@ -133,7 +153,8 @@ class Trainer:
         tokens, mask, sample_lp = pad_to_common_length(out.tokens, out.response_mask, out.logprobs,
                                                        self.gen_cfg.pad_id, group=None if st.world_size == 1 else dist.group.WORLD)
         batch = RolloutBatch(tokens=tokens, mask=mask[:, 1:], rewards=rewards, advantages=advantages,
-                             sample_logprobs=sample_lp[:, 1:], response_texts=texts)
+                             sample_logprobs=sample_lp[:, 1:], response_texts=texts,
+                             sample_ids=[f"{mine[i // G].id}#{i % G}" for i in range(len(texts))])
         mbs = cfg.train.micro_batch_size
         if self.recorder is not None:
             # R3: the rollout's routes, in the micro-batch partition both passes use
@@ -170,6 +191,7 @@ class Trainer:
         rows_per_minibatch = batch.num_rows // n_mb
         acc = MetricAccumulator()
         grad_norms, skipped = [], 0
+        inject_nan = self.faults.active("nan_logprob", self.step + 1)
         for k in range(n_mb):
             lo = k * rows_per_minibatch
             mini = batch.rows(slice(lo, lo + rows_per_minibatch))
@@ -180,6 +202,7 @@ class Trainer:
             self._set_aux_loss_scale(1.0 / (st.dp * n_micro))
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
+            bad_rows: list[str] = []
             for j in range(n_micro):
                 mb_index = (lo // mbs) + j  # the micro-batch id the old-log-prob pass used
                 micro = mini.rows(slice(j * mbs, (j + 1) * mbs))
@@ -187,6 +210,10 @@ class Trainer:
                     logits = forward_logits(self.ddp, micro.tokens[:, :-1])
                     logp, ent = vocab_parallel_logprobs(logits, micro.tokens[:, 1:], cfg.model.vocab_size,
                                                         st.tp_group, temperature=self.temperature)
+                    if inject_nan and j == 0:  # test hook (MEGATRON_GSPO_FAULTS)
+                        logp = logp + torch.where(micro.mask, float("nan"), 0.0)
+                    finite = torch.where(micro.mask, logp.detach(), 0.0).isfinite().all(dim=-1)
+                    bad_rows += [micro.sample_ids[r] for r in torch.nonzero(~finite).flatten().tolist()]
                     loss, metrics = compute_policy_loss(
                         cfg.loss, logp, micro.old_logprobs, micro.advantages, micro.mask,
                         ref_logp=micro.ref_logprobs, entropy=ent, global_batch_normalizer=norm[0])
@@ -194,17 +221,42 @@ class Trainer:
                         loss.backward()
                 acc.add(metrics)
             finalize_grads(self.ddp, st)
+            # NaN/Inf guard: decided collectively so every rank skips the same update
+            local_bad = bool(bad_rows) or not all(
+                torch.isfinite(p.main_grad).all() for p in self.ddp.parameters() if getattr(p, "main_grad", None) is not None)
+            if _any_rank(local_bad):
+                self._skip_update(bad_rows)
+                skipped += 1
+                continue
             ok, gnorm = optimizer_step(self.optimizer)
+            if not ok or not math.isfinite(gnorm):  # megatron's own overflow check (bf16/fp16)
+                self._skip_update([])
+                skipped += 1
+                continue
+            self.consecutive_skips = 0
             self.scheduler.step(increment=1)
             grad_norms.append(gnorm)
-            skipped += int(not ok)
         self.replay.finish_step()  # asserts every recorded route was replayed exactly once
         out = {f"loss/{k}": v for k, v in acc.reduce(st.dp_group).items()}
         out["loss/clip_frac"] = out["loss/clip_frac_low"] + out["loss/clip_frac_high"]
-        out["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         out["train/skipped_updates"] = skipped
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
+
+    def _skip_update(self, bad_rows: list[str]) -> None:
+        self.consecutive_skips += 1
+        self.skipped_total += 1
+        log.warning("step %d: non-finite loss/gradients, update skipped on every rank (%d in a row, %d total)%s",
+                    self.step + 1, self.consecutive_skips, self.skipped_total,
+                    f"; sequences with non-finite log-probs on rank {self.state.rank}: {bad_rows[:8]}" if bad_rows else "")
+        if self.consecutive_skips >= self.cfg.train.max_consecutive_skips:
+            self.save()  # nothing was applied since the last good update: this is the last good state
+            raise TrainingStopped(
+                f"stopping: {self.consecutive_skips} consecutive updates had non-finite loss or gradients "
+                f"(train.max_consecutive_skips={self.cfg.train.max_consecutive_skips}) at step {self.step + 1}; "
+                f"the last good state was saved to {self.cfg.checkpoint.save or '(checkpoint.save not set)'}",
+                EXIT_TOO_MANY_SKIPS)
 
     def _train_pass_context(self, mb: int):
         stack = contextlib.ExitStack()
@@ -255,7 +307,8 @@ class Trainer:
             return
         save_checkpoint(ck.save, self.step, self.ddp, self.optimizer, self.scheduler,
                         extra={"data": self.sampler.state_dict(), "config": to_dict(self.cfg)},
-                        is_main=self.state.is_main)
+                        is_main=self.state.is_main, keep_last=ck.keep_last,
+                        fault_hook=self.faults.save_hook(self.step))
 
     def run(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -264,6 +317,14 @@ class Trainer:
         self.setup_optimizer()
         history = []
         while self.step < t.num_steps:
+            if _any_rank(self.preempt.set):
+                self.save()
+                saved = f"checkpoint saved to {self.cfg.checkpoint.save}" if self.cfg.checkpoint.save else \
+                    "NO checkpoint written (checkpoint.save is not set)"
+                raise TrainingStopped(f"preempted by signal {self.preempt.received or '(on another rank)'} before "
+                                      f"step {self.step + 1}: {saved}; exiting with {EXIT_PREEMPTED} "
+                                      "(resume with checkpoint.resume=true)", EXIT_PREEMPTED)
+            self.faults.at_step_start(self.step + 1)
             t0 = time.perf_counter()
             # every random draw of a step is a function of (seed, step): resume is exact
             parallel.set_seed(t.seed + self.step, self.state)
@@ -276,6 +337,7 @@ class Trainer:
             step_time = time.perf_counter() - t0
             metrics.update({f"perf/{k}_s": v for k, v in times.items()})
             metrics["perf/step_time_s"] = step_time
+            metrics["perf/rss_mb"] = psutil.Process().memory_info().rss / 2**20
             metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(times.get("generate", 0.0), 1e-9)
             self.logger.log(self.step, metrics)
             history.append({k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor) or v.numel() == 1})
@@ -306,7 +368,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         result = trainer.run()
         if trainer.state.is_main and result["history"]:
             log.info(summarize(result["history"]))
+    except TrainingStopped as e:
+        log.error("%s", e)
+        return e.exit_code
     finally:
+        trainer.logger.close()
         parallel.destroy()
     return 0
 

@@ -1,0 +1,79 @@
+"""Preemption signals and test-only fault injection.
+
+Preemption: SLURM sends SIGUSR1 (``--signal=B:USR1@300``) or SIGTERM before a job's time limit.
+The handler only sets a flag; the trainer checks it at the next step boundary (all ranks agree
+through an all-reduce), writes a checkpoint and exits with ``EXIT_PREEMPTED`` so the batch script
+can requeue and resume.
+
+Fault injection (tests only): ``MEGATRON_GSPO_FAULTS="kind@step[:rank],..."`` with kinds
+  nan_logprob  make rank's current log-probs non-finite in the training forward of that step
+  raise        raise RuntimeError at the start of that step
+  kill         SIGKILL this process at the start of that step
+  kill_in_save SIGKILL this process while the checkpoint of that step is half written
+A fault without ``:rank`` fires on every rank. Unset in production: every check is a dict lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Optional
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" -> requeue and resume
+EXIT_TOO_MANY_SKIPS = 76  # consecutive non-finite steps: the run cannot make progress
+
+_KINDS = ("nan_logprob", "raise", "kill", "kill_in_save")
+
+
+class PreemptionFlag:
+    """Set by SIGTERM / SIGUSR1; installed once per process."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)) -> None:
+        self.received: Optional[int] = None
+        for sig in signals:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.received = signum
+
+    @property
+    def set(self) -> bool:
+        return self.received is not None
+
+
+class Faults:
+    def __init__(self, spec: Optional[str] = None, rank: int = 0) -> None:
+        spec = os.environ.get("MEGATRON_GSPO_FAULTS", "") if spec is None else spec
+        self.rank = rank
+        self._at: dict[tuple[str, int], Optional[int]] = {}
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            try:
+                kind, rest = item.split("@")
+                step, _, r = rest.partition(":")
+                if kind not in _KINDS:
+                    raise ValueError
+                self._at[(kind, int(step))] = int(r) if r else None
+            except ValueError:
+                raise ValueError(f"MEGATRON_GSPO_FAULTS: cannot parse {item!r}; expected kind@step[:rank] "
+                                 f"with kind in {list(_KINDS)}") from None
+
+    def active(self, kind: str, step: int) -> bool:
+        if (kind, step) not in self._at:
+            return False
+        r = self._at[(kind, step)]
+        return r is None or r == self.rank
+
+    def at_step_start(self, step: int) -> None:
+        if self.active("raise", step):
+            raise RuntimeError(f"injected fault: rank {self.rank} raises at step {step}")
+        if self.active("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def save_hook(self, step: int):
+        if not self.active("kill_in_save", step):
+            return None
+
+        def hook(phase: str, path: str) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        return hook

@@ -1,0 +1,172 @@
+"""Crash safety, exact resume after kill -9 / SIGTERM, NaN guards, multi-rank failure, bad inputs,
+and a soak run. Runs the real entry point in subprocesses (faults injected via MEGATRON_GSPO_FAULTS)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_gspo.checkpoint import dist_checkpoint_to_tensors, iter_dir, latest_complete, verify_checkpoint
+from megatron_gspo.faults import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = [
+    "train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generation.max_new_tokens=4",
+    "train.micro_batch_size=8", "train.num_minibatches=2", "optimizer.lr=1e-3", "train.tensorboard=false",
+    f"reward.name={HERE}/reward_plugins.py:digit_fraction",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+
+
+def train(tmp, name, *extra, faults="", steps=4, wait=True, nproc=1):
+    args = JOB + [f"train.num_steps={steps}", f"train.output_dir={tmp}/{name}", f"checkpoint.save={tmp}/{name}/ckpt",
+                  "checkpoint.save_interval=1", *extra]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "megatron_gspo.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "megatron_gspo.train", *args]
+    env = {**ENV, "MEGATRON_GSPO_FAULTS": faults}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    if not wait:
+        return p
+    out, _ = p.communicate(timeout=600)
+    return p.returncode, out
+
+
+def final_weights(ckpt_root, step):
+    d = dist_checkpoint_to_tensors(iter_dir(ckpt_root, step))
+    return {k: v for k, v in d.items() if isinstance(v, torch.Tensor) and not k.startswith("optimizer")}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("straight")
+    rc, out = train(tmp, "a")
+    assert rc == 0, out[-3000:]
+    return final_weights(f"{tmp}/a/ckpt", 4)
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("fault", ["kill@3", "kill_in_save@2", "random"])
+def test_kill9_then_resume_matches_uninterrupted(tmp_path, straight, fault):
+    if fault == "random":
+        p = train(tmp_path, "b", wait=False)
+        time.sleep(random.Random(0).uniform(4.0, 12.0))
+        p.send_signal(signal.SIGKILL)
+        p.communicate()
+    else:
+        rc, out = train(tmp_path, "b", faults=fault)
+        assert rc == -signal.SIGKILL, out[-2000:]
+    root = f"{tmp_path}/b/ckpt"
+    if fault == "kill_in_save@2":
+        # the half-written checkpoint is a .tmp directory, never mistaken for a complete one
+        assert os.path.isdir(iter_dir(root, 2) + ".tmp") and latest_complete(root) == 1
+    rc, out = train(tmp_path, "b", "checkpoint.resume=true")
+    assert rc == 0, out[-3000:]
+    assert_same(straight, final_weights(root, 4))
+
+
+def test_corrupt_latest_checkpoint_falls_back(tmp_path, straight):
+    rc, out = train(tmp_path, "c", steps=3)
+    assert rc == 0, out[-2000:]
+    root = f"{tmp_path}/c/ckpt"
+    victim = next(f for f in sorted(os.listdir(iter_dir(root, 3))) if f.endswith(".distcp"))
+    with open(os.path.join(iter_dir(root, 3), victim), "r+b") as f:  # flip bytes in place
+        f.seek(100)
+        f.write(b"\x00garbage\x00")
+    assert "fails its checksum" in verify_checkpoint(iter_dir(root, 3))
+    rc, out = train(tmp_path, "c", "checkpoint.resume=true")
+    assert rc == 0, out[-3000:]
+    assert f"iter_0000003 is incomplete or corrupt (file {victim} fails its checksum)" in out
+    assert "resumed from" in out and "iter_0000002" in out
+    assert_same(straight, final_weights(root, 4))
+
+
+def test_sigterm_checkpoints_and_resumes(tmp_path, straight):
+    p = train(tmp_path, "d", steps=4, wait=False)
+    # wait for the first checkpoint, then preempt
+    root = f"{tmp_path}/d/ckpt"
+    deadline = time.time() + 300
+    while latest_complete(root) is None and time.time() < deadline:
+        time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == EXIT_PREEMPTED, out[-2000:]
+    assert "preempted by signal 15" in out
+    saved = latest_complete(root)
+    rc, out = train(tmp_path, "d", "checkpoint.resume=true")
+    assert rc == 0 and f"iter_{saved:07d}" in out, out[-2000:]
+    assert_same(straight, final_weights(root, 4))
+
+
+def test_nan_skipped_on_every_rank_and_k_in_a_row_stop(tmp_path):
+    """Rank 1 alone sees non-finite log-probs at step 2; both ranks skip. Steps 2-4 poisoned on
+    rank 1 with K=3: the run stops with EXIT_TOO_MANY_SKIPS and a checkpoint of the last good state."""
+    rc, out = train(tmp_path, "e", "train.max_consecutive_skips=3", "train.num_minibatches=1",
+                    faults="nan_logprob@2:1,nan_logprob@3:1,nan_logprob@4:1", steps=5, nproc=2)
+    assert rc != 0
+    # each skip is logged by every rank (the decision is collective); rank 1 names the sequences
+    assert out.count("step 2: non-finite loss/gradients, update skipped on every rank (1 in a row") == 2, out[-4000:]
+    assert "sequences with non-finite log-probs on rank 1" in out
+    assert "sequences with non-finite log-probs on rank 0" not in out
+    assert "stopping: 3 consecutive updates had non-finite loss or gradients" in out
+    assert f"exitcode  : {EXIT_TOO_MANY_SKIPS}" in out
+    root = f"{tmp_path}/e/ckpt"
+    assert latest_complete(root) == 3  # saved when the 3rd skip happened (step 4 in progress)
+    rows = [json.loads(x) for x in open(f"{tmp_path}/e/metrics.jsonl")]
+    assert [r["train/skipped_updates"] for r in rows] == [0, 1, 1]
+
+
+def test_one_rank_raises_both_exit_quickly(tmp_path):
+    t0 = time.time()
+    rc, out = train(tmp_path, "f", faults="raise@2:1", steps=4, nproc=2)
+    assert rc != 0
+    assert "injected fault: rank 1 raises at step 2" in out
+    assert time.time() - t0 < 180
+
+
+def test_checkpoint_of_other_shape_is_refused_and_kept(tmp_path):
+    rc, out = train(tmp_path, "g", steps=1)
+    assert rc == 0
+    root = f"{tmp_path}/g/ckpt"
+    before = {f: os.path.getsize(os.path.join(iter_dir(root, 1), f)) for f in os.listdir(iter_dir(root, 1))}
+    rc, out = train(tmp_path, "g", "model.hidden_size=128", "checkpoint.resume=true", steps=2)
+    assert rc != 0
+    assert "has shape (128, 64) in the checkpoint but the model expects (128, 128)" in out
+    assert "different model config" in out
+    after = {f: os.path.getsize(os.path.join(iter_dir(root, 1), f)) for f in os.listdir(iter_dir(root, 1))}
+    assert before == after and latest_complete(root) == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.source=/nonexistent/prompts.jsonl", "/nonexistent/prompts.jsonl"),
+    ("model.vocab_size=50", "vocab"),
+    ("loss.clip_ratio_low=1.5", "loss.clip_ratio_low must be in (0, 1), got 1.5"),
+    ("train.routing_replay=R2", "GSPO needs no routing replay"),
+])
+def test_bad_input_fails_before_writing(tmp_path, override, message):
+    rc, out = train(tmp_path, "h", override, steps=1)
+    assert rc != 0 and message in out, out[-2000:]
+    assert not os.path.exists(f"{tmp_path}/h"), "nothing may be written for a refused run"
+
+
+def test_soak_rss_is_flat_with_rotation(tmp_path):
+    rc, out = train(tmp_path, "s", "checkpoint.keep_last=2", steps=30)
+    assert rc == 0, out[-2000:]
+    rows = [json.loads(x) for x in open(f"{tmp_path}/s/metrics.jsonl")]
+    rss = [r["perf/rss_mb"] for r in rows]
+    assert max(rss[10:]) - rss[9] < 40, rss  # MB: no per-step growth once warm
+    kept = sorted(d for d in os.listdir(f"{tmp_path}/s/ckpt") if d.startswith("iter_"))
+    assert kept == ["iter_0000029", "iter_0000030"]
