@@ -359,11 +359,18 @@ def summarize(history: list[dict]) -> str:
             f"(+{last - first:.3f})")
 
 
+DEMO_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "demo_gspo.yaml")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     path = argv.pop(0) if argv and not argv[0].startswith("-") and "=" not in argv[0] else None
+    if path is None:
+        # no YAML: the built-in demo job (tiny MoE, arithmetic task), overrides still apply
+        path = DEMO_CONFIG
     cfg = load_job_config(path, argv)
     trainer = Trainer(cfg)
+    log.info("config: %s %s", path, " ".join(argv))
     try:
         result = trainer.run()
         if trainer.state.is_main and result["history"]:

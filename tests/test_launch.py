@@ -650,3 +650,18 @@ def test_package_installs_the_way_the_dockerfile_does(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().startswith(str(target))
+
+
+def test_tiny_cpu_recipe_is_the_default_job():
+    """launch/recipes/tiny_cpu.yaml and the no-argument job (megatron_gspo/configs/demo_gspo.yaml)
+    describe the same run."""
+    import dataclasses
+
+    from megatron_gspo.config import load_job_config
+    from megatron_gspo.train import DEMO_CONFIG
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    a = load_job_config(os.path.join(root, "launch", "recipes", "tiny_cpu.yaml"))
+    b = load_job_config(DEMO_CONFIG)
+    a.train = dataclasses.replace(a.train, output_dir=b.train.output_dir)
+    assert a == b
