@@ -194,13 +194,14 @@ def model_config_from_hf(config_json: str | os.PathLike | dict, **overrides: Any
     model_type = hf.get("model_type")
     if model_type != "qwen3_moe":
         raise ConfigError(f"{src}: model_type={model_type!r}; only 'qwen3_moe' is supported")
+    hf = dict(hf)
+    if "num_experts" not in hf and "num_local_experts" in hf:  # transformers 5 spelling
+        hf["num_experts"] = hf["num_local_experts"]
     required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                 "vocab_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
     missing = [k for k in required if k not in hf]
     if missing:
         raise ConfigError(f"{src}: config.json lacks keys {missing}")
-    if not hf.get("norm_topk_prob", True):
-        raise ConfigError(f"{src}: norm_topk_prob=false (un-renormalized top-k) is not supported")
     if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
         raise ConfigError(f"{src}: dense layers (decoder_sparse_step/mlp_only_layers) are not supported; every layer must be MoE")
     if hf.get("attention_bias", False):
@@ -218,6 +219,10 @@ def model_config_from_hf(config_json: str | os.PathLike | dict, **overrides: Any
         num_moe_experts=hf["num_experts"], moe_router_topk=hf["num_experts_per_tok"],
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
         moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 1e-3),
+        # norm_topk_prob (Qwen3: true) = softmax over the top-k logits = megatron pre_softmax=False;
+        # false = softmax over all experts, top-k kept un-renormalized = pre_softmax=True.
+        # transformers' default for a missing key is false.
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
         init_method_std=hf.get("initializer_range", 0.02),
     )
     kw.update(overrides)

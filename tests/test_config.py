@@ -147,3 +147,14 @@ def test_hf_config(tmp_path):
         model_config_from_hf({**hf, "mlp_only_layers": [0]})
     with pytest.raises(ConfigError, match=r"lacks keys \['num_experts'\]"):
         model_config_from_hf({k: v for k, v in hf.items() if k != "num_experts"})
+
+
+def test_hf_router_normalization_and_expert_key_spellings():
+    hf = dict(model_type="qwen3_moe", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=100, num_local_experts=4,
+              num_experts_per_tok=2, moe_intermediate_size=32)
+    # transformers 5 writes num_local_experts; a missing norm_topk_prob means false there:
+    # softmax over all experts, top-k kept un-renormalized = megatron's pre_softmax=True
+    cfg = model_config_from_hf(hf)
+    assert cfg.num_moe_experts == 4 and cfg.moe_router_pre_softmax is True
+    assert model_config_from_hf({**hf, "norm_topk_prob": True}).moe_router_pre_softmax is False

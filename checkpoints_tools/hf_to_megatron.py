@@ -1,0 +1,132 @@
+"""Hugging Face safetensors -> megatron dist_checkpointing (torch_dist), one process, no GPU,
+bounded memory (one tensor group -- a layer -- at a time).
+
+    python -m checkpoints_tools.hf_to_megatron --hf-dir Qwen3-30B-A3B --out ckpt/qwen3-30b-a3b [--force]
+
+The output directory loads under any TP / EP / ETP layout with megatron_gspo.checkpoint.load_model
+(torch_dist keys are global). Next to the weights it holds ``model_config.yaml`` (the
+megatron_gspo ModelConfig the HF config implies), the HF ``config.json`` and the tokenizer files.
+Everything is checked (config, index, every shard header, every tensor's shape) before anything
+is written; the output appears atomically (temp dir next to it, renamed when complete).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from checkpoints_tools.common import (ConversionError, DistCheckpointWriter, HFCheckpoint, Progress,
+                                      atomic_output_dir, check_output, copy_side_files, get_mapping,
+                                      parse_dtype, read_json, validate_hf_tensors, write_summary)
+
+MODEL_CONFIG_FILE = "model_config.yaml"
+
+
+def write_model_config(path: str, cfg) -> None:
+    import yaml
+
+    from megatron_gspo.config import to_dict
+
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("# megatron_gspo ModelConfig implied by the HF config.json (checkpoints_tools.hf_to_megatron)\n")
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+def convert(hf_dir: str, out: str, force: bool = False, dtype: Optional[str] = None,
+            quiet: bool = False) -> dict:
+    """Convert; returns the summary dict. Raises ConversionError (nothing written) on bad input."""
+    progress = Progress("hf->megatron", 0, quiet=quiet)
+    out = check_output(out, force, [hf_dir])
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"HF model directory not found: {hf_dir}")
+    cast = parse_dtype(dtype)
+
+    # ---- validate everything before writing anything ----
+    hf_config = read_json(os.path.join(hf_dir, "config.json"), "HF config.json")
+    mapping_cls = get_mapping(hf_config.get("model_type"))
+    cfg = mapping_cls.model_config_from_hf(hf_config)
+    mapping = mapping_cls(cfg)
+    hf = HFCheckpoint(hf_dir)
+    validate_hf_tensors(mapping, hf.entries, hf_dir)
+    groups = mapping.groups()
+
+    # one dtype per megatron tensor (torch_dist records it per key): the HF dtype unless --dtype
+    mdtype: dict[str, torch.dtype] = {}
+    for g in groups:
+        for r in g.rules:
+            src = hf.entries[r.hf_names[0]].dtype
+            mdtype.setdefault(r.mtensor.key, cast or src)
+    plans = []
+    for g in groups:
+        items = []
+        for r in g.rules:
+            items.append((r.mtensor.key, (r.mtensor.shape, r.offsets, r.sizes, mdtype[r.mtensor.key])))
+        items += [(o, None) for o in g.objects]
+        plans.append(items)
+    progress.total = len(groups)
+    progress.log(f"{hf_dir}: {mapping_cls.model_type}, {cfg.num_layers} layers, {cfg.num_moe_experts} experts, "
+                 f"{len(hf.entries)} tensors in {len({e.file for e in hf.entries.values()})} file(s); "
+                 f"vocab {cfg.vocab_size} padded to {cfg.padded_vocab_size}")
+
+    with atomic_output_dir(out, force) as tmp:
+        writer = DistCheckpointWriter(tmp)
+        writer.plan(plans)
+        for gi, g in enumerate(groups):
+            by_chunk = {}
+            for r in g.rules:
+                by_chunk[(r.mtensor.key, r.offsets)] = r
+            stats = {"tensors": 0, "bytes": 0}
+
+            def produce(index, by_chunk=by_chunk, stats=stats):
+                if index.offset is None:  # a ShardedObject (`_extra_state`)
+                    return None
+                r = by_chunk[(index.fqn, tuple(index.offset))]
+                srcs = [hf.get(n) for n in r.hf_names]
+                t = r.to_megatron(srcs).to(mdtype[r.mtensor.key]).reshape(r.sizes)
+                stats["tensors"] += 1
+                stats["bytes"] += t.numel() * t.element_size()
+                return t
+
+            writer.write_group(gi, produce)
+            progress.group(g.name, stats["tensors"], stats["bytes"])
+        writer.finish()
+        write_model_config(os.path.join(tmp, MODEL_CONFIG_FILE), cfg)
+        copied = copy_side_files(hf_dir, tmp)
+        progress.log(f"copied {', '.join(copied) or 'no side files'}")
+    return progress.summary(out, direction="hf_to_megatron", model_type=mapping_cls.model_type,
+                            layers=cfg.num_layers, source_bytes=sum(e.nbytes for e in hf.entries.values()))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m checkpoints_tools.hf_to_megatron", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hf-dir", required=True, help="HF model directory (config.json, safetensors, tokenizer)")
+    ap.add_argument("--out", required=True, help="output megatron torch_dist checkpoint directory")
+    ap.add_argument("--force", action="store_true", help="replace an existing output directory")
+    ap.add_argument("--dtype", default="auto", help="auto (keep the HF dtype) | bf16 | fp16 | fp32")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: the work is copies and I/O; more threads "
+                         "mostly contend)")
+    ap.add_argument("--summary-json", default=None, help="also write the summary to this JSON file")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    a = ap.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, a.threads))
+    try:
+        try:
+            s = convert(a.hf_dir, a.out, force=a.force, dtype=a.dtype, quiet=a.quiet)
+        except ConversionError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    finally:
+        torch.set_num_threads(threads)
+    write_summary(a.summary_json, s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
