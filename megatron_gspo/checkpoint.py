@@ -213,15 +213,22 @@ def _replace_file(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _training_sharded_state_dict(model, optimizer, is_loading: bool) -> dict:
+def _training_sharded_state_dict(model, optimizer, is_loading: bool, extra_models: Optional[dict] = None) -> dict:
     from megatron_gspo import cpu_compat
 
     model_sd = _model_sharded_state_dict(model)
     sd = {"model": model_sd}
+    for name, m in (extra_models or {}).items():  # e.g. the frozen KL reference, keys "ref_model.*"
+        sd[name] = _model_sharded_state_dict(m, prefix=f"{name}.")
     if optimizer is not None:
         with cpu_compat.optimizer_context():
-            sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            sd["optimizer"] = optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata={"chained_optim_avoid_prefix": True})
     return sd
+
+
+def _optimizer_parts(optimizer) -> int:
+    return len(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def rotate(root: str, keep_last: int) -> list[str]:
@@ -239,7 +246,8 @@ def rotate(root: str, keep_last: int) -> list[str]:
 
 
 def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None, extra: Optional[dict] = None,
-                    is_main: bool = True, keep_last: int = 0, fault_hook=None) -> str:
+                    is_main: bool = True, keep_last: int = 0, fault_hook=None,
+                    extra_models: Optional[dict] = None) -> str:
     """Collective. Writes <root>/iter_<step> atomically (see above) and points the tracker at it."""
     import shutil
 
@@ -253,8 +261,10 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None,
             shutil.rmtree(tmp)
         os.makedirs(tmp)
     _barrier()
-    sd = _training_sharded_state_dict(model, optimizer, is_loading=False)
+    sd = _training_sharded_state_dict(model, optimizer, is_loading=False, extra_models=extra_models)
     sd["step"] = step
+    if optimizer is not None:
+        sd["optimizer_parts"] = _optimizer_parts(optimizer)
     if scheduler is not None:
         sd["scheduler"] = scheduler.state_dict()
     if extra:
@@ -275,7 +285,7 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None,
     return final
 
 
-def load_checkpoint(path: str, model, optimizer=None, scheduler=None) -> dict:
+def load_checkpoint(path: str, model, optimizer=None, scheduler=None, extra_models: Optional[dict] = None) -> dict:
     """Collective. ``path`` is a checkpoint root (its newest complete iteration) or an iter_
     directory. Returns {"step": int, "extra": dict, "path": str}."""
     from megatron.core import dist_checkpointing
@@ -285,9 +295,22 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None) -> dict:
     if why is not None:
         raise CheckpointError(f"{path}: {why}")
     check_compatible(model, path)
-    sd = _training_sharded_state_dict(model, optimizer, is_loading=True)
+    if optimizer is not None:
+        # Weights and Adam moments are stored under global, layout-free keys, but megatron keeps
+        # one optimizer per parameter family (dense / expert), and how many exist depends on the
+        # layout (EP > 1 splits them); their non-tensor state cannot be re-split on load.
+        saved = dist_checkpointing.load_common_state_dict(path).get("optimizer_parts")
+        if saved is not None and saved != _optimizer_parts(optimizer):
+            raise CheckpointError(
+                f"{path}: the optimizer state was saved as {saved} megatron optimizer(s) and this layout "
+                f"builds {_optimizer_parts(optimizer)} (dense/expert parameters are split when "
+                "expert_model_parallel_size > 1); resume with the saving layout's EP, or start from these "
+                f"weights with a fresh optimizer: checkpoint.load={path} checkpoint.resume=false")
+    sd = _training_sharded_state_dict(model, optimizer, is_loading=True, extra_models=extra_models)
     loaded = dist_checkpointing.load(sd, path)
     unwrap(model).load_state_dict(loaded["model"], strict=True)
+    for name, m in (extra_models or {}).items():
+        unwrap(m).load_state_dict(loaded[name], strict=True)
     if optimizer is not None:
         if "optimizer" not in loaded:
             raise CheckpointError(f"{path}: has no optimizer state (a weights-only checkpoint?); "

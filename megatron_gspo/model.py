@@ -196,6 +196,10 @@ def build_layer_spec(tcfg, cfg: ModelConfig, pp_rank: Optional[int] = None):
         if cfg.qk_layernorm:
             sub.self_attention.submodules.q_layernorm = QKRMSNorm
             sub.self_attention.submodules.k_layernorm = QKRMSNorm
+        # Checkpoint names as the TE spec writes them, so a checkpoint moves between specs: TE
+        # fuses the input norm into linear_qkv (layer_norm_weight) but keeps the MoE pre-MLP norm
+        # a separate module (pre_mlp_layernorm.weight).
+        sub.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
         final_norm = RMSNorm
         if resolve_expert_impl(cfg, impl) == "batched":
             from megatron_gspo.experts import BatchedSequentialMLP
@@ -212,8 +216,10 @@ def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, rou
 
     cpu_compat.apply()
     # RouterReplay keeps a class-level list of instances, one per MoE layer, in build order; a
-    # rebuilt model must start from an empty list or replay data goes to stale routers.
-    RouterReplay.clear_global_router_replay_instances()
+    # rebuilt replay model must start from an empty list or replay data goes to stale routers.
+    # (Models without replay create no instances and leave the list alone.)
+    if routing_replay:
+        RouterReplay.clear_global_router_replay_instances()
     tcfg = build_transformer_config(cfg, par, routing_replay=routing_replay)
     pp_rank = state.pp_rank
     spec = build_layer_spec(tcfg, cfg, pp_rank=pp_rank)

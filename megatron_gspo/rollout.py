@@ -9,6 +9,7 @@ which is also why routing recorded during generation (R3) needs no route for it.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -52,35 +53,48 @@ class RolloutBatch:
         )
 
 
-def pad_to_common_length(tokens: torch.Tensor, mask: torch.Tensor, logprobs: torch.Tensor,
-                         pad_id: int, group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad [B, T] tensors to the longest T over ``group``.
+def common_length(length: int, multiple_of: int = 1, group=None) -> int:
+    """A token-grid width T shared by every rank of ``group`` with (T - 1) % multiple_of == 0.
 
     With the allgather MoE dispatcher every forward is a collective over the TP x EP ranks and
-    needs the same [b, s] on each; padding the whole rollout once keeps all micro-batches equal.
+    needs the same [b, s] on each; under sequence parallel the forward's input ``tokens[:, :-1]``
+    is split over TP, so its length must divide by TP.
     """
-    T = torch.tensor([tokens.shape[1]], dtype=torch.long)
+    T = torch.tensor([length], dtype=torch.long)
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(T, op=dist.ReduceOp.MAX, group=group)
-    extra = int(T.item()) - tokens.shape[1]
-    if extra == 0:
-        return tokens, mask, logprobs
-    pad = lambda t, v: torch.nn.functional.pad(t, (0, extra), value=v)  # noqa: E731
-    return pad(tokens, pad_id), pad(mask, False), pad(logprobs, 0.0)
+    return 1 + math.ceil((int(T.item()) - 1) / multiple_of) * multiple_of
+
+
+def pad_columns(t: torch.Tensor, width: int, value) -> torch.Tensor:
+    """Right-pad [B, T] to [B, width]."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+
+def micro_batch_slices(num_rows: int, num_minibatches: int, micro_batch_size: int) -> list[list[slice]]:
+    """Rows of each minibatch, split into micro-batches of at most ``micro_batch_size``.
+
+    The old-log-prob pass and the training pass use this one partition: routing replay and the
+    routing monitor key their records by the flat index of a micro-batch in it.
+    """
+    per = num_rows // num_minibatches
+    return [[slice(lo, min(lo + micro_batch_size, hi)) for lo in range(k * per, hi, micro_batch_size)]
+            for k, hi in ((k, (k + 1) * per) for k in range(num_minibatches))]
 
 
 @torch.no_grad()
-def compute_logprobs(model, tokens: torch.Tensor, micro_batch_size: int, vocab_size: int, tp_group,
+def compute_logprobs(model, tokens: torch.Tensor, micro_batches: list[slice], vocab_size: int, tp_group,
                      temperature: float = 1.0, on_micro_batch: MicroBatchHook = None) -> torch.Tensor:
-    """Forward-only per-token log-probs of tokens[:, 1:] in micro-batches: [B, T-1] fp32.
+    """Forward-only per-token log-probs of tokens[:, 1:], one forward per row slice in
+    ``micro_batches`` (which cover the rows in order): [B, T-1] fp32.
 
     ``on_micro_batch(i)`` may return a context manager entered around micro-batch i's forward
     (routing record / monitor capture)."""
     import contextlib
 
     out = []
-    for i, s in enumerate(range(0, tokens.shape[0], micro_batch_size)):
-        mb = tokens[s:s + micro_batch_size]
+    for i, rows in enumerate(micro_batches):
+        mb = tokens[rows]
         ctx = on_micro_batch(i) if on_micro_batch is not None else contextlib.nullcontext()
         with ctx:
             logits = forward_logits(model, mb[:, :-1])

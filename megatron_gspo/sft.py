@@ -15,6 +15,7 @@ import torch
 from megatron_gspo.logprobs import vocab_parallel_logprobs
 from megatron_gspo.model import finalize_grads, forward_logits
 from megatron_gspo.optim import build_optimizer, optimizer_step
+from megatron_gspo.rollout import common_length, pad_columns
 
 log = logging.getLogger("megatron_gspo")
 
@@ -53,6 +54,9 @@ def sft_warm_start(trainer) -> None:
         prompts = sampler.next_batch()
         per = len(prompts) // st.dp
         tokens, mask = build_sft_batch(prompts[st.dp_rank * per:(st.dp_rank + 1) * per], trainer.tokenizer, pad)
+        # one width on every rank (MoE dispatch is a collective) and (T - 1) % TP == 0 under SP
+        T = common_length(tokens.shape[1], st.tp if st.sequence_parallel else 1, group=torch.distributed.group.WORLD)
+        tokens, mask = pad_columns(tokens, T, pad), pad_columns(mask, T - 1, False)
         n = torch.tensor([float(mask.sum())])
         if st.dp > 1:
             torch.distributed.all_reduce(n, group=st.dp_group)

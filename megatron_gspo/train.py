@@ -27,7 +27,14 @@ import torch.distributed as dist
 
 from megatron_gspo import parallel
 from megatron_gspo.advantages import get_advantage_estimator
-from megatron_gspo.checkpoint import latest_complete, load_checkpoint, load_model, save_checkpoint
+from megatron_gspo.checkpoint import (
+    check_compatible,
+    latest_complete,
+    load_checkpoint,
+    load_model,
+    resolve,
+    save_checkpoint,
+)
 from megatron_gspo.config import JobConfig, load_job_config, to_dict
 from megatron_gspo.data import build_prompt_sampler
 from megatron_gspo.faults import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS, Faults, PreemptionFlag
@@ -39,7 +46,14 @@ from megatron_gspo.metrics import Metric, MetricAccumulator
 from megatron_gspo.model import build_model, finalize_grads, forward_logits, model_summary, wrap_ddp
 from megatron_gspo.optim import build_optimizer, build_scheduler, optimizer_step
 from megatron_gspo.rewards import build_reward_fn, compute_rewards
-from megatron_gspo.rollout import RolloutBatch, Timer, compute_logprobs, pad_to_common_length
+from megatron_gspo.rollout import (
+    RolloutBatch,
+    Timer,
+    common_length,
+    compute_logprobs,
+    micro_batch_slices,
+    pad_columns,
+)
 from megatron_gspo.routing import RolloutRecorder, RoutingMonitor, RoutingReplay
 from megatron_gspo.sft import sft_warm_start
 from megatron_gspo.tokenizer import build_tokenizer, check_vocab_fits
@@ -91,14 +105,21 @@ class Trainer:
         # log-probs are taken at the sampling temperature (greedy rollouts: the raw policy)
         self.temperature = cfg.generation.temperature or 1.0
 
-        # The reference model (KL) is built first: build_model resets megatron's RouterReplay
-        # registry, which must end up holding the policy's routers.
+        self.model = build_model(cfg.model, cfg.parallel, st, routing_replay=t.routing_replay != "off")
+        # The KL reference is the initial policy: a frozen copy taken after checkpoint.load and the
+        # SFT warm start (sync_reference), saved in every checkpoint so a resumed run keeps it.
         self.ref_model = None
         if cfg.loss.kl_coef > 0:
-            self.ref_model = build_model(cfg.model, cfg.parallel, st).eval()
-        self.model = build_model(cfg.model, cfg.parallel, st, routing_replay=t.routing_replay != "off")
-        if cfg.checkpoint.load and not cfg.checkpoint.resume:
-            load_model(self.model, cfg.checkpoint.load)
+            self.ref_model = build_model(cfg.model, cfg.parallel, st).eval().requires_grad_(False)
+        # resume = continue the newest complete checkpoint under save (or load); without one, a
+        # resume request is a fresh start (initial weights from checkpoint.load, if given)
+        ck = cfg.checkpoint
+        root = (ck.save or ck.load) if ck.resume else None
+        self.resume_root = root if root and latest_complete(root) is not None else None
+        if ck.load and self.resume_root is None:
+            load_model(self.model, ck.load)
+        if self.resume_root is not None:  # refuse a checkpoint of another shape before any work
+            check_compatible(self.model, resolve(self.resume_root))
         self.ddp = wrap_ddp(self.model, st, cfg.parallel.use_distributed_optimizer)
         # GRPO's routing replay (R2: routes of the old-log-prob pass, R3: of the rollout), and
         # routing metrics (expert load, aux loss, change old -> new policy) for every run.
@@ -123,16 +144,12 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optimizer, self.ddp, self.state, bf16, cfg.parallel.use_distributed_optimizer)
         total = cfg.train.num_steps * cfg.train.num_minibatches
         self.scheduler = build_scheduler(cfg.optimizer, self.optimizer, total)
-        ck = cfg.checkpoint
-        if ck.resume:
-            root = ck.save or ck.load
-            if root and latest_complete(root) is not None:
-                info = load_checkpoint(root, self.ddp, self.optimizer, self.scheduler)
-                self.step = info["step"]
-                self.sampler.load_state_dict(info["extra"]["data"])
-                log.info("resumed from %s at step %d", info["path"], self.step)
-            elif ck.load:
-                load_model(self.model, ck.load)
+        if self.resume_root is not None:
+            info = load_checkpoint(self.resume_root, self.ddp, self.optimizer, self.scheduler,
+                                   extra_models=self._extra_models())
+            self.step = info["step"]
+            self.sampler.load_state_dict(info["extra"]["data"])
+            log.info("resumed from %s at step %d", info["path"], self.step)
 
     # ------------------------------------------------------------------------------------------
     def rollout(self) -> RolloutBatch:
@@ -150,29 +167,33 @@ class Trainer:
             rewards = compute_rewards(self.reward_fn, [mine[i // G].text for i in range(len(texts))], texts,
                                       [mine[i // G].answer for i in range(len(texts))])
         advantages = self.advantage_fn(rewards, G)
-        tokens, mask, sample_lp = pad_to_common_length(out.tokens, out.response_mask, out.logprobs,
-                                                       self.gen_cfg.pad_id, group=None if st.world_size == 1 else dist.group.WORLD)
+        T = common_length(out.tokens.shape[1], st.tp if st.sequence_parallel else 1, group=dist.group.WORLD)
+        tokens = pad_columns(out.tokens, T, self.gen_cfg.pad_id)
+        mask, sample_lp = pad_columns(out.response_mask, T, False), pad_columns(out.logprobs, T, 0.0)
         batch = RolloutBatch(tokens=tokens, mask=mask[:, 1:], rewards=rewards, advantages=advantages,
                              sample_logprobs=sample_lp[:, 1:], response_texts=texts,
                              sample_ids=[f"{mine[i // G].id}#{i % G}" for i in range(len(texts))])
-        mbs = cfg.train.micro_batch_size
+        micro = self.micro_batches(batch.num_rows)
         if self.recorder is not None:
             # R3: the rollout's routes, in the micro-batch partition both passes use
             routes = self.recorder.finish(out)
-            for i, lo in enumerate(range(0, tokens.shape[0], mbs)):
-                rows = list(range(lo, min(lo + mbs, tokens.shape[0])))
-                self.replay.load(i, routes.routes_for(rows, seq_len=tokens.shape[1] - 1))
+            for i, rows in enumerate(micro):
+                self.replay.load(i, routes.routes_for(list(range(rows.start, rows.stop)), seq_len=T - 1))
         with self.timer("old_logprob"):
             batch.old_logprobs = compute_logprobs(
-                self.ddp, tokens, mbs, cfg.model.vocab_size, st.tp_group, self.temperature,
+                self.ddp, tokens, micro, cfg.model.vocab_size, st.tp_group, self.temperature,
                 on_micro_batch=self._old_pass_context)
             if self.replay.mode == "R3":
                 self.replay.finish_pass()  # the training pass replays the same routes once more
             if self.ref_model is not None:
-                batch.ref_logprobs = compute_logprobs(self.ref_model, tokens, mbs, cfg.model.vocab_size,
+                batch.ref_logprobs = compute_logprobs(self.ref_model, tokens, micro, cfg.model.vocab_size,
                                                       st.tp_group, self.temperature)
         batch.timings = {"gen_tokens": out.num_generated_tokens, "gen_s": out.elapsed_s}
         return batch
+
+    def micro_batches(self, num_rows: int) -> list[slice]:
+        t = self.cfg.train
+        return [s for mini in micro_batch_slices(num_rows, t.num_minibatches, t.micro_batch_size) for s in mini]
 
     def _old_pass_context(self, mb: int):
         stack = contextlib.ExitStack()
@@ -187,25 +208,22 @@ class Trainer:
     def train_on(self, batch: RolloutBatch) -> dict:
         """num_minibatches optimizer steps over the rollout; returns reduced metrics."""
         cfg, st = self.cfg, self.state
-        mbs, n_mb = cfg.train.micro_batch_size, cfg.train.num_minibatches
-        rows_per_minibatch = batch.num_rows // n_mb
+        t = cfg.train
         acc = MetricAccumulator()
         grad_norms, skipped = [], 0
         inject_nan = self.faults.active("nan_logprob", self.step + 1)
-        for k in range(n_mb):
-            lo = k * rows_per_minibatch
-            mini = batch.rows(slice(lo, lo + rows_per_minibatch))
+        mb_index = 0  # flat micro-batch id: the key of the old-log-prob pass's routing records
+        for mini in micro_batch_slices(batch.num_rows, t.num_minibatches, t.micro_batch_size):
             # The loss divides by the unit count of the whole minibatch over every DP rank, and DDP
             # sums gradients (calculate_per_token_loss): any DP/EP layout gives the DP=1 gradient.
-            norm = _all_reduce_sum(batch_normalizer(cfg.loss, mini.mask).reshape(1), st.dp_group)
-            n_micro = math.ceil(mini.num_rows / mbs)
-            self._set_aux_loss_scale(1.0 / (st.dp * n_micro))
+            rows = slice(mini[0].start, mini[-1].stop)
+            norm = _all_reduce_sum(batch_normalizer(cfg.loss, batch.mask[rows]).reshape(1), st.dp_group)
+            self._set_aux_loss_scale(1.0 / (st.dp * len(mini)))
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             bad_rows: list[str] = []
-            for j in range(n_micro):
-                mb_index = (lo // mbs) + j  # the micro-batch id the old-log-prob pass used
-                micro = mini.rows(slice(j * mbs, (j + 1) * mbs))
+            for j, sl in enumerate(mini):
+                micro = batch.rows(sl)
                 with self._train_pass_context(mb_index):
                     logits = forward_logits(self.ddp, micro.tokens[:, :-1])
                     logp, ent = vocab_parallel_logprobs(logits, micro.tokens[:, 1:], cfg.model.vocab_size,
@@ -217,9 +235,12 @@ class Trainer:
                     loss, metrics = compute_policy_loss(
                         cfg.loss, logp, micro.old_logprobs, micro.advantages, micro.mask,
                         ref_logp=micro.ref_logprobs, entropy=ent, global_batch_normalizer=norm[0])
-                    with self.replay.backward_replay():
-                        loss.backward()
+                # backward outside the routing monitor's capture: activation recompute re-runs the
+                # routers, which must replay (backward_replay) but not count as a second forward
+                with self.replay.backward_replay():
+                    loss.backward()
                 acc.add(metrics)
+                mb_index += 1
             finalize_grads(self.ddp, st)
             # NaN/Inf guard: decided collectively so every rank skips the same update
             local_bad = bool(bad_rows) or not all(
@@ -291,9 +312,8 @@ class Trainer:
         out = acc.reduce(self.state.dp_group)
         # routing: expert load, aux loss and the share of (token, k) choices that changed between
         # the old-log-prob pass and the training forward (0 under replay), reduced over all ranks
-        n_mb = math.ceil(batch.num_rows / self.cfg.train.micro_batch_size)
         stats = None
-        for i in range(n_mb):
+        for i in range(len(self.micro_batches(batch.num_rows))):
             s = self.monitor.stats(("train", i), pop=True)
             stats = s if stats is None else stats + s
             self.monitor.drop(("old", i))
@@ -301,19 +321,25 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------------------------------
+    def _extra_models(self) -> dict:
+        return {"ref_model": self.ref_model} if self.ref_model is not None else {}
+
     def save(self) -> None:
         ck = self.cfg.checkpoint
         if not ck.save:
             return
         save_checkpoint(ck.save, self.step, self.ddp, self.optimizer, self.scheduler,
+                        extra_models=self._extra_models(),
                         extra={"data": self.sampler.state_dict(), "config": to_dict(self.cfg)},
                         is_main=self.state.is_main, keep_last=ck.keep_last,
                         fault_hook=self.faults.save_hook(self.step))
 
     def run(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        if t.sft_steps > 0 and self.step == 0 and not cfg.checkpoint.resume:
-            sft_warm_start(self)
+        if t.sft_steps > 0 and self.resume_root is None:
+            sft_warm_start(self)  # before the RL optimizer exists: bf16 master weights copy params
+        if self.ref_model is not None and self.resume_root is None:
+            self.ref_model.load_state_dict(self.model.state_dict())
         self.setup_optimizer()
         history = []
         while self.step < t.num_steps:
@@ -359,6 +385,17 @@ def summarize(history: list[dict]) -> str:
             f"(+{last - first:.3f})")
 
 
+def _user_errors() -> tuple:
+    from megatron_gspo.checkpoint import CheckpointError
+    from megatron_gspo.config import ConfigError
+    from megatron_gspo.data import DataError
+    from megatron_gspo.rewards import RewardError
+    from megatron_gspo.tokenizer import TokenizerError
+
+    return (ConfigError, CheckpointError, DataError, RewardError, TokenizerError, FileNotFoundError)
+
+
+USER_ERRORS = _user_errors()
 DEMO_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "demo_gspo.yaml")
 
 
@@ -368,8 +405,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if path is None:
         # no YAML: the built-in demo job (tiny MoE, arithmetic task), overrides still apply
         path = DEMO_CONFIG
-    cfg = load_job_config(path, argv)
-    trainer = Trainer(cfg)
+    try:
+        cfg = load_job_config(path, argv)
+        trainer = Trainer(cfg)
+    except USER_ERRORS as e:
+        # a wrong config, layout, file or checkpoint: the message names it; no traceback
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        log.error("error: %s", e)
+        parallel.destroy()
+        return 2
     log.info("config: %s %s", path, " ".join(argv))
     try:
         result = trainer.run()
@@ -378,6 +422,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except TrainingStopped as e:
         log.error("%s", e)
         return e.exit_code
+    except USER_ERRORS as e:
+        log.error("error: %s", e)
+        return 2
     finally:
         trainer.logger.close()
         parallel.destroy()

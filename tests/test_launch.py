@@ -34,7 +34,7 @@ BASH = shutil.which("bash") or "/bin/bash"
 TORCHRUN = f"{sys.executable} -m torch.distributed.run"
 
 # the tiny job: 2 RL steps of 4 prompts x 2 samples x 4 new tokens
-TINY = ["train.num_steps=2", "train.prompts_per_step=4", "generation.n_samples_per_prompt=2",
+TINY = ["train.num_steps=2", "train.sft_steps=2", "train.prompts_per_step=4", "generation.n_samples_per_prompt=2",
         "generation.max_new_tokens=4", "train.micro_batch_size=4", "train.num_minibatches=1",
         "train.tensorboard=false"]
 

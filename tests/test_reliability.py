@@ -17,11 +17,35 @@ from megatron_gspo.faults import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = [
-    "train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generation.max_new_tokens=4",
+    "train.sft_steps=0", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generation.max_new_tokens=4",
     "train.micro_batch_size=8", "train.num_minibatches=2", "optimizer.lr=1e-3", "train.tensorboard=false",
     f"reward.name={HERE}/reward_plugins.py:digit_fraction",
 ]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+
+
+class Run:
+    """A trainer subprocess in its own session. Output goes to a file, not a pipe: a SIGKILLed
+    trainer can leave dist_checkpointing's writer processes behind holding inherited pipes."""
+
+    def __init__(self, cmd, env, log_path):
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def send_signal(self, sig):
+        self.p.send_signal(sig)
+
+    def wait(self, timeout=600):
+        try:
+            rc = self.p.wait(timeout=timeout)
+        finally:
+            try:  # reap whatever the run left behind (its whole session)
+                os.killpg(self.p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.log.close()
+        return rc, open(self.log_path).read()
 
 
 def train(tmp, name, *extra, faults="", steps=4, wait=True, nproc=1):
@@ -33,11 +57,9 @@ def train(tmp, name, *extra, faults="", steps=4, wait=True, nproc=1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "megatron_gspo.train", *args]
     env = {**ENV, "MEGATRON_GSPO_FAULTS": faults}
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    if not wait:
-        return p
-    out, _ = p.communicate(timeout=600)
-    return p.returncode, out
+    os.makedirs(f"{tmp}/logs", exist_ok=True)
+    run = Run(cmd, env, f"{tmp}/logs/{name}-{len(os.listdir(f'{tmp}/logs'))}.log")
+    return run.wait() if wait else run
 
 
 def final_weights(ckpt_root, step):
@@ -62,10 +84,10 @@ def assert_same(a, b):
 @pytest.mark.parametrize("fault", ["kill@3", "kill_in_save@2", "random"])
 def test_kill9_then_resume_matches_uninterrupted(tmp_path, straight, fault):
     if fault == "random":
-        p = train(tmp_path, "b", wait=False)
+        run = train(tmp_path, "b", wait=False)
         time.sleep(random.Random(0).uniform(4.0, 12.0))
-        p.send_signal(signal.SIGKILL)
-        p.communicate()
+        run.send_signal(signal.SIGKILL)
+        run.wait()
     else:
         rc, out = train(tmp_path, "b", faults=fault)
         assert rc == -signal.SIGKILL, out[-2000:]
@@ -95,15 +117,15 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, straight):
 
 
 def test_sigterm_checkpoints_and_resumes(tmp_path, straight):
-    p = train(tmp_path, "d", steps=4, wait=False)
+    run = train(tmp_path, "d", steps=4, wait=False)
     # wait for the first checkpoint, then preempt
     root = f"{tmp_path}/d/ckpt"
     deadline = time.time() + 300
     while latest_complete(root) is None and time.time() < deadline:
         time.sleep(0.5)
-    p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == EXIT_PREEMPTED, out[-2000:]
+    run.send_signal(signal.SIGTERM)
+    rc, out = run.wait(timeout=300)
+    assert rc == EXIT_PREEMPTED, out[-2000:]
     assert "preempted by signal 15" in out
     saved = latest_complete(root)
     rc, out = train(tmp_path, "d", "checkpoint.resume=true")
@@ -170,3 +192,16 @@ def test_soak_rss_is_flat_with_rotation(tmp_path):
     assert max(rss[10:]) - rss[9] < 40, rss  # MB: no per-step growth once warm
     kept = sorted(d for d in os.listdir(f"{tmp_path}/s/ckpt") if d.startswith("iter_"))
     assert kept == ["iter_0000029", "iter_0000030"]
+
+
+def test_resume_under_another_layout(tmp_path):
+    """A TP=1 checkpoint resumes under TP=2 (weights, Adam moments, data position); an EP change,
+    which changes megatron's dense/expert optimizer split, is refused with the way out named."""
+    rc, out = train(tmp_path, "l", steps=2)
+    assert rc == 0, out[-2000:]
+    rc, out = train(tmp_path, "l", "checkpoint.resume=true", "parallel.tensor_model_parallel_size=2", steps=3, nproc=2)
+    assert rc == 0 and "resumed from" in out and "step 3/3" in out, out[-3000:]
+    rc, out = train(tmp_path, "l", "checkpoint.resume=true", "parallel.expert_model_parallel_size=2", steps=4, nproc=2)
+    assert rc != 0
+    assert "the optimizer state was saved as 1 megatron optimizer(s) and this layout builds 2" in out
+    assert "checkpoint.load=" in out and "Traceback" not in out

@@ -1,0 +1,446 @@
+"""Generate docs/configuration.md from the configuration dataclasses.
+
+    python docs/gen_config_reference.py            # rewrite docs/configuration.md
+    python docs/gen_config_reference.py --check    # exit 1 if docs/configuration.md is stale
+
+Walks ``JobConfig``'s sections in order and, for every field, reports its name, its annotated type,
+its default in a job (``JobConfig()``: what a YAML job gets for a key it omits), the values
+``__post_init__`` accepts when it checks against a fixed set, and its documentation, taken from the
+source itself:
+
+* the ``#`` comment lines directly above the field (ModelConfig, ParallelConfig, TrainConfig,
+  GenerationConfig, OptimizerConfig), or
+* the ``name: text`` entries of the class docstring (LossConfig, DataConfig, TokenizerConfig,
+  RewardConfig; ``a / b:`` documents both fields, ``task_*:`` every matching field).
+
+A few fields have neither; ``SUPPLEMENT`` below describes those (and the build fails if a key in it
+stops naming a real field). tests/test_docs.py regenerates the page and asserts the committed file
+is identical, so editing a config comment means re-running this script.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import fnmatch
+import inspect
+import json
+import os
+import re
+import sys
+import textwrap
+import typing
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+OUTPUT = os.path.join(HERE, "configuration.md")
+
+if ROOT not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, ROOT)
+
+# Descriptions of fields the source leaves undocumented (no comment above them, no docstring entry).
+# Keep them short and true to the code; the key must be a real "section.field".
+SUPPLEMENT: dict[str, str] = {
+    "model.preset": "Name of a model preset (see *Model presets* below) whose values are the defaults of "
+                    "the other `model.*` keys; a `model` section without `preset` uses `tiny`, "
+                    "`model.preset=null` starts from the bare field defaults.",
+    "model.num_layers": "Transformer layers, every one MoE (HF `num_hidden_layers`).",
+    "model.hidden_size": "Model width (HF `hidden_size`).",
+    "model.num_attention_heads": "Query heads (HF `num_attention_heads`); a multiple of `num_query_groups`.",
+    "model.num_query_groups": "Key/value heads of grouped-query attention (HF `num_key_value_heads`).",
+    "model.kv_channels": "Head dimension (HF `head_dim`); explicit, not hidden_size / heads.",
+    "model.vocab_size": "Real vocabulary size (HF `vocab_size`); the tokenizer's ids must fit. The embedding "
+                        "is padded (`make_vocab_size_divisible_by`); padded ids are never sampled.",
+    "model.max_position_embeddings": "Longest sequence; must hold `data.max_prompt_length + "
+                                     "generation.max_new_tokens`.",
+    "model.rotary_base": "RoPE base (HF `rope_theta`).",
+    "model.norm_epsilon": "RMSNorm epsilon (HF `rms_norm_eps`).",
+    "model.qk_layernorm": "RMSNorm on each head's queries and keys (Qwen3).",
+    "model.untie_embeddings_and_output_weights": "Separate output layer (HF `tie_word_embeddings: false`).",
+    "model.num_moe_experts": "Routed experts per layer (HF `num_experts`).",
+    "model.moe_router_topk": "Experts per token (HF `num_experts_per_tok`).",
+    "model.moe_ffn_hidden_size": "Hidden size of each expert's SwiGLU FFN (HF `moe_intermediate_size`).",
+    "model.init_method_std": "Std of the random initialization (HF `initializer_range`).",
+    "model.fp8": "FP8 GEMMs (Transformer Engine only): `e4m3`, or `hybrid` (E4M3 forward, E5M2 gradients); "
+                 "needs `precision=bf16`.",
+    "model.fp8_recipe": "Transformer Engine FP8 scaling recipe (used with `fp8`).",
+    "model.recompute_method": "megatron's recompute method; required (with `recompute_num_layers`) by "
+                              "`recompute_granularity=full`.",
+    "model.recompute_num_layers": "Layers per recompute chunk (`uniform`) or recomputed layers (`block`).",
+    "parallel.tensor_model_parallel_size": "Tensor parallelism (TP). TP > 1 needs sequence parallel with MoE.",
+    "generation.max_new_tokens": "Longest response, in tokens.",
+    "optimizer.weight_decay": "Decoupled weight decay (constant over the run).",
+    "optimizer.adam_beta1": "Adam beta1.",
+    "optimizer.adam_beta2": "Adam beta2.",
+    "optimizer.adam_eps": "Adam epsilon.",
+    "train.num_steps": "RL steps: one rollout each, followed by `num_minibatches` optimizer steps.",
+    "train.prompts_per_step": "Prompts per RL step over all data-parallel ranks (P); divisible by the "
+                              "data-parallel size. The rollout has P x `generation.n_samples_per_prompt` "
+                              "responses.",
+    "data.chat_template_kwargs": "Variables for the chat template (Qwen3: `{enable_thinking: false}`).",
+    "model.moe_aux_loss_coeff": "Coefficient of megatron-core's MoE load-balancing (aux) loss.",
+    "model.moe_router_load_balancing_type": "megatron-core's load-balancing loss type.",
+    "model.moe_router_fusion": "TE's fused router top-k. Needs Transformer Engine, and is refused together "
+                               "with routing replay (the fused path skips megatron's RouterReplay).",
+    "parallel.pipeline_model_parallel_size": "Validated and passed to megatron-core, but the trainer has no "
+                                             "pipeline schedule: keep 1.",
+    "parallel.expert_model_parallel_size": "Experts are split over this many ranks (must divide "
+                                           "`model.num_moe_experts`).",
+    "parallel.use_distributed_optimizer": "Shard the Adam states over data-parallel ranks (megatron's "
+                                          "DistributedOptimizer). GPU only: on CPU the replicated optimizer "
+                                          "is used whatever this says.",
+    "parallel.seed": "Seed set once at start-up, before the model is initialized (Python, numpy, torch; "
+                     "+ 100 x pipeline rank).",
+    "train.advantage_estimator": "Group-relative advantage estimator: `grpo` (divide by the group std), "
+                                 "`dr_grpo` or its alias `mean_only` (mean-centering only). Checked when the "
+                                 "trainer starts, not when the config is loaded.",
+    "train.output_dir": "Where rank 0 writes `metrics.jsonl` and `tensorboard/` (created at the first "
+                        "logged step).",
+    "train.tensorboard": "Also write TensorBoard scalars and histograms (`metrics.jsonl` is always written).",
+    "train.log_interval": "Print the progress line every N steps (metrics are logged every step).",
+    "train.seed": "Per-step seed: after n completed steps, the next step reseeds every RNG with `seed + n` "
+                  "and samples its rollouts with `seed * 1000 + n`, so a resumed run draws what the "
+                  "uninterrupted run would have.",
+    "train.sft_lr": "Learning rate of the supervised warm start (constant, no weight decay).",
+    "train.sft_batch_size": "Prompts per supervised warm-start step.",
+    "checkpoint.save": "Checkpoint root to write `iter_XXXXXXX/` directories into (null: never save).",
+    "checkpoint.save_interval": "Save every N RL steps (0: only at the end). A run that ends, is preempted "
+                                "or stops on non-finite updates also saves when `save` is set.",
+    "checkpoint.load": "Initial weights (model only): a torch_dist directory (e.g. from "
+                       "`checkpoints_tools.hf_to_megatron`) or a checkpoint root (its newest complete "
+                       "`iter_*`). With `resume=true` used only when `save` holds no complete checkpoint.",
+    "checkpoint.resume": "Continue from the newest complete checkpoint under `save` (else `load`): model, "
+                         "optimizer, LR schedule, data position and step. Without one the run starts fresh "
+                         "(from `load`'s weights if set).",
+    "checkpoint.keep_last": "Keep only the newest N complete checkpoints (0 keeps all); the newest complete "
+                            "one is never deleted.",
+    "optimizer.optimizer": "megatron-core optimizer.",
+    "optimizer.lr": "Peak learning rate of the RL updates.",
+    "optimizer.min_lr": "Floor of the decay schedule.",
+    "optimizer.lr_warmup_steps": "Linear warmup, in optimizer steps (each RL step makes "
+                                 "`train.num_minibatches` of them).",
+    "optimizer.lr_decay_style": "megatron's OptimizerParamScheduler decay style.",
+    "optimizer.clip_grad": "Global gradient-norm clip (0 disables).",
+    "reward.format_kwargs": "Keyword arguments of the `format` shaping term (e.g. `require: think+boxed`).",
+}
+
+# Facts the source comment of a field leaves out or gets wrong, appended to its description.
+NOTES: dict[str, str] = {
+    "parallel.distributed_timeout_minutes": "The unit is minutes (`init_process_group(timeout=timedelta("
+                                            "minutes=...))`; megatron's groups get it rounded down, at least 1).",
+    "generation.seed": "The trainer passes its own per-step seed (`train.seed * 1000 + step`), so this key only "
+                       "affects direct `generation.generate()` calls.",
+    "generation.stop_token_ids": "Empty in a training job: the tokenizer's end-of-sequence ids.",
+    "generation.pad_token_id": "null in a training job: the tokenizer's pad id.",
+    "optimizer.lr_decay_steps": "The trainer's total is `train.num_steps x train.num_minibatches` optimizer steps.",
+    "train.max_consecutive_skips": "(The first sentence above describes the old-log-prob pass, not this key.)",
+}
+
+INTRO = """\
+<!-- GENERATED by docs/gen_config_reference.py from the config dataclasses: do not edit by hand.
+     Regenerate with `python docs/gen_config_reference.py`; tests/test_docs.py fails when stale. -->
+
+# Configuration reference
+
+A job is one YAML file of typed sections plus `section.key=value` overrides. Every section is a
+dataclass (`megatron_gspo/config.py` composes them into `JobConfig`; subsystem sections live next to
+their code) validated when it is built, so a wrong key, type or value stops the job before anything
+is initialized, with a `ConfigError` that names the field. Field names follow Megatron-LM's
+argument names where one exists.
+
+The **Default** column is what a job gets for a key it does not set (`JobConfig()`); the no-argument
+demo run starts from `megatron_gspo/configs/demo_gspo.yaml`, which sets a few of them differently
+(see [The demo job](#the-demo-job)). **Allowed** lists the values `__post_init__` accepts where it
+checks against a fixed set.
+
+## Loading a job and overriding keys
+
+```bash
+python -m megatron_gspo.train                                  # the demo job (configs/demo_gspo.yaml)
+python -m megatron_gspo.train job.yaml                         # a YAML job
+python -m megatron_gspo.train job.yaml loss.name=grpo train.routing_replay=R2 optimizer.lr=1e-6
+python -m megatron_gspo.train job.yaml --train.num_steps 10 --loss.name=gspo_token
+```
+
+* The first argument is the YAML file when it does not start with `-` and contains no `=`.
+  Without one, the demo job is loaded and the overrides apply to it.
+* An override is `section.key=value`, `--section.key=value` or `--section.key value`. The value is
+  parsed as YAML: `3`, `1e-6`, `true`, `null`, `[1, 2]`, `{stop: ["\\n"]}`; a list field also takes
+  `1,2`. A deeper key reaches into a mapping field: `reward.format_kwargs.require=think+boxed`.
+* Unknown keys are refused with a suggestion (`unknown config key train.num_step; did you mean
+  ['num_steps']?`), values of the wrong type with the field named (`train.num_steps must be an
+  integer, got 'abc'`).
+* `model.preset` applies first: its values are the defaults that the other `model.*` keys override,
+  so `model.hidden_size=128` alone tweaks the `tiny` model; `model.preset=null` starts from the
+  bare field defaults.
+
+Checks across sections (`JobConfig.__post_init__`), before anything is built:
+
+* `train.prompts_per_step x generation.n_samples_per_prompt` must be divisible by
+  `train.num_minibatches`;
+* `train.routing_replay` other than `off` needs `loss.name=grpo` (GSPO needs no routing replay);
+* `generation.n_samples_per_prompt >= 2` with `train.advantage_estimator=grpo`;
+* `data.max_prompt_length + generation.max_new_tokens <= model.max_position_embeddings`.
+
+When the trainer starts: the parallel layout is validated against the world size
+(`parallel.validate_layout`, see [troubleshooting](troubleshooting.md#invalid-parallel-layouts)),
+`train.prompts_per_step` must be divisible by the data-parallel size, and the tokenizer's
+vocabulary must fit `model.vocab_size`. Not checked up front: the rows of one minibatch on one rank,
+`prompts_per_step / DP x n_samples_per_prompt / num_minibatches`, must be a multiple of
+`train.micro_batch_size`, or the first step fails
+(see [troubleshooting](troubleshooting.md#compared-tokens--reference-tokens-micro-batch-partition)).
+"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the source
+# ----------------------------------------------------------------------------------------------
+
+
+def _class_ast(cls: type) -> tuple[ast.ClassDef, list[str]]:
+    lines, _ = inspect.getsourcelines(cls)
+    src = textwrap.dedent("".join(lines))
+    tree = ast.parse(src)
+    node = tree.body[0]
+    assert isinstance(node, ast.ClassDef), cls
+    return node, src.splitlines()
+
+
+def _is_heading(block: list[str]) -> bool:
+    """A one-line comment of one or two words without punctuation ('# MoE') labels a group of
+    fields; it documents none of them."""
+    return len(block) == 1 and len(block[0].split()) <= 2 and not re.search(r"[.:;,()=]", block[0])
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """{field: text of the '#' comment lines directly above it in the class body}."""
+    node, lines = _class_ast(cls)
+    out: dict[str, str] = {}
+    for stmt in node.body:
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            continue
+        block: list[str] = []
+        i = stmt.lineno - 2  # 0-based index of the line above
+        while i >= 0 and lines[i].strip().startswith("#"):
+            block.insert(0, lines[i].strip().lstrip("#").strip())
+            i -= 1
+        if block and not _is_heading(block):
+            out[stmt.target.id] = " ".join(block)
+    return out
+
+
+_ENTRY = re.compile(r"^([A-Za-z_*][\w*]*(?:\s*/\s*[A-Za-z_*][\w*]*)*)(?:\s*\(([^)]*)\))?:\s+(.*)$")
+
+
+def docstring_fields(cls: type, names: list[str]) -> tuple[str, dict[str, str]]:
+    """(summary, {field: text}) from a class docstring whose entries read ``name: text`` (``a / b:``
+    for several fields, ``prefix_*:`` for a family, ``name (qualifier):``), continued on indented
+    lines."""
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    summary: list[str] = []
+    entries: list[tuple[list[str], str]] = []
+    for line in doc.splitlines():
+        m = _ENTRY.match(line)
+        if m and all(any(fnmatch.fnmatchcase(n, p.strip()) for n in names) for p in m.group(1).split("/")):
+            text = m.group(3)
+            if m.group(2):
+                text = f"({m.group(2)}) {text}"
+            entries.append(([p.strip() for p in m.group(1).split("/")], text))
+        elif entries and line.startswith((" ", "\t")):
+            entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+        elif not entries:
+            summary.append(line.strip())
+    out: dict[str, str] = {}
+    for patterns, text in entries:
+        text = re.sub(r":(?:mod|class|func|meth|attr):`", "`", text)  # Sphinx roles -> plain code
+        text = text[:1].upper() + text[1:]
+        for n in names:
+            if any(fnmatch.fnmatchcase(n, p) for p in patterns):
+                out.setdefault(n, text)
+    return " ".join(s for s in summary if s), out
+
+
+def _eval_choices(node: ast.AST, module) -> list | None:
+    if not isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Name, ast.Attribute)):
+        return None
+    try:
+        value = eval(compile(ast.Expression(node), "<choices>", "eval"), dict(vars(module)))
+    except Exception:
+        return None
+    if isinstance(value, dict):
+        return list(value)
+    if isinstance(value, (tuple, list, set, frozenset)) and all(v is None or isinstance(v, (str, int)) for v in value):
+        return list(value)
+    return None
+
+
+def field_choices(cls: type) -> dict[str, list]:
+    """{field: allowed values} from ``__post_init__``: ``_choice("sec.field", self.field, VALUES)``
+    and ``self.field in VALUES`` / ``self.field not in VALUES`` comparisons."""
+    post = getattr(cls, "__post_init__", None)
+    if post is None:
+        return {}
+    tree = ast.parse(textwrap.dedent(inspect.getsource(post)))
+    module = sys.modules[cls.__module__]
+    out: dict[str, list] = {}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_choice"
+                and len(node.args) == 3 and isinstance(node.args[0], ast.Constant)):
+            vals = _eval_choices(node.args[2], module)
+            if vals is not None:
+                out[str(node.args[0].value).split(".")[-1]] = vals
+        elif (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn))
+              and isinstance(node.left, ast.Attribute) and isinstance(node.left.value, ast.Name)
+              and node.left.value.id == "self"):
+            vals = _eval_choices(node.comparators[0], module)
+            if vals is not None:
+                out.setdefault(node.left.attr, vals)
+    return out
+
+
+def _type_str(f: dataclasses.Field) -> str:
+    t = f.type
+    if isinstance(t, str):
+        return t
+    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
+
+
+def render_value(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return v if v else '""'
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, (list, tuple, dict)):
+        return json.dumps(v)
+    return str(v)
+
+
+def _cell(text: str) -> str:
+    text = text.replace("``", "`").replace("|", "\\|")
+    return re.sub(r"\s+", " ", text).strip()
+
+
+# ----------------------------------------------------------------------------------------------
+# Rendering
+# ----------------------------------------------------------------------------------------------
+
+
+def sections():
+    """[(section name, dataclass)] in JobConfig's order."""
+    from megatron_gspo.config import JobConfig
+
+    hints = typing.get_type_hints(JobConfig)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(JobConfig)]
+
+
+def section_table(name: str, cls: type, instance) -> tuple[str, list[str]]:
+    names = [f.name for f in dataclasses.fields(cls)]
+    summary, doc_entries = docstring_fields(cls, names)
+    comments = field_comments(cls)
+    choices = field_choices(cls)
+    rows = ["| Key | Type | Default | Allowed | Description |", "|---|---|---|---|---|"]
+    missing = []
+    for f in dataclasses.fields(cls):
+        desc = comments.get(f.name) or doc_entries.get(f.name) or SUPPLEMENT.get(f"{name}.{f.name}", "")
+        if not desc:
+            missing.append(f"{name}.{f.name}")
+        if f"{name}.{f.name}" in NOTES:
+            desc += f" **Note:** {NOTES[f'{name}.{f.name}']}"
+        allowed = ", ".join(f"`{render_value(v)}`" for v in choices.get(f.name, []))
+        rows.append(f"| `{name}.{f.name}` | `{_cell(_type_str(f))}` | `{_cell(render_value(getattr(instance, f.name)))}` "
+                    f"| {allowed} | {_cell(desc)} |")
+    where = cls.__module__.replace(".", "/") + ".py"  # the same wherever the package is installed
+    head = [f"## `{name}`", "", f"`{cls.__name__}` ({where}). {_cell(summary)}", ""]
+    return "\n".join(head + rows) + "\n", missing
+
+
+def presets_table() -> str:
+    from megatron_gspo.config import MODEL_PRESETS, model_config_from_preset
+
+    names = list(MODEL_PRESETS)
+    keys: list[str] = []
+    for p in MODEL_PRESETS.values():
+        keys += [k for k in p if k not in keys]
+    cfgs = {n: model_config_from_preset(n) for n in names}
+    rows = ["| Key | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---|" * len(names)]
+    for k in keys:
+        rows.append(f"| `model.{k}` | " + " | ".join(f"`{render_value(getattr(cfgs[n], k))}`" for n in names) + " |")
+
+    def count(n: float) -> str:
+        for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+            if n >= scale:
+                return f"{n / scale:.2f}{unit}"
+        return str(n)
+
+    rows.append("| parameters (total / active) | " + " | ".join(
+        f"{count(cfgs[n].num_parameters())} / {count(cfgs[n].num_parameters(active=True))}" for n in names) + " |")
+    text = ["## Model presets", "",
+            "`model.preset` selects one of `MODEL_PRESETS` (megatron_gspo/config.py); keys the preset does not "
+            "set keep the field defaults above, and every key can still be overridden. A model can also be "
+            "described by a Hugging Face Qwen3-MoE `config.json` (`config.model_config_from_hf`, used by "
+            "`checkpoints_tools.hf_to_megatron`, which writes the implied `model_config.yaml` next to the "
+            "converted weights).", ""]
+    return "\n".join(text + rows) + "\n"
+
+
+def demo_table() -> str:
+    from megatron_gspo.config import load_yaml
+    from megatron_gspo.train import DEMO_CONFIG
+
+    data = load_yaml(DEMO_CONFIG)
+    rows = ["| Key | Demo value |", "|---|---|"]
+    for section, values in data.items():
+        for key, value in (values or {}).items():
+            rows.append(f"| `{section}.{key}` | `{render_value(value)}` |")
+    text = ["## The demo job", "",
+            f"`python -m megatron_gspo.train` without a YAML file loads `megatron_gspo/configs/{os.path.basename(DEMO_CONFIG)}` "
+            "(GSPO on the `tiny` preset and the built-in 1-digit addition task); "
+            "`launch/recipes/tiny_cpu.yaml` is the same job for the launch script. It sets:", ""]
+    return "\n".join(text + rows) + "\n"
+
+
+def render() -> str:
+    from megatron_gspo.config import JobConfig
+
+    job = JobConfig()
+    for key in (*SUPPLEMENT, *NOTES):
+        sec, _, fld = key.partition(".")
+        if not hasattr(job, sec) or fld not in {f.name for f in dataclasses.fields(getattr(job, sec))}:
+            raise KeyError(f"SUPPLEMENT names {key!r}, which is not a JobConfig field")
+    parts = [INTRO]
+    toc = ["Sections: " + ", ".join(f"[`{n}`](#{n})" for n, _ in sections())
+           + ", [model presets](#model-presets), [the demo job](#the-demo-job).", ""]
+    parts.append("\n".join(toc))
+    undocumented: list[str] = []
+    for name, cls in sections():
+        table, missing = section_table(name, cls, getattr(job, name))
+        parts.append(table)
+        undocumented += missing
+    parts.append(presets_table())
+    parts.append(demo_table())
+    if undocumented:  # not an error: a new field still gets its row; describe it in the source
+        print(f"note: fields without a description: {undocumented}", file=sys.stderr)
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    text = render()
+    if "--check" in argv:
+        with open(OUTPUT, encoding="utf-8") as f:
+            if f.read() != text:
+                print(f"{os.path.relpath(OUTPUT)} is stale: run python docs/gen_config_reference.py", file=sys.stderr)
+                return 1
+        return 0
+    with open(OUTPUT, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {os.path.relpath(OUTPUT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""benchmarks/run.py --smoke runs end to end (subprocess) and writes the documented JSON fields;
+benchmarks/plot.py draws the scaling plot. No timing assertions: only that the numbers exist and
+that both implementations ran on the same weights."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTIONS = ("train_step", "logprob_pass", "generation")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "smoke.json"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--smoke", "--threads", "1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    assert "ratio vs transformers" in p.stdout  # the table was printed
+    with open(out) as f:
+        return json.load(f)
+
+
+def test_smoke_json_fields(smoke):
+    m = smoke["machine"]
+    for k in ("cpu_model", "cpu_cores", "torch", "megatron_core", "transformers", "device", "python"):
+        assert m.get(k), k
+    assert m["device"] == "cpu" and smoke["torch_threads"] == 1
+    assert smoke["date"] and smoke["command"].startswith("python benchmarks/run.py")
+    assert len(smoke["load_avg_start"]) == 3 and len(smoke["load_avg_end"]) == 3
+    cfg = smoke["config"]
+    assert cfg["smoke"] and cfg["model"]["num_moe_experts"] == 4 and cfg["precision"] == "fp32"
+    assert cfg["expert_impls"] == ["batched", "sequential"]
+    assert smoke["flops_per_token"]["logprob"] == pytest.approx(smoke["flops_per_token"]["train"] / 3)
+    sides = ["ours_batched", "ours_sequential", "hf"]
+    for sec in SECTIONS:
+        d = smoke["results"][sec]
+        for s in sides:
+            assert d[s]["tokens_per_s"] > 0 and d[s]["tflops_per_device"] > 0, (sec, s)
+            assert len(d[s]["seconds_all"]) == cfg["iters"] == 1
+            assert d[s]["mfu"] is None  # no known peak on a CPU
+        assert set(d["ratio_vs_hf"]) == {"ours_batched", "ours_sequential"}
+        assert all(r > 0 for r in d["ratio_vs_hf"].values())
+    lp = smoke["results"]["logprob_pass"]
+    for s in sides:
+        assert lp[s]["peak_memory"]["peak_bytes"] >= 0
+    assert set(lp["peak_memory_ratio_vs_hf"]) == {"ours_batched", "ours_sequential"}
+    gen = smoke["results"]["generation"]
+    assert gen["hf"]["tokens"] == gen["ours_batched"]["tokens"] == cfg["batch"] * cfg["gen_new"]
+    # same weights on both sides (through the HF -> megatron converter)
+    assert all(v < 1e-4 for v in smoke["weights_check"].values()), smoke["weights_check"]
+    assert gen["ours_batched"]["greedy_token_match_vs_hf"] == 1.0
+    # smoke runs skip the sweep and the 2.5 GB log-prob memory benchmark
+    assert "scaling" not in smoke and "logprob_memory" not in smoke
+
+
+def test_plot_writes_png(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_plot", os.path.join(ROOT, "benchmarks", "plot.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [{"axis": axis, "batch": b, "seq": s, "kind": kind, "side": side, "tokens_per_s": 100.0 * b * s / 256 + (side == "hf")}
+            for axis, pts in (("batch", [(1, 256), (2, 256), (4, 256)]), ("seq", [(4, 64), (4, 128), (4, 256)]))
+            for b, s in pts for kind in ("train_step", "logprob_pass") for side in ("ours", "hf")]
+    out = mod.plot({"scaling": rows, "machine": {"device": "cpu", "cpu_model": "x"}, "config": {"model": {}}},
+                   str(tmp_path / "p.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError):
+        mod.plot({"scaling": []}, str(tmp_path / "q.png"))
