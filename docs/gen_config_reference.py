@@ -126,14 +126,11 @@ SUPPLEMENT: dict[str, str] = {
 
 # Facts the source comment of a field leaves out or gets wrong, appended to its description.
 NOTES: dict[str, str] = {
-    "parallel.distributed_timeout_minutes": "The unit is minutes (`init_process_group(timeout=timedelta("
-                                            "minutes=...))`; megatron's groups get it rounded down, at least 1).",
-    "generation.seed": "The trainer passes its own per-step seed (`train.seed * 1000 + step`), so this key only "
-                       "affects direct `generation.generate()` calls.",
+    "parallel.distributed_timeout_minutes": "megatron's groups get it rounded down, at least 1.",
+    "generation.seed": "In a training job step k samples with seed `generation.seed + 7919 * k` (mixed with the "
+                       "data-parallel rank), so a resumed run draws the same samples.",
     "generation.stop_token_ids": "Empty in a training job: the tokenizer's end-of-sequence ids.",
     "generation.pad_token_id": "null in a training job: the tokenizer's pad id.",
-    "optimizer.lr_decay_steps": "The trainer's total is `train.num_steps x train.num_minibatches` optimizer steps.",
-    "train.max_consecutive_skips": "(The first sentence above describes the old-log-prob pass, not this key.)",
 }
 
 INTRO = """\
@@ -185,10 +182,8 @@ Checks across sections (`JobConfig.__post_init__`), before anything is built:
 When the trainer starts: the parallel layout is validated against the world size
 (`parallel.validate_layout`, see [troubleshooting](troubleshooting.md#invalid-parallel-layouts)),
 `train.prompts_per_step` must be divisible by the data-parallel size, and the tokenizer's
-vocabulary must fit `model.vocab_size`. Not checked up front: the rows of one minibatch on one rank,
-`prompts_per_step / DP x n_samples_per_prompt / num_minibatches`, must be a multiple of
-`train.micro_batch_size`, or the first step fails
-(see [troubleshooting](troubleshooting.md#compared-tokens--reference-tokens-micro-batch-partition)).
+vocabulary must fit `model.vocab_size`. A minibatch's rows need not be a multiple of
+`train.micro_batch_size`: the last micro-batch of each minibatch is simply smaller.
 """
 
 

@@ -246,7 +246,7 @@ class ParallelConfig:
     # None means "on whenever TP > 1" (MoE with TP requires it in megatron-core).
     sequence_parallel: Optional[bool] = None
     use_distributed_optimizer: bool = True
-    # Seconds before a collective gives up (a dead rank must not hang the others forever).
+    # Minutes before a collective gives up (a dead rank must not hang the others forever).
     distributed_timeout_minutes: float = 10.0
     seed: int = 1234
 
@@ -468,8 +468,6 @@ class TrainConfig:
     sft_steps: int = 0
     sft_lr: float = 1e-3
     sft_batch_size: int = 32
-    # Every response-token log-prob is recomputed by the training model ("old" policy); the
-    # rollout's sampling log-probs are compared with them and logged.
     # Non-finite loss / gradients skip the update on every rank; this many in a row stop the run.
     max_consecutive_skips: int = 5
     output_dir: str = "runs/gspo"
@@ -484,6 +482,9 @@ class TrainConfig:
         _check(self.sft_steps >= 0, f"train.sft_steps must be >= 0, got {self.sft_steps}")
         _check(self.max_consecutive_skips >= 1, f"train.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
         _choice("train.routing_replay", self.routing_replay, ROUTING_REPLAY_MODES)
+        from megatron_gspo.advantages import ADVANTAGE_ESTIMATORS
+
+        _choice("train.advantage_estimator", self.advantage_estimator, tuple(ADVANTAGE_ESTIMATORS))
 
 
 @dataclass
@@ -529,6 +530,10 @@ class JobConfig:
                    f"{self.loss.name!r} (GSPO needs no routing replay). Set train.routing_replay=off")
         if t.advantage_estimator in ("grpo",) and g.n_samples_per_prompt < 2:
             raise ConfigError("generation.n_samples_per_prompt must be >= 2 for group-relative advantages")
+        # The RL loop has no pipeline schedule (forward_backward_func) yet: refuse PP up front.
+        _check(self.parallel.pipeline_model_parallel_size == 1,
+               f"parallel.pipeline_model_parallel_size={self.parallel.pipeline_model_parallel_size}: the RL "
+               "trainer supports PP=1 only (use TP/EP/DP; model building and checkpoints support PP)")
         need = self.data.max_prompt_length + g.max_new_tokens
         _check(need <= self.model.max_position_embeddings,
                f"data.max_prompt_length + generation.max_new_tokens = {need} exceeds "

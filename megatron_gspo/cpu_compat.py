@@ -61,7 +61,7 @@ def apply() -> bool:
 
     # 6. The alltoall token dispatcher creates a torch.cuda.Stream: model.py picks "allgather"
     #    on CPU (configuration, see resolve_dispatcher). Nothing to patch.
-    # 7. WrappedTorchNorm refuses sequence parallel: model.py uses megatron_gspo.norms.RMSNorm
+    # 7. WrappedTorchNorm refuses sequence parallel: model.py uses megatron_gspo.model.RMSNorm
     #    in the local spec. Nothing to patch.
     # 8. grouped GEMM / gradient-accumulation fusion / permute fusion need CUDA kernels and
     #    use_cpu_initialization must be on: set in build_transformer_config. Nothing to patch.

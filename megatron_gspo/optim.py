@@ -24,7 +24,7 @@ class OptimizerConfig:
     lr: float = 1e-6
     min_lr: float = 0.0
     lr_warmup_steps: int = 0
-    # None: decay over train.num_steps optimizer steps (the trainer fills it in).
+    # None: decay over all optimizer steps of the run (train.num_steps x train.num_minibatches).
     lr_decay_steps: Optional[int] = None
     lr_decay_style: str = "constant"
     weight_decay: float = 0.01

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from typing import Optional
@@ -160,7 +161,7 @@ class Trainer:
         G = self.gen_cfg.n_samples_per_prompt
         with self.timer("generate"), (self.recorder.recording() if self.recorder else contextlib.nullcontext()):
             out = generate(self.ddp, [p.ids for p in mine], self.gen_cfg, vocab_size=cfg.model.vocab_size,
-                           state=st, seed=cfg.train.seed * 1000 + self.step,
+                           state=st, seed=cfg.generation.seed + 7919 * self.step,
                            on_forward=self.recorder.on_forward if self.recorder else None)
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
         with self.timer("reward"):
@@ -347,7 +348,8 @@ class Trainer:
                 self.save()
                 saved = f"checkpoint saved to {self.cfg.checkpoint.save}" if self.cfg.checkpoint.save else \
                     "NO checkpoint written (checkpoint.save is not set)"
-                raise TrainingStopped(f"preempted by signal {self.preempt.received or '(on another rank)'} before "
+                sig = signal.Signals(self.preempt.received).name if self.preempt.received else "(on another rank)"
+                raise TrainingStopped(f"preempted by signal {sig} before "
                                       f"step {self.step + 1}: {saved}; exiting with {EXIT_PREEMPTED} "
                                       "(resume with checkpoint.resume=true)", EXIT_PREEMPTED)
             self.faults.at_step_start(self.step + 1)
@@ -377,12 +379,12 @@ class Trainer:
         return {"history": history}
 
 
-def summarize(history: list[dict]) -> str:
+def summarize(history: list[dict], loss_name: str) -> str:
     r = [h["rollout/reward_mean"] for h in history]
     k = min(10, max(1, len(r) // 2))
     first, last = sum(r[:k]) / k, sum(r[-k:]) / k
-    return (f"mean reward of the first {k} GSPO steps {first:.3f} -> last {k} steps {last:.3f} "
-            f"(+{last - first:.3f})")
+    return (f"mean reward of the first {k} {loss_name.upper()} steps {first:.3f} -> last {k} steps {last:.3f} "
+            f"({last - first:+.3f})")
 
 
 def _user_errors() -> tuple:
@@ -418,7 +420,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         result = trainer.run()
         if trainer.state.is_main and result["history"]:
-            log.info(summarize(result["history"]))
+            log.info(summarize(result["history"], cfg.loss.name))
     except TrainingStopped as e:
         log.error("%s", e)
         return e.exit_code

@@ -126,7 +126,7 @@ def test_sigterm_checkpoints_and_resumes(tmp_path, straight):
     run.send_signal(signal.SIGTERM)
     rc, out = run.wait(timeout=300)
     assert rc == EXIT_PREEMPTED, out[-2000:]
-    assert "preempted by signal 15" in out
+    assert "preempted by signal SIGTERM" in out
     saved = latest_complete(root)
     rc, out = train(tmp_path, "d", "checkpoint.resume=true")
     assert rc == 0 and f"iter_{saved:07d}" in out, out[-2000:]
