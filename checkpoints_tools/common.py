@@ -294,6 +294,35 @@ def write_summary(path: Optional[str], summary: dict) -> None:
             json.dump(summary, f, indent=2)
 
 
+def add_common_args(ap, dtype_help: str) -> None:
+    """Options both converters take."""
+    ap.add_argument("--force", action="store_true", help="replace an existing output directory")
+    ap.add_argument("--dtype", default="auto", help=dtype_help)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: the work is copies and I/O; more threads "
+                         "mostly contend)")
+    ap.add_argument("--summary-json", default=None, help="also write the summary to this JSON file")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run_cli(args, convert_fn) -> int:
+    """Run ``convert_fn()`` with ``args.threads`` torch threads; a ConversionError becomes
+    ``error: ...`` on stderr and exit status 2 (nothing was written)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, args.threads))
+    try:
+        summary = convert_fn()
+    except ConversionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        torch.set_num_threads(threads)
+    write_summary(args.summary_json, summary)
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------
 # Output directory: temp dir next to the target, renamed into place only when complete
 # ----------------------------------------------------------------------------------------------

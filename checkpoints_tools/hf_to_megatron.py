@@ -21,7 +21,7 @@ import torch
 
 from checkpoints_tools.common import (ConversionError, DistCheckpointWriter, HFCheckpoint, Progress,
                                       atomic_output_dir, check_output, copy_side_files, get_mapping,
-                                      parse_dtype, read_json, validate_hf_tensors, write_summary)
+                                      add_common_args, parse_dtype, read_json, run_cli, validate_hf_tensors)
 
 MODEL_CONFIG_FILE = "model_config.yaml"
 
@@ -106,27 +106,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf-dir", required=True, help="HF model directory (config.json, safetensors, tokenizer)")
     ap.add_argument("--out", required=True, help="output megatron torch_dist checkpoint directory")
-    ap.add_argument("--force", action="store_true", help="replace an existing output directory")
-    ap.add_argument("--dtype", default="auto", help="auto (keep the HF dtype) | bf16 | fp16 | fp32")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1: the work is copies and I/O; more threads "
-                         "mostly contend)")
-    ap.add_argument("--summary-json", default=None, help="also write the summary to this JSON file")
-    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_common_args(ap, dtype_help="auto (keep the HF dtype) | bf16 | fp16 | fp32")
     a = ap.parse_args(argv)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, a.threads))
-    try:
-        try:
-            s = convert(a.hf_dir, a.out, force=a.force, dtype=a.dtype, quiet=a.quiet)
-        except ConversionError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    finally:
-        torch.set_num_threads(threads)
-    write_summary(a.summary_json, s)
-    return 0
-
+    return run_cli(a, lambda: convert(a.hf_dir, a.out, force=a.force, dtype=a.dtype, quiet=a.quiet))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -37,7 +37,7 @@ from checkpoints_tools import common
 from checkpoints_tools.common import (ConversionError, DistCheckpointReader, Progress,
                                       SafetensorsStreamWriter, atomic_output_dir, check_output,
                                       copy_side_files, get_mapping, parse_dtype, parse_size,
-                                      read_json, write_json, write_summary)
+                                      add_common_args, read_json, run_cli, write_json)
 
 MODEL_CONFIG_NAMES = ("model_config.yaml", "model_config.yml", "model_config.json")
 # files of a megatron checkpoint directory that are not tokenizer files
@@ -312,33 +312,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", required=True, help="output HF model directory")
     ap.add_argument("--tokenizer-dir", required=True, help="directory whose tokenizer files are copied along")
     ap.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
-    ap.add_argument("--force", action="store_true", help="replace an existing output directory")
     ap.add_argument("--hf-config", default=None, help="HF config.json (or its directory) describing the model")
     ap.add_argument("--model-config", default=None, help="megatron_gspo model config YAML/JSON (default: found next to --ckpt)")
     ap.add_argument("--model-type", default=None, help="HF model_type of the family (default: from the config, else qwen3_moe)")
     ap.add_argument("--prefix", default=None, help="key prefix of the model in the checkpoint (default: detected)")
-    ap.add_argument("--dtype", default="auto", help="auto (keep the checkpoint dtype) | bf16 | fp16 | fp32")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1: the work is copies and I/O; more threads "
-                         "mostly contend)")
-    ap.add_argument("--summary-json", default=None, help="also write the summary to this JSON file")
-    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_common_args(ap, dtype_help="auto (keep the checkpoint dtype) | bf16 | fp16 | fp32")
     a = ap.parse_args(argv)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, a.threads))
-    try:
-        try:
-            s = convert(a.ckpt, a.out, a.tokenizer_dir, max_shard_size=a.max_shard_size, force=a.force,
-                        hf_config=a.hf_config, model_config=a.model_config, model_type=a.model_type,
-                        prefix=a.prefix, dtype=a.dtype, quiet=a.quiet)
-        except ConversionError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    finally:
-        torch.set_num_threads(threads)
-    write_summary(a.summary_json, s)
-    return 0
-
+    return run_cli(a, lambda: convert(a.ckpt, a.out, a.tokenizer_dir, max_shard_size=a.max_shard_size, force=a.force,
+                                      hf_config=a.hf_config, model_config=a.model_config, model_type=a.model_type,
+                                      prefix=a.prefix, dtype=a.dtype, quiet=a.quiet))
 
 if __name__ == "__main__":
     sys.exit(main())

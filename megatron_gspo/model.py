@@ -166,7 +166,6 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, routing_repl
 def build_layer_spec(tcfg, cfg: ModelConfig, pp_rank: Optional[int] = None):
     """TransformerBlockSubmodules for this pipeline stage."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
