@@ -36,7 +36,7 @@ from megatron_gspo.checkpoint import (
     resolve,
     save_checkpoint,
 )
-from megatron_gspo.config import JobConfig, load_job_config, to_dict
+from megatron_gspo.config import ConfigError, JobConfig, load_job_config, to_dict
 from megatron_gspo.data import build_prompt_sampler
 from megatron_gspo.faults import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS, Faults, PreemptionFlag
 from megatron_gspo.generation import generate
@@ -93,8 +93,8 @@ class Trainer:
         setup_logging(self.state.rank)
         st, t = self.state, cfg.train
         if t.prompts_per_step % st.dp:
-            raise ValueError(f"train.prompts_per_step={t.prompts_per_step} is not divisible by the "
-                             f"data-parallel size {st.dp}")
+            raise ConfigError(f"train.prompts_per_step={t.prompts_per_step} is not divisible by the "
+                              f"data-parallel size {st.dp}")
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         check_vocab_fits(self.tokenizer, cfg.model.vocab_size)
         self.sampler = build_prompt_sampler(cfg.data, self.tokenizer, t.prompts_per_step)
@@ -108,7 +108,7 @@ class Trainer:
 
         self.model = build_model(cfg.model, cfg.parallel, st, routing_replay=t.routing_replay != "off")
         # The KL reference is the initial policy: a frozen copy taken after checkpoint.load and the
-        # SFT warm start (sync_reference), saved in every checkpoint so a resumed run keeps it.
+        # SFT warm start (in run()), saved in every checkpoint so a resumed run keeps it.
         self.ref_model = None
         if cfg.loss.kl_coef > 0:
             self.ref_model = build_model(cfg.model, cfg.parallel, st).eval().requires_grad_(False)
