@@ -1,8 +1,9 @@
 """GSPO vs GSPO-token vs GRPO vs GRPO + routing replay, side by side, reproducibly.
 
     python -m megatron_gspo.compare [config.yaml] [section.key=value ...]
-        [--variants gspo,gspo_token,grpo,grpo_r2] [--out DIR] [--steps N] [--stress]
-        [--nproc-per-node N] [--docs] [--no-probe] [--report-only]
+        [--variants gspo,gspo_token,grpo,grpo_r2] [--out DIR] [--steps N] [--seeds 1234,1,2]
+        [--stress [--stress-minibatches 8] [--stress-lr-mult 2]] [--nproc-per-node N] [--docs]
+        [--no-probe] [--probe-rows 64] [--threads N] [--in-process] [--report-only]
 
 What it does, in order:
   1. validates the job (the config, or the packaged demo job, plus the overrides) for every variant;
@@ -11,8 +12,9 @@ What it does, in order:
      ``checkpoint.save_model`` to ``OUT/init_checkpoint``;
   3. runs every variant in a fresh process (``python -m megatron_gspo.compare _worker ...``, a thin
      wrapper of ``megatron_gspo.train``'s Trainer, or torchrun with ``--nproc-per-node`` > 1) with
-     ``checkpoint.load=OUT/init_checkpoint train.sft_steps=0`` and the job's seeds, so every variant
-     starts from the same weights and sees the same prompts in the same order;
+     ``checkpoint.load=OUT/init_checkpoint train.sft_steps=0`` and the job's seeds (or each of
+     ``--seeds``: train.seed and generation.seed), so every variant starts from the same weights and
+     sees the same prompts in the same order;
   4. writes ``OUT/<variant>/{metrics.jsonl,tensorboard/,probe.jsonl,train.log}`` (``tensorboard
      --logdir OUT`` shows the runs side by side), PNG plots in ``OUT/plots/`` and a markdown table in
      ``OUT/summary.md`` (``OUT/summary.json`` for programs); with ``--docs`` also
@@ -40,7 +42,7 @@ Routing volatility. Two different quantities are reported (docs/comparison.md ex
     replay does not change it (it hides the drift from the loss, it does not stop it).
 
 ``--stress`` makes off-policy effects visible on small models: ``train.num_minibatches`` 8 (the
-last minibatch is 7 updates stale) and the learning rate x 3.
+last minibatch is 7 updates stale) and the learning rate x 2 (``--stress-minibatches``, ``--stress-lr-mult``).
 """
 
 from __future__ import annotations
@@ -53,10 +55,13 @@ import logging
 import math
 import os
 import platform
+import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -87,7 +92,7 @@ STYLE = {  # colour, line style: gspo_token is dashed because it lies on top of 
     "grpo_r2": ("tab:orange", "-"), "grpo_r3": ("tab:purple", "-"),
 }
 STRESS_MINIBATCHES = 8
-STRESS_LR_MULT = 3.0
+STRESS_LR_MULT = 2.0
 INIT_DIR = "init_checkpoint"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -276,9 +281,9 @@ def _probed_trainer(cfg, probe_path: str, probe_rows: int):
 def worker_main(argv: list[str]) -> int:
     """``python -m megatron_gspo.compare _worker [--probe PATH] [--probe-rows N] [--save-init DIR]
     config.yaml [overrides]``: one run of the comparison, as ``megatron_gspo.train.main`` does it."""
-    from megatron_gspo import parallel
+    from megatron_gspo import parallel, train
     from megatron_gspo.config import load_job_config
-    from megatron_gspo.train import Trainer, TrainingStopped, summarize
+    from megatron_gspo.train import Trainer, TrainingStopped
 
     p = argparse.ArgumentParser(prog="megatron_gspo.compare _worker")
     p.add_argument("--probe", default=None)
@@ -303,12 +308,18 @@ def worker_main(argv: list[str]) -> int:
         return 0
     trainer = _probed_trainer(cfg, args.probe, args.probe_rows) if args.probe else Trainer(cfg)
     try:
-        result = trainer.run()
-        if trainer.state.is_main and result["history"]:
-            log.info(summarize(result["history"]))
+        history = trainer.run()["history"]
+        if trainer.state.is_main and history:
+            r = [h["rollout/reward_mean"] for h in history]
+            k = min(10, len(r))
+            log.info("%s: mean reward of the first %d steps %.3f, of the last %d steps %.3f", cfg.loss.name, k,
+                     sum(r[:k]) / k, k, sum(r[-k:]) / k)
     except TrainingStopped as e:
         log.error("%s", e)
         return e.exit_code
+    except getattr(train, "USER_ERRORS", ()) as e:
+        log.error("error: %s", e)
+        return 2
     finally:
         if args.probe:
             trainer.probe.close()
@@ -366,12 +377,20 @@ def _run(cmd: list[str], log_path: str, env: dict, tag: str, quiet: bool) -> tup
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 cwd=REPO_ROOT, bufsize=1)
         tail: list[str] = []
-        for line in proc.stdout:
-            f.write(line)
-            tail = (tail + [line])[-40:]
-            if not quiet and (" step " in line or "ERROR" in line or "Error" in line or "saved" in line):
-                print(f"[{tag}] {line.rstrip()}", flush=True)
-        rc = proc.wait()
+        try:
+            for line in proc.stdout:
+                f.write(line)
+                tail = (tail + [line])[-40:]
+                if not quiet and (" step " in line or "ERROR" in line or "Error" in line or "saved" in line):
+                    print(f"[{tag}] {line.rstrip()}", flush=True)
+            rc = proc.wait()
+        except BaseException:  # Ctrl-C / SIGTERM of the comparison: do not leave the run behind
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
     if rc != 0:
         print(f"[{tag}] FAILED rc={rc}; last lines of {log_path}:\n" + "".join(tail[-20:]), file=sys.stderr, flush=True)
     return rc, time.perf_counter() - t0
@@ -432,10 +451,6 @@ def build_overrides(path: str, user: list[str], *, steps: Optional[int], stress:
         while rows % n_mb:  # largest divisor of the rollout <= the requested count
             n_mb -= 1
         out += [f"train.num_minibatches={n_mb}", f"optimizer.lr={base.optimizer.lr * stress_lr_mult:g}"]
-        per_mb = rows // n_mb
-        if base.train.micro_batch_size > per_mb or per_mb % base.train.micro_batch_size:
-            # the old-log-prob pass and the training pass must share the micro-batch partition
-            out.append(f"train.micro_batch_size={per_mb}")
     return out
 
 
@@ -462,10 +477,12 @@ def run_comparison(args, overrides: list[str]) -> dict:
         "command": "python -m megatron_gspo.compare " + shlex.join(args.argv),
         "config": os.path.relpath(args.config, REPO_ROOT) if args.config.startswith(REPO_ROOT) else args.config,
         "overrides": overrides, "variants": variants, "variant_overrides": extra, "stress": args.stress,
+        "stress_minibatches": args.stress_minibatches if args.stress else None,
+        "stress_lr_mult": args.stress_lr_mult if args.stress else None,
         "nproc_per_node": args.nproc_per_node, "probe": not args.no_probe, "probe_rows": args.probe_rows,
         "threads": args.threads, "in_process": args.in_process, "machine": _machine(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "seeds": args.seeds or [base.train.seed], "num_steps": base.train.num_steps, "sft_steps": base.train.sft_steps,
+        "seeds": args.seeds or [base.generation.seed], "num_steps": base.train.num_steps, "sft_steps": base.train.sft_steps,
         "num_minibatches": base.train.num_minibatches, "lr": base.optimizer.lr,
         "rollout": f"{base.train.prompts_per_step} prompts x {base.generation.n_samples_per_prompt} samples",
         "model": f"{base.model.preset or 'custom'}: {base.model.num_layers} layers, {base.model.num_moe_experts} "
@@ -495,7 +512,7 @@ def run_comparison(args, overrides: list[str]) -> dict:
             raise SystemExit(f"building the initial model failed (rc={rc}); see {os.path.join(out, 'init.log')}")
         meta["init"] = {"path": init, "how": f"SFT warm start ({base.train.sft_steps} steps)" if base.train.sft_steps
                         else "seeded initialization", "wall_s": wall}
-    # 3. the variants (x seeds): train.seed varies the RL sampling; the initial model and the prompt
+    # 3. the variants (x seeds): the seeds vary the RL sampling; the initial model and the prompt
     #    order (data.seed) are shared
     seeds = args.seeds or [None]
     for v in variants:
@@ -504,7 +521,9 @@ def run_comparison(args, overrides: list[str]) -> dict:
         for seed in seeds:
             rel = v if seed is None else os.path.join(v, f"seed_{seed}")
             vdir = os.path.join(out, rel)
-            run_over = overrides + variant_overrides(v, extra) + ([] if seed is None else [f"train.seed={seed}"]) + [
+            # train.seed: the trainer's torch/numpy/python RNG; generation.seed: the sampling stream
+            seeded = [] if seed is None else [f"train.seed={seed}", f"generation.seed={seed}"]
+            run_over = overrides + variant_overrides(v, extra) + seeded + [
                 f"train.output_dir={vdir}", f"checkpoint.load={init}", "train.sft_steps=0", "checkpoint.resume=false",
                 "checkpoint.save=null", "checkpoint.save_interval=0"]
             probe = [] if args.no_probe else ["--probe", os.path.join(vdir, "probe.jsonl"),
@@ -513,7 +532,7 @@ def run_comparison(args, overrides: list[str]) -> dict:
                   f"{cfgs[v].loss.clip_range()}, routing replay {cfgs[v].train.routing_replay}", flush=True)
             tag = v if seed is None else f"{v}/{seed}"
             rc, wall = run(probe + [args.config, *run_over], os.path.join(vdir, "train.log"), tag)
-            entries.append({"seed": base.train.seed if seed is None else seed, "dir": rel, "rc": rc, "wall_s": wall,
+            entries.append({"seed": base.generation.seed if seed is None else seed, "dir": rel, "rc": rc, "wall_s": wall,
                             "overrides": run_over})
         meta["runs"][v] = {"rc": next((e["rc"] for e in entries if e["rc"] != 0), 0),
                            "wall_s": sum(e["wall_s"] for e in entries), "seeds": entries}
@@ -668,37 +687,43 @@ def summarize_runs(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return table
 
 
+DIVERGED_REL_GRAD_NORM = 1e-3
+
+
 def consistency(runs: dict[str, list[dict]]) -> dict:
     """GSPO vs GSPO-token (seed by seed): they differ only in how the same gradient is written, so
-    the runs agree to float rounding until rounding flips one sampled token."""
+    the runs agree to float rounding until a rounding difference flips one sampled token; from then
+    on they are two different samples of the same algorithm. The divergence step is the first step
+    whose reward or mean response length differs, or whose grad norm differs by more than
+    DIVERGED_REL_GRAD_NORM (a different rollout with the same mean reward)."""
     out = {}
     if "gspo" in runs and "gspo_token" in runs:
         pairs = []
         for ra, rb in zip(runs["gspo"], runs["gspo_token"]):
             a, b = ra["rows"], rb["rows"]
             n = min(len(a), len(b))
-            first = next((i + 1 for i in range(n) if a[i].get("rollout/reward_mean") != b[i].get("rollout/reward_mean")), None)
-            upto = (first - 1) if first else n  # the steps with identical rollouts
 
-            def rel(key, absolute=False):
-                d = [abs(x[key] - y[key]) / (1.0 if absolute else max(abs(x[key]), abs(y[key]), 1e-12))
-                     for x, y in zip(a[:upto], b[:upto]) if _finite(x.get(key)) and _finite(y.get(key))]
-                return max(d) if d else math.nan
+            def rel_g(x, y):
+                return abs(x["train/grad_norm"] - y["train/grad_norm"]) / max(abs(x["train/grad_norm"]), 1e-12)
 
-            pairs.append({"seed": ra["seed"], "steps": n, "first_reward_difference_step": first,
-                          "identical_rollout_steps": upto,
-                          "max_abs_diff_loss": rel("loss/loss", absolute=True),
-                          "max_rel_diff_grad_norm": rel("train/grad_norm"),
+            diverged = next((i + 1 for i in range(n)
+                             if a[i].get("rollout/reward_mean") != b[i].get("rollout/reward_mean")
+                             or a[i].get("rollout/response_length_mean") != b[i].get("rollout/response_length_mean")
+                             or not rel_g(a[i], b[i]) <= DIVERGED_REL_GRAD_NORM), None)
+            upto = (diverged - 1) if diverged else n
+            g = sorted(rel_g(x, y) for x, y in zip(a[:upto], b[:upto]))
+            dl = [abs(x["loss/loss"] - y["loss/loss"]) for x, y in zip(a[:upto], b[:upto])]
+            pairs.append({"seed": ra["seed"], "steps": n, "divergence_step": diverged, "identical_steps": upto,
+                          "median_rel_diff_grad_norm": g[len(g) // 2] if g else math.nan,
+                          "max_abs_diff_loss": max(dl) if dl else math.nan,
                           "step1_abs_diff_loss": abs(a[0]["loss/loss"] - b[0]["loss/loss"]) if n else math.nan,
-                          "step1_rel_diff_grad_norm": (abs(a[0]["train/grad_norm"] - b[0]["train/grad_norm"]) /
-                                                       max(abs(a[0]["train/grad_norm"]), 1e-12)) if n else math.nan})
-        firsts = [p["first_reward_difference_step"] for p in pairs]
+                          "step1_rel_diff_grad_norm": rel_g(a[0], b[0]) if n else math.nan})
         out["gspo_vs_gspo_token"] = {
             "pairs": pairs, "steps": min(p["steps"] for p in pairs),
-            "reward_equal_steps": min(p["identical_rollout_steps"] for p in pairs),
-            "first_reward_difference_step": min((f for f in firsts if f), default=None),
+            "identical_steps": min(p["identical_steps"] for p in pairs),
+            "divergence_steps": [p["divergence_step"] for p in pairs],
+            "median_rel_diff_grad_norm": max(p["median_rel_diff_grad_norm"] for p in pairs),
             "max_abs_diff_loss": max(p["max_abs_diff_loss"] for p in pairs),
-            "max_rel_diff_grad_norm": max(p["max_rel_diff_grad_norm"] for p in pairs),
             "step1_abs_diff_loss": max(p["step1_abs_diff_loss"] for p in pairs),
             "step1_rel_diff_grad_norm": max(p["step1_rel_diff_grad_norm"] for p in pairs),
         }
@@ -951,14 +976,15 @@ def summary_markdown(table: dict[str, dict], cons: dict, meta: Optional[dict]) -
                 for l in layers) + " |")
     g = cons.get("gspo_vs_gspo_token")
     if g:
-        first = g["first_reward_difference_step"]
-        lines += ["", f"GSPO vs GSPO-token (same seed): identical rollouts and rewards on the first "
-                      f"{g['reward_equal_steps']} of {g['steps']} steps"
-                  + (f" (the first sampled difference at step {first}, after which the runs are different "
-                     "trajectories)" if first else "")
-                  + f"; over those steps the loss differs by at most {g['max_abs_diff_loss']:.1e} (absolute) and the "
-                    f"grad norm by {g['max_rel_diff_grad_norm']:.1e} (relative); step 1: "
-                    f"{g['step1_abs_diff_loss']:.1e} and {g['step1_rel_diff_grad_norm']:.1e}."]
+        div = [d for d in g["divergence_steps"] if d]
+        seeds = ", ".join(f"seed {p['seed']}: {p['divergence_step'] or 'never'}" for p in g["pairs"])
+        lines += ["", f"GSPO vs GSPO-token (same seed, same initial model): step 1 loss difference "
+                      f"{g['step1_abs_diff_loss']:.1e} (absolute), grad norm {g['step1_rel_diff_grad_norm']:.1e} "
+                      f"(relative): the same gradient to float32 rounding. The runs stay together (median grad-norm "
+                      f"difference {g['median_rel_diff_grad_norm']:.0e}, loss within {g['max_abs_diff_loss']:.0e}) "
+                  + (f"until a rounding difference flips a sampled token and the trajectories separate (first "
+                     f"differing step, {seeds}); after that they are two samples of the same algorithm."
+                     if div else f"over all {g['steps']} steps.")]
     if "grpo_r2_routing_change_max" in cons:
         lines += ["", f"GRPO + R2: largest logged old -> train routing change over all steps: "
                       f"{cons['grpo_r2_routing_change_max']:g} (the training forward replays the recorded routes)."]
@@ -1013,14 +1039,25 @@ def observations(table: dict[str, dict]) -> list[str]:
 
 
 def _kind(meta: dict) -> str:
-    return "stress" if meta.get("stress") else "default"
+    """The docs section of a run: "default", "stress" (default stress knobs), or "stress_<mb>mb_lr<x>x"."""
+    if not meta.get("stress"):
+        return "default"
+    mb, mult = meta.get("stress_minibatches"), meta.get("stress_lr_mult")
+    if mb in (None, STRESS_MINIBATCHES) and mult in (None, STRESS_LR_MULT):
+        return "stress"
+    return f"stress_{mb}mb_lr{mult:g}x"
+
+
+def _stress_text(meta: dict) -> str:
+    return (f"--stress: {meta.get('num_minibatches')} minibatches per rollout, "
+            f"lr x {meta.get('stress_lr_mult') or STRESS_LR_MULT:g}")
 
 
 def run_section(meta: dict, table: dict, cons: dict, images: dict[str, str], img_rel: str) -> str:
     m = meta["machine"]
     kind = _kind(meta)
-    lines = [f"## {'Stress' if kind == 'stress' else 'Default'} comparison: {meta.get('config')}"
-             + (" with --stress" if kind == "stress" else ""), ""]
+    lines = [f"## {'Stress' if kind != 'default' else 'Default'} comparison: {meta.get('config')}"
+             + (f" ({_stress_text(meta)})" if kind != "default" else ""), ""]
     lines += ["```bash", meta["command"], "```", ""]
     machine = (f"{m.get('cpu_model', '')} ({m.get('cpus')} logical CPUs), GPUs: {m.get('gpus')}; "
                f"{m.get('platform')}, Python {m.get('python')}, torch {m.get('torch')}, "
@@ -1032,7 +1069,7 @@ def run_section(meta: dict, table: dict, cons: dict, images: dict[str, str], img
         f"* job: {meta['model']}; {meta['num_steps']} RL steps of {meta['rollout']}, "
         f"{meta['num_minibatches']} minibatches (optimizer updates) per rollout, lr {meta['lr']:g}; "
         f"initial model: {meta.get('init', {}).get('how', '?')}, built once and shared by every run",
-        f"* seeds (train.seed; the initial model and the prompt order are shared): "
+        f"* seeds (train.seed and generation.seed; the initial model and the prompt order are shared): "
         f"{', '.join(str(x) for x in meta.get('seeds', [])) or 'the job seed'}",
         f"* overrides: `{' '.join(meta['overrides']) or '(none)'}`",
         f"* total time: {meta['total_wall_s'] / 60:.1f} min for the initial model and {len(meta['variants'])} variants, "
@@ -1052,81 +1089,116 @@ def run_section(meta: dict, table: dict, cons: dict, images: dict[str, str], img
 
 DOC_HEAD = """# GSPO vs GSPO-token vs GRPO vs GRPO + routing replay
 
-This page is generated by `python -m megatron_gspo.compare ... --docs` (`megatron_gspo/compare.py`);
-the sections below come from real runs, with the command, the machine and the time they took. Rerun
-a section with its command; `--report-only --out DIR --docs` rebuilds it from a finished run.
+This page is generated by `python -m megatron_gspo.compare ... --docs` (`megatron_gspo/compare.py`):
+each section below comes from a real run and states its command, machine, date and duration. Rerun
+a section with its command; `python -m megatron_gspo.compare --report-only --out DIR --docs` rebuilds
+it from a finished run directory. The text up to the first section is fixed; the sections' tables and
+"What the numbers say" lists are generated from the runs' `metrics.jsonl` / `probe.jsonl`.
 
 ## How the comparison is run
 
-* The initial model is built **once**: the SFT warm start of the job (`train.sft_steps`) runs in its own
-  process and is saved with `checkpoint.save_model`; every variant then starts from it
-  (`checkpoint.load=OUT/init_checkpoint train.sft_steps=0`) with the job's seeds, so all variants see the
-  same prompts in the same order and sample with the same random streams. Each variant runs in a fresh
-  process, one after the other.
-* Variants: **GSPO** (`loss.name=gspo`, sequence ratio, clip 3e-4 / 4e-4), **GSPO-token**
-  (`loss.name=gspo_token`, same clip; with per-sequence advantages its gradient equals GSPO's),
-  **GRPO** (`loss.name=grpo`, token ratios, clip 0.2 / 0.2, no routing replay) and **GRPO + R2**
-  (`train.routing_replay=R2`: the training forward reuses the top-k experts of the old-log-prob pass).
-  Each loss uses its own default clip range.
-* Outputs in `--out` (default `runs/compare`): one directory per variant with `metrics.jsonl`,
-  `tensorboard/` (`tensorboard --logdir runs/compare` shows the variants side by side), `probe.jsonl`
-  and `train.log`; `plots/*.png`, `summary.md`, `summary.json`, `compare.json` (command, machine,
-  overrides, wall times).
+* The initial model is built **once**: the job's SFT warm start (`train.sft_steps`) runs in its own
+  process and is saved with `checkpoint.save_model` to `OUT/init_checkpoint`; every run then starts
+  from it (`checkpoint.load=OUT/init_checkpoint train.sft_steps=0`). All runs see the same prompts in
+  the same order (`data.seed`); with `--seeds a,b,c` each variant runs once per seed
+  (`train.seed` and `generation.seed`, i.e. different sampled responses), and the tables give the
+  mean ± standard deviation over seeds.
+* Variants: **GSPO** (`loss.name=gspo`: sequence ratio, clip 3e-4 / 4e-4), **GSPO-token**
+  (`loss.name=gspo_token`, same clip; with per-sequence advantages its value and gradient equal
+  GSPO's), **GRPO** (`loss.name=grpo`: token ratios, clip 0.2 / 0.2, no routing replay) and
+  **GRPO + R2** (`train.routing_replay=R2`: the training forward reuses the top-k experts recorded in
+  the old-log-prob pass). Each loss uses its own default clip range.
+* Each run is a fresh process (`python -m megatron_gspo.compare _worker`, the unmodified `Trainer` of
+  `megatron_gspo/train.py` plus the routing probe below; under torchrun with `--nproc-per-node N`),
+  one after the other. Without a GPU each run gets `OMP_NUM_THREADS=1` (`--threads`): on a shared CPU,
+  torch's default intra-op threads oversubscribe the cores: a small-batch step of the tiny model took
+  10 s instead of 0.4 s on the loaded 2-core machine below.
+* Outputs in `--out` (default `runs/compare`): one directory per run with `metrics.jsonl`,
+  `tensorboard/` (`tensorboard --logdir runs/compare` shows the variants side by side),
+  `probe.jsonl` and `train.log`; `plots/*.png` (and `plots/overview.png`, all panels), `summary.md`,
+  `summary.json`, `compare.json` (command, machine, overrides, wall times).
 
 ## Which routing number is which
 
-Two different quantities measure how much MoE routing moves; the table reports both.
+Two quantities measure how much MoE routing moves; the tables report both.
 
 * **Logged `routing/routing_change_frac`** (the trainer, every run): the share of (token, expert)
   choices made in the old-log-prob pass that the *training forward* of the same micro-batch does not
   make. A rollout is split into `train.num_minibatches` minibatches, one optimizer update each: the
   first minibatch is trained before any update (change 0), minibatch *k* after *k* updates. The
-  logged value is therefore an average over 0 .. n-1 updates (with 2 minibatches, about half the change
-  of one update). This is the routing noise that enters GRPO's token ratios. **Under routing replay
-  it is 0 by construction**: the training forward uses the recorded routes (GRPO + R2 shows exactly 0
-  at every step, a structural check of the replay).
-* **Probe** (`probe/*`, `compare.py`): after every optimizer update, one extra no-grad forward of a
-  fixed probe batch (the first 64 sequences of the first rollout, prompt and response positions only)
-  with the router running free, compared with the same forward before the update: the share of
-  (token, expert) choices that changed (same measure as above) and the share of tokens whose top-k
-  expert *set* changed, per layer; plus the drift against the initial model. This is the quantity of
-  the GSPO paper's remark that about 10% of the activated experts change after one update of the
-  48-layer Qwen3-30B-A3B. **Replay does not change it**: replay makes the loss see the old routes, the
-  router itself keeps drifting (GRPO + R2's probe numbers are of the same order as GRPO's).
+  logged value is an average over 0 .. n-1 updates: about half of one update's change with the
+  default 2 minibatches, several updates' worth with 8. This is the routing noise that enters GRPO's
+  token ratios. **Under routing replay it is 0 by construction** (the training forward uses the
+  recorded routes): GRPO + R2 logs exactly 0 at every step, a structural check of the replay.
+* **Probe** (`probe/*`, written by `compare.py`): after every optimizer update, one extra no-grad
+  forward of a fixed probe batch (the first 64 sequences of the first rollout, prompt and response
+  positions only) with the router running free, compared with the same forward before the update:
+  the share of (token, expert) choices that changed (same measure as above), the share of tokens whose
+  top-k expert *set* changed, per layer, and the drift against the initial model. This is the
+  quantity behind the GSPO paper's remark that about 10% of the activated experts change after one
+  update of the 48-layer Qwen3-30B-A3B. **Replay does not change it**: replay makes the loss see the
+  old routes, the router itself keeps drifting (GRPO + R2's probe numbers are the same size as
+  GRPO's). The probe does not perturb training (a run with and without it logs identical metrics).
 
 What replay buys and costs: GRPO's per-token ratio pi_theta(y_t)/pi_old(y_t) mixes a policy change
-with a routing change (a token routed to other experts gets a different probability even if the
-experts did not move); R2 removes the routing part for the loss, at the price of training through
-routes the current router would not choose. GSPO needs none of it: its sequence likelihood ratio
-(geometric mean of token ratios) averages the per-token routing noise, and its clip acts on whole
-sequences.
+with a routing change (a token sent to other experts gets another probability even if no expert
+moved); R2 removes the routing part from the loss, at the price of training through routes that the
+current router would not choose. GSPO needs none of it: its sequence ratio is the geometric mean of
+the token ratios, which averages per-token routing noise, and it clips whole sequences.
 
 ## Clip fractions are not the same unit
 
-`loss/clip_frac` is the share of **sequences** whose clipped branch is active for GSPO and GSPO-token
-(a sequence is clipped or not), and the share of **tokens** for GRPO. The GSPO paper reports
-that GSPO clips far more (two orders of magnitude more tokens) than GRPO and still learns at
-least as efficiently; its clip range (3e-4 / 4e-4 on a per-token geometric mean) is tiny, so any
-noticeable off-policyness pushes whole sequences out of the range.
+`loss/clip_frac` is the share of **sequences** whose clipped branch is active for GSPO and
+GSPO-token (a sequence is clipped as a whole; the fraction is a multiple of 1 / sequences) and the
+share of **tokens** for GRPO (a multiple of 1 / tokens); `tests/test_compare.py` checks both. The GSPO
+paper reports that GSPO clips far more than GRPO (tens of percent vs a few percent) and still learns
+at least as efficiently: its clip range (3e-4 / 4e-4 on a per-token geometric mean) is tiny, so
+modest off-policyness pushes whole sequences out of it.
+
+## Reading the results (runs of 2026-11-23 below)
+
+* **Mechanics, reproduced in every run**: GSPO and GSPO-token compute the same gradient (step 1
+  agrees to float32 rounding: 1e-8 to 1e-7 in the loss, 1e-7 to 1e-6 relative in the grad norm) and stay together
+  until a rounding difference flips one sampled token, after which they are two samples of the same
+  algorithm; GRPO + R2 logs exactly zero old -> train routing change; GSPO clips 15-35% of
+  sequences where GRPO clips 1-6% of tokens.
+* **Routing volatility**: one optimizer update changes about 3% of the (token, expert) choices of
+  the probe batch (about 6% of the tokens change their top-2 set) in the default job, 3-4% under
+  `--stress`, for every variant, replay included. This 2-layer, 4-expert model is far from the paper's
+  48-layer, 128-expert, top-8 model (~10% per update); the number grows with depth and expert count
+  (more near-ties between experts).
+* **Rewards**: GSPO and GSPO-token are the same algorithm, so the gap between them is a built-in
+  measure of run-to-run noise (0.02 in final reward in the default job, 0.06-0.09 under stress). In
+  the default job GSPO, GSPO-token and GRPO end within 0.03 of each other: indistinguishable on this
+  task. GRPO + R2 ends lowest in all three settings (default, `--stress`, staleness-only stress): by
+  0.03-0.05 in the default job (the largest gap, 0.052, is about 2.5 standard errors of a 3-seed
+  difference) and by more under stress. The direction is consistent over 9 runs per variant, but
+  with 3 seeds per setting and several comparisons it is a hint, not a result.
+* **Stress**: 8 minibatches at twice the learning rate hurts every variant within the first ~10
+  steps (reward 0.54 -> ~0.1-0.2) and they recover slowly; the GSPO pair recovers more than GRPO,
+  while one GRPO seed and two GRPO + R2 seeds stay near 0.06-0.08. Staleness alone (8 minibatches, the default lr) costs
+  every variant about 0.3 reward at step 100 versus the default job. Clipping does not protect
+  against too large steps here: with Adam every update moves each weight by about the learning rate,
+  however few sequences or tokens keep a gradient.
 
 ## What a tiny CPU run shows, and what it does not
 
 The default job is a 2-layer MoE with 4 experts (top-2, 91K parameters) learning single-digit
-addition with 5-token answers. It runs on two CPU cores in minutes, so it shows the *mechanics* with
-real numbers: the same-seed identity of GSPO and GSPO-token, replay zeroing the old -> train routing
-change, the clip-fraction units and magnitudes, how much routing moves per update, and how the
-variants' reward curves compare on this task. It does **not** reproduce the paper's large-model
-claims: with 2 layers, 4 experts and answers of a few tokens, routing noise per token and its
-accumulation over long responses are small, GRPO is not unstable here, and differences between the
-variants' rewards of a few hundredths are within seed noise (one seed per variant). The instability
-GSPO fixes shows up on 30B-class MoE models, long responses and many off-policy minibatches; run
-this comparison on a GPU recipe (`launch/recipes/*.yaml`, `--nproc-per-node`) for that.
+addition with answers of 1-3 tokens. It runs on two CPU cores in minutes, so it shows the *mechanics*
+with real numbers: the same-seed identity of GSPO and GSPO-token, replay zeroing the old -> train
+routing change but not the router's drift, the clip-fraction units and magnitudes, how much routing
+moves per update, and how the variants' reward curves compare on this task. It does **not**
+reproduce the paper's large-model claims: with 2 layers, 4 experts and answers of a few tokens the
+sequence ratio is nearly the token ratio, routing noise cannot accumulate over long responses, and
+GRPO shows no instability in the default job. The instability GSPO removes shows up on 30B-class MoE
+models, long responses and many off-policy minibatches; run this comparison on a GPU recipe
+(`launch/recipes/*.yaml`, `--nproc-per-node`) for that.
 
-`--stress` makes off-policy effects visible on the small model: 8 minibatches per rollout (the last
-one is trained after 7 updates, so its data is far off-policy) and 3x the learning rate. It shows how
-the clip fractions, sequence-ratio spread and routing change grow with staleness and step size, and
-whether any variant destabilizes (skipped / non-finite updates, reward collapse). It is still a tiny
-model on a toy task: a stable or unstable stress run here says nothing definitive about 30B MoE runs.
+`--stress` (8 minibatches per rollout, so the last is trained 7 updates off-policy, and 2x the
+learning rate; `--stress-minibatches`, `--stress-lr-mult`) makes off-policy effects visible on the
+small model: larger clip fractions, sequence-ratio spread and old -> train routing change, and
+whether a variant destabilizes (skipped / non-finite updates, reward collapse). It is still a tiny
+model on a toy task: a stable or unstable stress run here says nothing definitive about a 30B MoE.
 """
 
 _SECTION_BEGIN = "<!-- compare:{kind}:begin -->"
@@ -1137,7 +1209,7 @@ def write_docs(meta: dict, table: dict, cons: dict, plots: dict[str, str], docs_
     kind = _kind(meta)
     img_dir = os.path.join(docs_dir, "img")
     os.makedirs(img_dir, exist_ok=True)
-    prefix = "comparison_" if kind == "default" else "comparison_stress_"
+    prefix = "comparison_" if kind == "default" else f"comparison_{kind}_"
     images = {}
     for key, path in plots.items():
         if key == "overview":  # OUT/plots/overview.png; the page shows the single plots
@@ -1149,15 +1221,16 @@ def write_docs(meta: dict, table: dict, cons: dict, plots: dict[str, str], docs_
     sections = {}
     if os.path.isfile(doc):
         text = open(doc, encoding="utf-8").read()
-        for k in ("default", "stress"):
+        for k in re.findall(r"<!-- compare:(\S+):begin -->", text):
             b, e = _SECTION_BEGIN.format(kind=k), _SECTION_END.format(kind=k)
-            if b in text and e in text:
+            if e in text:
                 sections[k] = text[text.index(b):text.index(e) + len(e)]
     body = run_section(meta, table, cons, images, "img")
     sections[kind] = f"{_SECTION_BEGIN.format(kind=kind)}\n{body}\n{_SECTION_END.format(kind=kind)}"
+    order = ["default", "stress"] + sorted(k for k in sections if k not in ("default", "stress"))
     with open(doc, "w", encoding="utf-8") as f:
         f.write(DOC_HEAD)
-        for k in ("default", "stress"):
+        for k in order:
             if k in sections:
                 f.write("\n" + sections[k] + "\n")
     return doc
@@ -1171,7 +1244,8 @@ def report(out: str, docs: bool = False, docs_dir: Optional[str] = None, quiet: 
     table = summarize_runs(runs)
     cons = consistency(runs)
     n_seeds = max((len(r) for r in runs.values()), default=1)
-    title = (f"{meta.get('config', '')} {'--stress ' if meta.get('stress') else ''}({meta.get('num_steps', '?')} steps"
+    title = (f"{meta.get('config', '')} {'(' + _stress_text(meta) + ') ' if meta.get('stress') else ''}"
+             f"({meta.get('num_steps', '?')} steps"
              + (f", {n_seeds} seeds" if n_seeds > 1 else "") + ")")
     plots = make_plots(runs, os.path.join(out, "plots"), title=title)
     md = summary_markdown(table, cons, meta)
@@ -1209,8 +1283,13 @@ def parse_args(argv: list[str]):
     p.add_argument("--stress", action="store_true",
                    help=f"{STRESS_MINIBATCHES} minibatches per rollout (more off-policy) and {STRESS_LR_MULT:g}x the lr")
     p.add_argument("--seeds", default=None,
-                   help="comma-separated train.seed values: every variant runs once per seed (same initial model "
-                        "and prompt order; the RL sampling differs), the table gives mean ± sd (default: the job's seed)")
+                   help="comma-separated seeds (train.seed and generation.seed): every variant runs once per seed "
+                        "(same initial model and prompt order; the sampling differs), the table gives mean ± sd "
+                        "(default: the job's seeds, one run per variant)")
+    p.add_argument("--stress-minibatches", type=int, default=STRESS_MINIBATCHES,
+                   help="minibatches per rollout under --stress (default: %(default)s)")
+    p.add_argument("--stress-lr-mult", type=float, default=STRESS_LR_MULT,
+                   help="learning-rate multiplier under --stress (default: %(default)s)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="> 1: each run under torchrun")
     p.add_argument("--docs", action="store_true", help="also write docs/comparison.md and docs/img/comparison_*.png")
     p.add_argument("--docs-dir", default=None, help=argparse.SUPPRESS)
@@ -1257,6 +1336,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv and argv[0] == "_worker":
         return worker_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM -> SystemExit, so the running child process is terminated too (see _run)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args = parse_args(argv)
     if args.report_only:
         report(os.path.abspath(args.out), docs=args.docs, docs_dir=args.docs_dir)
@@ -1264,7 +1346,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from megatron_gspo.train import DEMO_CONFIG
 
     args.config = args.config or DEMO_CONFIG
-    overrides = build_overrides(args.config, args.overrides, steps=args.steps, stress=args.stress)
+    overrides = build_overrides(args.config, args.overrides, steps=args.steps, stress=args.stress,
+                                stress_minibatches=args.stress_minibatches, stress_lr_mult=args.stress_lr_mult)
     meta = run_comparison(args, overrides)
     res = report(os.path.abspath(args.out), docs=args.docs, docs_dir=args.docs_dir)
     print(f"[compare] {len(meta['variants'])} variants in {meta['total_wall_s'] / 60:.1f} min; summary: {res['summary']}"

@@ -111,6 +111,12 @@ def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], counts: Seq
     raise ValueError(f"grouped_linear: unknown impl {impl!r} (auto | grouped_mm | loop | bmm)")
 
 
+def _aligned_for_grouped_mm(x: torch.Tensor, *weight_lists: Sequence[torch.Tensor]) -> bool:
+    """grouped_mm kernels need 16-byte aligned row strides (e.g. bf16 dims multiple of 8)."""
+    dims = [x.shape[1]] + [d for ws in weight_lists for d in ws[0].shape]
+    return all(d * x.element_size() % 16 == 0 for d in dims)
+
+
 def _contiguous(g: torch.Tensor) -> torch.Tensor:
     return g.contiguous()
 
@@ -267,6 +273,8 @@ class BatchedSequentialMLP(SequentialMLP):
         if impl == "auto":
             impl = "grouped_mm" if grouped_mm_available(x.device, x.dtype) else "loop"
         if impl == "bmm" and max(counts) == 0:
+            impl = "loop"
+        if impl == "grouped_mm" and not _aligned_for_grouped_mm(x, w1, w2):
             impl = "loop"
         offs = None
         if impl == "grouped_mm":  # one host->device copy shared by both GEMMs

@@ -55,6 +55,12 @@ def test_smoke_json_fields(smoke):
     # same weights on both sides (through the HF -> megatron converter)
     assert all(v < 1e-4 for v in smoke["weights_check"].values()), smoke["weights_check"]
     assert gen["ours_batched"]["greedy_token_match_vs_hf"] == 1.0
+    # the expert layer alone: megatron's loop and every grouped-GEMM variant, train and decode shapes
+    for shape in ("train", "decode"):
+        d = smoke["expert_layer"][shape]
+        assert d["rows"] > 0
+        assert {"sequential", "batched_grouped_mm", "batched_loop", "batched_bmm"} <= set(d)
+        assert all(v["ms_median"] > 0 for k, v in d.items() if k != "rows")
     # smoke runs skip the sweep and the 2.5 GB log-prob memory benchmark
     assert "scaling" not in smoke and "logprob_memory" not in smoke
 

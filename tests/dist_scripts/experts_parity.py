@@ -12,14 +12,9 @@ import dataclasses
 import os
 import sys
 
-import torch
-
-from megatron_gspo import parallel
-from megatron_gspo.checkpoint import load_model, save_model
-from megatron_gspo.config import ParallelConfig, model_config_from_preset
-from megatron_gspo.experts import BatchedSequentialMLP, _packed_view
-from megatron_gspo.logprobs import vocab_parallel_logprobs
-from megatron_gspo.model import build_model, finalize_grads, forward_logits, wrap_ddp
+# torch and the package are imported inside the functions: dist_checkpointing's writer starts a
+# multiprocessing manager with "spawn", which re-imports this module; a light module top keeps
+# that start from re-importing megatron (tens of seconds on a loaded 2-core machine).
 
 LAYOUTS = {
     "ep2": dict(expert_model_parallel_size=2),
@@ -30,6 +25,13 @@ TOL = 1e-5
 
 
 def run(cfg, par, st, impl, ckpt, save):
+    import torch
+
+    from megatron_gspo.checkpoint import load_model, save_model
+    from megatron_gspo.experts import BatchedSequentialMLP, _packed_view
+    from megatron_gspo.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.model import build_model, finalize_grads, forward_logits, wrap_ddp
+
     model = build_model(dataclasses.replace(cfg, moe_expert_impl=impl), par, st)
     if save:
         save_model(model, ckpt)
@@ -55,6 +57,9 @@ def run(cfg, par, st, impl, ckpt, save):
 
 
 def main():
+    from megatron_gspo import parallel
+    from megatron_gspo.config import ParallelConfig, model_config_from_preset
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)
     ap.add_argument("--layouts", default="ep2")
