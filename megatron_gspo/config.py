@@ -323,6 +323,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{where} must be a number, got {value!r}") from None
     if base is str:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off/on as a bool
+            return "off" if value is False else "on"
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{where} must be a string, got {type(value).__name__}")
         return str(value)
