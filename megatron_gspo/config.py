@@ -68,7 +68,8 @@ class ModelConfig:
     moe_router_load_balancing_type: str = "aux_loss"
     # "auto": alltoall on GPU, allgather on CPU (alltoall creates CUDA streams).
     moe_token_dispatcher_type: str = "auto"
-    # "auto": TE grouped GEMM on GPU with TE; megatron's SequentialMLP otherwise.
+    # "auto": TE grouped GEMM with TE; otherwise "batched" (megatron_gspo.experts: SequentialMLP's
+    # parameters, all local experts in grouped GEMMs). "sequential" = megatron's per-expert loop.
     moe_expert_impl: str = "auto"
     moe_router_fusion: bool = False
     init_method_std: float = 0.02

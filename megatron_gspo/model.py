@@ -159,7 +159,8 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, routing_repl
         calculate_per_token_loss=True,
     )
     if cfg.recompute_granularity == "selective":
-        kw["recompute_modules"] = ["core_attn", "moe_act"]
+        # megatron refuses moe_act recompute without grouped GEMM (the local spec's experts)
+        kw["recompute_modules"] = ["core_attn", "moe_act"] if expert_impl == "te_grouped" else ["core_attn"]
     return TransformerConfig(**kw)
 
 

@@ -17,7 +17,9 @@ SECTIONS = ("train_step", "logprob_pass", "generation")
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "smoke.json"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # a fresh process group: not the rendezvous variables earlier in-process tests left in os.environ
+    dist_vars = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
+    env = {**{k: v for k, v in os.environ.items() if k not in dist_vars}, "PYTHONWARNINGS": "ignore"}
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--smoke", "--threads", "1",
                         "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
