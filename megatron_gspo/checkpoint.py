@@ -183,10 +183,6 @@ def latest_complete(root: str) -> Optional[int]:
     return None
 
 
-def latest_step(root: str) -> Optional[int]:
-    return latest_complete(root)
-
-
 def resolve(path: str) -> str:
     """A checkpoint root -> its newest complete iteration directory; an iteration dir -> itself."""
     if os.path.isfile(os.path.join(path, TRACKER)) or _iter_steps(path):
