@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -105,12 +104,6 @@ class ParallelState:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None) -> None:
     """Initialize torch.distributed from torchrun's env vars (RANK, WORLD_SIZE, MASTER_ADDR, ...).
 
@@ -120,14 +113,20 @@ def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = Non
     if dist.is_initialized():
         return
     cpu_compat.apply()
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "RANK" not in os.environ:
+        # One process, no torchrun: an in-process store and no TCP port at all. os.environ stays
+        # untouched: exported RANK/MASTER_PORT would be inherited by child processes (a test's
+        # subprocess trainer then tried to bind this process's store port: EADDRINUSE in CI).
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def initialize(model: ModelConfig, par: ParallelConfig) -> ParallelState:

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import re
 import types
 
 import pytest
@@ -128,12 +129,13 @@ def layouts(mcore, hf_model):
 
 
 def test_megatron_layouts_match_transformers(layouts):
-    lines = [l for l in layouts.stdout.splitlines() if "max abs diff" in l]
-    for tag in ("tp1 ", "tp2 ", "ep2 ", "tp2ep2 "):
-        got = [l for l in lines if f"] {tag}" in l]
-        assert len(got) == 4, (tag, layouts.stdout)
-        for l in got:
-            assert float(l.split("max abs diff ")[1].split()[0]) <= 1e-4, l
+    # Parsed from the whole stream, not line by line: 4 ranks share one stdout and print() writes
+    # the text and its newline separately, so two ranks' reports can land on one line.
+    found = re.findall(r"\[rank (\d+)\] (\w+) \(.*?max abs diff (\S+)", layouts.stdout)
+    for tag in ("tp1", "tp2", "ep2", "tp2ep2"):
+        got = {int(rank): float(diff) for rank, t, diff in found if t == tag}
+        assert sorted(got) == [0, 1, 2, 3], (tag, layouts.stdout)
+        assert max(got.values()) <= 1e-4, (tag, got)
 
 
 def test_megatron_checkpoint_layout(mcore, hf_model):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 from datetime import timedelta
 
@@ -74,8 +73,8 @@ def rank_micro_batches(rank: int) -> list[slice]:
     return [slice(lo, lo + 1), slice(lo + 1, lo + B // WORLD)]
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+def _worker(rank: int, store_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))
     group = dist.group.WORLD
     batch = make_batch()
@@ -121,17 +120,15 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    mp.spawn(_worker, args=(_free_port(), args.out), nprocs=WORLD, join=True)
+    # a FileStore beside the output: no TCP port to race for
+    store_file = os.path.abspath(args.out) + ".store"
+    if os.path.exists(store_file):
+        os.remove(store_file)
+    mp.spawn(_worker, args=(store_file, args.out), nprocs=WORLD, join=True)
 
 
 if __name__ == "__main__":
