@@ -27,9 +27,10 @@ Ragged prompts: left padding with per-row RoPE positions
     are rows of the very table a training forward uses, so results equal per-prompt generation up
     to summation-order noise. The mask is applied by megatron's local ``DotProductAttention`` (the
     local spec: CPU, and GPU without Transformer Engine). Transformer Engine's attention follows
-    megatron's mask *type* ("causal" in the prefill, "no_mask" in decode) and ignores the mask, so
-    with TE attention ``generate`` refuses left-padded (ragged) batches with NotImplementedError
-    rather than attend padding; equal-length prompts need no mask and work with either.
+    megatron's mask *type* ("causal" in the prefill, "no_mask" in decode) and would ignore the mask,
+    so for a left-padded batch TE attentions are told the mask is "arbitrary" (an explicit boolean
+    mask) for the duration of the call; equal-length prompts need no mask and keep TE's fast
+    causal kernels.
 
 Returned layout
     ``tokens`` is right-padded, ready for training: row r = prompt (from column 0) + response +
@@ -345,15 +346,47 @@ def _per_row_rope(model, positions: torch.Tensor) -> Iterator[None]:
         del rope.forward
 
 
-def _honors_padding_mask(model) -> bool:
-    """True when every core attention is megatron's local DotProductAttention, which applies the
-    explicit boolean mask whatever the mask type. Transformer Engine's attention follows the mask
-    *type* instead (megatron passes "causal" in the prefill and "no_mask" in decode steps, and TE
-    then ignores the mask), so it would attend left-padding slots."""
+@contextlib.contextmanager
+def _padding_mask_honored(model) -> Iterator[None]:
+    """Make every core attention apply the explicit padding mask of a left-padded batch.
+
+    megatron's local ``DotProductAttention`` applies the boolean mask whatever the mask type.
+    Transformer Engine's attention follows the mask *type* instead: megatron passes "causal" in the
+    prefill and "no_mask" in decode steps, and TE then ignores the mask and would attend the
+    left-padding slots. For the duration of the call TE attentions are told the mask is
+    "arbitrary" (TE's name for an explicit [b, 1, sq, sk] boolean mask, True = masked), which TE
+    serves with a backend that supports it (cuDNN fused attention or its unfused path) instead of
+    flash attention. Any other attention class is refused rather than trusted.
+    """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     cores = [mod.core_attention for mod in model.modules() if hasattr(mod, "core_attention")]
-    return all(isinstance(c, DotProductAttention) for c in cores)
+    remap = [c for c in cores if not isinstance(c, DotProductAttention)]
+    for c in remap:
+        if type(c).__name__ != "TEDotProductAttention":
+            raise NotImplementedError(
+                f"generate(): prompts of different lengths need an attention that applies an explicit "
+                f"padding mask; {type(c).__module__}.{type(c).__name__} is not known to; use "
+                f"model.transformer_impl='local' or prompts of one length")
+    for c in remap:
+        c.forward = _arbitrary_mask_forward(c.forward)  # instance attribute shadows the method
+    try:
+        yield
+    finally:
+        for c in remap:
+            del c.forward
+
+
+def _arbitrary_mask_forward(forward: Callable) -> Callable:
+    """Wrap a megatron core-attention forward so that a given mask is applied as an arbitrary one."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    def wrapped(query, key, value, attention_mask, attn_mask_type=None, **kwargs):
+        if attention_mask is not None:
+            attn_mask_type = AttnMaskType.arbitrary
+        return forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type, **kwargs)
+
+    return wrapped
 
 
 @contextlib.contextmanager
@@ -481,12 +514,6 @@ def generate(
         row = torch.tensor(p, dtype=torch.long)
         grid[i * G:(i + 1) * G, P - len(p):P] = row
     comm.check_same_prompts_in_tp(grid[:n_real, :P], lens_real)
-    if int(lens_real.min()) < P and not _honors_padding_mask(m):
-        raise NotImplementedError(
-            "generate(): prompts of different lengths are left-padded and the padding is masked with an "
-            "explicit attention mask, which Transformer Engine's attention ignores for megatron's "
-            "causal/no_mask inference mask types; use model.transformer_impl='local' for generation or "
-            "give every rank of the EP group prompts of one length")
     grid, lens = grid.to(device), lens.to(device)
     left_pad = P - lens  # [B]
     slots = torch.arange(S - 1, device=device)
@@ -525,8 +552,11 @@ def generate(
         stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
         stack.enter_context(_eval_mode(m))
         stack.enter_context(_without_sequence_parallel(m))
-        if bool((left_pad[:n_real] > 0).any()):  # equal-length prompts: slot index = position already
+        # Equal-length real prompts: slot index = position and no padding to mask (the padding of
+        # EP shape-filler rows is harmless: their outputs are dropped).
+        if bool((left_pad[:n_real] > 0).any()):
             stack.enter_context(_per_row_rope(m, positions))
+            stack.enter_context(_padding_mask_honored(m))
 
         causal = torch.triu(torch.ones(P, P, dtype=torch.bool, device=device), diagonal=1)
         prefill_mask = (causal[None] | key_pad[:, None, :P])[:, None]  # [B, 1, P, P]

@@ -8,10 +8,13 @@ In-process (one rank, tiny Qwen3-MoE GPTModel, fp32 on CPU):
   top-k/top-p: unfiltered temperature-scaled log-probs);
 - top-k=1 equals greedy; stop tokens end responses per row (mask, pad, lengths, stopped flag);
   G samples per prompt differ at T=1; seeds reproduce; the model's state is restored.
+- ragged prompts under Transformer Engine's mask-type contract (emulated: TE cannot run here) are
+  generated like the local spec, and a custom attention class is refused for ragged prompts.
 Under torchrun (tests/dist_scripts/generation_parity.py): TP=2 and EP=2 greedy equal TP=1 greedy on
 the same checkpointed weights, the TP ranks sample identically, EP ranks stay in lockstep.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -160,6 +163,73 @@ def test_greedy_kv_cache_equals_no_cache_loop(tiny):
 
     # greedy records temperature-1 log-probs: those of a fresh full forward
     assert _max_lp_diff(model, out, temperature=1.0) < 1e-5
+
+
+class TEDotProductAttention(torch.nn.Module):
+    """Transformer Engine's mask-type contract around megatron's local attention (TE cannot run on
+    a CPU): the mask tensor is applied only for the "arbitrary" type, "causal" means a top-left
+    causal mask built from the shapes and "no_mask" none at all, whatever mask is passed.
+    generation finds TE attentions by this class name, as it does for megatron's TE wrapper."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type, **kwargs):
+        from megatron.core.transformer.enums import AttnMaskType
+
+        sq, sk = query.shape[0], key.shape[0]  # [s, b, h, d] (sbhd)
+        if attn_mask_type == AttnMaskType.arbitrary:
+            mask = attention_mask
+        elif attn_mask_type == AttnMaskType.causal:
+            mask = torch.ones(sq, sk, dtype=torch.bool).triu(1)[None, None]
+        elif attn_mask_type == AttnMaskType.no_mask:
+            mask = torch.zeros(1, 1, sq, sk, dtype=torch.bool)
+        else:
+            raise AssertionError(attn_mask_type)
+        return self.inner(query, key, value, mask, attn_mask_type=attn_mask_type, **kwargs)
+
+
+@pytest.mark.parametrize("remap", [True, False])
+def test_te_attention_gets_the_padding_mask_of_ragged_prompts(tiny, monkeypatch, remap):
+    """Under the TE spec a left-padded batch must reach TE as an "arbitrary" mask (TE ignores the
+    mask for megatron's causal / no_mask inference types). With TE's contract in place of local
+    attention, ragged greedy generation equals the local spec's, and it does not without the
+    remapping (the check can fail)."""
+    import megatron_gspo.generation as generation
+
+    model, st = tiny
+    cfg = GenerationConfig(max_new_tokens=6, temperature=0.0)
+    want = generate(model, _prompts(), cfg, vocab_size=VOCAB, state=st)
+    if not remap:
+        monkeypatch.setattr(generation, "_padding_mask_honored", lambda m: contextlib.nullcontext())
+    owners = [mod for mod in model.modules() if hasattr(mod, "core_attention")]
+    originals = [mod.core_attention for mod in owners]
+    try:
+        for mod, core in zip(owners, originals):
+            mod.core_attention = TEDotProductAttention(core)
+        got = generate(model, _prompts(), cfg, vocab_size=VOCAB, state=st)
+        assert all(mod.core_attention.forward.__func__ is TEDotProductAttention.forward for mod in owners)
+    finally:
+        for mod, core in zip(owners, originals):
+            mod.core_attention = core
+    lp_diff = (got.logprobs - want.logprobs).abs().max().item() if got.logprobs.shape == want.logprobs.shape else 1.0
+    if remap:
+        assert got.responses() == want.responses() and lp_diff < 1e-5
+    else:  # padding attended: the padded prompts' log-probs move
+        assert lp_diff > 1e-3, lp_diff
+
+
+def test_unknown_attention_refused_for_ragged_prompts(tiny):
+    model, st = tiny
+    owner = next(mod for mod in model.modules() if hasattr(mod, "core_attention"))
+    core = owner.core_attention
+    owner.core_attention = torch.nn.Identity()
+    try:
+        with pytest.raises(NotImplementedError, match="torch.nn.modules.linear.Identity"):
+            generate(model, _prompts(), GenerationConfig(max_new_tokens=2), vocab_size=VOCAB, state=st)
+    finally:
+        owner.core_attention = core
 
 
 def test_sampling_logprobs_equal_fresh_forward(tiny):
