@@ -354,9 +354,9 @@ def _padding_mask_honored(model) -> Iterator[None]:
     Transformer Engine's attention follows the mask *type* instead: megatron passes "causal" in the
     prefill and "no_mask" in decode steps, and TE then ignores the mask and would attend the
     left-padding slots. For the duration of the call TE attentions are told the mask is
-    "arbitrary" (TE's name for an explicit [b, 1, sq, sk] boolean mask, True = masked), which TE
-    serves with a backend that supports it (cuDNN fused attention or its unfused path) instead of
-    flash attention. Any other attention class is refused rather than trusted.
+    "arbitrary" (TE's name for an explicit [b, 1, sq, sk] boolean mask, True = masked); TE then
+    picks a backend that supports explicit masks (flash attention does not; TE's unfused attention
+    always does). Any other attention class is refused rather than trusted.
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
