@@ -366,7 +366,7 @@ def _padding_mask_honored(model) -> Iterator[None]:
         if type(c).__name__ != "TEDotProductAttention":
             raise NotImplementedError(
                 f"generate(): prompts of different lengths need an attention that applies an explicit "
-                f"padding mask; {type(c).__module__}.{type(c).__name__} is not known to; use "
+                f"padding mask; {type(c).__module__}.{type(c).__name__} is not known to apply it; use "
                 f"model.transformer_impl='local' or prompts of one length")
     for c in remap:
         c.forward = _arbitrary_mask_forward(c.forward)  # instance attribute shadows the method
