@@ -194,6 +194,39 @@ def test_soak_rss_is_flat_with_rotation(tmp_path):
     assert kept == ["iter_0000029", "iter_0000030"]
 
 
+@pytest.fixture(scope="module")
+def ep2_checkpoint(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep2")
+    rc, out = train(tmp, "src", "parallel.expert_model_parallel_size=2", steps=2, nproc=2)
+    assert rc == 0, out[-3000:]
+    return f"{tmp}/src/ckpt"
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel.expert_model_parallel_size=4"],  # EP 2 -> 4, DP 2 -> 4
+    ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2"],  # + TP 2, SP
+])
+def test_resume_under_another_layout_keeps_every_tensor(ep2_checkpoint, tmp_path, run_dist, layout):
+    """An EP=2 (DP=2) checkpoint resumed under 4 ranks and saved again at once: weights and Adam
+    moments come back bit-identical (global keys), with the step and the data position."""
+    dst = str(tmp_path / "dst")
+    p = run_dist("resume_relayout.py", 4, "--src", ep2_checkpoint, "--dst", dst, *JOB, *layout)
+    assert p.stdout.count("RELAYOUT rank") == 4 and "step=2" in p.stdout, p.stdout
+    src = dist_checkpoint_to_tensors(iter_dir(ep2_checkpoint, 2))
+    got = dist_checkpoint_to_tensors(iter_dir(dst, 2))
+    tensors = sorted(k for k, v in src.items() if isinstance(v, torch.Tensor))
+    assert tensors == sorted(k for k, v in got.items() if isinstance(v, torch.Tensor))
+    moments = [k for k in tensors if k.startswith("optimizer.state.exp_avg")]
+    assert len(moments) >= 10 and all(src[k].abs().sum() > 0 for k in moments)  # real Adam state
+    assert any(".experts." in k for k in moments)
+    for k in tensors:
+        assert torch.equal(src[k], got[k]), k
+    common = lambda root: torch.load(os.path.join(iter_dir(root, 2), "common.pt"), weights_only=False)
+    a, b = common(ep2_checkpoint), common(dst)
+    assert a["step"] == b["step"] == 2 and a["extra"]["data"] == b["extra"]["data"]
+    assert a["scheduler"] == b["scheduler"]
+
+
 def test_resume_under_another_layout(tmp_path):
     """A TP=1 checkpoint resumes under TP=2 (weights, Adam moments, data position); an EP change,
     which changes megatron's dense/expert optimizer split, is refused with the way out named."""

@@ -1,0 +1,37 @@
+"""Resume a trainer checkpoint under another layout and save it again at once, with no step in
+between: every tensor (weights and Adam moments, both stored under global keys) must come back
+bit-identical, whatever TP / EP / DP the saving and the resuming runs used.
+
+usage: torchrun ... resume_relayout.py --src ROOT --dst ROOT [config overrides ...]
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron_gspo import parallel  # noqa: E402
+from megatron_gspo.config import load_job_config  # noqa: E402
+from megatron_gspo.train import DEMO_CONFIG, Trainer  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--src", required=True)
+    p.add_argument("--dst", required=True)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args()
+    cfg = load_job_config(DEMO_CONFIG, a.overrides + [f"checkpoint.save={a.src}", "checkpoint.resume=true"])
+    trainer = Trainer(cfg)
+    trainer.setup_optimizer()  # loads weights, Adam moments, scheduler and data position
+    assert trainer.step > 0, "nothing was resumed"
+    cfg.checkpoint.save = a.dst
+    trainer.save()
+    st = trainer.state
+    print(f"RELAYOUT rank {st.rank} tp={st.tp} ep={st.ep} dp={st.dp} step={trainer.step}", flush=True)
+    parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()
