@@ -40,37 +40,46 @@ def _chunk_fp32(x: torch.Tensor, v_start: int, vocab_size: int, inv_temp: float)
     return x
 
 
-def _chunk_stats(x: torch.Tensor, tgt: torch.Tensor, group):
-    """x [n, Vl] fp32 (from _chunk_fp32), tgt [n] ids local to this shard (may be out of range).
-    Returns (logZ, target logit, entropy), each [n] and identical on every TP rank."""
+def _chunk_stats(x: torch.Tensor, tgt: torch.Tensor, group, with_entropy: bool):
+    """x [n, Vl] fp32 (from _chunk_fp32; consumed: overwritten in place), tgt [n] ids local to
+    this shard (may be out of range). Returns (logZ, target logit, entropy or None), each [n] and
+    identical on every TP rank."""
     v_local = x.shape[-1]
     m = _all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX, group)
-    e = torch.exp(x - m[:, None])
-    # one all-reduce for the three sums: sum exp, sum exp * (x - m), target logit
     in_shard = (tgt >= 0) & (tgt < v_local)
     tl = torch.where(in_shard, x.gather(1, tgt.clamp(0, v_local - 1)[:, None]).squeeze(1), torch.zeros_like(m))
-    sums = torch.stack([e.sum(-1), (e * (x - m[:, None])).sum(-1), tl], dim=0)
+    x.sub_(m[:, None])  # x - m, in place: the chunk is our own fp32 copy
+    # one all-reduce for the sums: sum exp, target logit (and sum exp * (x - m) for the entropy)
+    if with_entropy:
+        e = torch.exp(x)
+        sum_ex = torch.bmm(e.unsqueeze(1), x.unsqueeze(2)).view(-1)  # sum_v e_v (x_v - m), no [n, V] temporary
+        sums = torch.stack([e.sum(-1), tl, sum_ex], dim=0)
+    else:
+        sums = torch.stack([x.exp_().sum(-1), tl], dim=0)
     sums = _all_reduce(sums, dist.ReduceOp.SUM, group)
-    sum_e, sum_ex, tl = sums[0], sums[1], sums[2]
+    sum_e, tl = sums[0], sums[1]
     log_z = m + torch.log(sum_e)
-    entropy = torch.log(sum_e) - sum_ex / sum_e
+    entropy = torch.log(sum_e) - sums[2] / sum_e if with_entropy else None
     return log_z, tl, entropy
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, v_start, vocab_size, group, chunk, inv_temp):
+    def forward(ctx, logits, target, v_start, vocab_size, group, chunk, inv_temp, with_entropy):
         # unused outputs (entropy when the loss ignores it) arrive as None: skip their math
         ctx.set_materialize_grads(False)
         n = logits.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=logits.device)
-        ent = torch.empty(n, dtype=torch.float32, device=logits.device)
+        # without entropy the second output stays zeros (never returned to the caller)
+        ent = (torch.empty if with_entropy else torch.zeros)(n, dtype=torch.float32, device=logits.device)
         log_z = torch.empty(n, dtype=torch.float32, device=logits.device)
         for s in range(0, n, chunk):
             sl = slice(s, min(n, s + chunk))
             x = _chunk_fp32(logits[sl], v_start, vocab_size, inv_temp)
-            lz, tl, h = _chunk_stats(x, target[sl] - v_start, group)
-            logp[sl], ent[sl], log_z[sl] = tl - lz, h, lz
+            lz, tl, h = _chunk_stats(x, target[sl] - v_start, group, with_entropy)
+            logp[sl], log_z[sl] = tl - lz, lz
+            if with_entropy:
+                ent[sl] = h
         ctx.save_for_backward(logits, target, log_z, ent)
         ctx.v_start, ctx.vocab_size, ctx.chunk, ctx.inv_temp = v_start, vocab_size, chunk, inv_temp
         return logp, ent
@@ -82,20 +91,25 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for s in range(0, n, ctx.chunk):
             sl = slice(s, min(n, s + ctx.chunk))
-            x = _chunk_fp32(logits[sl], ctx.v_start, ctx.vocab_size, ctx.inv_temp)
-            p = torch.exp(x - log_z[sl, None])
-            g = torch.zeros_like(x)
-            if g_logp is not None:
-                g -= g_logp[sl, None] * p
+            # in place on the chunk's own fp32 copy: log p, then p, then the gradient
+            log_p = _chunk_fp32(logits[sl], ctx.v_start, ctx.vocab_size, ctx.inv_temp).sub_(log_z[sl, None])
+            if g_ent is not None:  # dH/dx = -p * (log p + H)
+                p = torch.exp(log_p)
+                g = log_p.add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])
+            else:
+                p = log_p.exp_()
+                g = None
+            if g_logp is not None:  # dlogp/dx = onehot(y) - p
+                g = p.mul_(-g_logp[sl, None]) if g is None else g.sub_(p.mul_(g_logp[sl, None]))
                 local_t = target[sl] - ctx.v_start
                 rows = torch.nonzero((local_t >= 0) & (local_t < v_local)).squeeze(1)
                 g[rows, local_t[rows]] += g_logp[sl][rows]
-            if g_ent is not None:
-                g -= g_ent[sl, None] * p * (x - log_z[sl, None] + ent[sl, None])
+            elif g is None:
+                g = p.zero_()
             if ctx.inv_temp != 1.0:
-                g *= ctx.inv_temp
-            grad[sl] = g.to(grad.dtype)
-        return grad, None, None, None, None, None, None
+                g.mul_(ctx.inv_temp)
+            grad[sl] = g
+        return grad, None, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
@@ -132,6 +146,7 @@ def vocab_parallel_logprobs(
     tp_rank = dist.get_rank(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else 0
     v_start = tp_rank * x.shape[-1]
     logp, ent = _VocabParallelLogProbs.apply(
-        x, target.reshape(-1).long(), v_start, vocab_size, tp_group, max(1, chunk_tokens), 1.0 / temperature
+        x, target.reshape(-1).long(), v_start, vocab_size, tp_group, max(1, chunk_tokens), 1.0 / temperature,
+        with_entropy,
     )
     return logp.view(lead), (ent.view(lead) if with_entropy else None)

@@ -34,6 +34,28 @@ def test_tp1_values_and_grads(chunk, T):
     assert x.grad[..., V:].abs().max() == 0  # padded columns get no gradient
 
 
+@pytest.mark.parametrize("used", ["logp", "entropy"])
+def test_one_output_used_and_with_entropy_false(used):
+    """Each backward branch alone (the other output's gradient is None), and with_entropy=False
+    (the old-log-prob pass) gives the same log-probs and gradient as with the entropy."""
+    g = torch.Generator().manual_seed(3)
+    V, Vp = 30, 32
+    x = (2 * torch.randn(3, 5, Vp, generator=g)).requires_grad_()
+    tgt = torch.randint(0, V, (3, 5), generator=g)
+    w = torch.randn(3, 5, generator=g)
+    lp, h = vocab_parallel_logprobs(x, tgt, V, temperature=0.8, chunk_tokens=4)
+    ((lp if used == "logp" else h) * w).sum().backward()
+    xr = x.detach().double().requires_grad_()
+    rlp, rh = reference(xr, tgt, V, 0.8)
+    ((rlp if used == "logp" else rh) * w).sum().backward()
+    assert torch.allclose(x.grad.double(), xr.grad, atol=1e-5)
+    if used == "logp":
+        x2 = x.detach().clone().requires_grad_()
+        lp2, h2 = vocab_parallel_logprobs(x2, tgt, V, temperature=0.8, chunk_tokens=4, with_entropy=False)
+        (lp2 * w).sum().backward()
+        assert h2 is None and torch.equal(lp2, lp) and torch.allclose(x2.grad, x.grad, atol=1e-6)
+
+
 def test_only_logp_used_and_bf16_input():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 9, 40, generator=g).bfloat16().requires_grad_()
