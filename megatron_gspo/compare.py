@@ -283,7 +283,7 @@ def worker_main(argv: list[str]) -> int:
     config.yaml [overrides]``: one run of the comparison, as ``megatron_gspo.train.main`` does it."""
     from megatron_gspo import parallel, train
     from megatron_gspo.config import load_job_config
-    from megatron_gspo.train import Trainer, TrainingStopped
+    from megatron_gspo.train import Trainer
 
     p = argparse.ArgumentParser(prog="megatron_gspo.compare _worker")
     p.add_argument("--probe", default=None)
@@ -307,25 +307,7 @@ def worker_main(argv: list[str]) -> int:
             parallel.destroy()
         return 0
     trainer = _probed_trainer(cfg, args.probe, args.probe_rows) if args.probe else Trainer(cfg)
-    try:
-        history = trainer.run()["history"]
-        if trainer.state.is_main and history:
-            r = [h["rollout/reward_mean"] for h in history]
-            k = min(10, len(r))
-            log.info("%s: mean reward of the first %d steps %.3f, of the last %d steps %.3f", cfg.loss.name, k,
-                     sum(r[:k]) / k, k, sum(r[-k:]) / k)
-    except TrainingStopped as e:
-        log.error("%s", e)
-        return e.exit_code
-    except getattr(train, "USER_ERRORS", ()) as e:
-        log.error("error: %s", e)
-        return 2
-    finally:
-        if args.probe:
-            trainer.probe.close()
-        trainer.logger.close()
-        parallel.destroy()
-    return 0
+    return train.run_trainer(trainer, on_exit=trainer.probe.close if args.probe else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -607,8 +589,6 @@ def _probe_per_step(probe: list[dict]) -> dict:
     for s, rs in sorted(by.items()):
         layers = sorted(rs[0]["layers"], key=int)
         out[s] = {"change_frac": _mean([r["change_frac"] for r in rs]),
-                  "token_change_frac": _mean([r["token_change_frac"] for r in rs]),
-                  "vs_init": rs[-1]["vs_init"]["change_frac"],
                   "layers": {int(l): _mean([r["layers"][l]["change_frac"] for r in rs]) for l in layers}}
     return out
 
@@ -742,11 +722,7 @@ PLOTS = ("reward_step", "reward_tokens", "clip_frac", "seq_ratio", "routing_chan
 
 
 def _smooth(y: list[float], w: int) -> list[float]:
-    out = []
-    for i in range(len(y)):
-        win = [x for x in y[max(0, i - w + 1):i + 1] if _finite(x)]
-        out.append(sum(win) / len(win) if win else math.nan)
-    return out
+    return [_mean(y[max(0, i - w + 1):i + 1]) for i in range(len(y))]
 
 
 def _over_seeds(series: list[dict]) -> tuple[list, list, list, list]:
@@ -755,7 +731,7 @@ def _over_seeds(series: list[dict]) -> tuple[list, list, list, list]:
     mean, lo, hi = [], [], []
     for x in xs:
         ys = [s[x] for s in series if x in s and _finite(s[x])]
-        mean.append(sum(ys) / len(ys) if ys else math.nan)
+        mean.append(_mean(ys))
         lo.append(min(ys) if ys else math.nan)
         hi.append(max(ys) if ys else math.nan)
     return xs, mean, lo, hi
@@ -773,6 +749,9 @@ def make_plots(runs: dict[str, list[dict]], plot_dir: str, title: str = "") -> d
     os.makedirs(plot_dir, exist_ok=True)
     paths = {}
     n_seeds = max((len(s) for s in runs.values()), default=1)
+
+    def integer_x(ax):  # RL steps and layer numbers are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
     def style(v):
         c, ls = STYLE.get(v, ("black", "-"))
@@ -794,6 +773,7 @@ def make_plots(runs: dict[str, list[dict]], plot_dir: str, title: str = "") -> d
             ax.plot(xs, _smooth(y, w), **style(v))
         what = f"mean of {n_seeds} seeds, band: min-max (moving mean)" if n_seeds > 1 else "thin: raw, thick: moving mean"
         ax.set(xlabel="RL step", ylabel="mean reward", title=f"reward vs step ({what})")
+        integer_x(ax)
 
     def reward_tokens(ax):
         for v in runs:
@@ -816,6 +796,7 @@ def make_plots(runs: dict[str, list[dict]], plot_dir: str, title: str = "") -> d
             st["label"] += f" (over {VARIANTS.get(v, {}).get('clip_unit', '?')})"
             ax.plot(xs, y, **st)
         ax.set(xlabel="RL step", ylabel="clipped fraction", title="clip fraction (GSPO: sequences, GRPO: tokens)")
+        integer_x(ax)
 
     def seq_ratio(ax):
         for v in runs:
@@ -826,6 +807,7 @@ def make_plots(runs: dict[str, list[dict]], plot_dir: str, title: str = "") -> d
         ax.set_yscale("log")
         ax.set(xlabel="RL step", ylabel="max - min of s_i over the step's sequences",
                title="sequence-ratio spread (how far off-policy)")
+        integer_x(ax)
 
     def routing(ax_step, ax_layer):
         for v in runs:
@@ -854,6 +836,8 @@ def make_plots(runs: dict[str, list[dict]], plot_dir: str, title: str = "") -> d
         ax_step.set(xlabel="RL step", ylabel="share of (token, expert) choices changed",
                     title="routing change (solid: probe, 1 update; dotted: old -> train)")
         ax_layer.set(xlabel="MoE layer", ylabel="mean over the run", title="routing change per layer")
+        integer_x(ax_step)
+        integer_x(ax_layer)
 
     def simple(key, ylabel, title_):
         def f(ax):
@@ -861,56 +845,37 @@ def make_plots(runs: dict[str, list[dict]], plot_dir: str, title: str = "") -> d
                 xs, y, _, _ = per_step(v, key)
                 ax.plot(xs, y, **style(v))
             ax.set(xlabel="RL step", ylabel=ylabel, title=title_)
+            integer_x(ax)
         return f
 
     grad = simple("train/grad_norm", "grad norm (before clipping)", "gradient norm (mean over the step's updates)")
     ent = simple("loss/entropy", "mean token entropy (nats)", "policy entropy on the rollout")
 
-    def integer_x(ax):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    def finish(fig, axes, name: str, legend_size: int, dpi: int, title_size: Optional[int] = None) -> None:
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=legend_size)
+        if title:
+            fig.suptitle(title, **({"fontsize": title_size} if title_size else {}))
+        fig.tight_layout()
+        paths[name] = os.path.join(plot_dir, f"{name}.png")
+        fig.savefig(paths[name], dpi=dpi)
+        plt.close(fig)
 
     singles = {"reward_step": reward_step, "reward_tokens": reward_tokens, "clip_frac": clip, "seq_ratio": seq_ratio,
                "grad_norm": grad, "entropy": ent}
     for name, fn in singles.items():
         fig, ax = plt.subplots(figsize=(7, 4.2))
         fn(ax)
-        if name != "reward_tokens":
-            integer_x(ax)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        if title:
-            fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
-        paths[name] = os.path.join(plot_dir, f"{name}.png")
-        fig.savefig(paths[name], dpi=110)
-        plt.close(fig)
+        finish(fig, [ax], name, legend_size=7, dpi=110, title_size=9)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     routing(*axes)
-    for ax in axes:
-        integer_x(ax)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    paths["routing_change"] = os.path.join(plot_dir, "routing_change.png")
-    fig.savefig(paths["routing_change"], dpi=110)
-    plt.close(fig)
+    finish(fig, axes, "routing_change", legend_size=6, dpi=110, title_size=9)
     fig, axes = plt.subplots(2, 4, figsize=(22, 9))
-    for ax, fn in zip(axes.flat, [reward_step, reward_tokens, clip, seq_ratio, grad, ent]):
+    for ax, fn in zip(axes.flat, singles.values()):
         fn(ax)
     routing(axes.flat[6], axes.flat[7])
-    for i, ax in enumerate(axes.flat):
-        if i != 1:
-            integer_x(ax)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    paths["overview"] = os.path.join(plot_dir, "overview.png")
-    fig.savefig(paths["overview"], dpi=90)
-    plt.close(fig)
+    finish(fig, axes.flat, "overview", legend_size=6, dpi=90)
     return paths
 
 
@@ -937,7 +902,7 @@ def _duration(s) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
-def summary_markdown(table: dict[str, dict], cons: dict, meta: Optional[dict]) -> str:
+def summary_markdown(table: dict[str, dict], cons: dict) -> str:
     n_seeds = max((len(t["seeds"]) for t in table.values()), default=1)
     sd = f" (mean ± sd over {n_seeds} seeds)" if n_seeds > 1 else ""
     lines = [
@@ -1053,7 +1018,7 @@ def _stress_text(meta: dict) -> str:
             f"lr x {meta.get('stress_lr_mult') or STRESS_LR_MULT:g}")
 
 
-def run_section(meta: dict, table: dict, cons: dict, images: dict[str, str], img_rel: str) -> str:
+def run_section(meta: dict, summary_md: str, obs: list[str], images: dict[str, str]) -> str:
     m = meta["machine"]
     kind = _kind(meta)
     lines = [f"## {'Stress' if kind != 'default' else 'Default'} comparison: {meta.get('config')}"
@@ -1076,14 +1041,14 @@ def run_section(meta: dict, table: dict, cons: dict, images: dict[str, str], img
         "sequentially",
         "",
     ]
-    lines += [summary_markdown(table, cons, meta), "What the numbers say (generated from the table):", ""]
-    lines += [f"* {o}" for o in observations(table)] + [""]
-    names = {"overview": "all panels", "reward_step": "reward vs step", "reward_tokens": "reward vs generated tokens",
+    lines += [summary_md, "What the numbers say (generated from the table):", ""]
+    lines += [f"* {o}" for o in obs] + [""]
+    names = {"reward_step": "reward vs step", "reward_tokens": "reward vs generated tokens",
              "clip_frac": "clip fraction", "seq_ratio": "sequence-ratio spread",
              "routing_change": "routing change per layer", "grad_norm": "grad norm", "entropy": "entropy"}
     for key in ("reward_step", "reward_tokens", "clip_frac", "seq_ratio", "routing_change", "grad_norm", "entropy"):
         if key in images:
-            lines += [f"![{names[key]}]({img_rel}/{os.path.basename(images[key])})", ""]
+            lines += [f"![{names[key]}](img/{os.path.basename(images[key])})", ""]
     return "\n".join(lines)
 
 
@@ -1205,7 +1170,7 @@ _SECTION_BEGIN = "<!-- compare:{kind}:begin -->"
 _SECTION_END = "<!-- compare:{kind}:end -->"
 
 
-def write_docs(meta: dict, table: dict, cons: dict, plots: dict[str, str], docs_dir: str) -> str:
+def write_docs(meta: dict, summary_md: str, obs: list[str], plots: dict[str, str], docs_dir: str) -> str:
     kind = _kind(meta)
     img_dir = os.path.join(docs_dir, "img")
     os.makedirs(img_dir, exist_ok=True)
@@ -1225,7 +1190,7 @@ def write_docs(meta: dict, table: dict, cons: dict, plots: dict[str, str], docs_
             b, e = _SECTION_BEGIN.format(kind=k), _SECTION_END.format(kind=k)
             if e in text:
                 sections[k] = text[text.index(b):text.index(e) + len(e)]
-    body = run_section(meta, table, cons, images, "img")
+    body = run_section(meta, summary_md, obs, images)
     sections[kind] = f"{_SECTION_BEGIN.format(kind=kind)}\n{body}\n{_SECTION_END.format(kind=kind)}"
     order = ["default", "stress"] + sorted(k for k in sections if k not in ("default", "stress"))
     with open(doc, "w", encoding="utf-8") as f:
@@ -1248,12 +1213,12 @@ def report(out: str, docs: bool = False, docs_dir: Optional[str] = None, quiet: 
              f"({meta.get('num_steps', '?')} steps"
              + (f", {n_seeds} seeds" if n_seeds > 1 else "") + ")")
     plots = make_plots(runs, os.path.join(out, "plots"), title=title)
-    md = summary_markdown(table, cons, meta)
+    md, obs = summary_markdown(table, cons), observations(table)
     with open(os.path.join(out, "summary.md"), "w", encoding="utf-8") as f:
         f.write(f"# Comparison in {out}\n\n")
         if meta:
             f.write(f"```bash\n{meta['command']}\n```\n\n")
-        f.write(md + "\n" + "\n".join(f"* {o}" for o in observations(table)) + "\n")
+        f.write(md + "\n" + "\n".join(f"* {o}" for o in obs) + "\n")
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
         json.dump({"table": table, "consistency": cons, "plots": plots}, f, indent=1,
                   default=lambda x: None)
@@ -1261,7 +1226,7 @@ def report(out: str, docs: bool = False, docs_dir: Optional[str] = None, quiet: 
     if docs:
         if not meta:
             raise SystemExit(f"{meta_path} is missing: --docs needs the run's metadata")
-        result["docs"] = write_docs(meta, table, cons, plots, docs_dir or os.path.join(REPO_ROOT, "docs"))
+        result["docs"] = write_docs(meta, md, obs, plots, docs_dir or os.path.join(REPO_ROOT, "docs"))
     if not quiet:
         print(md)
     return result

@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import psutil
 import torch
@@ -417,10 +417,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         parallel.destroy()
         return 2
     log.info("config: %s %s", path, " ".join(argv))
+    return run_trainer(trainer)
+
+
+def run_trainer(trainer: Trainer, on_exit: Optional[Callable[[], None]] = None) -> int:
+    """Run the loop and return the process exit code: 0, a TrainingStopped code (preemption, too
+    many skipped updates) or 2 for a user error. ``on_exit``, the logger and the process groups
+    are closed whatever happens."""
     try:
         result = trainer.run()
         if trainer.state.is_main and result["history"]:
-            log.info(summarize(result["history"], cfg.loss.name))
+            log.info(summarize(result["history"], trainer.cfg.loss.name))
     except TrainingStopped as e:
         log.error("%s", e)
         return e.exit_code
@@ -428,6 +435,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.error("error: %s", e)
         return 2
     finally:
+        if on_exit is not None:
+            on_exit()
         trainer.logger.close()
         parallel.destroy()
     return 0
