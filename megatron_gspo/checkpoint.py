@@ -106,6 +106,12 @@ def dist_checkpoint_to_tensors(ckpt_dir: str) -> dict[str, torch.Tensor]:
 # loading skips it with a warning naming it and takes the newest checkpoint that verifies.
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# How megatron lays out a DistributedOptimizer's state in the checkpoint. "fully_reshardable" stores
+# its shards as per-parameter tensors (the replicated optimizer's layout), so a checkpoint resumes
+# under another TP / EP / DP size; megatron 0.16's own default ("fully_sharded_model_space") is
+# deprecated and its dist_checkpointing refuses to save it ("ShardedTensor.flattened_range is not
+# supported", seen with the distributed optimizer on the CPU). The replicated optimizer ignores it.
+OPTIMIZER_CKPT_METADATA = {"chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "fully_reshardable"}
 MANIFEST = "manifest.json"
 
 log = logging.getLogger("megatron_gspo")
@@ -194,10 +200,9 @@ def resolve(path: str) -> str:
 
 
 def _barrier() -> None:
-    import torch.distributed as dist
+    from megatron_gspo import comm
 
-    if dist.is_initialized():
-        dist.barrier()
+    comm.barrier()
 
 
 def _replace_file(path: str, text: str) -> None:
@@ -219,7 +224,7 @@ def _training_sharded_state_dict(model, optimizer, is_loading: bool, extra_model
     if optimizer is not None:
         with cpu_compat.optimizer_context():
             sd["optimizer"] = optimizer.sharded_state_dict(
-                model_sd, is_loading=is_loading, metadata={"chained_optim_avoid_prefix": True})
+                model_sd, is_loading=is_loading, metadata=OPTIMIZER_CKPT_METADATA)
     return sd
 
 

@@ -170,19 +170,18 @@ class RoutingProbe:
 
     def _compare(self, ref, cur) -> dict:
         import torch
-        import torch.distributed as dist
 
+        from megatron_gspo import comm
         from megatron_gspo.routing import change_counts
 
         E = self.monitor.num_experts
-        counts = torch.zeros(len(ref), 4, dtype=torch.float64)  # changed, compared, tok changed, tokens
+        counts = torch.zeros(len(ref), 4, dtype=torch.float64, device=ref[0].device)  # changed, compared, tok changed, tokens
         for l, (a, b) in enumerate(zip(ref, cur)):
             changed, compared = change_counts(a, b, E)
             tok = (a.sort(dim=1).values != b.sort(dim=1).values).any(dim=1)
             counts[l] = torch.tensor([float(changed), float(compared), float(tok.sum()), float(tok.numel())])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # TP ranks without sequence parallel see the same tokens: duplicates scale both sums
-            dist.all_reduce(counts)
+        # TP ranks without sequence parallel see the same tokens: duplicates scale both sums
+        comm.all_reduce(counts, "sum", None, what="comparison probe: routing change counts")
         frac = lambda num, den: float(num / den) if den > 0 else math.nan  # noqa: E731
         slots = self.monitor.slots
         out = {"change_frac": frac(counts[:, 0].sum(), counts[:, 1].sum()),

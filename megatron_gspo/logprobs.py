@@ -17,17 +17,18 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
+
+from megatron_gspo import comm
 
 # Finite stand-in for -inf on padded vocabulary columns: exp() gives exactly 0 and, unlike -inf,
 # 0 * x stays 0 (no NaN) in the entropy sum.
 _PAD_LOGIT = -1e30
 
 
-def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
-    return t
+def _all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
+    if group is None:
+        return t
+    return comm.all_reduce(t, op, group, what="vocab-parallel log-probs (TP)")
 
 
 def _chunk_fp32(x: torch.Tensor, v_start: int, vocab_size: int, inv_temp: float) -> torch.Tensor:
@@ -45,7 +46,7 @@ def _chunk_stats(x: torch.Tensor, tgt: torch.Tensor, group, with_entropy: bool):
     this shard (may be out of range). Returns (logZ, target logit, entropy or None), each [n] and
     identical on every TP rank."""
     v_local = x.shape[-1]
-    m = _all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX, group)
+    m = _all_reduce(x.max(dim=-1).values, "max", group)
     in_shard = (tgt >= 0) & (tgt < v_local)
     tl = torch.where(in_shard, x.gather(1, tgt.clamp(0, v_local - 1)[:, None]).squeeze(1), torch.zeros_like(m))
     x.sub_(m[:, None])  # x - m, in place: the chunk is our own fp32 copy
@@ -56,7 +57,7 @@ def _chunk_stats(x: torch.Tensor, tgt: torch.Tensor, group, with_entropy: bool):
         sums = torch.stack([e.sum(-1), tl, sum_ex], dim=0)
     else:
         sums = torch.stack([x.exp_().sum(-1), tl], dim=0)
-    sums = _all_reduce(sums, dist.ReduceOp.SUM, group)
+    sums = _all_reduce(sums, "sum", group)
     sum_e, tl = sums[0], sums[1]
     log_z = m + torch.log(sum_e)
     entropy = torch.log(sum_e) - sums[2] / sum_e if with_entropy else None
@@ -143,7 +144,7 @@ def vocab_parallel_logprobs(
     x = logits.reshape(-1, logits.shape[-1])
     if chunk_tokens is None:
         chunk_tokens = (64 << 20) // (4 * x.shape[-1])
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else 0
+    tp_rank = comm.rank(tp_group) if tp_group is not None and comm.world_size(tp_group) > 1 else 0
     v_start = tp_rank * x.shape[-1]
     logp, ent = _VocabParallelLogProbs.apply(
         x, target.reshape(-1).long(), v_start, vocab_size, tp_group, max(1, chunk_tokens), 1.0 / temperature,

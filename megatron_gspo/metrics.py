@@ -33,6 +33,8 @@ from typing import Iterable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megatron_gspo import comm
+
 KINDS = ("mean", "std", "sum", "min", "max", "cat")
 _SUMMED = ("mean", "std", "sum")
 _STATS_LEN = {"mean": 2, "std": 3, "sum": 1, "min": 1, "max": 1}
@@ -195,7 +197,7 @@ class MetricAccumulator:
 
 
 def _uses_collectives(group: Optional[dist.ProcessGroup]) -> bool:
-    initialized = dist.is_available() and dist.is_initialized()
+    initialized = comm.is_distributed()
     if group is None:
         if initialized:
             # Reducing over WORLD by default would double-count under TP/PP (those ranks hold
@@ -210,11 +212,13 @@ def _uses_collectives(group: Optional[dist.ProcessGroup]) -> bool:
     return True
 
 
-def _comm_device(group: dist.ProcessGroup, fallback: torch.device) -> torch.device:
-    # NCCL only moves CUDA tensors; gloo moves CPU tensors (and CUDA ones via staging).
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return fallback if fallback.type == "cpu" else torch.device("cpu")
+def _comm_device(group: dist.ProcessGroup, stats_device: torch.device) -> torch.device:
+    # the stats are tiny: they travel on the device the group's backend moves (comm.py checks it),
+    # which is where the losses made them unless a metric was built from host numbers
+    want = comm.backend_device_type(group)
+    if stats_device.type == want:
+        return stats_device
+    return torch.device("cuda", torch.cuda.current_device()) if want == "cuda" else torch.device("cpu")
 
 
 def _signature(items: Iterable[tuple[str, Metric]]) -> float:
@@ -247,7 +251,7 @@ def reduce_metrics(
     reduced: dict[str, torch.Tensor] = {}
     if summed:
         buf = torch.cat([m.stats.to(device, torch.float64) for _, m in summed])
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+        comm.all_reduce(buf, "sum", group, what="metrics: sums")
         for (k, m), part in zip(summed, buf.split([m.stats.numel() for _, m in summed])):
             reduced[k] = part
 
@@ -256,7 +260,7 @@ def reduce_metrics(
     sig = _signature(items)
     parts = [m.stats.to(device, torch.float64) * (-1.0 if m.kind == "min" else 1.0) for _, m in extreme]
     buf = torch.cat(parts + [torch.tensor([sig, -sig], dtype=torch.float64, device=device)])
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(buf, "max", group, what="metrics: min/max and layout checksum")
     if buf[-2].item() != -buf[-1].item():
         raise ValueError(
             "reduce_metrics: ranks passed different metric names/kinds; every data-parallel rank must "
@@ -278,17 +282,15 @@ def _gather_cat(
     catted: list[tuple[str, Metric]], group: dist.ProcessGroup, device: torch.device
 ) -> dict[str, torch.Tensor]:
     """All-gather variable-length value lists: lengths first, then one padded buffer."""
-    world = dist.get_world_size(group)
+    world = comm.world_size(group)
     lengths = torch.tensor([m.stats.numel() for _, m in catted], dtype=torch.int64, device=device)
-    all_lengths = [torch.empty_like(lengths) for _ in range(world)]
-    dist.all_gather(all_lengths, lengths, group=group)
+    all_lengths = comm.all_gather(lengths, group, what="metrics: histogram lengths")
     table = torch.stack(all_lengths).cpu()  # [world, n_cat]
     width = int(table.sum(dim=1).max().item())
     local = torch.cat([m.stats.to(device, torch.float64) for _, m in catted])
     padded = torch.zeros(width, dtype=torch.float64, device=device)
     padded[: local.numel()] = local
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
+    gathered = comm.all_gather(padded, group, what="metrics: histogram values")
 
     out: dict[str, list[torch.Tensor]] = {k: [] for k, _ in catted}
     for r in range(world):

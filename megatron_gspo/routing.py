@@ -808,11 +808,13 @@ class RoutingStats:
 
     def all_reduce(self, group=None) -> "RoutingStats":
         """SUM over ``group`` in place (one collective); no-op without torch.distributed."""
-        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        from megatron_gspo import comm
+
+        if comm.world_size(group) == 1:
             return self
         ts = self._tensors()
         buf = torch.cat([t.reshape(-1) for t in ts])
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+        comm.all_reduce(buf, "sum", group, what="routing statistics")
         for t, part in zip(ts, buf.split([t.numel() for t in ts])):
             t.copy_(part.view_as(t))
         return self
@@ -977,14 +979,23 @@ class RoutingMonitor:
         _, rmap = out
         slot = self.slots[l]
         st = cap.stats
+        # megatron's padding mask ([s, b], True = padding; the router's second argument): padding
+        # positions are no tokens of any sequence and do not count, so the statistics do not depend
+        # on how much padding a layout adds
+        pad = args[1] if len(args) > 1 else kwargs.get("padding_mask")
         with torch.no_grad():
             rmap = rmap.reshape(-1, self.num_experts)
+            valid = None if pad is None else ~pad.reshape(-1)
+            if valid is not None:
+                rmap = rmap[valid]
             n = rmap.shape[0]
             st.tokens_per_expert[slot] += rmap.sum(0).to(st.tokens_per_expert)
             st.num_tokens[slot] += n
             if self.aux_loss:
                 x = args[0] if args else kwargs["input"]
                 logits = router.gating(x).reshape(-1, self.num_experts).float()
+                if valid is not None:
+                    logits = logits[valid]
                 if getattr(router, "score_function", "softmax") == "sigmoid":
                     scores = torch.sigmoid(logits)
                     scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)

@@ -1,0 +1,120 @@
+"""Every collective of the package, checked: a tensor must live where its group's backend moves data.
+
+NCCL moves CUDA tensors only and gloo is used here for CPU tensors; a CPU tensor handed to an NCCL
+all-reduce fails deep inside c10d (or, worse, on some versions hangs), and a test on a CPU machine
+never sees it. So no module calls ``torch.distributed`` collectives directly (tests/test_devices.py
+scans the package for that): they call the functions below, which check the device against the
+group's backend and raise :class:`CollectiveDeviceError` naming the call (``what``) before any
+communication happens. One process (or a group of one) needs no communication: every function
+returns its input unchanged there, so single-rank code pays nothing.
+
+megatron-core's own collectives (DDP, finalize_model_grads, the token dispatcher) are megatron's
+business and are not routed through here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+# The transport: torch.distributed. A module attribute (not a hard-wired call) so a device test can
+# stand in a recording transport that claims NCCL on a CPU-only machine (tests/test_devices.py).
+_transport = dist
+
+Op = Union[str, "dist.ReduceOp"]
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+class CollectiveDeviceError(RuntimeError):
+    """A tensor was sent to a collective whose backend cannot move it (e.g. a CPU tensor to NCCL)."""
+
+
+def is_distributed() -> bool:
+    return _transport.is_available() and _transport.is_initialized()
+
+
+def world_size(group=None) -> int:
+    return _transport.get_world_size(group) if is_distributed() else 1
+
+
+def backend_device_type(group=None) -> str:
+    """The device type a group's backend moves: "cuda" for NCCL, "cpu" for gloo (and one process)."""
+    if not is_distributed():
+        return "cpu"
+    backend = str(_transport.get_backend(group)).lower()
+    return "cuda" if "nccl" in backend else "cpu"
+
+
+def _check(t: torch.Tensor, group, what: str) -> None:
+    want = backend_device_type(group)
+    if t.device.type != want:
+        backend = _transport.get_backend(group)
+        raise CollectiveDeviceError(
+            f"{what}: a {t.device} tensor {tuple(t.shape)} was sent to a collective over a {backend} process "
+            f"group, which moves {want} tensors only; create it on the parallel state's device")
+
+
+def _active(group) -> bool:
+    return is_distributed() and _transport.get_world_size(group) > 1
+
+
+def _op(op: Op):
+    return getattr(_transport.ReduceOp, _OPS[op]) if isinstance(op, str) else op
+
+
+def all_reduce(t: torch.Tensor, op: Op = "sum", group=None, *, what: str) -> torch.Tensor:
+    """In-place all-reduce of ``t`` over ``group`` ("sum" | "max" | "min"); returns ``t``."""
+    if _active(group):
+        _check(t, group, what)
+        _transport.all_reduce(t, op=_op(op), group=group)
+    return t
+
+
+def all_gather(t: torch.Tensor, group=None, *, what: str) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape everywhere), in group-rank order."""
+    if not _active(group):
+        return [t]
+    _check(t, group, what)
+    out = [torch.empty_like(t) for _ in range(_transport.get_world_size(group))]
+    _transport.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def broadcast(t: torch.Tensor, src: int, group=None, *, what: str) -> torch.Tensor:
+    """In-place broadcast from global rank ``src``; returns ``t``."""
+    if _active(group):
+        _check(t, group, what)
+        _transport.broadcast(t, src=src, group=group)
+    return t
+
+
+def barrier(group=None) -> None:
+    if _active(group):
+        _transport.barrier(group=group)
+
+
+def any_rank(flag: bool, device: torch.device, group=None, *, what: str) -> bool:
+    """True on every rank of ``group`` if ``flag`` is True on any of them (a collective decision)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    return bool(all_reduce(t, "max", group, what=what).item())
+
+
+def max_int(value: int, device: torch.device, group=None, *, what: str) -> int:
+    """The largest ``value`` over ``group``."""
+    t = torch.tensor([int(value)], dtype=torch.long, device=device)
+    return int(all_reduce(t, "max", group, what=what).item())
+
+
+def ranks(group) -> list[int]:
+    """Global ranks of ``group`` in group-rank order ([0] without torch.distributed)."""
+    return _transport.get_process_group_ranks(group) if is_distributed() else [0]
+
+
+def rank(group=None) -> int:
+    return _transport.get_rank(group) if is_distributed() else 0
+
+
+def first_rank(group) -> Optional[int]:
+    return ranks(group)[0] if group is not None else None
