@@ -271,8 +271,7 @@ def ours_trainer(model, state, cfg):
     from megatron_gspo.optim import OptimizerConfig, build_optimizer, optimizer_step
 
     ddp = wrap_ddp(model, state)
-    opt = build_optimizer(OptimizerConfig(lr=1e-6, clip_grad=1.0), ddp, state,
-                          bf16=cfg.precision == "bf16", use_distributed_optimizer=False)
+    opt = build_optimizer(OptimizerConfig(lr=1e-6, clip_grad=1.0), ddp, state, bf16=cfg.precision == "bf16")
 
     def step(tokens):
         ddp.zero_grad_buffer()

@@ -133,8 +133,10 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     w_bytes = 2 if bf16 else 4
     adam = job_cfg.optimizer.optimizer == "adam"
     opt_bytes = (4 if bf16 else 0) + (8 if adam else 4)  # master copy + (m, v) | momentum
-    shard_dense = dp if par.use_distributed_optimizer else 1
-    shard_expert = expert_dp if par.use_distributed_optimizer else 1
+    # the recipes are for H100s with Transformer Engine, where "unset" means distributed
+    dist_opt = par.use_distributed_optimizer is not False
+    shard_dense = dp if dist_opt else 1
+    shard_expert = expert_dp if dist_opt else 1
 
     out: dict[str, Any] = {}
     out["weights"] = n_params * w_bytes / GIB
@@ -189,7 +191,7 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     out["budget"] = H100_80GB_GIB
     out["fits"] = out["total"] <= H100_80GB_GIB
     out.update(world_size=world_size, tp=tp, pp=pp, ep=ep, etp=etp, dp=dp, expert_dp=expert_dp,
-               sequence_parallel=par.sp, distributed_optimizer=par.use_distributed_optimizer,
+               sequence_parallel=par.sp, distributed_optimizer=dist_opt,
                recompute=m.recompute_granularity or "none",
                params_dense_b=p["dense"] / 1e9, params_expert_b=p["expert"] / 1e9,
                params_total_b=m.num_parameters() / 1e9, seq_len=seq, micro_batch_tokens=tokens,

@@ -246,7 +246,10 @@ class ParallelConfig:
     expert_tensor_parallel_size: Optional[int] = None
     # None means "on whenever TP > 1" (MoE with TP requires it in megatron-core).
     sequence_parallel: Optional[bool] = None
-    use_distributed_optimizer: bool = True
+    # megatron's DistributedOptimizer (gradients reduce-scattered, Adam states sharded over DP). None =
+    # where it can run and checkpoint (CUDA with Transformer Engine's or apex's fused Adam), else the
+    # replicated optimizer; true where it cannot is refused (parallel.resolve_distributed_optimizer).
+    use_distributed_optimizer: Optional[bool] = None
     # Minutes before a collective gives up (a dead rank must not hang the others forever).
     distributed_timeout_minutes: float = 10.0
     seed: int = 1234

@@ -4,7 +4,7 @@
 run untouched. Nothing else in the package patches megatron-core; the other CPU choices (no
 grouped GEMM, allgather dispatcher, CPU initialization) are *configuration* and live in
 ``model.build_transformer_config`` as "no CUDA -> this setting".
-See ../shared/notes/megatron-core-on-cpu.md for how each symptom was observed.
+Each item names the symptom it prevents (what breaks on a CPU-only machine without it).
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ def apply() -> bool:
     # 9. The async checkpoint writer spawns processes: entry points keep a __main__ guard.
     # 10. megatron's optimizer and grad clipping create device='cuda' tensors and assert
     #     param.grad.type() == 'torch.cuda.FloatTensor': see optimizer_context() below.
-    # 11. DistributedOptimizer allocates CUDA buffers unconditionally: the trainer uses the plain
-    #     (replicated) megatron optimizer on CPU (configuration, see optim.build_optimizer).
+    # 11. megatron's DistributedOptimizer trains with that context but cannot reload its checkpoints
+    #     without TE's / apex's fused Adam: parallel.resolve_distributed_optimizer() picks the
+    #     replicated optimizer on the CPU (configuration, nothing to patch).
 
     _APPLIED = True
     return True

@@ -1,8 +1,10 @@
 """Optimizer and learning-rate schedule: megatron-core's optimizer and OptimizerParamScheduler.
 
-On GPU with DP > 1 the distributed optimizer shards Adam states over data-parallel ranks; on
-CPU megatron's DistributedOptimizer cannot run (CUDA buffers), so the replicated optimizer is
-used and megatron's hard-coded CUDA tensors are redirected by cpu_compat.optimizer_context().
+Whether the optimizer is megatron's DistributedOptimizer (Adam states sharded over data-parallel
+ranks, gradients reduce-scattered by DDP) is decided once, by ``ParallelState.use_distributed_optimizer``,
+and read from there by DDP (model.wrap_ddp) and by every optimizer built here (RL and SFT): the
+two must agree or replicas drift apart. On a CPU machine megatron's hard-coded CUDA tensors are
+redirected by cpu_compat.optimizer_context(), which is what lets both layouts run there too.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.adam_beta1/adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
 
 
-def build_optimizer(cfg: OptimizerConfig, ddp_model, state, bf16: bool, use_distributed_optimizer: bool):
+def build_optimizer(cfg: OptimizerConfig, ddp_model, state, bf16: bool):
+    """megatron's optimizer for ``ddp_model``, laid out as ``state.use_distributed_optimizer`` says
+    (the same decision ``model.wrap_ddp`` made for the gradient reduction)."""
     from megatron.core.optimizer import OptimizerConfig as MOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -59,8 +63,11 @@ def build_optimizer(cfg: OptimizerConfig, ddp_model, state, bf16: bool, use_dist
         optimizer=cfg.optimizer, lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
         clip_grad=cfg.clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=use_distributed_optimizer and torch.cuda.is_available(),
+        use_distributed_optimizer=state.use_distributed_optimizer,
     )
+    if ddp_model.ddp_config.use_distributed_optimizer != state.use_distributed_optimizer:
+        raise RuntimeError("the DDP wrapper and the optimizer disagree on use_distributed_optimizer; wrap the "
+                           "model with model.wrap_ddp(model, state), which reads the same ParallelState field")
     with cpu_compat.optimizer_context():
         return get_megatron_optimizer(mcfg, [ddp_model], use_gloo_process_groups=False, pg_collection=state.pg)
 

@@ -4,6 +4,16 @@ groups for TP / PP / EP / expert-TP / DP, layout validation and seeding.
 megatron-core keeps its process groups in module globals; we initialize them once here and hand
 the rest of the package an explicit ``ParallelState`` (sizes, ranks and the
 ``ProcessGroupCollection``) so no other module reaches into ``parallel_state`` itself.
+
+The parallel state also owns the two decisions every other module must agree on:
+
+* ``device``: where every tensor that meets the model or a collective is created (the local CUDA
+  device with NCCL, the CPU with gloo). See comm.py for the check at every collective.
+* ``use_distributed_optimizer``: whether DDP reduce-scatters gradients and the optimizer shards its
+  state over data-parallel ranks. DDP, the RL optimizer and the SFT optimizer all read this one field:
+  a DDP told "distributed" (reduce-scatter: each rank holds correct gradients for its shard only)
+  next to a replicated optimizer (which steps every parameter with those gradients) trains replicas
+  that drift apart.
 """
 
 from __future__ import annotations
@@ -74,6 +84,7 @@ class ParallelState:
     sequence_parallel: bool
     pg: "object"  # megatron.core.process_groups_config.ProcessGroupCollection
     device: torch.device
+    use_distributed_optimizer: bool = False
 
     @property
     def tp_group(self):
@@ -100,8 +111,48 @@ class ParallelState:
         return dist.get_rank(self.pg.pp)
 
     @property
+    def expt_dp_group(self):
+        """Data-parallel group of the expert parameters (replicas of the same experts)."""
+        return self.pg.expt_dp
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def optimizer_layout(self) -> str:
+        """One line for the log: how gradients and optimizer state are laid out over DP."""
+        if self.use_distributed_optimizer:
+            return (f"distributed optimizer: gradients reduce-scattered and Adam states sharded over "
+                    f"DP={self.dp} ranks (megatron DistributedOptimizer)")
+        why = distributed_optimizer_support()
+        return (f"replicated optimizer: gradients all-reduced over DP={self.dp} ranks, full Adam states on every "
+                f"rank" + (f" (distributed optimizer unavailable: {why})" if why else ""))
+
+
+def distributed_optimizer_support() -> Optional[str]:
+    """None if megatron's DistributedOptimizer can train *and checkpoint* here, else why not.
+
+    It trains anywhere (on the CPU through cpu_compat.optimizer_context()), but megatron-core 0.16
+    reloads its state only from a fused Adam (Transformer Engine's or apex's): with torch's AdamW
+    (what megatron falls back to without them) the per-parameter "step" state breaks every load
+    (KeyError 'step' in DistributedOptimizer._set_main_param_and_optimizer_states), so a run could
+    save checkpoints it can never resume."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (megatron's fused Adam, which its distributed-optimizer checkpoints need, is CUDA-only)"
+    from megatron.core.optimizer import distrib_optimizer
+
+    if not distrib_optimizer.HAVE_APEX_OR_TE:
+        return "neither Transformer Engine nor apex is installed (megatron then uses torch's AdamW, whose state its distributed-optimizer checkpoints cannot reload)"
+    return None
+
+
+def resolve_distributed_optimizer(par: ParallelConfig) -> bool:
+    """The one optimizer-layout decision: ``parallel.use_distributed_optimizer`` (None = where supported)."""
+    why_not = distributed_optimizer_support()
+    if par.use_distributed_optimizer and why_not:
+        raise ConfigError(f"parallel.use_distributed_optimizer=true is not possible here: {why_not}; set it to "
+                          "false or leave it unset (the replicated optimizer is used then)")
+    return why_not is None if par.use_distributed_optimizer is None else bool(par.use_distributed_optimizer)
 
 
 def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None) -> None:
@@ -137,6 +188,7 @@ def initialize(model: ModelConfig, par: ParallelConfig) -> ParallelState:
     # Validate against the environment first: a bad layout must fail before any collective.
     world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     validate_layout(model, par, world)
+    resolve_distributed_optimizer(par)
     init_distributed(par.distributed_timeout_minutes)
     world = dist.get_world_size()
     dp = validate_layout(model, par, world)
@@ -157,6 +209,7 @@ def initialize(model: ModelConfig, par: ParallelConfig) -> ParallelState:
         tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
         ep=par.expert_model_parallel_size, etp=par.etp, dp=dp, sequence_parallel=par.sp,
         pg=ProcessGroupCollection.use_mpu_process_groups(), device=device,
+        use_distributed_optimizer=resolve_distributed_optimizer(par),
     )
     set_seed(par.seed, state)
     return state

@@ -128,6 +128,29 @@ def test_layout_error_comes_before_any_distributed_setup(monkeypatch):
     assert not dist.is_initialized()
 
 
+def test_one_optimizer_layout_decided_in_one_place(monkeypatch):
+    """parallel.use_distributed_optimizer: unset = where megatron's DistributedOptimizer can also reload
+    its checkpoints (CUDA + TE/apex fused Adam), else replicated; true where it cannot is refused with
+    the field named, before any process group exists."""
+    import torch.distributed as dist
+
+    from megatron_gspo import parallel
+    from megatron_gspo.config import load_job_config
+
+    assert load_job_config(None, []).parallel.use_distributed_optimizer is None
+    assert parallel.distributed_optimizer_support() is not None  # a CPU machine: not here
+    assert parallel.resolve_distributed_optimizer(ParallelConfig()) is False
+    assert parallel.resolve_distributed_optimizer(ParallelConfig(use_distributed_optimizer=False)) is False
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match=r"parallel.use_distributed_optimizer=true is not possible here: no CUDA"):
+        parallel.initialize(model_config_from_preset("tiny"), ParallelConfig(use_distributed_optimizer=True))
+    assert not dist.is_initialized()
+    # where it is supported, unset means distributed
+    monkeypatch.setattr(parallel, "distributed_optimizer_support", lambda: None)
+    assert parallel.resolve_distributed_optimizer(ParallelConfig()) is True
+    assert parallel.resolve_distributed_optimizer(ParallelConfig(use_distributed_optimizer=False)) is False
+
+
 def test_hf_config(tmp_path):
     hf = dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048, num_attention_heads=32,
               num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128,

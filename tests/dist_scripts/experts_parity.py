@@ -68,7 +68,7 @@ def main():
     failed = False
     ckpt = os.path.join(a.dir, "weights")
     for i, name in enumerate(a.layouts.split(",")):
-        par = ParallelConfig(seed=5, **LAYOUTS[name])
+        par = ParallelConfig(seed=5, use_distributed_optimizer=False, **LAYOUTS[name])
         st = parallel.initialize(cfg, par)
         # the first layout's batched model writes the weights (tests/test_experts.py covers the
         # other direction: a sequential model's checkpoint loaded into the batched one)

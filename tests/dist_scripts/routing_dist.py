@@ -41,7 +41,8 @@ def loss_fn(logits, tokens, vocab, tp_group):
 def run_phase(phase, tp, ep, recompute):
     rc = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
     cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=0.0, **rc)
-    par = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, seed=21)
+    par = ParallelConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, seed=21,
+                         use_distributed_optimizer=False)  # gradients read whole from the DDP buffers
     st = parallel.initialize(cfg, par)
     model = build_model(cfg, par, st, routing_replay=True)
     ddp = wrap_ddp(model, st)
