@@ -52,8 +52,9 @@ Sampling log-probs
 Tensor parallelism
     megatron's inference path all-gathers the vocab-sharded logits of the *last position only*
     ([b, V], small; GPTModel asserts ``runtime_gather_output`` under an inference context), so
-    every TP rank samples from the full distribution with a generator seeded identically across
-    the TP group (and differently across DP ranks); the sampled tokens and log-probs are then
+    every TP rank samples from the full distribution with the same counter-based noise (a function
+    of the seed, the row key, the position and the token id: see sampling.py, so the draw does not
+    depend on the rank or on the other rows either); the sampled tokens and log-probs are then
     broadcast from the TP group's first rank so the ranks cannot diverge even if their logits
     differ in the last bit. Under TP the model runs sequence-parallel for training; decode steps
     (one token) cannot be split along the sequence, so for the duration of the call the
@@ -100,6 +101,9 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from megatron_gspo import comm
+from megatron_gspo.sampling import counter_uniform, sample_tokens
+
 # config.py composes GenerationConfig into JobConfig and imports this module: nothing of the package
 # is imported at the top here (ConfigError and the model helpers are imported where they are used).
 
@@ -124,7 +128,8 @@ class GenerationConfig:
     top_k: int = 0
     # Samples per prompt (the group size G of GRPO/GSPO): each prompt is repeated G times.
     n_samples_per_prompt: int = 4
-    # Base seed; the sampling generator mixes it with the data-parallel rank.
+    # Base seed of the sampling noise; the trainer mixes it with the step (sampling.counter_uniform
+    # keys every draw by seed, sample index and position, never by rank).
     seed: int = 1234
     # A response ends after the first of these tokens (which is kept as its last token).
     stop_token_ids: list[int] = field(default_factory=list)
@@ -219,53 +224,6 @@ class GenerationOutput:
             p, n = int(self.prompt_lengths[r]), int(self.response_lengths[r])
             out.append(self.tokens[r, p:p + n].tolist())
         return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Sampling
-# ----------------------------------------------------------------------------------------------
-
-
-def _filter_top_k_top_p(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside the top-k / nucleus of x [b, V] (temperature-scaled)."""
-    v = x.shape[-1]
-    if 0 < top_k < v:
-        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        # drop a token when the tokens ranked before it already reach top_p (the first always stays)
-        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, idx, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    return x
-
-
-def sample_tokens(logits: torch.Tensor, cfg: GenerationConfig, generator: Optional[torch.Generator] = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row from full-vocabulary logits [b, V] (padded columns removed).
-
-    Returns (tokens [b] long, log-probs [b] fp32): log-softmax(logits / T) of the drawn token,
-    unfiltered (temperature 1 when greedy). Sampling uses the exponential race
-    argmax(p / E), E ~ Exp(1) from ``generator``: a categorical draw with no host sync.
-    """
-    x = logits.float()
-    if cfg.greedy:
-        tok = x.argmax(dim=-1)
-        logp = torch.log_softmax(x, dim=-1)
-    else:
-        x = x / cfg.temperature
-        logp = torch.log_softmax(x, dim=-1)
-        probs = torch.softmax(_filter_top_k_top_p(x, cfg.top_k, cfg.top_p), dim=-1)
-        e = torch.empty_like(probs).exponential_(generator=generator)
-        tok = (probs / e).argmax(dim=-1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-
-
-def sampling_seed(seed: int, dp_rank: int) -> int:
-    """Identical across a TP group (same DP rank), different across DP ranks."""
-    return (seed * 1_000_003 + dp_rank * 7_919 + 12_345) % (2**63 - 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,16 +362,12 @@ def _eval_mode(model) -> Iterator[None]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _size(group) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-class _Comm:
-    """The groups a generation must stay in lockstep with."""
+class _Lockstep:
+    """The groups a generation must stay in lockstep with (every collective goes through comm.py)."""
 
     def __init__(self, state) -> None:
         self.tp_group = state.tp_group if state is not None and state.tp > 1 else None
-        self.tp_src = dist.get_process_group_ranks(self.tp_group)[0] if self.tp_group is not None else None
+        self.tp_src = comm.first_rank(self.tp_group)
         # The allgather MoE dispatcher is a collective over TP x EP ranks, which under EP are
         # different DP ranks with different prompts: keep the whole world in lockstep then.
         ep = state.ep if state is not None else 1
@@ -421,17 +375,14 @@ class _Comm:
             self.sync_group, self.sync = dist.group.WORLD, True
         else:
             self.sync_group, self.sync = self.tp_group, self.tp_group is not None
-        self.dp_rank = state.dp_rank if state is not None else 0
 
-    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        if self.sync:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync_group)
-        return t
+    def all_reduce_max(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        return comm.all_reduce(t, "max", self.sync_group, what=what) if self.sync else t
 
     def broadcast_tp(self, t: torch.Tensor) -> torch.Tensor:
-        if self.tp_group is not None:
-            dist.broadcast(t, src=self.tp_src, group=self.tp_group)
-        return t
+        if self.tp_group is None:
+            return t
+        return comm.broadcast(t, self.tp_src, self.tp_group, what="generate(): sampled tokens from the TP group's first rank")
 
     def check_same_prompts_in_tp(self, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
         if self.tp_group is None:
@@ -439,10 +390,10 @@ class _Comm:
         w = torch.arange(1, tokens.numel() + 1, device=tokens.device, dtype=torch.float64).view_as(tokens)
         sig = torch.stack([torch.tensor(float(tokens.shape[0]), dtype=torch.float64, device=tokens.device),
                            lengths.double().sum(), (tokens.double() * w).sum()])
-        hi, lo = sig.clone(), -sig.clone()
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.tp_group)
-        dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.tp_group)
-        if not torch.equal(hi, -lo):
+        # max of sig and of -sig agree on every rank only if every rank sent the same sig
+        both = comm.all_reduce(torch.cat([sig, -sig]), "max", self.tp_group,
+                               what="generate(): same prompts on every TP rank")
+        if not torch.equal(both[:3], -both[3:]):
             raise ValueError("generate(): the ranks of a tensor-parallel group were given different prompts; "
                              "every TP rank must pass the same prompts (shard the data over DP ranks only)")
 
@@ -464,6 +415,7 @@ def generate(
     vocab_size: int,
     state=None,
     seed: Optional[int] = None,
+    row_keys: Optional[Sequence[int]] = None,
     on_forward: Optional[OnForward] = None,
 ) -> GenerationOutput:
     """Sample ``cfg.n_samples_per_prompt`` responses for every prompt with a KV cache.
@@ -476,7 +428,11 @@ def generate(
         cfg: sampling settings.
         vocab_size: the real vocabulary size (padded embedding columns are never sampled).
         state: ``parallel.ParallelState`` (None: one process, no model parallelism).
-        seed: overrides ``cfg.seed`` (e.g. ``cfg.seed + iteration`` for fresh samples each step).
+        seed: overrides ``cfg.seed`` (e.g. a function of ``cfg.seed`` and the step for fresh samples each step).
+        row_keys: one non-negative integer per output row (len(prompts) x n_samples_per_prompt) naming
+            the sample for the sampling noise (sampling.counter_uniform); the trainer passes global
+            row indices, so a sample's tokens do not depend on which rank draws it or beside which rows.
+            Default: 0, 1, 2, ... in output-row order.
         on_forward: ``f(step_idx, kind)`` called after each model forward (see the module doc).
     Collective when ``state`` has TP or EP > 1: every rank of the layout must call it.
     """
@@ -492,14 +448,19 @@ def generate(
             raise ValueError(f"generate(): prompt {i} is empty")
         if min(p) < 0 or max(p) >= vocab_size:
             raise ValueError(f"generate(): prompt {i} has a token id outside [0, vocab_size={vocab_size})")
-    comm = _Comm(state)
+    sync = _Lockstep(state)
     G, pad = cfg.n_samples_per_prompt, cfg.pad_id
-    device = next(m.parameters()).device
+    device = state.device if state is not None else next(m.parameters()).device
     n_real = len(ids) * G
-    lens_real = torch.tensor([len(p) for p in ids], dtype=torch.long).repeat_interleave(G)
+    lens_real = torch.tensor([len(p) for p in ids], dtype=torch.long, device=device).repeat_interleave(G)
+    keys = torch.arange(n_real, dtype=torch.long) if row_keys is None else torch.as_tensor(list(row_keys), dtype=torch.long)
+    if keys.shape != (n_real,) or bool((keys < 0).any()):
+        raise ValueError(f"generate(): row_keys needs {n_real} non-negative integers (one per output row), "
+                         f"got {tuple(keys.shape)}")
 
     # every rank of the lockstep group needs the same [batch, prompt block] shapes
-    shape = comm.all_reduce_max(torch.tensor([n_real, int(lens_real.max())], dtype=torch.long, device=device))
+    shape = sync.all_reduce_max(torch.tensor([n_real, int(lens_real.max())], dtype=torch.long, device=device),
+                                what="generate(): batch and prompt-block shape")
     B, P = int(shape[0]), int(shape[1])
     S = P + cfg.max_new_tokens  # columns of the internal grid; the KV cache needs S - 1 slots
     max_len = getattr(m, "max_sequence_length", None)
@@ -507,14 +468,15 @@ def generate(
         raise ValueError(f"generate(): longest prompt ({P}) + generation.max_new_tokens ({cfg.max_new_tokens}) "
                          f"- 1 = {S - 1} exceeds the model's max_position_embeddings={max_len}")
 
-    lens = torch.ones(B, dtype=torch.long)  # dummy rows (EP shape padding): one pad token
+    lens = torch.ones(B, dtype=torch.long, device=device)  # dummy rows (EP shape padding): one pad token
     lens[:n_real] = lens_real
+    # dummy rows get keys past every real one (their draws are never returned)
+    keys = torch.cat([keys, int(keys.max()) + 1 + torch.arange(B - n_real, dtype=torch.long)]).to(device)
     grid = torch.full((B, S), pad, dtype=torch.long)
-    for i, p in enumerate(ids):
-        row = torch.tensor(p, dtype=torch.long)
-        grid[i * G:(i + 1) * G, P - len(p):P] = row
-    comm.check_same_prompts_in_tp(grid[:n_real, :P], lens_real)
-    grid, lens = grid.to(device), lens.to(device)
+    for i, p in enumerate(ids):  # built on the host row by row, moved once
+        grid[i * G:(i + 1) * G, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+    grid = grid.to(device)
+    sync.check_same_prompts_in_tp(grid[:n_real, :P], lens_real)
     left_pad = P - lens  # [B]
     slots = torch.arange(S - 1, device=device)
     key_pad = slots[None, :] < left_pad[:, None]  # [B, S-1], True = padding slot, never attended
@@ -527,8 +489,7 @@ def generate(
     resp_len = torch.zeros(B, dtype=torch.long, device=device)
     lp_grid = torch.zeros(B, cfg.max_new_tokens, dtype=torch.float32, device=device)
 
-    gen = torch.Generator(device=device)
-    gen.manual_seed(sampling_seed(cfg.seed if seed is None else seed, comm.dp_rank))
+    noise_seed = cfg.seed if seed is None else seed
 
     from megatron.core.inference.contexts import StaticInferenceContext
 
@@ -541,10 +502,11 @@ def generate(
         ctx.increment_sequence_len_offset(hi - lo)
         return logits[:, -1, :vocab_size]  # [B, V]: full vocabulary, last position only
 
-    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tok, lp = sample_tokens(logits, cfg, gen)
-        if comm.tp_group is not None:  # one sample per TP group, bitwise
-            packed = comm.broadcast_tp(torch.stack([tok.double(), lp.double()]))
+    def pick(logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = None if cfg.greedy else counter_uniform(noise_seed, keys, position, logits.shape[-1])
+        tok, lp = sample_tokens(logits, cfg.temperature, cfg.top_k, cfg.top_p, noise)
+        if sync.tp_group is not None:  # one sample per TP group, bitwise (logits may differ in the last bit)
+            packed = sync.broadcast_tp(torch.stack([tok.double(), lp.double()]))
             tok, lp = packed[0].long(), packed[1].float()
         return tok, lp
 
@@ -569,7 +531,7 @@ def generate(
         n_fwd += 1
         if on_forward is not None:
             on_forward(0, "prefill")
-        tok, lp = pick(logits)
+        tok, lp = pick(logits, 0)
 
         for step in range(cfg.max_new_tokens):
             active = ~done
@@ -583,7 +545,7 @@ def generate(
                 done |= hit
             if step == cfg.max_new_tokens - 1:
                 break  # the last sampled token is never fed to the model
-            flag = comm.all_reduce_max((~done).any().long().reshape(1))
+            flag = sync.all_reduce_max((~done).any().long().reshape(1), what="generate(): some row still generating")
             if not bool(flag.item()):
                 break
             k = col + 1  # keys: slots [0, col]
@@ -591,7 +553,7 @@ def generate(
             n_fwd += 1
             if on_forward is not None:
                 on_forward(step + 1, "decode")
-            tok, lp = pick(logits)
+            tok, lp = pick(logits, step + 1)
     del ctx  # frees the KV cache
 
     # left-padded internal grid -> right-padded training grid (real rows only)

@@ -90,7 +90,9 @@ class QKRMSNorm(RMSNorm):
     differently from the hidden states, but megatron asserts on WrappedTorchNorm all the same."""
 
 
-def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, routing_replay: bool = False):
+def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, routing_replay: bool = False, **overrides):
+    """megatron's TransformerConfig for this model and layout; ``overrides`` set TransformerConfig
+    fields directly (tests)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cuda = torch.cuda.is_available()
@@ -158,6 +160,7 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, routing_repl
         # losses are normalized by global token/sequence counts; DDP then sums (see wrap_ddp)
         calculate_per_token_loss=True,
     )
+    kw.update(overrides)
     if cfg.recompute_granularity == "selective":
         # megatron refuses moe_act recompute without grouped GEMM (the local spec's experts)
         kw["recompute_modules"] = ["core_attn", "moe_act"] if expert_impl == "te_grouped" else ["core_attn"]
@@ -209,8 +212,11 @@ def build_layer_spec(tcfg, cfg: ModelConfig, pp_rank: Optional[int] = None):
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=final_norm)
 
 
-def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, routing_replay: bool = False):
-    """Build this rank's shard of the GPTModel (on GPU: moved to the local device)."""
+def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, routing_replay: bool = False,
+                init_from_seed: bool = True, **config_overrides):
+    """Build this rank's shard of the GPTModel (on GPU: moved to the local device), its weights drawn
+    from ``par.seed`` alone whatever the layout (init_weights.py; ``init_from_seed=False`` keeps
+    megatron's own, layout-dependent init)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -220,7 +226,7 @@ def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, rou
     # (Models without replay create no instances and leave the list alone.)
     if routing_replay:
         RouterReplay.clear_global_router_replay_instances()
-    tcfg = build_transformer_config(cfg, par, routing_replay=routing_replay)
+    tcfg = build_transformer_config(cfg, par, routing_replay=routing_replay, **config_overrides)
     pp_rank = state.pp_rank
     spec = build_layer_spec(tcfg, cfg, pp_rank=pp_rank)
     model = GPTModel(
@@ -238,6 +244,14 @@ def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, rou
     )
     if torch.cuda.is_available():
         model = model.to(state.device)
+    # megatron's own init draws from each rank's RNG stream (layout dependent): re-draw every weight
+    # from the seed alone. (megatron's pass cannot be skipped: perform_initialization=False also skips
+    # setting the tensor-parallel attributes that grad-norm and finalize_model_grads rely on.)
+    if init_from_seed:
+        from megatron_gspo.init_weights import init_weights
+
+        init_weights(model, par.seed, state, init_method_std=cfg.init_method_std, num_layers=cfg.num_layers,
+                     gated_linear_unit=tcfg.gated_linear_unit)
     return model
 
 
@@ -248,14 +262,131 @@ def causal_attention_mask(seq_len: int, device) -> torch.Tensor:
 
 
 def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                   attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """tokens [b, s] -> this TP rank's vocab shard of the logits [b, s, V_padded / tp]."""
+                   attention_mask: Optional[torch.Tensor] = None,
+                   padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """tokens [b, s] -> this TP rank's vocab shard of the logits [b, s, V_padded / tp].
+
+    padding_mask [b, s] bool, True at positions that hold no real token: megatron leaves them out of
+    the MoE load-balancing statistics (and counts), so the aux loss does not depend on how much
+    padding a batch or a layout adds. Under sequence parallelism megatron splits the sequence over
+    the TP ranks and needs s % TP == 0: a shorter input is right-padded here (the extra columns are
+    padding) and the logits are cut back to s columns; causal attention keeps the extra columns from
+    touching real positions. (Routing replay needs the caller to pad instead: its routes are per
+    position of the input it was given.)
+    """
     b, s = tokens.shape
+    cfg = unwrap(model).config
+    extra = (-s) % cfg.tensor_model_parallel_size if cfg.sequence_parallel else 0
+    if extra:
+        tokens = F.pad(tokens, (0, extra))
+        if padding_mask is None:
+            padding_mask = torch.zeros(b, s, dtype=torch.bool, device=tokens.device)
+        padding_mask = F.pad(padding_mask, (0, extra), value=True)
+        if position_ids is not None:
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, extra + 1, device=tokens.device)], 1)
+        if attention_mask is not None:
+            raise ValueError(f"forward_logits: sequence length {s} is not divisible by the tensor-parallel size "
+                             f"{cfg.tensor_model_parallel_size} (sequence parallel) and an explicit attention_mask was "
+                             "given: pad the input (and its mask) to a multiple of it")
+    n = s + extra
     if position_ids is None:
-        position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+        position_ids = torch.arange(n, device=tokens.device).unsqueeze(0).expand(b, n)
     if attention_mask is None and not torch.cuda.is_available():
-        attention_mask = causal_attention_mask(s, tokens.device)
-    return model(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask)
+        attention_mask = causal_attention_mask(n, tokens.device)
+    kw = {} if padding_mask is None else {"padding_mask": padding_mask}
+    logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask, **kw)
+    return logits[:, :s] if extra else logits
+
+
+def input_padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Padding mask [b, width] of a forward's input ``tokens[:, :width]`` for rows of ``lengths`` real
+    tokens: True at positions >= length - 1. A row's last token predicts nothing, and it is an input
+    only when the grid happens to be wider than the row (another row is longer, or sequence parallel
+    padded the grid): counting it would make the MoE statistics depend on the batch and the layout."""
+    return torch.arange(width, device=lengths.device)[None, :] >= (lengths[:, None] - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE load-balancing loss: the same weight whatever the micro-batch split and layout
+# ----------------------------------------------------------------------------------------------
+# megatron adds the load-balancing loss inside the router (MoEAuxLossAutoScaler) and, with
+# calculate_per_token_loss (ours), multiplies each rank's share of a micro-batch's aux loss by a
+# valid token count n_j (this rank's, or its statistic group's: see _aux_count_is_group_total) before its
+# gradient is scaled by MoEAuxLossAutoScaler's loss scale.
+# Megatron's own schedule then divides every gradient by the step's token count; we normalize the
+# policy loss ourselves and sum gradients, so the scale is set per micro-batch here:
+#     scale_j(m) = w_m / n_j(m),   w_m = (valid tokens megatron's statistic of micro-batch m spans) / N
+# with N the valid tokens of the whole optimizer step over every DP rank. The weights w_m sum to 1,
+# so the aux loss enters with exactly its coefficient however the step is split over micro-batches,
+# TP, EP and DP ranks (a constant scale made it grow with the tokens per micro-batch and shrink 1/TP).
+# What remains split-dependent is megatron's statistic itself: "aux_loss"/"seq_aux_loss" count expert
+# loads per micro-batch (over the TP group), "global_aux_loss" over the DP group too, as a running
+# average across the step's micro-batches (exact when each rank runs one micro-batch per step).
+
+
+def aux_loss_scales(padding_masks: list[torch.Tensor], state: ParallelState, load_balancing_type: str,
+                    coeff: float) -> list[float]:
+    """Loss scale of each micro-batch of one optimizer step on this rank (see above).
+
+    padding_masks: per micro-batch [b, s] bool (True = padding) of the training forwards' inputs,
+    every rank of the DP group passing the same number of micro-batches. Collective over DP (one
+    all-reduce) unless the aux loss is off."""
+    from megatron_gspo import comm
+
+    if coeff == 0 or load_balancing_type == "none" or not padding_masks:
+        return [0.0] * len(padding_masks)
+    valid = [~m for m in padding_masks]
+    counts = torch.stack([v.sum() for v in valid]).to(torch.float64)  # [M] valid tokens per micro-batch
+    dp_counts = comm.all_reduce(counts.clone(), "sum", state.dp_group, what="aux-loss weights: valid tokens per micro-batch")
+    total = float(dp_counts.sum())
+    # the tokens megatron's statistic of a micro-batch spans, and the group it reduces them over
+    is_global = load_balancing_type == "global_aux_loss"
+    spans, group = (dp_counts, state.pg.tp_dp_cp) if is_global else (counts, state.pg.tp_cp)
+    group_total = _aux_count_is_group_total(group, state.device)
+    scales = []
+    for m, v in enumerate(valid):
+        if group_total:
+            n_j = float(spans[m])
+        else:  # this rank's own tokens: its contiguous sequence chunk under sequence parallel
+            local = v
+            if state.sequence_parallel and state.tp > 1:
+                n = v.shape[1] + (-v.shape[1]) % state.tp
+                v = F.pad(v, (0, n - v.shape[1]))
+                local = v[:, state.tp_rank * (n // state.tp):(state.tp_rank + 1) * (n // state.tp)]
+            n_j = float(local.sum())
+        scales.append(float(spans[m]) / total / n_j if n_j > 0 and total > 0 else 0.0)
+    return scales
+
+
+_AUX_COUNT_PROBE: dict[int, bool] = {}
+
+
+def _aux_count_is_group_total(group, device: torch.device) -> bool:
+    """Which token count megatron multiplies a rank's aux-loss share by.
+
+    megatron-core 0.16's get_tokens_per_expert_and_token_count all-reduces the local expert counts
+    *in place* over the statistic's group (TP, or TP x DP for global_aux_loss) before it derives the
+    "local" token count from them when a padding mask is given: the count is then the whole group's
+    valid tokens, not this rank's (without a mask it is this rank's). Asked once per group with a
+    one-token routing map rather than assumed, so a megatron that fixes the aliasing gets the right
+    scale too. Collective over ``group``."""
+    if group.size() == 1:
+        return True  # one rank: its count is the group's either way
+    key = id(group)
+    if key not in _AUX_COUNT_PROBE:
+        from megatron.core.transformer.moe.moe_utils import get_tokens_per_expert_and_token_count
+
+        one_token = torch.ones(1, 2, dtype=torch.bool, device=device)  # 1 token routed to both of 2 experts
+        _, local, _ = get_tokens_per_expert_and_token_count(one_token, group, topk=2, with_padding_mask=True)
+        _AUX_COUNT_PROBE[key] = round(float(local)) == group.size()
+    return _AUX_COUNT_PROBE[key]
+
+
+def set_aux_loss_scale(scale: float, device: torch.device) -> None:
+    """Scale of the MoE aux-loss gradient for the next backward (megatron reads it in backward)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, dtype=torch.float32, device=device))
 
 
 def unwrap(model):
@@ -279,8 +410,10 @@ def model_summary(cfg: ModelConfig) -> str:
             f"impl={resolve_impl(cfg)}, precision={cfg.precision}")
 
 
-def wrap_ddp(model, state: ParallelState, use_distributed_optimizer: bool = False):
-    """megatron-core DDP with contiguous grad buffers.
+def wrap_ddp(model, state: ParallelState):
+    """megatron-core DDP with contiguous grad buffers; gradients are reduce-scattered when
+    ``state.use_distributed_optimizer`` (the optimizer then steps only this rank's shard) and
+    all-reduced otherwise.
 
     The TransformerConfig sets calculate_per_token_loss=True, so DDP *sums* gradients over
     data-parallel ranks (no 1/dp scaling): our losses divide by the global number of
@@ -291,7 +424,7 @@ def wrap_ddp(model, state: ParallelState, use_distributed_optimizer: bool = Fals
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
+        use_distributed_optimizer=state.use_distributed_optimizer,
         # a bucket per ~40M params on GPU; one bucket on CPU (gloo, no overlap to win)
         bucket_size=None,
     )

@@ -49,7 +49,7 @@ import re
 import string
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -499,8 +499,10 @@ def _as_float(value: Any) -> Optional[float]:
 
 
 def compute_rewards(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
-                    answers: Optional[Sequence[Optional[str]]] = None, **kwargs: Any) -> torch.Tensor:
-    """Score every (prompt, response, answer) with ``fn``; a float32 tensor of shape [len(responses)].
+                    answers: Optional[Sequence[Optional[str]]] = None, *, device: Union[str, torch.device] = "cpu",
+                    **kwargs: Any) -> torch.Tensor:
+    """Score every (prompt, response, answer) with ``fn``; a float32 tensor of shape [len(responses)]
+    on ``device`` (the trainer passes the parallel state's device: rewards meet log-probs there).
 
     Raises :class:`RewardError` (naming the function and the sample) when ``fn`` raises or returns
     anything but a finite number.
@@ -524,5 +526,5 @@ def compute_rewards(fn: RewardFn, prompts: Sequence[str], responses: Sequence[st
         if not math.isfinite(value):
             raise RewardError(name, i, prompt, response, f"returned {value}, not a finite number")
         out.append(value)
-    return torch.tensor(out, dtype=torch.float32)
+    return torch.tensor(out, dtype=torch.float32, device=device)
 

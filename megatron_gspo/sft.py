@@ -3,6 +3,11 @@
 Real RL starts from a supervised model; the built-in task's tiny random model has no policy worth
 reinforcing, so the demo job first teaches it the output format and a rough skill, then GSPO
 does the rest. The loss covers answer tokens (and the closing EOS) only, not the prompt.
+
+Like the RL update, an SFT step's gradient does not depend on the layout or the micro-batch size:
+the loss is normalized by the target tokens of the whole batch over every DP rank, DDP sums, the
+batch is micro-batched with ``train.micro_batch_size`` and the MoE aux loss gets the same weights
+(model.aux_loss_scales). Its optimizer is laid out as the parallel state says, like the RL one.
 """
 
 from __future__ import annotations
@@ -11,21 +16,32 @@ import dataclasses
 import logging
 
 import torch
+import torch.distributed as dist
 
+from megatron_gspo import comm
+from megatron_gspo.data import DataError
 from megatron_gspo.logprobs import vocab_parallel_logprobs
-from megatron_gspo.model import finalize_grads, forward_logits
+from megatron_gspo.model import (
+    aux_loss_scales,
+    finalize_grads,
+    forward_logits,
+    input_padding_mask,
+    set_aux_loss_scale,
+)
 from megatron_gspo.optim import build_optimizer, optimizer_step
-from megatron_gspo.rollout import common_length, pad_columns
+from megatron_gspo.rollout import common_length, micro_batch_slices, pad_columns
 
 log = logging.getLogger("megatron_gspo")
 
 
-def build_sft_batch(prompts, tokenizer, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> tokens [B, T] (prompt + answer + eos, right-padded), loss mask [B, T-1] on the targets."""
+def build_sft_batch(prompts, tokenizer, pad_id: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> tokens [B, T] (prompt + answer + eos, right-padded), loss mask [B, T-1] on the targets,
+    lengths [B] (real tokens per row); all on ``device``."""
     seqs, starts = [], []
     for p in prompts:
         if p.answer is None:
-            raise ValueError(f"prompt {p.id}: supervised warm start needs a reference answer")
+            raise DataError(f"prompt {p.id}: the supervised warm start (train.sft_steps > 0) needs a reference "
+                            "answer (data.answer_key)")
         ans = tokenizer.encode(str(p.answer)) + [tokenizer.eos_id]
         seqs.append(list(p.ids) + ans)
         starts.append(len(p.ids))
@@ -35,7 +51,8 @@ def build_sft_batch(prompts, tokenizer, pad_id: int) -> tuple[torch.Tensor, torc
     for i, (s, st) in enumerate(zip(seqs, starts)):
         tokens[i, : len(s)] = torch.tensor(s)
         mask[i, st - 1: len(s) - 1] = True  # targets tokens[st:] are the answer
-    return tokens, mask
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    return tokens.to(device), mask.to(device), lengths.to(device)
 
 
 def sft_warm_start(trainer) -> None:
@@ -43,7 +60,7 @@ def sft_warm_start(trainer) -> None:
     t = cfg.train
     opt_cfg = dataclasses.replace(cfg.optimizer, lr=t.sft_lr, min_lr=0.0, lr_warmup_steps=0,
                                   lr_decay_style="constant", weight_decay=0.0)
-    optimizer = build_optimizer(opt_cfg, trainer.ddp, st, cfg.model.precision == "bf16", False)
+    optimizer = build_optimizer(opt_cfg, trainer.ddp, st, cfg.model.precision == "bf16")
     # draw from the sampler's own dataset with a separate stream so the RL data order is untouched
     from megatron_gspo.data import PromptSampler
 
@@ -53,23 +70,27 @@ def sft_warm_start(trainer) -> None:
     for step in range(t.sft_steps):
         prompts = sampler.next_batch()
         per = len(prompts) // st.dp
-        tokens, mask = build_sft_batch(prompts[st.dp_rank * per:(st.dp_rank + 1) * per], trainer.tokenizer, pad)
+        tokens, mask, lengths = build_sft_batch(prompts[st.dp_rank * per:(st.dp_rank + 1) * per], trainer.tokenizer,
+                                                pad, st.device)
         # one width on every rank (MoE dispatch is a collective) and (T - 1) % TP == 0 under SP
-        T = common_length(tokens.shape[1], st.tp if st.sequence_parallel else 1, group=torch.distributed.group.WORLD)
+        T = common_length(tokens.shape[1], st.tp if st.sequence_parallel else 1, st.device, group=dist.group.WORLD)
         tokens, mask = pad_columns(tokens, T, pad), pad_columns(mask, T - 1, False)
-        n = torch.tensor([float(mask.sum())])
-        if st.dp > 1:
-            torch.distributed.all_reduce(n, group=st.dp_group)
+        n = comm.all_reduce(mask.sum().to(torch.float32).reshape(1), "sum", st.dp_group, what="SFT: target tokens over DP")
+        micro = micro_batch_slices(per, 1, t.micro_batch_size)[0]
+        pad_masks = [input_padding_mask(lengths[sl], T - 1) for sl in micro]
+        scales = aux_loss_scales(pad_masks, st, cfg.model.moe_router_load_balancing_type, cfg.model.moe_aux_loss_coeff)
         trainer.ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        logits = forward_logits(trainer.ddp, tokens[:, :-1])
-        lp, _ = vocab_parallel_logprobs(logits, tokens[:, 1:], cfg.model.vocab_size, st.tp_group, with_entropy=False)
-        loss = -(lp * mask).sum() / n[0]
-        loss.backward()
+        nll = torch.zeros(1, device=st.device)
+        for j, sl in enumerate(micro):
+            logits = forward_logits(trainer.ddp, tokens[sl, :-1], padding_mask=pad_masks[j])
+            lp, _ = vocab_parallel_logprobs(logits, tokens[sl, 1:], cfg.model.vocab_size, st.tp_group, with_entropy=False)
+            loss = -(lp * mask[sl]).sum() / n[0]
+            set_aux_loss_scale(scales[j], st.device)
+            loss.backward()
+            nll += loss.detach()  # this rank's share of the global mean
         finalize_grads(trainer.ddp, st)
         optimizer_step(optimizer)
         if (step + 1) % max(1, t.sft_steps // 10) == 0 or step == t.sft_steps - 1:
-            nll = loss.detach().reshape(1)  # this rank's share of the global mean
-            if st.dp > 1:
-                torch.distributed.all_reduce(nll, group=st.dp_group)
+            comm.all_reduce(nll, "sum", st.dp_group, what="SFT: loss over DP")
             log.info("sft step %d/%d | nll %.4f", step + 1, t.sft_steps, nll.item())

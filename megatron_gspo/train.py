@@ -1,9 +1,10 @@
 """GSPO / GRPO training entry point: ``python -m megatron_gspo.train [config.yaml] [section.key=value ...]``.
 
 One RL step, top to bottom:
-  1. sample P prompts (every DP rank draws the same P and keeps its slice), G responses each,
-     on the training model itself (KV cache);
-  2. rewards -> group-relative advantages (groups never straddle ranks);
+  1. sample P prompts (every DP rank draws the same P), G responses each = R global rows; each DP
+     rank generates its share of every minibatch (rollout.local_rows) on the training model itself
+     (KV cache), with sampling noise keyed by the global row, so the rollout is layout independent;
+  2. rewards -> group-relative advantages over the gathered rewards of all R rows;
   3. old log-probs recomputed by the training model (and, for GRPO + R2, the routing recorded);
   4. the rollout split into minibatches, one optimizer step each (later minibatches are off-policy);
   5. metrics reduced over DP, logged; checkpoint every N steps.
@@ -26,7 +27,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import parallel
+from megatron_gspo import comm, parallel
 from megatron_gspo.advantages import get_advantage_estimator
 from megatron_gspo.checkpoint import (
     check_compatible,
@@ -44,7 +45,15 @@ from megatron_gspo.logger import MetricsLogger, progress_line, setup_logging
 from megatron_gspo.logprobs import vocab_parallel_logprobs
 from megatron_gspo.losses import batch_normalizer, compute_policy_loss
 from megatron_gspo.metrics import Metric, MetricAccumulator
-from megatron_gspo.model import build_model, finalize_grads, forward_logits, model_summary, wrap_ddp
+from megatron_gspo.model import (
+    aux_loss_scales,
+    build_model,
+    finalize_grads,
+    forward_logits,
+    model_summary,
+    set_aux_loss_scale,
+    wrap_ddp,
+)
 from megatron_gspo.optim import build_optimizer, build_scheduler, optimizer_step
 from megatron_gspo.rewards import build_reward_fn, compute_rewards
 from megatron_gspo.rollout import (
@@ -52,6 +61,8 @@ from megatron_gspo.rollout import (
     Timer,
     common_length,
     compute_logprobs,
+    global_advantages,
+    local_rows,
     micro_batch_slices,
     pad_columns,
 )
@@ -60,20 +71,6 @@ from megatron_gspo.sft import sft_warm_start
 from megatron_gspo.tokenizer import build_tokenizer, check_vocab_fits
 
 log = logging.getLogger("megatron_gspo")
-
-
-def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return t
-
-
-def _any_rank(flag: bool) -> bool:
-    """True on every rank if ``flag`` is True on any rank (a collective decision)."""
-    t = torch.tensor([1.0 if flag else 0.0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 class TrainingStopped(Exception):
@@ -92,9 +89,13 @@ class Trainer:
         self.state = parallel.initialize(cfg.model, cfg.parallel)
         setup_logging(self.state.rank)
         st, t = self.state, cfg.train
-        if t.prompts_per_step % st.dp:
-            raise ConfigError(f"train.prompts_per_step={t.prompts_per_step} is not divisible by the "
-                              f"data-parallel size {st.dp}")
+        rows = t.prompts_per_step * cfg.generation.n_samples_per_prompt
+        if rows % (t.num_minibatches * st.dp):
+            raise ConfigError(f"train.prompts_per_step x generation.n_samples_per_prompt = {rows} rollout rows are "
+                              f"not divisible by train.num_minibatches x the data-parallel size = "
+                              f"{t.num_minibatches} x {st.dp}: every DP rank holds an equal share of every minibatch")
+        if t.sft_steps > 0 and t.sft_batch_size % st.dp:
+            raise ConfigError(f"train.sft_batch_size={t.sft_batch_size} is not divisible by the data-parallel size {st.dp}")
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         check_vocab_fits(self.tokenizer, cfg.model.vocab_size)
         self.sampler = build_prompt_sampler(cfg.data, self.tokenizer, t.prompts_per_step)
@@ -103,6 +104,8 @@ class Trainer:
         stops = cfg.generation.stop_token_ids or list(self.tokenizer.eos_ids)
         self.gen_cfg = dataclasses.replace(cfg.generation, stop_token_ids=stops,
                                            pad_token_id=cfg.generation.pad_token_id if cfg.generation.pad_token_id is not None else self.tokenizer.pad_id)
+        # generate() is called with one row per sample (a sample's noise is keyed by its global row)
+        self.row_gen_cfg = dataclasses.replace(self.gen_cfg, n_samples_per_prompt=1)
         # log-probs are taken at the sampling temperature (greedy rollouts: the raw policy)
         self.temperature = cfg.generation.temperature or 1.0
 
@@ -121,7 +124,7 @@ class Trainer:
             load_model(self.model, ck.load)
         if self.resume_root is not None:  # refuse a checkpoint of another shape before any work
             check_compatible(self.model, resolve(self.resume_root))
-        self.ddp = wrap_ddp(self.model, st, cfg.parallel.use_distributed_optimizer)
+        self.ddp = wrap_ddp(self.model, st)
         # GRPO's routing replay (R2: routes of the old-log-prob pass, R3: of the rollout), and
         # routing metrics (expert load, aux loss, change old -> new policy) for every run.
         self.replay = RoutingReplay.from_model(t.routing_replay, self.ddp, st)
@@ -135,14 +138,15 @@ class Trainer:
         self.skipped_total = 0
         self.step = 0
         log.info("model: %s", model_summary(cfg.model))
-        log.info("layout: world %d = TP %d x PP %d x DP %d (EP %d, ETP %d, SP %s)", st.world_size, st.tp, st.pp,
-                 st.dp, st.ep, st.etp, st.sequence_parallel)
+        log.info("layout: world %d = TP %d x PP %d x DP %d (EP %d, ETP %d, SP %s) on %s", st.world_size, st.tp, st.pp,
+                 st.dp, st.ep, st.etp, st.sequence_parallel, st.device)
+        log.info("optimizer: %s", st.optimizer_layout())
 
     # ------------------------------------------------------------------------------------------
     def setup_optimizer(self) -> None:
         cfg = self.cfg
         bf16 = cfg.model.precision == "bf16"
-        self.optimizer = build_optimizer(cfg.optimizer, self.ddp, self.state, bf16, cfg.parallel.use_distributed_optimizer)
+        self.optimizer = build_optimizer(cfg.optimizer, self.ddp, self.state, bf16)
         total = cfg.train.num_steps * cfg.train.num_minibatches
         self.scheduler = build_scheduler(cfg.optimizer, self.optimizer, total)
         if self.resume_root is not None:
@@ -155,42 +159,53 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def rollout(self) -> RolloutBatch:
         cfg, st = self.cfg, self.state
-        prompts = self.sampler.next_batch()
-        per = len(prompts) // st.dp
-        mine = prompts[st.dp_rank * per:(st.dp_rank + 1) * per]
+        dev = st.device
+        prompts = self.sampler.next_batch()  # the same P prompts on every rank
         G = self.gen_cfg.n_samples_per_prompt
+        R = len(prompts) * G
+        rows = local_rows(R, cfg.train.num_minibatches, st.dp, st.dp_rank)
+        mine = [prompts[g // G] for g in rows]
         with self.timer("generate"), (self.recorder.recording() if self.recorder else contextlib.nullcontext()):
-            out = generate(self.ddp, [p.ids for p in mine], self.gen_cfg, vocab_size=cfg.model.vocab_size,
-                           state=st, seed=cfg.generation.seed + 7919 * self.step,
+            out = generate(self.ddp, [p.ids for p in mine], self.row_gen_cfg, vocab_size=cfg.model.vocab_size,
+                           state=st, seed=self.sampling_seed(), row_keys=rows,
                            on_forward=self.recorder.on_forward if self.recorder else None)
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
         with self.timer("reward"):
-            rewards = compute_rewards(self.reward_fn, [mine[i // G].text for i in range(len(texts))], texts,
-                                      [mine[i // G].answer for i in range(len(texts))])
-        advantages = self.advantage_fn(rewards, G)
-        T = common_length(out.tokens.shape[1], st.tp if st.sequence_parallel else 1, group=dist.group.WORLD)
+            rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine],
+                                      device=dev)
+        row_ids = torch.tensor(rows, dtype=torch.long, device=dev)
+        advantages = global_advantages(rewards, row_ids, R, G, self.advantage_fn, st.dp, cfg.train.num_minibatches,
+                                       st.dp_group)
+        T = common_length(out.tokens.shape[1], st.tp if st.sequence_parallel else 1, dev, group=dist.group.WORLD)
         tokens = pad_columns(out.tokens, T, self.gen_cfg.pad_id)
         mask, sample_lp = pad_columns(out.response_mask, T, False), pad_columns(out.logprobs, T, 0.0)
-        batch = RolloutBatch(tokens=tokens, mask=mask[:, 1:], rewards=rewards, advantages=advantages,
+        batch = RolloutBatch(tokens=tokens, mask=mask[:, 1:], seq_lengths=out.prompt_lengths + out.response_lengths,
+                             row_ids=row_ids, rewards=rewards, advantages=advantages,
                              sample_logprobs=sample_lp[:, 1:], response_texts=texts,
-                             sample_ids=[f"{mine[i // G].id}#{i % G}" for i in range(len(texts))])
+                             sample_ids=[f"{p.id}#{g % G}" for p, g in zip(mine, rows)])
         micro = self.micro_batches(batch.num_rows)
         if self.recorder is not None:
             # R3: the rollout's routes, in the micro-batch partition both passes use
             routes = self.recorder.finish(out)
-            for i, rows in enumerate(micro):
-                self.replay.load(i, routes.routes_for(list(range(rows.start, rows.stop)), seq_len=T - 1))
+            for i, sl in enumerate(micro):
+                self.replay.load(i, routes.routes_for(list(range(sl.start, sl.stop)), seq_len=T - 1))
+        pad_mask = batch.input_padding_mask()
         with self.timer("old_logprob"):
             batch.old_logprobs = compute_logprobs(
                 self.ddp, tokens, micro, cfg.model.vocab_size, st.tp_group, self.temperature,
-                on_micro_batch=self._old_pass_context)
+                on_micro_batch=self._old_pass_context, padding_mask=pad_mask)
             if self.replay.mode == "R3":
                 self.replay.finish_pass()  # the training pass replays the same routes once more
             if self.ref_model is not None:
                 batch.ref_logprobs = compute_logprobs(self.ref_model, tokens, micro, cfg.model.vocab_size,
-                                                      st.tp_group, self.temperature)
+                                                      st.tp_group, self.temperature, padding_mask=pad_mask)
         batch.timings = {"gen_tokens": out.num_generated_tokens, "gen_s": out.elapsed_s}
         return batch
+
+    def sampling_seed(self) -> int:
+        """Seed of this step's sampling noise: (generation.seed, step) in one 64-bit key (sampling.py
+        then keys every draw by global row and position)."""
+        return (self.cfg.generation.seed << 32) + self.step
 
     def micro_batches(self, num_rows: int) -> list[slice]:
         t = self.cfg.train
@@ -215,38 +230,12 @@ class Trainer:
         inject_nan = self.faults.active("nan_logprob", self.step + 1)
         mb_index = 0  # flat micro-batch id: the key of the old-log-prob pass's routing records
         for mini in micro_batch_slices(batch.num_rows, t.num_minibatches, t.micro_batch_size):
-            # The loss divides by the unit count of the whole minibatch over every DP rank, and DDP
-            # sums gradients (calculate_per_token_loss): any DP/EP layout gives the DP=1 gradient.
-            rows = slice(mini[0].start, mini[-1].stop)
-            norm = _all_reduce_sum(batch_normalizer(cfg.loss, batch.mask[rows]).reshape(1), st.dp_group)
-            self._set_aux_loss_scale(1.0 / (st.dp * len(mini)))
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            bad_rows: list[str] = []
-            for j, sl in enumerate(mini):
-                micro = batch.rows(sl)
-                with self._train_pass_context(mb_index):
-                    logits = forward_logits(self.ddp, micro.tokens[:, :-1])
-                    logp, ent = vocab_parallel_logprobs(logits, micro.tokens[:, 1:], cfg.model.vocab_size,
-                                                        st.tp_group, temperature=self.temperature)
-                    if inject_nan and j == 0:  # test hook (MEGATRON_GSPO_FAULTS)
-                        logp = logp + torch.where(micro.mask, float("nan"), 0.0)
-                    finite = torch.where(micro.mask, logp.detach(), 0.0).isfinite().all(dim=-1)
-                    bad_rows += [micro.sample_ids[r] for r in torch.nonzero(~finite).flatten().tolist()]
-                    loss, metrics = compute_policy_loss(
-                        cfg.loss, logp, micro.old_logprobs, micro.advantages, micro.mask,
-                        ref_logp=micro.ref_logprobs, entropy=ent, global_batch_normalizer=norm[0])
-                # backward outside the routing monitor's capture: activation recompute re-runs the
-                # routers, which must replay (backward_replay) but not count as a second forward
-                with self.replay.backward_replay():
-                    loss.backward()
-                acc.add(metrics)
-                mb_index += 1
-            finalize_grads(self.ddp, st)
+            bad_rows = self.accumulate_gradients(batch, mini, mb_index, acc, inject_nan)
+            mb_index += len(mini)
             # NaN/Inf guard: decided collectively so every rank skips the same update
             local_bad = bool(bad_rows) or not all(
                 torch.isfinite(p.main_grad).all() for p in self.ddp.parameters() if getattr(p, "main_grad", None) is not None)
-            if _any_rank(local_bad):
+            if comm.any_rank(local_bad, st.device, what="non-finite gradient vote"):
                 self._skip_update(bad_rows)
                 skipped += 1
                 continue
@@ -265,6 +254,44 @@ class Trainer:
         out["train/skipped_updates"] = skipped
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
+
+    def accumulate_gradients(self, batch: RolloutBatch, mini: list[slice], mb_index: int,
+                             acc: MetricAccumulator, inject_nan: bool = False) -> list[str]:
+        """Forward + backward of one minibatch (its micro-batches ``mini``), gradients reduced over DP
+        (finalize_grads). The loss divides by the unit count of the whole minibatch over every DP rank
+        and DDP sums gradients (calculate_per_token_loss), so the gradient is the DP=1, one-micro-batch
+        gradient whatever the split; the MoE aux loss gets the same weight too (model.aux_loss_scales).
+        Returns the sample ids whose log-probs were not finite."""
+        cfg, st = self.cfg, self.state
+        rows = slice(mini[0].start, mini[-1].stop)
+        norm = comm.all_reduce(batch_normalizer(cfg.loss, batch.mask[rows]).reshape(1), "sum", st.dp_group,
+                               what="loss normalizer (units of the minibatch over DP)")
+        pad_masks = [batch.rows(sl).input_padding_mask() for sl in mini]
+        scales = aux_loss_scales(pad_masks, st, cfg.model.moe_router_load_balancing_type, cfg.model.moe_aux_loss_coeff)
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        bad_rows: list[str] = []
+        for j, sl in enumerate(mini):
+            micro = batch.rows(sl)
+            with self._train_pass_context(mb_index + j):
+                logits = forward_logits(self.ddp, micro.tokens[:, :-1], padding_mask=pad_masks[j])
+                logp, ent = vocab_parallel_logprobs(logits, micro.tokens[:, 1:], cfg.model.vocab_size,
+                                                    st.tp_group, temperature=self.temperature)
+                if inject_nan and j == 0:  # test hook (MEGATRON_GSPO_FAULTS)
+                    logp = logp + torch.where(micro.mask, float("nan"), 0.0)
+                finite = torch.where(micro.mask, logp.detach(), 0.0).isfinite().all(dim=-1)
+                bad_rows += [micro.sample_ids[r] for r in torch.nonzero(~finite).flatten().tolist()]
+                loss, metrics = compute_policy_loss(
+                    cfg.loss, logp, micro.old_logprobs, micro.advantages, micro.mask,
+                    ref_logp=micro.ref_logprobs, entropy=ent, global_batch_normalizer=norm[0])
+            set_aux_loss_scale(scales[j], st.device)
+            # backward outside the routing monitor's capture: activation recompute re-runs the
+            # routers, which must replay (backward_replay) but not count as a second forward
+            with self.replay.backward_replay():
+                loss.backward()
+            acc.add(metrics)
+        finalize_grads(self.ddp, st)
+        return bad_rows
 
     def _skip_update(self, bad_rows: list[str]) -> None:
         self.consecutive_skips += 1
@@ -287,13 +314,6 @@ class Trainer:
             stack.enter_context(self.replay.replaying(mb))
         return stack
 
-    def _set_aux_loss_scale(self, scale: float) -> None:
-        # megatron injects the MoE aux-loss gradient with this scale on every forward; gradients
-        # are summed over DP ranks and micro-batches here, so scale by their count.
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale))
-
     # ------------------------------------------------------------------------------------------
     def rollout_metrics(self, batch: RolloutBatch) -> dict:
         m = batch.mask
@@ -306,7 +326,7 @@ class Trainer:
             # generation ran on the training model itself: this is numerical noise only
             "rollout/logprob_diff_mean": Metric.mean(diff, m),
             "rollout/logprob_diff_max": Metric.max(diff, m),
-            "perf/gen_tokens": Metric.sum(torch.tensor([float(batch.timings["gen_tokens"])])),
+            "perf/gen_tokens": Metric.sum(torch.tensor([float(batch.timings["gen_tokens"])], device=self.state.device)),
         }
         acc = MetricAccumulator()
         acc.add(local)
@@ -344,7 +364,7 @@ class Trainer:
         self.setup_optimizer()
         history = []
         while self.step < t.num_steps:
-            if _any_rank(self.preempt.set):
+            if comm.any_rank(self.preempt.set, self.state.device, what="preemption vote"):
                 self.save()
                 saved = f"checkpoint saved to {self.cfg.checkpoint.save}" if self.cfg.checkpoint.save else \
                     "NO checkpoint written (checkpoint.save is not set)"

@@ -24,7 +24,7 @@ import torch
 
 from megatron_gspo import parallel
 from megatron_gspo.config import ConfigError, ParallelConfig, from_dict, model_config_from_preset
-from megatron_gspo.generation import GenerationConfig, generate, sample_tokens
+from megatron_gspo.generation import GenerationConfig, generate
 from megatron_gspo.logprobs import vocab_parallel_logprobs
 from megatron_gspo.model import build_model, forward_logits
 
@@ -84,41 +84,6 @@ def test_config_from_yaml_style_dict():
                                      "n_samples_per_prompt": 8})
     assert (c.max_new_tokens, c.greedy, c.stop_token_ids, c.n_samples_per_prompt, c.pad_id) == (32, True, [5, 9], 8, 5)
     assert GenerationConfig(pad_token_id=3, stop_token_ids=[5]).pad_id == 3
-
-
-# ----------------------------------------------------------------------------------------------
-# sampling primitive
-# ----------------------------------------------------------------------------------------------
-
-
-def test_sample_tokens_filters_only_the_draw():
-    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = p.log().expand(20000, 4).contiguous()
-    g = torch.Generator().manual_seed(0)
-    tok, lp = sample_tokens(logits, GenerationConfig(temperature=1.0, top_p=0.7), g)
-    counts = torch.bincount(tok, minlength=4).float() / tok.numel()
-    assert counts[2:].sum() == 0  # nucleus {0, 1}: 0.5 + 0.3 >= 0.7
-    assert abs(counts[0] - 0.5 / 0.8) < 0.02 and abs(counts[1] - 0.3 / 0.8) < 0.02
-    # recorded log-probs are the unfiltered policy's
-    torch.testing.assert_close(lp, p.log()[tok], rtol=0, atol=1e-6)
-
-    tok, _ = sample_tokens(logits, GenerationConfig(temperature=1.0, top_k=3), g)
-    counts = torch.bincount(tok, minlength=4).float() / tok.numel()
-    assert counts[3] == 0 and abs(counts[0] - 0.5 / 0.95) < 0.02
-
-    tok, lp = sample_tokens(logits, GenerationConfig(temperature=2.0), g)
-    want = torch.log_softmax(p.log() / 2, -1)
-    torch.testing.assert_close(lp, want[tok], rtol=0, atol=1e-6)
-    counts = torch.bincount(tok, minlength=4).float() / tok.numel()
-    assert (counts - want.exp()).abs().max() < 0.02
-
-    tok, lp = sample_tokens(logits[:3], GenerationConfig(temperature=0.0))
-    assert tok.tolist() == [0, 0, 0]
-    torch.testing.assert_close(lp, p.log()[:1].expand(3), rtol=0, atol=1e-6)
-
-    a = sample_tokens(logits[:64], GenerationConfig(), torch.Generator().manual_seed(4))[0]
-    b = sample_tokens(logits[:64], GenerationConfig(), torch.Generator().manual_seed(4))[0]
-    assert torch.equal(a, b)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
-"""Weights saved once (dist_checkpointing, torch_dist) and loaded under TP=2, EP=2 and TP=2 x EP=2
-give the single-rank logits, log-probs, entropy (checked inside the ranks, fp32, 1e-5) and the
-single-rank gradients of a scalar loss (checked here, tensor by tensor on global keys)."""
+"""Initial weights drawn from one seed are the same numbers under TP=2, EP=2 and TP=2 x EP=2
+(bit for bit through dist_checkpointing's global keys). Weights saved once (torch_dist) and loaded under TP=2, EP=2 and TP=2 x EP=2
+give the single-rank logits, log-probs, entropy (checked inside the ranks, fp32, 1e-5; also for an
+odd sequence length, which sequence parallel under TP=2 pads) and the single-rank gradients of a
+scalar loss (checked here, tensor by tensor on global keys)."""
 
 import pytest
 import torch
@@ -25,8 +27,13 @@ def reference(tmp_path_factory, run_dist):
 def test_layout_matches_single_rank(reference, run_dist, layout):
     nproc, args = LAYOUTS[layout]
     p = run_dist("parity.py", nproc, "--mode", "check", "--dir", str(reference), "--tag", layout, *args)
-    # every rank printed its comparison of logits / lp / ent
-    assert p.stdout.count("max abs diff") == 3 * nproc, p.stdout
+    # every rank printed its comparison of logits / lp / ent / odd-length logits (SP padding)
+    assert p.stdout.count("max abs diff") == 4 * nproc, p.stdout
+    # the initial weights this layout drew from the seed are the one-rank model's, bit for bit
+    init_ref = dist_checkpoint_to_tensors(str(reference / "weights"))
+    init_got = dist_checkpoint_to_tensors(str(reference / f"init_{layout}"))
+    differ = [k for k, v in init_ref.items() if isinstance(v, torch.Tensor) and not torch.equal(v, init_got[k])]
+    assert not differ, f"{layout}: initial weights depend on the layout: {differ}"
     ref = dist_checkpoint_to_tensors(str(reference / "grads_ref"))
     got = dist_checkpoint_to_tensors(str(reference / f"grads_{layout}"))
     tensors = [k for k, v in ref.items() if isinstance(v, torch.Tensor)]

@@ -47,13 +47,17 @@ def main():
     # the aux loss depends on how tokens are grouped per rank; parity is about the policy math
     cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=0.0, vocab_size=100)
     par = ParallelConfig(tensor_model_parallel_size=a.tp, expert_model_parallel_size=a.ep,
-                         expert_tensor_parallel_size=a.etp, seed=11)
+                         expert_tensor_parallel_size=a.etp, seed=11,
+                         use_distributed_optimizer=False)  # gradients read whole from the DDP buffers
     st = parallel.initialize(cfg, par)
     model = build_model(cfg, par, st)
     ckpt = os.path.join(a.dir, "weights")
     if a.mode == "ref":
         save_model(model, ckpt)
     else:
+        # the weights this layout drew from the same seed: the test compares them with the
+        # one-rank model's, bit for bit (init_weights.py), then the run goes on from the saved ones
+        save_model(model, os.path.join(a.dir, f"init_{a.tag}"))
         load_model(model, ckpt)
     ddp = wrap_ddp(model, st)
 
@@ -70,16 +74,25 @@ def main():
     loss.backward()
     finalize_grads(ddp, st)
 
-    full = logits.detach()
-    if st.tp > 1:
-        parts = [torch.empty_like(full) for _ in range(st.tp)]
-        dist.all_gather(parts, full.contiguous(), group=st.tp_group)
-        full = torch.cat(parts, dim=-1)
-    out = {"logits": full[..., : cfg.vocab_size], "lp": lp.detach(), "ent": ent.detach()}
+    def gather_vocab(x):
+        x = x.detach()
+        if st.tp > 1:
+            parts = [torch.empty_like(x) for _ in range(st.tp)]
+            dist.all_gather(parts, x.contiguous(), group=st.tp_group)
+            x = torch.cat(parts, dim=-1)
+        return x[..., : cfg.vocab_size]
+
+    full = gather_vocab(logits)
+    # an odd length under sequence parallel (TP=2): forward_logits pads and cuts; causal attention
+    # makes the 23-token prefix's logits those of the full 24-token forward
+    with torch.no_grad():
+        odd = gather_vocab(forward_logits(ddp, tok[:, :23]))
+    out = {"logits": full, "lp": lp.detach(), "ent": ent.detach(), "odd_length_logits": odd}
     if a.mode == "ref":
         torch.save(out, os.path.join(a.dir, "ref_out.pt"))
     else:
         ref = torch.load(os.path.join(a.dir, "ref_out.pt"))
+        ref["odd_length_logits"] = ref["logits"][:, :23]
         for k, v in out.items():
             err = (v - ref[k][sl]).abs().max().item()
             print(f"[rank {st.rank}] {a.tag} {k} max abs diff {err:.3e}", flush=True)

@@ -1,0 +1,117 @@
+"""Drawing tokens: temperature, top-k / top-p, and sampling noise that does not depend on the layout.
+
+Counter-based noise
+    A rollout must be the same whatever TP / EP / DP layout generates it, or no run can be compared
+    with another layout's (and a layout bug hides in sampling noise). A generator seeded per rank
+    cannot give that: which rank draws a sample, and how many rows it draws before it, change with
+    the layout. So the noise of a draw is a pure function of integers that name it:
+
+        U[row, v] = hash(seed, row key, position, v) / 2**32        (uniform in (0, 1))
+
+    ``seed`` is the call's seed (the trainer mixes ``generation.seed`` with the step), the row key is
+    the sample's global index (prompt index x n_samples_per_prompt + sample index), ``position`` the
+    response token's index and ``v`` the vocabulary id. The hash is Chris Wellons' lowbias32 integer
+    mixer, applied word by word (64-bit keys as two words); every operation is an int64 torch op
+    kept below 2**63, so CPU and CUDA give identical bits. Under vocab-parallel TP every rank holds
+    the full last-position logits (megatron gathers them for inference), so every rank draws the same
+    token from the same numbers.
+
+Drawing
+    ``argmax(p_v / E_v)`` with ``E_v = -log U_v`` ~ Exp(1) (the exponential race, i.e. the Gumbel-max
+    trick): an exact categorical draw from p, vectorized, with no host sync.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2**32 for x in [0, 2**32) (int or int64 tensor), c < 2**32, without int64 overflow:
+    c is split in 16-bit halves so no intermediate exceeds 2**49 (signed overflow is undefined)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x):
+    """lowbias32: a 32-bit integer hash with near-ideal avalanche (ints or int64 tensors in [0, 2**32))."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _absorb(h, key):
+    """Fold a non-negative 64-bit key (int or int64 tensor) into the 32-bit state h."""
+    h = mix32(h ^ (key & _M32))
+    return mix32(h ^ ((key >> 32) & _M32))
+
+
+_VOCAB_CODES: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _vocab_codes(vocab: int, device: torch.device) -> torch.Tensor:
+    """mix32(v) for v in [0, vocab): spreads neighbouring ids before the last mixing round (cached)."""
+    key = (vocab, str(device))
+    if key not in _VOCAB_CODES:
+        _VOCAB_CODES[key] = mix32(torch.arange(vocab, dtype=torch.long, device=device) + 0x9E3779B9)
+    return _VOCAB_CODES[key]
+
+
+def counter_uniform(seed: int, rows: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """Uniform noise in (0, 1), [len(rows), vocab] float32 on ``rows``' device.
+
+    seed, position: non-negative ints; rows: [b] int64 row keys (non-negative). Entry [i, v] depends
+    on (seed, rows[i], position, v) only, never on the other rows or the batch size."""
+    if seed < 0 or position < 0:
+        raise ValueError(f"counter_uniform: seed and position must be >= 0, got {seed}, {position}")
+    h = _absorb(mix32(0x5EED), seed)
+    h = mix32(h ^ (position & _M32))
+    h_rows = _absorb(torch.full_like(rows, h, dtype=torch.long), rows.long())  # [b]
+    bits = mix32(h_rows[:, None] ^ _vocab_codes(vocab, rows.device)[None, :])  # [b, V] in [0, 2**32)
+    # the top 24 bits, centred: exactly representable in float32, never 0 or 1
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def filter_top_k_top_p(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside the top-k / nucleus of x [b, V] (temperature-scaled)."""
+    v = x.shape[-1]
+    if 0 < top_k < v:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # drop a token when the tokens ranked before it already reach top_p (the first always stays)
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, idx, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                  uniform: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from full-vocabulary logits [b, V] (padded columns removed).
+
+    temperature 0 is greedy (argmax). ``uniform``: [b, V] noise in (0, 1) (``counter_uniform``); None
+    draws it from torch's global generator. Returns (tokens [b] long, log-probs [b] fp32):
+    log-softmax(logits / T) of the drawn token, *unfiltered* (top-k/top-p restrict the draw only;
+    temperature 1 when greedy), i.e. what the trainer recomputes at that temperature."""
+    x = logits.float()
+    if temperature == 0:
+        tok = x.argmax(dim=-1)
+        logp = torch.log_softmax(x, dim=-1)
+    else:
+        x = x / temperature
+        logp = torch.log_softmax(x, dim=-1)
+        probs = torch.softmax(filter_top_k_top_p(x, top_k, top_p), dim=-1)
+        if uniform is not None and uniform.shape != probs.shape:
+            raise ValueError(f"sample_tokens: noise of shape {tuple(uniform.shape)} for logits {tuple(probs.shape)}")
+        u = torch.rand(probs.shape, device=probs.device) if uniform is None else uniform
+        tok = (probs / -torch.log(u)).argmax(dim=-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)

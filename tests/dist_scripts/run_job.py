@@ -1,0 +1,156 @@
+"""Run a training job in-process under torchrun and leave evidence for a layout comparison.
+
+    torchrun --nproc-per-node N run_job.py --out DIR [--check-replicas] [--grads 128,32] -- overrides...
+
+Writes to DIR (rank 0 unless said otherwise):
+  metrics.jsonl              the trainer's per-step metrics (train.output_dir=DIR)
+  rollouts.dp<r>.jsonl       every step's sampled rows of DP rank r (TP rank 0): global row id, response tokens
+  weights/                   final weights, torch_dist (global keys: comparable across layouts)
+  grads_<kind>_mb<N>/        (--grads N,M,..) gradients of a first minibatch instead of training (save_gradients)
+  replicas.json              (--check-replicas) the largest difference of any replicated parameter and of
+                             its optimizer state across data-parallel replicas (0.0 = bit-identical)
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo import parallel
+from megatron_gspo.checkpoint import save_model
+from megatron_gspo.config import load_job_config
+from megatron_gspo.metrics import MetricAccumulator
+from megatron_gspo.rollout import micro_batch_slices
+from megatron_gspo.train import DEMO_CONFIG, Trainer
+
+
+def record_rollouts(trainer, out_dir):
+    st = trainer.state
+    path = os.path.join(out_dir, f"rollouts.dp{st.dp_rank}.jsonl")
+    inner = trainer.rollout
+
+    def rollout():
+        batch = inner()
+        if st.tp_rank == 0:
+            with open(path, "a") as f:
+                for i in range(batch.num_rows):
+                    keep = batch.tokens[i, : int(batch.seq_lengths[i])].tolist()
+                    f.write(json.dumps({"step": trainer.step + 1, "row": int(batch.row_ids[i]), "tokens": keep,
+                                        "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i])}) + "\n")
+        return batch
+
+    trainer.rollout = rollout
+
+
+def _optimizer_states(trainer):
+    """param -> (exp_avg, exp_avg_sq) of megatron's replicated (non-distributed) optimizer."""
+    out = {}
+    for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                s = inner.state.get(p, {})
+                if "exp_avg" in s:
+                    out[p] = (s["exp_avg"], s["exp_avg_sq"])
+    return out
+
+
+def check_replicas(trainer):
+    """Max |difference| across DP replicas of every replicated tensor (params, Adam moments)."""
+    st = trainer.state
+    states = {} if st.use_distributed_optimizer else _optimizer_states(trainer)
+    worst = {"params": 0.0, "optimizer_state": 0.0, "params_compared": 0, "states_compared": 0}
+    for name, p in trainer.model.named_parameters():
+        group = st.expt_dp_group if ".mlp.experts." in name else st.dp_group
+        if dist.get_world_size(group) == 1:
+            continue
+        tensors = [("params", p.detach())]
+        if p in states:
+            tensors += [("optimizer_state", t) for t in states[p]]
+        for kind, t in tensors:
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            diff = max((x - parts[0]).abs().max().item() for x in parts)
+            worst[kind] = max(worst[kind], diff)
+            worst["params_compared" if kind == "params" else "states_compared"] += 1
+    # every rank saw the replica groups it belongs to: combine (max of differences, sum of counts)
+    diffs = torch.tensor([worst["params"], worst["optimizer_state"]], dtype=torch.float64)
+    counts = torch.tensor([worst["params_compared"], worst["states_compared"]], dtype=torch.long)
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    dist.all_reduce(counts)
+    return {"params": diffs[0].item(), "optimizer_state": diffs[1].item(),
+            "params_compared": int(counts[0]), "states_compared": int(counts[1])}
+
+
+def save_gradients(trainer, out_dir, micro_batch_sizes):
+    """The gradient of the first minibatch, no update, for each micro-batch size, twice:
+
+    grads_policy_mb<N>: a sampled rollout (train.* settings), MoE aux loss off: the policy gradient;
+    grads_aux_mb<N>:    a greedy rollout (every advantage 0, so the policy loss has no gradient), aux
+                        loss as configured: the load-balancing gradient alone.
+    Each rollout is drawn once and reused for every micro-batch size."""
+    from megatron_gspo.model import unwrap
+
+    model, mcfg = trainer.model, trainer.cfg.model
+    coeff = mcfg.moe_aux_loss_coeff
+    trainer.setup_optimizer()
+    # routing metrics compare the training forward with the old-log-prob pass micro-batch by
+    # micro-batch; here the training pass is re-split on purpose (no replay: nothing else to keep)
+    trainer._train_pass_context = lambda mb: contextlib.nullcontext()
+    for kind in ("policy", "aux"):
+        if kind == "aux":  # greedy: identical samples per prompt -> all advantages exactly 0
+            trainer.row_gen_cfg = dataclasses.replace(trainer.row_gen_cfg, temperature=0.0)
+            trainer.temperature = 1.0
+        # the coefficient is read by megatron's routers at every forward and by aux_loss_scales
+        unwrap(trainer.ddp).config.moe_aux_loss_coeff = mcfg.moe_aux_loss_coeff = coeff if kind == "aux" else 0.0
+        trainer.monitor.clear()  # the routing records of the previous rollout (no metrics are logged here)
+        batch = trainer.rollout()
+        trainer.step += 1
+        for mbs in micro_batch_sizes:
+            mini = micro_batch_slices(batch.num_rows, trainer.cfg.train.num_minibatches, mbs)[0]
+            trainer.accumulate_gradients(batch, mini, 0, MetricAccumulator())
+            trainer.replay.reset()
+            saved = [p.detach().clone() for p in model.parameters()]
+            for p in model.parameters():
+                p.data.copy_(p.main_grad)
+            save_model(model, os.path.join(out_dir, f"grads_{kind}_mb{mbs}"))
+            for p, w in zip(model.parameters(), saved):
+                p.data.copy_(w)
+
+
+def main():
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--check-replicas", action="store_true")
+    ap.add_argument("--grads", default="", help="comma-separated micro-batch sizes: save gradients instead of training")
+    a = ap.parse_args(argv[:split])
+    overrides = argv[split + 1:] + [f"train.output_dir={a.out}", "train.tensorboard=false"]
+    cfg = load_job_config(DEMO_CONFIG, overrides)
+    os.makedirs(a.out, exist_ok=True)
+    trainer = Trainer(cfg)
+    try:
+        record_rollouts(trainer, a.out)
+        if a.grads:
+            save_gradients(trainer, a.out, [int(x) for x in a.grads.split(",")])
+            return
+        trainer.run()
+        if a.check_replicas:
+            worst = check_replicas(trainer)
+            if trainer.state.is_main:
+                json.dump(worst, open(os.path.join(a.out, "replicas.json"), "w"))
+            print(f"[rank {trainer.state.rank}] replicas: {worst}", flush=True)
+        save_model(trainer.model, os.path.join(a.out, "weights"))
+    finally:
+        trainer.logger.close()
+        parallel.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Token sampling (megatron_gspo.sampling): the draw's distribution, and counter-based noise that
+depends on (seed, row key, position, token id) only, never on the batch it is drawn in.
+
+Layout independence of whole rollouts (TP / EP / DP give the same tokens) is tested end to end in
+tests/test_layouts.py; here the primitives: hand-checkable properties and distributions."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_gspo.sampling import counter_uniform, mix32, sample_tokens
+
+
+def test_mix32_matches_reference_lowbias32():
+    # Chris Wellons' lowbias32 computed with plain Python integers (mod 2**32)
+    def ref(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    xs = [0, 1, 2, 12345, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xDEADBEEF]
+    assert [mix32(x) for x in xs] == [ref(x) for x in xs]
+    got = mix32(torch.tensor(xs, dtype=torch.long)).tolist()  # the int64-tensor path: no overflow
+    assert got == [ref(x) for x in xs]
+
+
+def test_counter_noise_is_a_function_of_its_keys_alone():
+    rows = torch.tensor([7, 3, 1_000_000_007, 2**40 + 5])
+    u = counter_uniform(11, rows, 4, 50)
+    assert u.shape == (4, 50) and u.dtype == torch.float32
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    # a row's noise does not depend on the other rows, their order or the batch size
+    alone = counter_uniform(11, rows[2:3], 4, 50)
+    assert torch.equal(alone[0], u[2])
+    assert torch.equal(counter_uniform(11, rows.flip(0), 4, 50), u.flip(0))
+    # every key matters
+    for other in (counter_uniform(12, rows, 4, 50), counter_uniform(11, rows, 5, 50), counter_uniform(11, rows + 1, 4, 50)):
+        assert not torch.equal(other, u)
+    # the high word of a 64-bit key matters too
+    assert not torch.equal(counter_uniform(11, torch.tensor([5]), 0, 50), counter_uniform(11, torch.tensor([2**40 + 5]), 0, 50))
+
+
+def test_counter_noise_is_uniform_and_uncorrelated():
+    u = counter_uniform(3, torch.arange(2000), 0, 256).double()  # 512k draws
+    assert abs(u.mean().item() - 0.5) < 2e-3
+    assert abs(u.var().item() - 1 / 12) < 1e-3
+    hist = torch.histc(u, bins=20, min=0, max=1)
+    expected = u.numel() / 20
+    chi2 = float(((hist - expected) ** 2 / expected).sum())
+    assert chi2 < 50, chi2  # 19 degrees of freedom: P(chi2 > 50) ~ 1e-4 for uniform draws
+    # neighbouring rows, positions and token ids are not correlated
+    for a, b in ((u[:-1], u[1:]), (u[:, :-1], u[:, 1:]),
+                 (counter_uniform(3, torch.arange(2000), 0, 256).double(), counter_uniform(3, torch.arange(2000), 1, 256).double())):
+        corr = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+        assert abs(corr) < 0.01, corr
+
+
+def test_sample_tokens_distribution_and_recorded_logprobs():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 40000
+    logits = p.log().expand(n, 4).contiguous()
+    noise = lambda pos: counter_uniform(0, torch.arange(n), pos, 4)  # noqa: E731
+    tok, lp = sample_tokens(logits, 1.0, top_p=0.7, uniform=noise(0))
+    counts = torch.bincount(tok, minlength=4).float() / n
+    assert counts[2:].sum() == 0  # nucleus {0, 1}: 0.5 + 0.3 >= 0.7
+    assert abs(counts[0] - 0.5 / 0.8) < 0.01 and abs(counts[1] - 0.3 / 0.8) < 0.01
+    torch.testing.assert_close(lp, p.log()[tok], rtol=0, atol=1e-6)  # the unfiltered policy's log-prob
+
+    tok, _ = sample_tokens(logits, 1.0, top_k=3, uniform=noise(1))
+    counts = torch.bincount(tok, minlength=4).float() / n
+    assert counts[3] == 0 and abs(counts[0] - 0.5 / 0.95) < 0.01
+
+    tok, lp = sample_tokens(logits, 2.0, uniform=noise(2))
+    want = torch.log_softmax(p.log() / 2, -1)
+    torch.testing.assert_close(lp, want[tok], rtol=0, atol=1e-6)
+    counts = torch.bincount(tok, minlength=4).float() / n
+    assert (counts - want.exp()).abs().max() < 0.01
+
+    tok, lp = sample_tokens(logits[:3], 0.0)  # greedy: argmax, temperature-1 log-prob
+    assert tok.tolist() == [0, 0, 0]
+    torch.testing.assert_close(lp, p.log()[:1].expand(3), rtol=0, atol=1e-6)
+
+    a = sample_tokens(logits, 1.0, uniform=noise(3))[0]
+    assert torch.equal(a, sample_tokens(logits, 1.0, uniform=noise(3))[0])
+
+
+@pytest.mark.parametrize("bad", [(-1, 0), (0, -1)])
+def test_counter_noise_refuses_negative_keys(bad):
+    with pytest.raises(ValueError, match="must be >= 0"):
+        counter_uniform(bad[0], torch.arange(2), bad[1], 4)
