@@ -86,11 +86,15 @@ SUPPLEMENT: dict[str, str] = {
                                              "pipeline schedule: keep 1.",
     "parallel.expert_model_parallel_size": "Experts are split over this many ranks (must divide "
                                            "`model.num_moe_experts`).",
-    "parallel.use_distributed_optimizer": "Shard the Adam states over data-parallel ranks (megatron's "
-                                          "DistributedOptimizer). GPU only: on CPU the replicated optimizer "
-                                          "is used whatever this says.",
-    "parallel.seed": "Seed set once at start-up, before the model is initialized (Python, numpy, torch; "
-                     "+ 100 x pipeline rank).",
+    "parallel.use_distributed_optimizer": "megatron's DistributedOptimizer: gradients reduce-scattered, Adam "
+                                          "states sharded over data-parallel ranks. null (default): where it "
+                                          "can also reload its checkpoints (CUDA with Transformer Engine's or "
+                                          "apex's fused Adam), else the replicated optimizer; `true` where it "
+                                          "cannot is refused. One decision for DDP, the RL and the SFT "
+                                          "optimizer ([layouts](layouts.md#the-optimizer-layout)).",
+    "parallel.seed": "Seed of the initial weights (each drawn from (seed, layout-free parameter name): the "
+                     "same numbers under any TP / EP layout) and of Python / numpy / torch at start-up "
+                     "(+ 100 x pipeline rank).",
     "train.advantage_estimator": "Group-relative advantage estimator: `grpo` (divide by the group std), "
                                  "`dr_grpo` or its alias `mean_only` (mean-centering only). Checked when the "
                                  "trainer starts, not when the config is loaded.",
@@ -127,8 +131,9 @@ SUPPLEMENT: dict[str, str] = {
 # Facts the source comment of a field leaves out or gets wrong, appended to its description.
 NOTES: dict[str, str] = {
     "parallel.distributed_timeout_minutes": "megatron's groups get it rounded down, at least 1.",
-    "generation.seed": "In a training job step k samples with seed `generation.seed + 7919 * k` (mixed with the "
-                       "data-parallel rank), so a resumed run draws the same samples.",
+    "generation.seed": "Sampling noise is a hash of (generation.seed, step, global sample index, position, "
+                       "token id), never of the rank: the same samples under any layout, and a resumed run "
+                       "draws what the uninterrupted one would have.",
     "generation.stop_token_ids": "Empty in a training job: the tokenizer's end-of-sequence ids.",
     "generation.pad_token_id": "null in a training job: the tokenizer's pad id.",
 }
