@@ -356,6 +356,7 @@ class Trainer:
             t0 = time.perf_counter()
             # every random draw of a step is a function of (seed, step): resume is exact
             parallel.set_seed(t.seed + self.step, self.state)
+            data_before = self.sampler.counters()
             batch = self.rollout()
             with self.timer("train"):
                 metrics = self.train_on(batch)
@@ -367,6 +368,7 @@ class Trainer:
             metrics["perf/step_time_s"] = step_time
             metrics["perf/rss_mb"] = psutil.Process().memory_info().rss / 2**20
             metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(times.get("generate", 0.0), 1e-9)
+            metrics.update(_data_metrics(data_before, self.sampler.counters(), self.step, cfg.data, self.state.is_main))
             self.logger.log(self.step, metrics)
             history.append({k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor) or v.numel() == 1})
             if self.step % t.log_interval == 0:
@@ -377,6 +379,21 @@ class Trainer:
             self.save()
         self.logger.close()
         return {"history": history}
+
+
+def _data_metrics(before: dict, after: dict, step: int, data_cfg, log_it: bool) -> dict:
+    """Prompts that data.overlong_prompt_policy dropped or cut this step, and since the start of the
+    run (the sampler's counters survive a resume); said once per step when any, never silently.
+    Every DP rank draws the same prompts, so the counts need no reduction."""
+    out = {"data/dropped_prompts": after["num_dropped"] - before["num_dropped"],
+           "data/truncated_prompts": after["num_truncated"] - before["num_truncated"],
+           "data/dropped_prompts_total": after["num_dropped"], "data/truncated_prompts_total": after["num_truncated"]}
+    if log_it and (out["data/dropped_prompts"] or out["data/truncated_prompts"]):
+        log.warning("step %d: %d prompt(s) dropped and %d left-truncated for exceeding data.max_prompt_length=%d "
+                    "tokens (data.overlong_prompt_policy=%s; %d dropped, %d truncated since the start)",
+                    step, out["data/dropped_prompts"], out["data/truncated_prompts"], data_cfg.max_prompt_length,
+                    data_cfg.overlong_prompt_policy, after["num_dropped"], after["num_truncated"])
+    return out
 
 
 def summarize(history: list[dict], loss_name: str) -> str:
