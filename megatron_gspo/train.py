@@ -26,10 +26,12 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import parallel
+from megatron_gspo import exit_status, parallel
 from megatron_gspo.advantages import get_advantage_estimator
 from megatron_gspo.checkpoint import (
+    MANIFEST,
     check_compatible,
+    iter_dir,
     latest_complete,
     load_checkpoint,
     load_model,
@@ -66,6 +68,11 @@ def _all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     if dist.get_world_size(group) > 1:
         dist.all_reduce(t, group=group)
     return t
+
+
+def _all_ranks(flag: bool) -> bool:
+    """True on every rank if ``flag`` is True on every rank (a collective decision)."""
+    return not _any_rank(not flag)
 
 
 def _any_rank(flag: bool) -> bool:
@@ -345,7 +352,14 @@ class Trainer:
         history = []
         while self.step < t.num_steps:
             if _any_rank(self.preempt.set):
-                self.save()
+                ck = cfg.checkpoint
+                # The periodic save at the end of the step just run already holds this state
+                # (its directory exists only once complete): writing it again would spend the
+                # scheduler's lead time on a copy.
+                just_saved = bool(ck.save and ck.save_interval and self.step and self.step % ck.save_interval == 0
+                                  and os.path.isfile(os.path.join(iter_dir(ck.save, self.step), MANIFEST)))
+                if not _all_ranks(just_saved):
+                    self.save()
                 saved = f"checkpoint saved to {self.cfg.checkpoint.save}" if self.cfg.checkpoint.save else \
                     "NO checkpoint written (checkpoint.save is not set)"
                 sig = signal.Signals(self.preempt.received).name if self.preempt.received else "(on another rank)"
@@ -419,6 +433,7 @@ DEMO_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    exit_status.rank_started()  # the launcher waits for this rank and reads its exit code
     argv = list(sys.argv[1:] if argv is None else argv)
     path = argv.pop(0) if argv and not argv[0].startswith("-") and "=" not in argv[0] else None
     if path is None:
@@ -431,31 +446,35 @@ def main(argv: Optional[list[str]] = None) -> int:
         # a wrong config, layout, file or checkpoint: the message names it; no traceback
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         log.error("error: %s", e)
+        exit_status.record(exit_status.EXIT_USER_ERROR, str(e))
         parallel.destroy()
-        return 2
+        return exit_status.EXIT_USER_ERROR
     log.info("config: %s %s", path, " ".join(argv))
     return run_trainer(trainer)
 
 
 def run_trainer(trainer: Trainer, on_exit: Optional[Callable[[], None]] = None) -> int:
     """Run the loop and return the process exit code: 0, a TrainingStopped code (preemption, too
-    many skipped updates) or 2 for a user error. ``on_exit``, the logger and the process groups
-    are closed whatever happens."""
+    many skipped updates) or 2 for a user error, recorded for the launcher (exit_status). ``on_exit``,
+    the logger and the process groups are closed whatever happens."""
     try:
         result = trainer.run()
         if trainer.state.is_main and result["history"]:
             log.info(summarize(result["history"], trainer.cfg.loss.name))
     except TrainingStopped as e:
         log.error("%s", e)
+        exit_status.record(e.exit_code, str(e))
         return e.exit_code
     except USER_ERRORS as e:
         log.error("error: %s", e)
-        return 2
+        exit_status.record(exit_status.EXIT_USER_ERROR, str(e))
+        return exit_status.EXIT_USER_ERROR
     finally:
         if on_exit is not None:
             on_exit()
         trainer.logger.close()
         parallel.destroy()
+    exit_status.record(0, "finished")
     return 0
 
 
