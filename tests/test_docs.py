@@ -73,6 +73,8 @@ def test_overrides_in_docs_exist():
     sections = _job_fields()
     bad, seen = [], 0
     for where, n, line in _lines():
+        # troubleshooting.md's commands give bad keys on purpose (tests/test_troubleshooting.py runs them)
+        line = re.sub(r"<!-- check: .*? -->", "", line)
         for m in _OVERRIDE.finditer(line):
             section, key, sub, sep = m.groups()
             dashed = m.group(0).startswith("--")
