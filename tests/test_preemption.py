@@ -174,6 +174,27 @@ def test_sigkill_of_a_rank_leaves_no_process_and_the_newest_checkpoint(tmp_path,
     assert_same(straight, final_weights(root, STEPS))
 
 
+def test_sigkill_of_a_single_process_trainer_leaves_no_process(tmp_path):
+    """Without torchrun nobody cleans the process group up: a SIGKILLed trainer used to leave the
+    checkpoint writer's Manager server and multiprocessing's resource tracker running. Now the
+    trainer has no helper process, and a resume takes the newest complete checkpoint."""
+    out = tmp_path / "one"
+    args = [*JOB, "train.num_steps=4", f"train.output_dir={out}", f"checkpoint.save={out}/ckpt",
+            "checkpoint.save_interval=1"]
+    run = Run(tmp_path, "one", [sys.executable, "-m", "megatron_gspo.train", *args])
+    root = f"{out}/ckpt"
+    wait_for_checkpoint(run, root, 2)
+    assert [p.pid for p in marked(run.marker)] == [run.p.pid]  # the trainer, and nothing it started
+    run.p.send_signal(signal.SIGKILL)
+    rc, log = run.wait()
+    assert rc == -signal.SIGKILL
+    assert run.leftovers() == []
+    newest = latest_complete(root)
+    rc, log = Run(tmp_path, "one", [sys.executable, "-m", "megatron_gspo.train", *args, "checkpoint.resume=true"]).wait()
+    assert rc == 0 and f"resumed from {iter_dir(root, newest)} at step {newest}" in log, log[-3000:]
+    assert metric_steps(out) == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("overrides, faults, code, message", [
     (["train.num_steps=abc"], "", 2, "rank 0: train.num_steps must be an integer, got 'abc'"),
     (["reward.name=nope"], "", 2, "rank 0: unknown reward 'nope' (reward.name)"),
