@@ -25,7 +25,9 @@ from megatron_gspo.faults import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
 from test_launch import BASH, LAUNCHER, ROOT, SBATCH, clean_env, fake_bin
 from test_reliability import JOB, assert_same, final_weights
 
-STEPS, EVERY = 6, 2  # periodic checkpoints at steps 2, 4, 6
+# Periodic checkpoints every 2 steps; runs are interrupted once the second one (step 4) is complete,
+# with 6 steps still to go, so that the signal lands mid-run even on a loaded machine.
+STEPS, EVERY = 10, 2
 # On CPU the trainer builds megatron's replicated optimizer even when use_distributed_optimizer is
 # true (the default), but hands the flag to megatron's DDP, which then reduce-scatters gradients:
 # each DP replica applies partly reduced gradients and the replicas drift apart, so a resume (which
@@ -133,8 +135,10 @@ def test_preempted_under_the_launcher_checkpoints_exits_75_and_resumes_exactly(t
     them SIGTERM). Each time the ranks save the step they are at and the launcher exits 75."""
     run = launcher(tmp_path, "p")
     root = f"{tmp_path}/p/ckpt"
+    wait_for_checkpoint(run, root, EVERY)
+    targets = [run.torchrun()] if target == "torchrun" else run.ranks()  # found before: signalled at once
     wait_for_checkpoint(run, root, 2 * EVERY)
-    for p in ([run.torchrun()] if target == "torchrun" else run.ranks()):
+    for p in targets:
         p.send_signal(sig)
     rc, log = run.wait()
     assert rc == EXIT_PREEMPTED, log[-4000:]
@@ -158,8 +162,10 @@ def test_sigkill_of_a_rank_leaves_no_process_and_the_newest_checkpoint(tmp_path,
     the resume starts from the newest complete checkpoint and ends where the straight run does."""
     run = launcher(tmp_path, "k")
     root = f"{tmp_path}/k/ckpt"
+    wait_for_checkpoint(run, root, EVERY)
+    victim = run.ranks()[1]
     wait_for_checkpoint(run, root, 2 * EVERY)
-    run.ranks()[1].send_signal(signal.SIGKILL)
+    victim.send_signal(signal.SIGKILL)
     rc, log = run.wait()
     assert run.leftovers() == []
     assert rc == 1, log[-3000:]
@@ -179,7 +185,7 @@ def test_sigkill_of_a_single_process_trainer_leaves_no_process(tmp_path):
     checkpoint writer's Manager server and multiprocessing's resource tracker running. Now the
     trainer has no helper process, and a resume takes the newest complete checkpoint."""
     out = tmp_path / "one"
-    args = [*JOB, "train.num_steps=4", f"train.output_dir={out}", f"checkpoint.save={out}/ckpt",
+    args = [*JOB, "train.num_steps=8", f"train.output_dir={out}", f"checkpoint.save={out}/ckpt",
             "checkpoint.save_interval=1"]
     run = Run(tmp_path, "one", [sys.executable, "-m", "megatron_gspo.train", *args])
     root = f"{out}/ckpt"
@@ -192,7 +198,7 @@ def test_sigkill_of_a_single_process_trainer_leaves_no_process(tmp_path):
     newest = latest_complete(root)
     rc, log = Run(tmp_path, "one", [sys.executable, "-m", "megatron_gspo.train", *args, "checkpoint.resume=true"]).wait()
     assert rc == 0 and f"resumed from {iter_dir(root, newest)} at step {newest}" in log, log[-3000:]
-    assert metric_steps(out) == [1, 2, 3, 4]
+    assert metric_steps(out) == list(range(1, 9))
 
 
 @pytest.mark.parametrize("overrides, faults, code, message", [
