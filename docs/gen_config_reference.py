@@ -96,15 +96,15 @@ SUPPLEMENT: dict[str, str] = {
                      "same numbers under any TP / EP layout) and of Python / numpy / torch at start-up "
                      "(+ 100 x pipeline rank).",
     "train.advantage_estimator": "Group-relative advantage estimator: `grpo` (divide by the group std), "
-                                 "`dr_grpo` or its alias `mean_only` (mean-centering only). Checked when the "
-                                 "trainer starts, not when the config is loaded.",
+                                 "`dr_grpo` or its alias `mean_only` (mean-centering only).",
     "train.output_dir": "Where rank 0 writes `metrics.jsonl` and `tensorboard/` (created at the first "
                         "logged step).",
     "train.tensorboard": "Also write TensorBoard scalars and histograms (`metrics.jsonl` is always written).",
     "train.log_interval": "Print the progress line every N steps (metrics are logged every step).",
-    "train.seed": "Per-step seed: after n completed steps, the next step reseeds every RNG with `seed + n` "
-                  "and samples its rollouts with `seed * 1000 + n`, so a resumed run draws what the "
-                  "uninterrupted run would have.",
+    "train.seed": "Per-step seed: after n completed steps, the next step reseeds Python's, numpy's and torch's "
+                  "global RNGs with `seed + n` (+ 100 x pipeline rank), so a resumed run draws what the "
+                  "uninterrupted run would have. Rollout sampling does not use it: its noise is keyed by "
+                  "`generation.seed`.",
     "train.sft_lr": "Learning rate of the supervised warm start (constant, no weight decay).",
     "train.sft_batch_size": "Prompts per supervised warm-start step.",
     "checkpoint.save": "Checkpoint root to write `iter_XXXXXXX/` directories into (null: never save).",
@@ -133,7 +133,7 @@ NOTES: dict[str, str] = {
     "parallel.distributed_timeout_minutes": "megatron's groups get it rounded down, at least 1.",
     "generation.seed": "Sampling noise is a hash of (generation.seed, step, global sample index, position, "
                        "token id), never of the rank: the same samples under any layout, and a resumed run "
-                       "draws what the uninterrupted one would have.",
+                       "draws what the uninterrupted one would have; `train.seed` plays no part in it.",
     "generation.stop_token_ids": "Empty in a training job: the tokenizer's end-of-sequence ids.",
     "generation.pad_token_id": "null in a training job: the tokenizer's pad id.",
 }
@@ -182,6 +182,7 @@ Checks across sections (`JobConfig.__post_init__`), before anything is built:
   `train.num_minibatches`;
 * `train.routing_replay` other than `off` needs `loss.name=grpo` (GSPO needs no routing replay);
 * `generation.n_samples_per_prompt >= 2` with `train.advantage_estimator=grpo`;
+* `train.sft_steps > 0` needs reference answers: `data.answer_key` set (built-in tasks always have them);
 * `data.max_prompt_length + generation.max_new_tokens <= model.max_position_embeddings`.
 
 When the trainer starts: the parallel layout is validated against the world size

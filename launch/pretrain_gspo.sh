@@ -35,24 +35,36 @@
 #      `srun --ntasks-per-node=1 --kill-on-bad-exit=1` (set GSPO_SRUN=0 to refuse instead).
 #
 # --dry-run (or DRY_RUN=1) prints the environment it sets and the exact torchrun (or srun) command
-# line, one shell-quoted line, and exits 0 without starting anything. Under torchrun (way 1) the
-# flag makes every rank load and validate the config and the parallel layout, then exit 0.
+# line, one shell-quoted line, and exits 0 without starting anything (the config is not read).
+# Under torchrun (way 1), or as `WORLD_SIZE=16 python launch/pretrain_gspo.sh --dry-run job.yaml`,
+# the flag makes every rank load and validate the config and the parallel layout and exit 0, or
+# print `error: <what is wrong>` and exit 2.
 #
 # Environment
 #   NPROC            processes per node (default: GPUs, or 1 without GPUs)
 #   TORCHRUN         launcher command (default: torchrun, else "python3 -m torch.distributed.run")
 #   TORCHRUN_ARGS    extra torchrun flags, word-split (e.g. "--max-restarts 0 --log-dir logs")
+#   PYTHON           interpreter of the supervisor below (default python3; standard library only)
 #   MASTER_ADDR / MASTER_PORT   rendezvous host / port under SLURM (defaults above)
 #   GSPO_SHUTDOWN_TIMEOUT   seconds torchrun waits for workers after forwarding a signal before
 #                    SIGKILL (default 240: below the 300 s of the sbatch's --signal=B:USR1@300)
 #   GSPO_ENTRY_MODULE  module run on every rank (default megatron_gspo.train)
 #   GSPO_IGNORE_SLURM=1  single-node mode even inside a SLURM allocation
 #
-# Signals and exit codes: the last step is `exec torchrun ...`, so this shell is replaced by
-# torchrun: signals sent to it (Ctrl-C, scancel, srun forwarding the sbatch trap's SIGUSR1) reach
-# torchrun, which forwards SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 to its workers (the
-# trainer checkpoints and exits on SIGUSR1 / SIGTERM), and torchrun's exit status is this script's.
-# Nothing here ever kills a process.
+# Signals and exit codes (ways 2 and 3): the last step is `exec python3 <this file>
+# --gspo-supervise <the torchrun command>`: this shell becomes a small supervisor
+# (megatron_gspo/exit_status.py) that runs torchrun in a session of its own and passes it every
+# signal it gets (Ctrl-C, scancel, srun forwarding the sbatch trap's SIGUSR1); torchrun passes
+# SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 on to its workers (the trainer checkpoints and exits
+# 75 on SIGUSR1 / SIGTERM). The exit status is the ranks' own, which torchrun would turn into 1:
+#   0 finished, 2 user error (bad config, layout, file or checkpoint), 75 preempted (checkpoint
+#   written: requeue and resume), 76 too many consecutive non-finite updates; anything else is
+#   torchrun's status after a crash. Each rank records its code in a node-local temporary
+#   directory ($GSPO_EXIT_DIR); when the ranks end on purpose the supervisor prints one line,
+#   `pretrain_gspo.sh: exit 75 (preempted: ...): rank 0: <the rank's message>`, in place of
+#   torchrun's ChildFailedError report (shown as usual after a crash). The ranks' stderr is joined
+#   to their stdout. If torchrun dies before its workers, the supervisor sends them SIGTERM (they
+#   checkpoint) and returns once they are gone. Nothing here SIGKILLs a process.
 ''':'
 set -euo pipefail
 
@@ -198,9 +210,9 @@ fi
 
 for e in "${ENV[@]}"; do export "${e?}"; done
 if [ "${#SRUN_CMD[@]}" -gt 0 ]; then
-    exec "${SRUN_CMD[@]}"
+    exec "${SRUN_CMD[@]}"  # every node's task is this script again, supervising its own torchrun
 fi
-exec "${CMD[@]}"
+exec "${PYTHON:-python3}" "$SELF" --gspo-supervise "${CMD[@]}"
 '''
 
 # ---- Python: what torchrun (or `python launch/pretrain_gspo.sh`) runs on every rank ------------
@@ -209,22 +221,44 @@ import runpy
 import sys
 
 
-def _run(argv: list) -> int:
+def _checkout_on_path() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if os.path.isdir(os.path.join(root, "megatron_gspo")) and root not in sys.path:
         sys.path.insert(0, root)  # a checkout runs without `pip install`
+
+
+def _supervise(cmd: list) -> int:
+    """What the bash part exec's: torchrun under megatron_gspo.exit_status.supervise."""
+    _checkout_on_path()
+    try:
+        from megatron_gspo.exit_status import supervise
+    except ImportError as e:  # a launcher copy with no megatron_gspo for this interpreter
+        print(f"pretrain_gspo.sh: {e}; running torchrun without the exit-code supervisor", file=sys.stderr)
+        os.execvp(cmd[0], cmd)
+    return supervise(cmd)
+
+
+def _run(argv: list) -> int:
+    _checkout_on_path()
     entry = os.environ.get("GSPO_ENTRY_MODULE", "megatron_gspo.train")
     dry = "--dry-run" in argv or os.environ.get("DRY_RUN", "0").lower() in ("1", "true", "yes", "on")
     argv = [a for a in argv if a != "--dry-run"]
     if dry:
-        # validate what this rank would run, start nothing
-        from megatron_gspo.config import load_job_config
+        # validate what this rank would run, start nothing; a mistake is one line and exit 2,
+        # as in the trainer
+        from megatron_gspo import exit_status
+        from megatron_gspo.config import ConfigError, load_job_config
         from megatron_gspo.parallel import validate_layout
 
         path = argv[0] if argv and not argv[0].startswith("-") and "=" not in argv[0] else None
-        cfg = load_job_config(path, argv[1:] if path else argv)
         world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-        dp = validate_layout(cfg.model, cfg.parallel, world)
+        try:
+            cfg = load_job_config(path, argv[1:] if path else argv)
+            dp = validate_layout(cfg.model, cfg.parallel, world)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            exit_status.record(exit_status.EXIT_USER_ERROR, str(e))
+            return exit_status.EXIT_USER_ERROR
         if rank == 0:
             p = cfg.parallel
             print(f"dry run: {world} ranks would run {entry} {' '.join(argv)}: TP {p.tensor_model_parallel_size} "
@@ -237,4 +271,6 @@ def _run(argv: list) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--gspo-supervise"]:
+        sys.exit(_supervise(sys.argv[2:]))
     sys.exit(_run(sys.argv[1:]))

@@ -7,6 +7,7 @@ state dict must be built the same way on save and load: ``model.sharded_state_di
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -26,6 +27,68 @@ def _model_sharded_state_dict(model, prefix: str = ""):
     return unwrap(model).sharded_state_dict(prefix=prefix)
 
 
+# ----------------------------------------------------------------------------------------------
+# How the files are written: megatron's torch_dist strategy, every write in this process
+# ----------------------------------------------------------------------------------------------
+# megatron-core's torch_dist save (TorchDistSaveShardedStrategy + FileSystemWriterAsync) is built
+# for asynchronous saves: even a synchronous dist_checkpointing.save forks one writer process per
+# file, and they report to a multiprocessing Manager queue, a server process spawned at the first
+# save that lives as long as the trainer (plus multiprocessing's resource tracker). Those helpers
+# are what broke preemption: torchrun (and SLURM) deliver SIGTERM to the worker's whole process
+# group, the Manager dies of it, and the checkpoint written *because of* that SIGTERM fails in
+# dist_checkpointing.save with BrokenPipeError, leaving iter_*.tmp behind; a SIGKILLed trainer
+# left them orphaned. Our saves are synchronous anyway (the step waits for the files), so nothing
+# is gained from other processes: the strategy below is megatron's own (same planning,
+# de-duplication, file names, metadata and fsync, loadable by any megatron tool), with the
+# per-file writes run by threads of the calling rank (as torch.distributed.checkpoint's own
+# FileSystemWriter does) and the results handed over in memory. A signal then only sets the
+# trainer's preemption flag; nothing else is there to be killed or orphaned.
+
+
+def _write_buckets_in_threads(transforms: list, rank: int, write_buckets: list, results_queue) -> None:
+    """Stands in for FileSystemWriterAsync.write_preloaded_data_multiproc: the same per-file
+    writer (megatron's write_preloaded_data), one thread per file instead of one forked process."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    def write(index: int, bucket) -> tuple:
+        results, done = queue.Queue(), queue.Queue()
+        done.put(index)  # write_preloaded_data marks its task done on this queue
+        FileSystemWriterAsync.write_preloaded_data(transforms, index, bucket, results, done, True)
+        return results.get_nowait()  # (index, [WriteResult]) or (index, the exception)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(write_buckets)), thread_name_prefix="ckpt-write") as pool:
+        outputs = list(pool.map(write, range(len(write_buckets)), write_buckets))
+    errors = [out for _, out in outputs if isinstance(out, Exception)]
+    # what megatron's finalize step reads back: {file index: results}, or the first error
+    results_queue.put(errors[0] if errors else dict(outputs))
+
+
+def _save_strategy():
+    """megatron's torch_dist save strategy with every write in this process (see above)."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    if filesystem_async._results_queue is None:
+        # megatron creates this lazily as a spawn-context Manager().Queue() (the long-lived server
+        # process); our writes happen in this process, so an in-process queue does the same job.
+        filesystem_async._results_queue = queue.Queue()
+
+    class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+        def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
+            request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+            if request.async_fn is None:  # nothing to write on this rank
+                return request
+            transforms = [writer.transforms] if hasattr(writer, "transforms") else []
+            return request._replace(async_fn=functools.partial(_write_buckets_in_threads, transforms))
+
+    return InProcessTorchDistSave("torch_dist", 1)
+
+
 def save_model(model, ckpt_dir: str, extra_common: Optional[dict] = None) -> None:
     """Collective: every rank calls it. Writes ``ckpt_dir`` (must not contain a checkpoint)."""
     from megatron.core import dist_checkpointing
@@ -34,7 +97,7 @@ def save_model(model, ckpt_dir: str, extra_common: Optional[dict] = None) -> Non
     sd = {"model": _model_sharded_state_dict(model)}
     if extra_common:
         sd.update(extra_common)
-    dist_checkpointing.save(sd, ckpt_dir)
+    dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=_save_strategy())
 
 
 def check_compatible(model, ckpt_dir: str) -> None:
@@ -246,6 +309,17 @@ def rotate(root: str, keep_last: int) -> list[str]:
     return [iter_dir(root, s) for s in doomed]
 
 
+def _remove_leftovers(root: str) -> None:
+    """Delete the iter_*.tmp directories of saves that died half-way (SIGKILL, node failure): one
+    save runs at a time, so once this one is in place every other .tmp is garbage. Until then they
+    sit harmlessly, never taken for a checkpoint."""
+    import shutil
+
+    for d in os.listdir(root):
+        if d.startswith("iter_") and d.endswith(".tmp") and os.path.isdir(os.path.join(root, d)):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
 def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None, extra: Optional[dict] = None,
                     is_main: bool = True, keep_last: int = 0, fault_hook=None,
                     extra_models: Optional[dict] = None) -> str:
@@ -270,7 +344,7 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None,
         sd["scheduler"] = scheduler.state_dict()
     if extra:
         sd["extra"] = extra
-    dist_checkpointing.save(sd, tmp)
+    dist_checkpointing.save(sd, tmp, sharded_strategy=_save_strategy())
     if fault_hook is not None:
         fault_hook("save", tmp)  # tests: die with a half-written checkpoint
     _barrier()
@@ -281,6 +355,7 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None,
         os.replace(tmp, final)
         _fsync_path(root)
         _replace_file(os.path.join(root, TRACKER), str(step))
+        _remove_leftovers(root)
         rotate(root, keep_last)
     _barrier()
     return final

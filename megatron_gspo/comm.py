@@ -101,6 +101,11 @@ def any_rank(flag: bool, device: torch.device, group=None, *, what: str) -> bool
     return bool(all_reduce(t, "max", group, what=what).item())
 
 
+def all_ranks(flag: bool, device: torch.device, group=None, *, what: str) -> bool:
+    """True on every rank of ``group`` if ``flag`` is True on all of them (a collective decision)."""
+    return not any_rank(not flag, device, group, what=what)
+
+
 def max_int(value: int, device: torch.device, group=None, *, what: str) -> int:
     """The largest ``value`` over ``group``."""
     t = torch.tensor([int(value)], dtype=torch.long, device=device)

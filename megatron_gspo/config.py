@@ -536,6 +536,11 @@ class JobConfig:
                    f"{self.loss.name!r} (GSPO needs no routing replay). Set train.routing_replay=off")
         if t.advantage_estimator in ("grpo",) and g.n_samples_per_prompt < 2:
             raise ConfigError("generation.n_samples_per_prompt must be >= 2 for group-relative advantages")
+        # the warm start learns the reference answers (a built-in task always has them); refused
+        # here rather than with a traceback at its first batch
+        _check(not (t.sft_steps > 0 and self.data.answer_key is None and not self.data.source.startswith("builtin:")),
+               f"train.sft_steps={t.sft_steps} (supervised warm start) needs reference answers, but "
+               "data.answer_key is null; set train.sft_steps=0 for data without answers")
         # The RL loop has no pipeline schedule (forward_backward_func) yet: refuse PP up front.
         _check(self.parallel.pipeline_model_parallel_size == 1,
                f"parallel.pipeline_model_parallel_size={self.parallel.pipeline_model_parallel_size}: the RL "

@@ -55,7 +55,9 @@ class DataConfig:
         A prompt is a string, or a list of chat messages (``[{"role": ..., "content": ...}]``), which
         needs ``apply_chat_template``.
     shuffle / seed: each epoch is a fresh permutation drawn from ``(seed, epoch)``.
-    max_prompt_length / overlong_prompt_policy: token budget of a prompt and what to do past it.
+    max_prompt_length / overlong_prompt_policy: token budget of a prompt and what to do past it
+        (the trainer counts dropped and truncated prompts in ``data/dropped_prompts`` /
+        ``data/truncated_prompts`` and logs a line in every step that has any).
     apply_chat_template: render prompts with the tokenizer's chat template (a string prompt becomes
         one user message); ``chat_template_kwargs`` reach the template (Qwen3: ``enable_thinking``).
     add_special_tokens: without a chat template, let the tokenizer add its BOS (the built-in

@@ -19,8 +19,7 @@ import os
 import signal
 from typing import Optional
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" -> requeue and resume
-EXIT_TOO_MANY_SKIPS = 76  # consecutive non-finite steps: the run cannot make progress
+from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS  # noqa: F401 (re-exported)
 
 _KINDS = ("nan_logprob", "raise", "kill", "kill_in_save")
 

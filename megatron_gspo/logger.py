@@ -38,20 +38,29 @@ class MetricsLogger:
         self.tb = None
         self.jsonl = None
 
-    def _open(self) -> None:
-        # opened at the first log line, so a run refused at start-up writes nothing
+    def _open(self, first_step: int) -> None:
+        # Opened at the first log line, so a run refused at start-up writes nothing. That first
+        # step is where this run's history starts: rows at or after it were written by a run that
+        # went on past its last checkpoint (killed, then resumed from that checkpoint) or by an
+        # earlier run in the same directory, and would give every re-run step two rows. They are
+        # dropped, with a warning; TensorBoard hides its own events from that step on (purge_step).
         os.makedirs(self.output_dir, exist_ok=True)
+        path = os.path.join(self.output_dir, "metrics.jsonl")
+        dropped = truncate_jsonl(path, first_step)
+        if dropped:
+            log.warning("%s: dropped %d row(s) of steps >= %d written by an earlier run that went past its last "
+                        "checkpoint; this run logs those steps again", path, dropped, first_step)
         if self.use_tb:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(os.path.join(self.output_dir, "tensorboard"))
-        self.jsonl = open(os.path.join(self.output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+            self.tb = SummaryWriter(os.path.join(self.output_dir, "tensorboard"), purge_step=first_step)
+        self.jsonl = open(path, "a", encoding="utf-8")
 
     def log(self, step: int, metrics: Mapping[str, Value]) -> None:
         if not self.enabled:
             return
         if self.jsonl is None:
-            self._open()
+            self._open(step)
         row = {"step": step}
         for k, v in metrics.items():
             if isinstance(v, torch.Tensor) and v.numel() > 1:  # a histogram ("cat" metric)
@@ -74,6 +83,29 @@ class MetricsLogger:
             self.tb.close()
         if self.jsonl is not None:
             self.jsonl.close()
+
+
+def truncate_jsonl(path: str, first_step: int) -> int:
+    """Keep only the rows of ``path`` whose step is below ``first_step`` (a line cut short by a kill
+    goes too); returns how many rows were dropped. Replaced atomically: a crash here loses nothing."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] < first_step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    dropped = sum(1 for line in lines if line.strip()) - len(keep)
+    if dropped:
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+    return dropped
 
 
 def progress_line(step: int, total: int, m: Mapping[str, Value]) -> str:

@@ -103,35 +103,45 @@ def registered_rewards() -> list[str]:
 
 
 def get_reward_fn(name_or_path: str) -> RewardFn:
-    """A registered reward by name, or ``module.path:function`` / ``file.py:function``."""
+    """A registered reward by name, or ``module.path:function`` / ``file.py:function``.
+
+    A name that resolves to nothing is a configuration mistake: ConfigError (a ValueError), which
+    the trainer reports as one line and exit 2, like every other bad ``reward.name``.
+    """
     if name_or_path in _REGISTRY:
         return _REGISTRY[name_or_path]
+    where = f"reward {name_or_path!r} (reward.name)"
     if ":" not in name_or_path:
-        raise ValueError(
-            f"unknown reward {name_or_path!r}; registered: {registered_rewards()}, "
+        raise _config_error(
+            f"unknown reward {name_or_path!r} (reward.name); registered: {registered_rewards()}, "
             "or give your own as 'package.module:function'"
         )
     module_name, _, fn_name = name_or_path.rpartition(":")
     if not module_name or not fn_name:
-        raise ValueError(f"reward {name_or_path!r}: expected 'package.module:function'")
+        raise _config_error(f"{where}: expected 'package.module:function'")
     if module_name.endswith(".py"):
         if not os.path.isfile(module_name):
-            raise ValueError(f"reward {name_or_path!r}: file {module_name} not found")
+            raise _config_error(f"{where}: file {module_name} not found")
         plugin_name = "_reward_plugin_" + re.sub(r"\W", "_", os.path.abspath(module_name))
         spec = importlib.util.spec_from_file_location(plugin_name, module_name)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # the plug-in's own code failed while loading (syntax, imports, ...)
+            raise _config_error(f"{where}: loading {module_name} failed: {type(e).__name__}: {e}") from e
     else:
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
-            raise ValueError(f"reward {name_or_path!r}: cannot import module {module_name!r}: {e}") from None
+            raise _config_error(f"{where}: cannot import module {module_name!r}: {e}") from None
+        except Exception as e:
+            raise _config_error(f"{where}: importing module {module_name!r} failed: {type(e).__name__}: {e}") from e
     fn = getattr(module, fn_name, None)
     if fn is None:
-        raise ValueError(f"reward {name_or_path!r}: module {module_name!r} has no attribute {fn_name!r}")
+        raise _config_error(f"{where}: module {module_name!r} has no attribute {fn_name!r}")
     if not callable(fn):
-        raise ValueError(f"reward {name_or_path!r}: {module_name}.{fn_name} is a {type(fn).__name__}, not a function")
+        raise _config_error(f"{where}: {module_name}.{fn_name} is a {type(fn).__name__}, not a function")
     return fn
 
 

@@ -27,10 +27,12 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import comm, parallel
+from megatron_gspo import comm, exit_status, parallel
 from megatron_gspo.advantages import get_advantage_estimator
 from megatron_gspo.checkpoint import (
+    MANIFEST,
     check_compatible,
+    iter_dir,
     latest_complete,
     load_checkpoint,
     load_model,
@@ -365,7 +367,14 @@ class Trainer:
         history = []
         while self.step < t.num_steps:
             if comm.any_rank(self.preempt.set, self.state.device, what="preemption vote"):
-                self.save()
+                ck = cfg.checkpoint
+                # The periodic save at the end of the step just run already holds this state
+                # (its directory exists only once complete): writing it again would spend the
+                # scheduler's lead time on a copy.
+                just_saved = bool(ck.save and ck.save_interval and self.step and self.step % ck.save_interval == 0
+                                  and os.path.isfile(os.path.join(iter_dir(ck.save, self.step), MANIFEST)))
+                if not comm.all_ranks(just_saved, self.state.device, what="preemption: step already saved"):
+                    self.save()
                 saved = f"checkpoint saved to {self.cfg.checkpoint.save}" if self.cfg.checkpoint.save else \
                     "NO checkpoint written (checkpoint.save is not set)"
                 sig = signal.Signals(self.preempt.received).name if self.preempt.received else "(on another rank)"
@@ -376,6 +385,7 @@ class Trainer:
             t0 = time.perf_counter()
             # every random draw of a step is a function of (seed, step): resume is exact
             parallel.set_seed(t.seed + self.step, self.state)
+            data_before = self.sampler.counters()
             batch = self.rollout()
             with self.timer("train"):
                 metrics = self.train_on(batch)
@@ -387,6 +397,7 @@ class Trainer:
             metrics["perf/step_time_s"] = step_time
             metrics["perf/rss_mb"] = psutil.Process().memory_info().rss / 2**20
             metrics["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(times.get("generate", 0.0), 1e-9)
+            metrics.update(_data_metrics(data_before, self.sampler.counters(), self.step, cfg.data, self.state.is_main))
             self.logger.log(self.step, metrics)
             history.append({k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor) or v.numel() == 1})
             if self.step % t.log_interval == 0:
@@ -397,6 +408,21 @@ class Trainer:
             self.save()
         self.logger.close()
         return {"history": history}
+
+
+def _data_metrics(before: dict, after: dict, step: int, data_cfg, log_it: bool) -> dict:
+    """Prompts that data.overlong_prompt_policy dropped or cut this step, and since the start of the
+    run (the sampler's counters survive a resume); said once per step when any, never silently.
+    Every DP rank draws the same prompts, so the counts need no reduction."""
+    out = {"data/dropped_prompts": after["num_dropped"] - before["num_dropped"],
+           "data/truncated_prompts": after["num_truncated"] - before["num_truncated"],
+           "data/dropped_prompts_total": after["num_dropped"], "data/truncated_prompts_total": after["num_truncated"]}
+    if log_it and (out["data/dropped_prompts"] or out["data/truncated_prompts"]):
+        log.warning("step %d: %d prompt(s) dropped and %d left-truncated for exceeding data.max_prompt_length=%d "
+                    "tokens (data.overlong_prompt_policy=%s; %d dropped, %d truncated since the start)",
+                    step, out["data/dropped_prompts"], out["data/truncated_prompts"], data_cfg.max_prompt_length,
+                    data_cfg.overlong_prompt_policy, after["num_dropped"], after["num_truncated"])
+    return out
 
 
 def summarize(history: list[dict], loss_name: str) -> str:
@@ -422,6 +448,7 @@ DEMO_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    exit_status.rank_started()  # the launcher waits for this rank and reads its exit code
     argv = list(sys.argv[1:] if argv is None else argv)
     path = argv.pop(0) if argv and not argv[0].startswith("-") and "=" not in argv[0] else None
     if path is None:
@@ -434,31 +461,35 @@ def main(argv: Optional[list[str]] = None) -> int:
         # a wrong config, layout, file or checkpoint: the message names it; no traceback
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         log.error("error: %s", e)
+        exit_status.record(exit_status.EXIT_USER_ERROR, str(e))
         parallel.destroy()
-        return 2
+        return exit_status.EXIT_USER_ERROR
     log.info("config: %s %s", path, " ".join(argv))
     return run_trainer(trainer)
 
 
 def run_trainer(trainer: Trainer, on_exit: Optional[Callable[[], None]] = None) -> int:
     """Run the loop and return the process exit code: 0, a TrainingStopped code (preemption, too
-    many skipped updates) or 2 for a user error. ``on_exit``, the logger and the process groups
-    are closed whatever happens."""
+    many skipped updates) or 2 for a user error, recorded for the launcher (exit_status). ``on_exit``,
+    the logger and the process groups are closed whatever happens."""
     try:
         result = trainer.run()
         if trainer.state.is_main and result["history"]:
             log.info(summarize(result["history"], trainer.cfg.loss.name))
     except TrainingStopped as e:
         log.error("%s", e)
+        exit_status.record(e.exit_code, str(e))
         return e.exit_code
     except USER_ERRORS as e:
         log.error("error: %s", e)
-        return 2
+        exit_status.record(exit_status.EXIT_USER_ERROR, str(e))
+        return exit_status.EXIT_USER_ERROR
     finally:
         if on_exit is not None:
             on_exit()
         trainer.logger.close()
         parallel.destroy()
+    exit_status.record(0, "finished")
     return 0
 
 

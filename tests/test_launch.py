@@ -366,7 +366,7 @@ def test_sigusr1_reaches_every_worker(probe):
             assert proc.poll() is None, proc.stdout.read()
             assert time.time() < deadline, "workers never started"
             time.sleep(0.1)
-        os.kill(proc.pid, signal.SIGUSR1)  # the launcher's pid is torchrun's after exec
+        os.kill(proc.pid, signal.SIGUSR1)  # the launcher's supervisor passes it to torchrun
         rc = proc.wait(timeout=60)
         log = proc.stdout.read()
         assert all((out / f"usr1.{r}").exists() for r in (0, 1)), log[-3000:]
@@ -408,7 +408,8 @@ def test_bash_launcher_trains_on_cpu(tmp_path):
 
 FAKE_SRUN = '''
 printf '%s\\n' "$@" > "$FAKE_LOG/srun.args"
-trap 'echo USR1 >> "$FAKE_LOG/srun.signals"; exit 0' USR1
+# a step whose trainer saved on SIGUSR1 ends with 75, which the launcher returns (the sbatch requeues on it)
+trap 'echo USR1 >> "$FAKE_LOG/srun.signals"; exit 75' USR1
 touch "$FAKE_LOG/srun.ready"
 [ -n "${FAKE_SRUN_RC:-}" ] && exit "$FAKE_SRUN_RC"
 for _ in $(seq 1200); do sleep 0.05; done

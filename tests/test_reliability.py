@@ -98,6 +98,8 @@ def test_kill9_then_resume_matches_uninterrupted(tmp_path, straight, fault):
     rc, out = train(tmp_path, "b", "checkpoint.resume=true")
     assert rc == 0, out[-3000:]
     assert_same(straight, final_weights(root, 4))
+    # steps logged before the kill but after the last checkpoint run again: one row each
+    assert [json.loads(x)["step"] for x in open(f"{tmp_path}/b/metrics.jsonl")] == [1, 2, 3, 4]
 
 
 def test_corrupt_latest_checkpoint_falls_back(tmp_path, straight):

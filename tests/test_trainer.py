@@ -1,6 +1,7 @@
 """The RL trainer end to end on the tiny MoE (CPU, one rank)."""
 
 import json
+import logging
 import os
 
 import pytest
@@ -90,3 +91,97 @@ def test_resume_is_exact(tmp_path):
         for k in ("loss/loss", "rollout/reward_mean", "train/grad_norm", "loss/seq_ratio/max"):
             assert ra[k] == rb[k], (ra["step"], k, ra[k], rb[k])
     assert os.path.isdir(tmp_path / "cb" / "iter_0000004")
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts the length policy drops or truncates: counted, logged, in the metrics
+# ----------------------------------------------------------------------------------------------
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.parametrize("policy, per_step, logged_steps", [
+    # shuffle off, 2 prompts per step over [ok, long, long, ok, ok] (one epoch = 5 examples):
+    # step 1 draws ok0 long1 long2 ok3, step 2 ok4 | ok0, step 3 long1 long2 ok3 ok4
+    ("drop", [2, 0, 2], [1, 3]),
+    # truncated prompts are kept: step 1 ok0 long1, step 2 long2 ok3, step 3 ok4 | ok0
+    ("truncate_left", [1, 1, 0], [1, 2]),
+], ids=["drop", "truncate_left"])
+def test_overlong_prompts_are_counted_logged_and_in_the_metrics(tmp_path, policy, per_step, logged_steps):
+    from megatron_gspo.tokenizer import TokenizerConfig, build_tokenizer
+
+    prompts = ["1+2=", "123456789+1=", "987654321+2=", "3+4=", "5+6="]
+    tok = build_tokenizer(TokenizerConfig(type="builtin"))
+    # as the sampler encodes them (data.add_special_tokens=true): the built-in <bos>, one token per character
+    assert [len(tok.encode(p, add_special_tokens=True)) for p in prompts] == [5, 13, 13, 5, 5]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts))
+    warnings = _Warnings()
+    logging.getLogger("megatron_gspo").addHandler(warnings)
+    try:
+        run_job([f"data.source={data}", "data.shuffle=false", "data.max_prompt_length=8",
+                 f"data.overlong_prompt_policy={policy}", "train.prompts_per_step=2", f"train.output_dir={tmp_path}/o",
+                 "train.tensorboard=false"])
+    finally:
+        logging.getLogger("megatron_gspo").removeHandler(warnings)
+    rows = [json.loads(line) for line in open(tmp_path / "o" / "metrics.jsonl")]
+    kind, other = ("dropped", "truncated") if policy == "drop" else ("truncated", "dropped")
+    assert [r[f"data/{kind}_prompts"] for r in rows] == per_step
+    assert [r[f"data/{kind}_prompts_total"] for r in rows] == [sum(per_step[:i + 1]) for i in range(3)]
+    assert [r[f"data/{other}_prompts"] for r in rows] == [0, 0, 0]
+    said = [line for line in warnings.lines if "for exceeding data.max_prompt_length" in line]
+    totals = {kind: 0, other: 0}
+    expected = []
+    for step, n in enumerate(per_step, start=1):  # one line per step with any, none otherwise
+        totals[kind] += n
+        if n:
+            d, t = (n, 0) if kind == "dropped" else (0, n)
+            expected.append(f"step {step}: {d} prompt(s) dropped and {t} left-truncated for exceeding "
+                            f"data.max_prompt_length=8 tokens (data.overlong_prompt_policy={policy}; "
+                            f"{totals['dropped']} dropped, {totals['truncated']} truncated since the start)")
+    assert said == expected
+    assert [int(line.split()[1].rstrip(":")) for line in said] == logged_steps
+
+
+# ----------------------------------------------------------------------------------------------
+# metrics.jsonl and TensorBoard restart at the first step a run logs
+# ----------------------------------------------------------------------------------------------
+
+
+def test_metrics_restart_at_the_resumed_step(tmp_path):
+    """A run killed after logging steps 4-5 but checkpointed at 3 logs 4 and 5 again when resumed:
+    each step keeps one row (the new one), in metrics.jsonl and in TensorBoard."""
+    from megatron_gspo.logger import MetricsLogger
+
+    first = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True)
+    for step in range(1, 6):
+        first.log(step, {"x": float(step)})
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "x": 6.')  # a row cut short by the kill
+    warnings = _Warnings()
+    logging.getLogger("megatron_gspo").addHandler(warnings)
+    try:
+        second = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True)
+        for step in (4, 5, 6):
+            second.log(step, {"x": 10.0 * step})
+        second.close()
+    finally:
+        logging.getLogger("megatron_gspo").removeHandler(warnings)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["step"], r["x"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+    assert any("dropped 3 row(s) of steps >= 4" in line for line in warnings.lines), warnings.lines
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("x")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0),
+                                                            (6, 60.0)]

@@ -1,0 +1,237 @@
+"""Exit codes that survive torchrun and SLURM: the ranks record theirs, the launcher returns it.
+
+A rank ends on purpose with 0 (done), 2 (user error), 75 (preempted, checkpoint written) or 76
+(too many consecutive non-finite updates). torchrun reports *any* failed worker as its own status 1
+plus a ChildFailedError traceback, so without help the rank's code never reaches the shell or
+SLURM (which requeues on it). Two channels carry it:
+
+* ``$GSPO_EXIT_DIR`` (set by :func:`supervise`, i.e. by ``bash launch/pretrain_gspo.sh``): every
+  rank writes ``rank-NNNNN.pid`` when it starts and ``rank-NNNNN.json`` (code and message) when it
+  ends on purpose. The directory is node-local (a temporary directory per launcher), so it works
+  unchanged on every node of a multi-node job; srun then returns the highest code of its tasks.
+* torchrun's error file (``$TORCHELASTIC_ERROR_FILE``, which torchrun sets for every worker): under
+  a bare ``torchrun`` the root-cause entry of its failure report names the code and its meaning.
+
+A rank that dies without recording (a crash, SIGKILL) leaves torchrun's code and report in charge.
+Only the standard library is imported here: the launcher's supervisor runs it before torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional
+
+EXIT_USER_ERROR = 2
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" -> requeue and resume
+EXIT_TOO_MANY_SKIPS = 76  # consecutive non-finite steps: the run cannot make progress
+
+MEANING = {
+    0: "finished",
+    EXIT_USER_ERROR: "user error: fix the config, layout, file or checkpoint it names",
+    EXIT_PREEMPTED: "preempted: a checkpoint was written, resume with checkpoint.resume=true",
+    EXIT_TOO_MANY_SKIPS: "too many consecutive non-finite updates: the last good state was saved",
+}
+
+EXIT_DIR_ENV = "GSPO_EXIT_DIR"
+
+
+def describe(code: int) -> str:
+    """``exit 75 (preempted: ...)``: the code with its meaning, for the one line a person reads."""
+    return f"exit {code} ({MEANING.get(code, 'no meaning known to megatron_gspo')})"
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)  # the reader never sees half a file
+
+
+def rank_started() -> None:
+    """Register this rank with the launcher that started torchrun (no-op without one).
+
+    Its pid lets the launcher wait for it even if torchrun goes first, and send it SIGTERM if
+    torchrun dies. Its stderr is joined to its stdout: the launcher keeps torchrun's own stderr
+    back (the failure report that a recorded code replaces), and both of a worker's streams come
+    from torchrun, so a rank's warnings and tracebacks would otherwise be held back with it.
+    """
+    exit_dir = os.environ.get(EXIT_DIR_ENV)
+    if not exit_dir or not os.path.isdir(exit_dir):
+        return
+    _write_atomically(os.path.join(exit_dir, f"rank-{_rank():05d}.pid"), str(os.getpid()))
+    sys.stderr.flush()
+    os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
+
+
+def record(code: int, message: str) -> None:
+    """Record this rank's deliberate exit for the launcher and for torchrun (no-op without them)."""
+    line = message.strip().splitlines()[0] if message.strip() else MEANING.get(code, "")
+    exit_dir = os.environ.get(EXIT_DIR_ENV)
+    if exit_dir and os.path.isdir(exit_dir):
+        _write_atomically(os.path.join(exit_dir, f"rank-{_rank():05d}.json"),
+                          json.dumps({"rank": _rank(), "code": code, "message": line}))
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file and code != 0:
+        # torchrun's format (torch.distributed.elastic.multiprocessing.errors): with a dict
+        # message and no py_callstack, the report shows "message" where a traceback would go;
+        # errorCode set keeps torchrun from rewriting the file.
+        payload = {"message": {"message": f"{describe(code)}: {line}", "errorCode": code,
+                               "extraInfo": {"timestamp": str(int(time.time()))}}}
+        os.makedirs(os.path.dirname(error_file) or ".", exist_ok=True)
+        _write_atomically(error_file, json.dumps(payload))
+
+
+# ----------------------------------------------------------------------------------------------
+# The launcher's side (launch/pretrain_gspo.sh runs this in place of torchrun)
+# ----------------------------------------------------------------------------------------------
+
+
+def _read_rank_files(exit_dir: str, suffix: str) -> dict[int, str]:
+    out = {}
+    for name in os.listdir(exit_dir):
+        if name.startswith("rank-") and name.endswith(suffix):
+            try:
+                with open(os.path.join(exit_dir, name), encoding="utf-8") as f:
+                    out[int(name[5:-len(suffix)])] = f.read()
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie is dead for our purpose (torchrun has not reaped it yet)
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _rank_pids(exit_dir: str) -> dict[int, int]:
+    return {r: int(p) for r, p in _read_rank_files(exit_dir, ".pid").items() if p.strip().isdigit()}
+
+
+def _records(exit_dir: str) -> dict[int, dict]:
+    out = {}
+    for r, text in _read_rank_files(exit_dir, ".json").items():
+        try:
+            out[r] = json.loads(text)
+        except ValueError:
+            continue
+    return out
+
+
+# what torchrun forwards to its workers (the launcher's PET_SIGNALS_TO_HANDLE)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def supervise(cmd: list[str], name: str = "pretrain_gspo.sh", poll_s: float = 0.2) -> int:
+    """Run torchrun (``cmd``) and return the ranks' own exit code, with one line that names it.
+
+    * Signals sent to this process are passed to torchrun, which passes them to its workers (it
+      runs in a session of its own, so a signal sent to this process's group, e.g. Ctrl-C, reaches
+      it once, from here).
+    * torchrun's stderr is shown live until the first rank ends; what it prints after that is its
+      failure report. When every failed rank recorded its code, the report is dropped and one line
+      (:func:`describe` + the rank's message) is printed instead; otherwise it is printed in full.
+    * If torchrun dies before its workers (SIGKILL, or a second signal cutting its shutdown short),
+      the workers, which run in sessions of their own and would carry on unsupervised, get SIGTERM:
+      they checkpoint and exit 75. The launcher returns only when every rank it saw is gone.
+    """
+    exit_dir = tempfile.mkdtemp(prefix="gspo-exit-")
+    try:
+        try:
+            proc = subprocess.Popen(cmd, env={**os.environ, EXIT_DIR_ENV: exit_dir}, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+        except OSError as e:
+            print(f"{name}: cannot run {cmd[0]}: {e}", file=sys.stderr, flush=True)
+            return 127
+        held: list[bytes] = []
+
+        def ended() -> bool:
+            pids = _rank_pids(exit_dir)
+            return bool(_records(exit_dir)) or any(not _alive(p) for p in pids.values())
+
+        def relay() -> None:
+            for line in iter(proc.stderr.readline, b""):
+                if ended():
+                    held.append(line)
+                else:
+                    sys.stderr.buffer.write(line)
+                    sys.stderr.flush()
+
+        reader = threading.Thread(target=relay, daemon=True)
+        reader.start()
+
+        def forward(signum, frame) -> None:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+        previous = {s: signal.signal(s, forward) for s in FORWARDED}
+        try:
+            rc = proc.wait()
+            alive = [p for p in _rank_pids(exit_dir).values() if _alive(p)]
+            for pid in alive:  # torchrun is gone: ask its orphaned workers to checkpoint and stop
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            while any(_alive(p) for p in alive):
+                time.sleep(poll_s)
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+        reader.join(timeout=10)
+        return _conclude(name, rc, _records(exit_dir), _rank_pids(exit_dir), held)
+    finally:
+        import shutil
+
+        shutil.rmtree(exit_dir, ignore_errors=True)
+
+
+def _conclude(name: str, rc: int, records: dict[int, dict], pids: dict[int, int], held: list[bytes]) -> int:
+    failed = {r: rec for r, rec in sorted(records.items()) if rec.get("code")}
+    unrecorded = sorted(set(pids) - set(records))
+    if rc == 0 and not failed:
+        return 0
+    if failed and not unrecorded:
+        rank, rec = next(iter(failed.items()))
+        codes = sorted({rec["code"] for rec in failed.values()})
+        others = "" if codes == [rec["code"]] else f" (other ranks: exit codes {codes})"
+        print(f"{name}: {describe(rec['code'])}: rank {rank}: {rec.get('message', '')}{others}",
+              file=sys.stderr, flush=True)
+        return int(rec["code"])
+    # a rank died without an exit code of its own: torchrun's report is the best account
+    for line in held:
+        sys.stderr.buffer.write(line)
+    sys.stderr.flush()
+    if failed:
+        rank, rec = next(iter(failed.items()))
+        print(f"{name}: {describe(rec['code'])}: rank {rank}: {rec.get('message', '')}; ranks {unrecorded} "
+              "ended without an exit code of their own (torchrun's report above)", file=sys.stderr, flush=True)
+        return int(rec["code"])
+    if not pids:
+        why = ""  # an entry module that does not record its exit (not megatron_gspo.train)
+    elif unrecorded:
+        why = ": a rank failed without an exit code of its own (its traceback and torchrun's report are above)"
+    else:
+        why = " after every rank finished"
+    print(f"{name}: torchrun exited with status {rc}{why}", file=sys.stderr, flush=True)
+    return rc if rc > 0 else 128 - rc

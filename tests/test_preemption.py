@@ -1,0 +1,302 @@
+"""Preemption and exit codes through the launchers people run: `bash launch/pretrain_gspo.sh` (2 ranks
+under torchrun), the sbatch script (srun faked: it runs its task and passes signals on, as srun
+does) and a bare torchrun. Real processes: signals go to the torchrun or rank processes found in
+the process table, and the table is checked afterwards for anything the run left behind (every
+process a run starts inherits a marker in its environment)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megatron_gspo.checkpoint import iter_dir, latest_complete
+from megatron_gspo.faults import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
+from test_launch import BASH, LAUNCHER, ROOT, SBATCH, clean_env, fake_bin
+from test_reliability import JOB, assert_same, final_weights
+
+# Periodic checkpoints every 2 steps; runs are interrupted once the second one (step 4) is complete,
+# with 6 steps still to go, so that the signal lands mid-run even on a loaded machine.
+STEPS, EVERY = 10, 2
+TINY_YAML = str(Path("launch") / "recipes" / "tiny_cpu.yaml")
+MARKER = "GSPO_TEST_MARKER"
+
+
+def marked(marker: str) -> list[psutil.Process]:
+    """Live (non-zombie) processes whose environment carries ``marker``."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(MARKER) == marker:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+class Run:
+    """One command in a session of its own, output to a file; every process it starts is marked."""
+
+    def __init__(self, tmp: Path, name: str, cmd: list[str], **env):
+        self.marker = f"{name}-{uuid.uuid4().hex}"
+        logs = tmp / "logs"
+        logs.mkdir(exist_ok=True)
+        self.log_path = logs / f"{name}-{len(list(logs.iterdir()))}.log"
+        self.log = open(self.log_path, "w")
+        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                  env=clean_env(**{MARKER: self.marker, **env}))
+
+    def torchrun(self) -> psutil.Process:
+        procs = [p for p in marked(self.marker) if "torch.distributed.run" in " ".join(p.cmdline())]
+        found = [p for p in procs if p.ppid() == self.p.pid] or [p for p in procs if p.pid == self.p.pid]
+        assert len(found) == 1, procs  # the launcher's child (the launcher used to exec torchrun)
+        return found[0]
+
+    def ranks(self) -> list[psutil.Process]:
+        tr = self.torchrun()
+        return sorted((p for p in marked(self.marker) if p.ppid() == tr.pid and "RANK" in p.environ()),
+                      key=lambda p: int(p.environ()["RANK"]))
+
+    def wait(self, timeout: float = 400) -> tuple[int, str]:
+        try:
+            rc = self.p.wait(timeout=timeout)
+        finally:
+            if self.p.poll() is None:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait()
+            self.log.close()
+        return rc, self.log_path.read_text()
+
+    def leftovers(self, grace_s: float = 10.0) -> list[str]:
+        """What of this run is still alive ``grace_s`` after it returned (then killed, by pid)."""
+        deadline = time.time() + grace_s
+        while (alive := marked(self.marker)) and time.time() < deadline:
+            time.sleep(0.2)
+        found = [f"{p.pid}: {' '.join(p.cmdline())[:160]}" for p in alive]
+        for p in alive:
+            p.kill()
+        return found
+
+
+def launcher(tmp: Path, name: str, *overrides: str, nproc: int = 2, steps: int = STEPS, **env) -> Run:
+    out = tmp / name
+    args = [TINY_YAML, *JOB, f"train.num_steps={steps}", f"train.output_dir={out}", f"checkpoint.save={out}/ckpt",
+            f"checkpoint.save_interval={EVERY}", *overrides]
+    return Run(tmp, name, [BASH, str(LAUNCHER), *args], NPROC=nproc, **env)
+
+
+def wait_for_checkpoint(run: Run, root: str, step: int, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while (latest_complete(root) or 0) < step:
+        assert run.p.poll() is None, run.log_path.read_text()[-3000:]
+        assert time.time() < deadline, "no checkpoint in time"
+        time.sleep(0.2)
+
+
+def metric_steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def last_line(log: str) -> str:
+    return [ln for ln in log.splitlines() if ln.strip()][-1]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted 2-rank run through the launcher: the weights every resumed run must match."""
+    tmp = tmp_path_factory.mktemp("straight")
+    rc, log = launcher(tmp, "s").wait()
+    assert rc == 0, log[-3000:]
+    return final_weights(f"{tmp}/s/ckpt", STEPS)
+
+
+@pytest.mark.parametrize("target, sig", [("torchrun", signal.SIGTERM), ("ranks", signal.SIGTERM),
+                                         ("torchrun", signal.SIGKILL)],
+                         ids=["sigterm-torchrun", "sigterm-ranks", "sigkill-torchrun"])
+def test_preempted_under_the_launcher_checkpoints_exits_75_and_resumes_exactly(tmp_path, straight, target, sig):
+    """After 2 periodic checkpoints: SIGTERM to torchrun (what scancel / a requeue does), to the
+    ranks only, or SIGKILL to torchrun (its workers would carry on unsupervised: the launcher sends
+    them SIGTERM). Each time the ranks save the step they are at and the launcher exits 75."""
+    run = launcher(tmp_path, "p")
+    root = f"{tmp_path}/p/ckpt"
+    wait_for_checkpoint(run, root, EVERY)
+    targets = [run.torchrun()] if target == "torchrun" else run.ranks()  # found before: signalled at once
+    wait_for_checkpoint(run, root, 2 * EVERY)
+    for p in targets:
+        p.send_signal(sig)
+    rc, log = run.wait()
+    assert rc == EXIT_PREEMPTED, log[-4000:]
+    step = metric_steps(tmp_path / "p")[-1]  # the step the ranks had finished
+    assert latest_complete(root) == step, (step, sorted(os.listdir(root)))
+    assert f"preempted by signal SIGTERM before step {step + 1}: checkpoint saved to {root}" in log
+    assert last_line(log).startswith("pretrain_gspo.sh: exit 75 (preempted: a checkpoint was written"), log[-2000:]
+    assert "Traceback" not in log and "ChildFailedError" not in log, log[-4000:]
+    assert not [d for d in os.listdir(root) if d.endswith(".tmp")]
+    assert run.leftovers() == []
+    rc, log = launcher(tmp_path, "p", "checkpoint.resume=true").wait()
+    assert rc == 0, log[-3000:]
+    assert f"resumed from {iter_dir(root, step)} at step {step}" in log
+    assert metric_steps(tmp_path / "p") == list(range(1, STEPS + 1))
+    assert_same(straight, final_weights(root, STEPS))
+
+
+def test_sigkill_of_a_rank_leaves_no_process_and_the_newest_checkpoint(tmp_path, straight):
+    """A rank killed outright cannot save: the run fails with torchrun's code and report, no
+    process of it survives (the checkpoint writer used to leave its helper processes behind), and
+    the resume starts from the newest complete checkpoint and ends where the straight run does."""
+    run = launcher(tmp_path, "k")
+    root = f"{tmp_path}/k/ckpt"
+    wait_for_checkpoint(run, root, EVERY)
+    victim = run.ranks()[1]
+    wait_for_checkpoint(run, root, 2 * EVERY)
+    victim.send_signal(signal.SIGKILL)
+    rc, log = run.wait()
+    assert run.leftovers() == []
+    assert rc == 1, log[-3000:]
+    assert "Signal 9 (SIGKILL) received by PID" in log  # torchrun's report, shown: nothing replaces it
+    assert last_line(log).startswith("pretrain_gspo.sh: torchrun exited with status 1: a rank failed without an exit code")
+    newest = latest_complete(root)
+    assert newest >= 2 * EVERY
+    rc, log = launcher(tmp_path, "k", "checkpoint.resume=true").wait()
+    assert rc == 0, log[-3000:]
+    assert f"resumed from {iter_dir(root, newest)} at step {newest}" in log
+    assert metric_steps(tmp_path / "k") == list(range(1, STEPS + 1))  # re-run steps logged once
+    assert_same(straight, final_weights(root, STEPS))
+
+
+def test_sigkill_of_a_single_process_trainer_leaves_no_process(tmp_path):
+    """Without torchrun nobody cleans the process group up: a SIGKILLed trainer used to leave the
+    checkpoint writer's Manager server and multiprocessing's resource tracker running. Now the
+    trainer has no helper process, and a resume takes the newest complete checkpoint."""
+    out = tmp_path / "one"
+    args = [*JOB, "train.num_steps=8", f"train.output_dir={out}", f"checkpoint.save={out}/ckpt",
+            "checkpoint.save_interval=1"]
+    run = Run(tmp_path, "one", [sys.executable, "-m", "megatron_gspo.train", *args])
+    root = f"{out}/ckpt"
+    wait_for_checkpoint(run, root, 2)
+    assert [p.pid for p in marked(run.marker)] == [run.p.pid]  # the trainer, and nothing it started
+    run.p.send_signal(signal.SIGKILL)
+    rc, log = run.wait()
+    assert rc == -signal.SIGKILL
+    assert run.leftovers() == []
+    newest = latest_complete(root)
+    rc, log = Run(tmp_path, "one", [sys.executable, "-m", "megatron_gspo.train", *args, "checkpoint.resume=true"]).wait()
+    assert rc == 0 and f"resumed from {iter_dir(root, newest)} at step {newest}" in log, log[-3000:]
+    assert metric_steps(out) == list(range(1, 9))
+
+
+@pytest.mark.parametrize("overrides, faults, code, message", [
+    (["train.num_steps=abc"], "", 2, "rank 0: train.num_steps must be an integer, got 'abc'"),
+    (["reward.name=nope"], "", 2, "rank 0: unknown reward 'nope' (reward.name)"),
+    (["train.max_consecutive_skips=2", "train.num_minibatches=1"], "nan_logprob@2,nan_logprob@3", EXIT_TOO_MANY_SKIPS,
+     "rank 0: stopping: 2 consecutive updates had non-finite loss or gradients"),
+], ids=["config-error", "unknown-reward", "too-many-skips"])
+def test_launcher_returns_the_ranks_code_with_one_line(tmp_path, overrides, faults, code, message):
+    rc, log = launcher(tmp_path, "c", *overrides, steps=4, MEGATRON_GSPO_FAULTS=faults).wait()
+    assert rc == code, log[-4000:]
+    line = last_line(log)
+    assert line.startswith(f"pretrain_gspo.sh: exit {code} (") and message in line, line
+    assert "Traceback" not in log and "ChildFailedError" not in log, log[-4000:]
+
+
+def test_bare_torchrun_names_the_code_in_its_report(tmp_path):
+    """torchrun itself exits 1 for any failed worker; the ranks' error files make the root cause of
+    its report (the last line before its closing border) name the code and what it means."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(LAUNCHER),
+           TINY_YAML, "train.num_steps=abc", f"train.output_dir={tmp_path}/t"]
+    rc, log = Run(tmp_path, "t", cmd).wait()
+    assert rc == 1, log[-3000:]
+    lines = [ln for ln in log.splitlines() if ln.strip() and set(ln.strip()) != {"="}]
+    assert re.fullmatch(r"\s*traceback : exit 2 \(user error: .*\): train\.num_steps must be an integer, got 'abc'",
+                        lines[-1]), log[-3000:]
+    assert "Root Cause" in log
+
+
+def test_dry_run_with_a_bad_config_is_one_line_and_exit_2(tmp_path):
+    p = subprocess.run([sys.executable, str(LAUNCHER), "--dry-run", TINY_YAML, "loss.clip_ratio_low=1.5"],
+                       env=clean_env(WORLD_SIZE=2), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.strip() == "error: loss.clip_ratio_low must be in (0, 1), got 1.5"
+    p = subprocess.run([sys.executable, str(LAUNCHER), "--dry-run", TINY_YAML, "parallel.tensor_model_parallel_size=2"],
+                       env=clean_env(WORLD_SIZE=3), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 2 and p.stderr.startswith("error: invalid parallel layout: world size 3"), p.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# The sbatch script, end to end: srun and scontrol faked, SLURM's variables set by hand
+# ----------------------------------------------------------------------------------------------
+
+# srun: drop its own --options, run the task, pass SIGUSR1 / SIGTERM / SIGINT on to it (what srun
+# does for the signals it receives), return the task's status. No backslash escapes needed.
+RUNNING_SRUN = '''
+args=()
+for a in "$@"; do case "$a" in --*) ;; *) args+=("$a") ;; esac; done
+export SLURM_STEP_ID=0 SLURM_STEP_TASKS_PER_NODE=1 SLURM_NODEID=0
+"${args[@]}" &
+child=$!
+trap 'kill -s USR1 "$child"' USR1
+trap 'kill -s TERM "$child"' TERM
+trap 'kill -s INT "$child"' INT
+while :; do
+    wait "$child"; rc=$?
+    if [ "$rc" -gt 128 ] && kill -0 "$child" 2> /dev/null; then continue; fi
+    break
+done
+exit "$rc"
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sbatch(tmp: Path, name: str, *overrides: str, nproc: int, steps: int = STEPS, **env) -> Run:
+    stubs = fake_bin(tmp, srun=RUNNING_SRUN, scontrol='echo "$@" >> "$FAKE_LOG/scontrol.args"\n')
+    out = tmp / name
+    args = [*JOB, f"train.num_steps={steps}", f"train.output_dir={out}", f"checkpoint.save={out}/ckpt",
+            f"checkpoint.save_interval={EVERY}", *overrides]
+    return Run(tmp, name, [BASH, str(SBATCH), *args], PATH=f"{stubs}:{os.environ['PATH']}", FAKE_LOG=tmp,
+               SLURM_JOB_ID="4242", SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_DIR=ROOT,
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), RECIPE=TINY_YAML, NPROC=nproc, **env)
+
+
+def test_sbatch_time_limit_signal_checkpoints_and_requeues(tmp_path):
+    """--signal=B:USR1@300: SLURM signals the batch shell, which passes SIGUSR1 to srun, srun to the
+    launcher, the launcher to torchrun, torchrun to the ranks: they save the step they are at, the
+    step exits 75 and the job requeues itself."""
+    run = sbatch(tmp_path, "u", nproc=2)
+    root = f"{tmp_path}/u/ckpt"
+    wait_for_checkpoint(run, root, 2 * EVERY)
+    run.p.send_signal(signal.SIGUSR1)
+    rc, log = run.wait()
+    assert rc == 0, log[-4000:]
+    assert "job step exited with status 75" in log and "requeueing job 4242" in log, log[-3000:]
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
+    step = metric_steps(tmp_path / "u")[-1]
+    assert latest_complete(root) == step and f"preempted by signal SIGUSR1 before step {step + 1}" in log
+    assert not [d for d in os.listdir(root) if d.endswith(".tmp")]
+    assert run.leftovers() == []
+
+
+@pytest.mark.parametrize("overrides, faults, code", [
+    (["model.vocab_size=50"], "", 2),
+    (["train.max_consecutive_skips=1", "train.num_minibatches=1"], "nan_logprob@2", EXIT_TOO_MANY_SKIPS),
+], ids=["user-error", "too-many-skips"])
+def test_sbatch_job_ends_with_the_ranks_code_and_no_requeue(tmp_path, overrides, faults, code):
+    rc, log = sbatch(tmp_path, "e", *overrides, nproc=1, steps=3, MEGATRON_GSPO_FAULTS=faults).wait()
+    assert rc == code, log[-4000:]
+    assert f"job step exited with status {code}" in log
+    assert f"pretrain_gspo.sh: exit {code} (" in log
+    assert not (tmp_path / "scontrol.args").exists()
