@@ -26,6 +26,8 @@ import torch
 from checkpoints_tools import hf_to_megatron, megatron_to_hf
 from checkpoints_tools.common import ConversionError, SafetensorsStreamWriter
 
+pytestmark = pytest.mark.slow  # conversions under torchrun layouts and transformers reference models
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIST = os.path.join(REPO, "tests", "dist_scripts")
 TINY = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
