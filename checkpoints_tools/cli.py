@@ -33,6 +33,7 @@ def parse_size(text: str | int) -> int:
 
 
 def human_bytes(n: float) -> str:
+    """1234567 -> '1.23 MB': decimal units, the ones --max-shard-size and the hub speak."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

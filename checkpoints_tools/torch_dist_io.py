@@ -110,13 +110,16 @@ class DistCheckpointWriter:
         torch.save({}, os.path.join(self.path, "common.pt"))
 
 
-class _LazySavePlanner(SavePlanner):
-    """Only the part of the SavePlanner protocol FileSystemWriter.write_data uses."""
+class _NoPlanning:
+    """The planning half of torch's Save/LoadPlanner protocol, which the converters never run.
 
-    def __init__(self, produce: Callable[[Any], Any]):
-        self.produce = produce
+    torch.distributed.checkpoint's save / load plan across ranks and then move data; here the plan
+    is made once, up front, by this module (one process, no process group), and only the data half
+    (``write_data`` / ``read_data`` calling ``resolve_*`` / ``commit_tensor``) is used. Listed
+    before the torch base class (SavePlanner is an ABC that requires them), these fail loudly if
+    torch ever calls them."""
 
-    def set_up_planner(self, *a, **k):  # pragma: no cover - protocol stub
+    def set_up_planner(self, *a, **k):  # pragma: no cover - never called, see above
         raise NotImplementedError
 
     def create_local_plan(self):  # pragma: no cover
@@ -127,6 +130,13 @@ class _LazySavePlanner(SavePlanner):
 
     def finish_plan(self, new_plan):  # pragma: no cover
         raise NotImplementedError
+
+
+class _LazySavePlanner(_NoPlanning, SavePlanner):
+    """Hands FileSystemWriter.write_data each chunk, produced only when it is written."""
+
+    def __init__(self, produce: Callable[[Any], Any]):
+        self.produce = produce
 
     def resolve_data(self, write_item):
         from torch.distributed.checkpoint.planner import WriteItemType
@@ -142,24 +152,12 @@ class _LazySavePlanner(SavePlanner):
         return t.contiguous()
 
 
-class _RegionLoadPlanner(LoadPlanner):
+class _RegionLoadPlanner(_NoPlanning, LoadPlanner):
     """Copies every ReadItem into the matching sub-block of one destination tensor."""
 
     def __init__(self, out: torch.Tensor):
         self.out = out
         self.filled = 0
-
-    def set_up_planner(self, *a, **k):  # pragma: no cover - protocol stub
-        raise NotImplementedError
-
-    def create_local_plan(self):  # pragma: no cover
-        raise NotImplementedError
-
-    def create_global_plan(self, global_plan):  # pragma: no cover
-        raise NotImplementedError
-
-    def finish_plan(self, central_plan):  # pragma: no cover
-        raise NotImplementedError
 
     def load_bytes(self, read_item, value):  # pragma: no cover - only tensors are requested
         raise NotImplementedError
