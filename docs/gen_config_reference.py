@@ -32,11 +32,7 @@ import textwrap
 import typing
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 OUTPUT = os.path.join(HERE, "configuration.md")
-
-if ROOT not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, ROOT)
 
 # Descriptions of fields the source leaves undocumented (no comment above them, no docstring entry).
 # Keep them short and true to the code; the key must be a real "section.field".

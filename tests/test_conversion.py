@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from checkpoints_tools import hf_to_megatron, megatron_to_hf
-from checkpoints_tools.common import ConversionError, SafetensorsStreamWriter
+from checkpoints_tools.errors import ConversionError
+from checkpoints_tools.safetensors_io import SafetensorsStreamWriter
 
 pytestmark = pytest.mark.slow  # conversions under torchrun layouts and transformers reference models
 

@@ -572,6 +572,15 @@ def test_memory_estimate_cli(capsys):
     assert mem.main(["--check-recipes"]) == 0
 
 
+def test_memory_estimate_runs_as_a_script(tmp_path):
+    """`python launch/memory_estimate.py` imports the installed package: no sys.path edit, and it
+    runs from any directory."""
+    p = subprocess.run([sys.executable, str(ROOT / "launch" / "memory_estimate.py"), "--check-recipes"],
+                       env=clean_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert len([ln for ln in p.stdout.splitlines() if "GiB/GPU" in ln and "(fits)" in ln]) == len(RECIPES)
+
+
 # ----------------------------------------------------------------------------------------------
 # Docker
 # ----------------------------------------------------------------------------------------------
