@@ -26,7 +26,6 @@ import signal
 import time
 from typing import Iterable
 
-import psutil
 import torch
 
 from megatron_gspo import comm, parallel
@@ -56,6 +55,7 @@ from megatron_gspo.rewards import build_reward_fn
 from megatron_gspo.rollout import RolloutBatch, Rollouts, micro_batch_slices
 from megatron_gspo.routing import RoutingPolicy
 from megatron_gspo.sft import SFTWarmStart
+from megatron_gspo.sysinfo import current_rss
 from megatron_gspo.tokenizer import build_tokenizer, check_vocab_fits
 
 log = logging.getLogger("megatron_gspo")
@@ -253,7 +253,7 @@ class Trainer:
         times = self.timer.pop()
         out = {f"perf/{k}_s": v for k, v in times.items()}
         out["perf/step_time_s"] = step_time
-        out["perf/rss_mb"] = psutil.Process().memory_info().rss / 2**20
+        out["perf/rss_mb"] = current_rss() / 2**20
         out["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(times.get("generate", 0.0), 1e-9)
         return out
 

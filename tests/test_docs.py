@@ -124,8 +124,10 @@ def _known_metrics() -> set[str]:
     stats.tokens_per_expert += 1
     stats.compared += 1
     keys |= set(stats.summary(prefix="routing/"))
-    with open(os.path.join(ROOT, "megatron_gspo", "train.py"), encoding="utf-8") as f:
-        src = f.read()
+    src = ""
+    for module in ("trainer.py", "rollout.py"):  # where the trainer's and the rollout's metrics are named
+        with open(os.path.join(ROOT, "megatron_gspo", module), encoding="utf-8") as f:
+            src += f.read()
     keys |= set(re.findall(r"\"((?:loss|rollout|routing|perf|train|data)/[A-Za-z0-9_/]+)\"", src))
     keys |= {f"perf/{name}_s" for name in re.findall(r"self\.timer\(\"(\w+)\"\)", src)}
     return keys
