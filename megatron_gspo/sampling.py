@@ -95,20 +95,24 @@ def filter_top_k_top_p(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                  uniform: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  uniform: Optional[torch.Tensor] = None,
+                  allowed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from full-vocabulary logits [b, V] (padded columns removed).
 
     temperature 0 is greedy (argmax). ``uniform``: [b, V] noise in (0, 1) (``counter_uniform``); None
-    draws it from torch's global generator. Returns (tokens [b] long, log-probs [b] fp32):
-    log-softmax(logits / T) of the drawn token, *unfiltered* (top-k/top-p restrict the draw only;
-    temperature 1 when greedy), i.e. what the trainer recomputes at that temperature."""
+    draws it from torch's global generator. ``allowed``: [V] bool, the tokens the draw may pick (e.g.
+    no stop token before generation.min_new_tokens). Returns (tokens [b] long, log-probs [b] fp32):
+    log-softmax(logits / T) of the drawn token, *unrestricted* (top-k / top-p / ``allowed`` restrict
+    the draw only; temperature 1 when greedy), i.e. what the trainer recomputes at that temperature."""
     x = logits.float()
     if temperature == 0:
-        tok = x.argmax(dim=-1)
         logp = torch.log_softmax(x, dim=-1)
+        tok = (x if allowed is None else x.masked_fill(~allowed, float("-inf"))).argmax(dim=-1)
     else:
         x = x / temperature
         logp = torch.log_softmax(x, dim=-1)
+        if allowed is not None:
+            x = x.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(filter_top_k_top_p(x, top_k, top_p), dim=-1)
         if uniform is not None and uniform.shape != probs.shape:
             raise ValueError(f"sample_tokens: noise of shape {tuple(uniform.shape)} for logits {tuple(probs.shape)}")
