@@ -452,7 +452,7 @@ def generate(
 
     def pick(logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         row_keys = keys if live is None else keys[live]
-        noise = None if cfg.greedy else counter_uniform(noise_seed, row_keys, position, logits.shape[-1])
+        noise = None if cfg.greedy else counter_uniform(noise_seed, row_keys, position)
         allowed = None
         if position < cfg.min_new_tokens and stop.numel():  # the draw only: log-probs stay unrestricted
             allowed = torch.ones(logits.shape[-1], dtype=torch.bool, device=device)
