@@ -1,20 +1,13 @@
 """Helpers the comparison shares with the rest of the project's tools, kept in this one place.
 
-TODO(merge): ``machine_info`` and ``smooth`` are the comparison's copies of
-``megatron_gspo.sysinfo.machine_info`` and ``megatron_gspo.plotting.smooth`` (same keys, same
-numbers), which land on a parallel branch. Once they are in, replace the two definitions below by::
-
-    from megatron_gspo.sysinfo import machine_info  # noqa: F401
-    from megatron_gspo.plotting import smooth  # noqa: F401
-
-``finite`` / ``mean`` stay: they are the reports' NaN-tolerant statistics.
+``finite`` / ``mean`` are the reports' NaN-tolerant statistics. ``smooth`` and ``machine_info`` are
+the comparison's copies of ``megatron_gspo.plotting.smooth`` and ``megatron_gspo.sysinfo.machine_info``
+(same numbers, same keys), which land on a parallel branch: see the TODO below.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import platform
 
 
 def finite(x) -> bool:
@@ -27,6 +20,12 @@ def mean(xs) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
+# TODO(merge): once megatron_gspo/plotting.py and megatron_gspo/sysinfo.py are in, replace everything
+# below this comment by:
+#     from megatron_gspo.plotting import smooth  # noqa: E402,F401
+#     from megatron_gspo.sysinfo import machine_info  # noqa: E402,F401
+
+
 def smooth(y: list[float], w: int) -> list[float]:
     """Trailing moving average over ``w`` points (the first points average the shorter window), NaN-tolerant."""
     return [mean(y[max(0, i - w + 1):i + 1]) for i in range(len(y))]
@@ -35,6 +34,9 @@ def smooth(y: list[float], w: int) -> list[float]:
 def machine_info() -> dict:
     """The machine and software a run used, for the report: platform, python, torch, cpus,
     megatron_core, gpus ("none (CPU)" without CUDA), cpu_model, load_avg_at_start."""
+    import os
+    import platform
+
     import torch
 
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
