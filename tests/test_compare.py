@@ -268,14 +268,14 @@ def test_old_docs_flag_is_refused_with_its_replacement(capsys):
     assert "--docs-dir" in capsys.readouterr().err
 
 
-def test_report_over_several_seeds(tmp_path):
-    """--seeds layout (OUT/<variant>/seed_<s>/): mean ± sd over seeds in the table, plots from the means."""
+def _write_seed_runs(out) -> None:
+    """A finished --seeds directory (OUT/<variant>/seed_<s>/metrics.jsonl) of gspo and grpo_r2, 20 steps."""
     import random
 
     rng = random.Random(0)
     for v in ("gspo", "grpo_r2"):
         for seed in (1, 2, 3):
-            d = tmp_path / v / f"seed_{seed}"
+            d = out / v / f"seed_{seed}"
             d.mkdir(parents=True)
             with open(d / "metrics.jsonl", "w") as f:
                 for step in range(1, 21):
@@ -286,6 +286,11 @@ def test_report_over_several_seeds(tmp_path):
                         "routing/routing_change_frac": 0.0 if v == "grpo_r2" else 0.02,
                         "routing/routing_change_frac/layer_0": 0.0 if v == "grpo_r2" else 0.02,
                         "train/skipped_updates": 0, "perf/step_time_s": 0.4}) + "\n")
+
+
+def test_report_over_several_seeds(tmp_path):
+    """--seeds layout (OUT/<variant>/seed_<s>/): mean ± sd over seeds in the table, plots from the means."""
+    _write_seed_runs(tmp_path)
     res = report.report(str(tmp_path), quiet=True)
     t = res["table"]["gspo"]
     assert t["seeds"] == [1, 2, 3] and t["steps"] == 20
@@ -294,3 +299,40 @@ def test_report_over_several_seeds(tmp_path):
     assert "mean ± sd over 3 seeds" in md and "seed 3" in md and "standard error" in md
     for name in plots.PLOTS:
         assert (tmp_path / "plots" / f"{name}.png").is_file()
+
+
+def test_docs_dir_sections(tmp_path):
+    """--report-only --docs-dir: a kind the page lacks is appended under a heading; reporting again
+    replaces the section between its markers and nothing else (the same page twice)."""
+    out, docs = tmp_path / "out", tmp_path / "docs"
+    _write_seed_runs(out)
+    meta = {"command": "python -m experiments.compare --stress --seeds 1,2,3", "config": "job.yaml", "stress": True,
+            "stress_minibatches": 4, "stress_lr_mult": 3.0, "num_minibatches": 4, "num_steps": 20, "lr": 3e-3,
+            "model": "tiny: 2 layers", "rollout": "4 prompts x 4 samples", "overrides": [], "seeds": [1, 2, 3],
+            "variants": ["gspo", "grpo_r2"], "init": {"how": "seeded initialization"}, "threads": 1,
+            "total_wall_s": 90.0, "date": "2026-01-01T00:00:00+00:00", "machine": {"cpus": 2, "gpus": "none (CPU)"}}
+    (out / "compare.json").write_text(json.dumps(meta))
+    docs.mkdir()
+    (docs / "comparison.md").write_text("# Hand-written title\n\nProse.\n")
+    assert cli.main(["--report-only", "--quiet", "--out", str(out), "--docs-dir", str(docs)]) == 0
+    page = (docs / "comparison.md").read_text()
+    assert page.startswith("# Hand-written title\n\nProse.\n\n## Stress comparison: job.yaml (--stress: 4 minibatches")
+    assert page.count("<!-- compare:stress_4mb_lr3x:begin -->") == 1 and page.rstrip().endswith(
+        "<!-- compare:stress_4mb_lr3x:end -->")
+    assert "| seeds (train.seed and generation.seed) | 1, 2, 3 |" in page
+    for name in report.FIGURES:
+        assert f"](img/comparison_stress_4mb_lr3x_{name}.png)" in page
+        assert (docs / "img" / f"comparison_stress_4mb_lr3x_{name}.png").is_file()
+    # hand edits around the section survive a new report; the section is replaced in place
+    (docs / "comparison.md").write_text(page.replace("Prose.", "Prose, edited."))
+    assert cli.main(["--report-only", "--quiet", "--out", str(out), "--docs-dir", str(docs)]) == 0
+    assert (docs / "comparison.md").read_text() == page.replace("Prose.", "Prose, edited.")
+
+
+def test_runs_as_a_module_from_the_repository_root():
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "experiments.compare", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and "--docs-dir" in p.stdout and "--variant-override" in p.stdout, p.stderr
