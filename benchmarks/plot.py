@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from megatron_gspo.plotting import pyplot, save_figure
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 STYLE = {("ours", "train_step"): ("tab:blue", "-", "ours: train step"),
@@ -20,14 +22,10 @@ STYLE = {("ours", "train_step"): ("tab:blue", "-", "ours: train step"),
 
 
 def plot(result: dict, out: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result.get("scaling") or []
     if not rows:
         raise ValueError("the result has no 'scaling' rows (run benchmarks/run.py without --smoke / --no-scaling)")
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, axis, xlabel, fixed in ((axes[0], "batch", "batch size (sequences)", "seq"),
                                     (axes[1], "seq", "sequence length (tokens)", "batch")):
@@ -49,11 +47,7 @@ def plot(result: dict, out: str) -> str:
                  f"{cfg.get('num_moe_experts')} experts top-{cfg.get('moe_router_topk')}, {result.get('config', {}).get('precision')}) "
                  f"on {m.get('cpu_model') if m.get('device') == 'cpu' else m.get('gpu')}, "
                  f"torch threads={result.get('torch_threads')}, {result.get('date', '')[:10]}", fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=110)
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,7 @@
 """Throughput of megatron_gspo's model against transformers' Qwen3MoeForCausalLM, same config, same
 weights, same run. Prints a table and writes JSON (machine, versions, config, date, load).
+From the repository root, with the package installed (``pip install -e .``), as a script or as
+``python -m benchmarks.run``:
 
     python benchmarks/run.py                          # the issue's CPU config, fp32 (a few minutes)
     python benchmarks/run.py --smoke --json out.json  # tiny config, 1 iteration (the test)
@@ -40,7 +42,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -53,11 +54,11 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex|TE).*
 warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
 import torch  # noqa: E402
+
+from megatron_gspo.sysinfo import current_rss, load_avg, machine_info, peak_rss, reset_peak_rss  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The issue's benchmark model: hidden 256, 4 layers, 16 experts top-4 of FFN 128, 8 q / 2 kv heads
 # of 32, vocab 8192; batch 4 x 256 tokens.
@@ -73,74 +74,8 @@ LPMEM_VOCAB, LPMEM_TOKENS = 151936, 8192
 
 
 # ----------------------------------------------------------------------------------------------
-# Machine, memory, timing helpers
+# Timing helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _version(pkg: str) -> Optional[str]:
-    from importlib import metadata
-
-    try:
-        return metadata.version(pkg)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def machine_info(device: str) -> dict:
-    info = {
-        "cpu_model": _cpu_model(),
-        "cpu_cores": os.cpu_count(),
-        "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "megatron_core": _version("megatron-core"),
-        "transformers": _version("transformers"),
-        "transformer_engine": _version("transformer-engine") or _version("transformer_engine"),
-        "device": device,
-    }
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-        info["gpu_count"] = torch.cuda.device_count()
-        info["cuda"] = torch.version.cuda
-    return info
-
-
-def load_avg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
-def current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # restart VmHWM from the current RSS
-        f.write("5")
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def sync(device: str) -> None:
@@ -392,7 +327,8 @@ def _measure_peak(fn, device: str) -> dict:
         dt = time.perf_counter() - t0
         return {"peak_bytes": int(torch.cuda.max_memory_allocated() - base), "seconds": dt, "method": "cuda max_memory_allocated"}
     base = current_rss()
-    reset_peak_rss()
+    if not reset_peak_rss():  # the peak would include everything before this pass
+        raise RuntimeError("cannot reset the RSS high-water mark (/proc/self/clear_refs): no CPU peak memory")
     t0 = time.perf_counter()
     fn()
     dt = time.perf_counter() - t0
@@ -448,6 +384,14 @@ def peak_for(args) -> Optional[float]:
     return peak_flops(torch.cuda.get_device_name(), "fp8" if args.fp8 else ("bf16" if args.precision == "bf16" else "fp32"))
 
 
+def _command() -> str:
+    """This run's command line, to repeat it from the repository root (as a module or a script)."""
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    how = ["-m", main_spec.name] if main_spec is not None and main_spec.name == "benchmarks.run" \
+        else [os.path.relpath(os.path.abspath(sys.argv[0]), REPO)]
+    return " ".join(["python", *how, *sys.argv[1:]])
+
+
 def run_benchmark(args) -> dict:
     from megatron_gspo import parallel
     from megatron_gspo.flops import flops_per_token, generation_flops
@@ -461,7 +405,7 @@ def run_benchmark(args) -> dict:
     peak = peak_for(args)
     autocast = device == "cuda" and cfg.precision == "bf16"
     result = {
-        "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]]),
+        "command": _command(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(device),
         "torch_threads": torch.get_num_threads(),

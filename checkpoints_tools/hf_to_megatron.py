@@ -19,9 +19,12 @@ from typing import Optional
 
 import torch
 
-from checkpoints_tools.common import (ConversionError, DistCheckpointWriter, HFCheckpoint, Progress,
-                                      atomic_output_dir, check_output, copy_side_files, get_mapping,
-                                      add_common_args, parse_dtype, read_json, run_cli, validate_hf_tensors)
+from checkpoints_tools.cli import Progress, add_common_args, parse_dtype, run_cli
+from checkpoints_tools.errors import ConversionError
+from checkpoints_tools.files import atomic_output_dir, check_output, copy_side_files, read_json
+from checkpoints_tools.mapping import ModelMapping, get_mapping
+from checkpoints_tools.safetensors_io import HFCheckpoint, STEntry
+from checkpoints_tools.torch_dist_io import DistCheckpointWriter
 
 MODEL_CONFIG_FILE = "model_config.yaml"
 
@@ -34,6 +37,32 @@ def write_model_config(path: str, cfg) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write("# megatron_gspo ModelConfig implied by the HF config.json (checkpoints_tools.hf_to_megatron)\n")
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+def validate_hf_tensors(mapping: ModelMapping, have: dict[str, STEntry], where: str) -> None:
+    """Every expected HF tensor present with the right shape, and nothing unexpected."""
+    want = mapping.hf_shapes()
+    for name, shape in want.items():
+        if name in have and tuple(have[name].shape) != tuple(shape):
+            hint = mapping.hint(name)
+            raise ConversionError(
+                f"{where}: tensor {name} has shape {tuple(have[name].shape)} in {have[name].file} but "
+                f"the config implies {tuple(shape)}" + (f" (check {hint})" if hint else ""))
+    missing = [n for n in want if n not in have]
+    if missing:
+        hint = mapping.hint(missing[0])
+        raise ConversionError(
+            f"{where}: {len(missing)} tensor(s) the config implies are missing, e.g. {missing[:3]}"
+            + (f" (check {hint})" if hint else ""))
+    unexpected = [n for n in have if n not in want]
+    if unexpected:
+        hint = mapping.hint(unexpected[0])
+        raise ConversionError(
+            f"{where}: {len(unexpected)} unexpected tensor(s) not described by the config, e.g. "
+            f"{unexpected[:3]} (shape {tuple(have[unexpected[0]].shape)})" + (f" (check {hint})" if hint else ""))
+    for name, e in have.items():
+        if not e.dtype.is_floating_point:
+            raise ConversionError(f"{where}: tensor {name} has non-float dtype {e.dtype}")
 
 
 def convert(hf_dir: str, out: str, force: bool = False, dtype: Optional[str] = None,

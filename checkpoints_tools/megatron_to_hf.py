@@ -33,11 +33,12 @@ from typing import Optional
 
 import torch
 
-from checkpoints_tools import common
-from checkpoints_tools.common import (ConversionError, DistCheckpointReader, Progress,
-                                      SafetensorsStreamWriter, atomic_output_dir, check_output,
-                                      copy_side_files, get_mapping, parse_dtype, parse_size,
-                                      add_common_args, read_json, run_cli, write_json)
+from checkpoints_tools.cli import Progress, add_common_args, parse_dtype, parse_size, run_cli
+from checkpoints_tools.errors import ConversionError
+from checkpoints_tools.files import atomic_output_dir, check_output, copy_side_files, read_json, write_json
+from checkpoints_tools.mapping import get_mapping
+from checkpoints_tools.safetensors_io import SafetensorsStreamWriter, tensor_nbytes
+from checkpoints_tools.torch_dist_io import DistCheckpointReader
 
 MODEL_CONFIG_NAMES = ("model_config.yaml", "model_config.yml", "model_config.json")
 # files of a megatron checkpoint directory that are not tokenizer files
@@ -178,7 +179,7 @@ def plan_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_byt
     shards: list[list[int]] = [[]]
     size = 0
     for i, (_, dt, shape) in enumerate(entries):
-        n = common._numel(shape) * torch.empty((), dtype=dt).element_size()
+        n = tensor_nbytes(shape, dt)
         if shards[-1] and size + n > max_bytes:
             shards.append([])
             size = 0

@@ -34,8 +34,8 @@ from typing import Optional
 
 import torch
 
-from checkpoints_tools.common import (ConversionError, Group, ModelMapping, MTensor, Rule,
-                                      extra_state_key, register)
+from checkpoints_tools.errors import ConversionError
+from checkpoints_tools.mapping import Group, ModelMapping, MTensor, Rule, extra_state_key, register
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 

@@ -32,11 +32,7 @@ import textwrap
 import typing
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 OUTPUT = os.path.join(HERE, "configuration.md")
-
-if ROOT not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, ROOT)
 
 # Descriptions of fields the source leaves undocumented (no comment above them, no docstring entry).
 # Keep them short and true to the code; the key must be a real "section.field".
@@ -145,8 +141,8 @@ INTRO = """\
 # Configuration reference
 
 A job is one YAML file of typed sections plus `section.key=value` overrides. Every section is a
-dataclass (`megatron_gspo/config.py` composes them into `JobConfig`; subsystem sections live next to
-their code) validated when it is built, so a wrong key, type or value stops the job before anything
+dataclass (the `megatron_gspo/config/` package: `sections.py`, `model.py`, and `job.py`, which composes them
+into `JobConfig`) validated when it is built, so a wrong key, type or value stops the job before anything
 is initialized, with a `ConfigError` that names the field. Field names follow Megatron-LM's
 argument names where one exists.
 
@@ -380,7 +376,7 @@ def presets_table() -> str:
     rows.append("| parameters (total / active) | " + " | ".join(
         f"{count(cfgs[n].num_parameters())} / {count(cfgs[n].num_parameters(active=True))}" for n in names) + " |")
     text = ["## Model presets", "",
-            "`model.preset` selects one of `MODEL_PRESETS` (megatron_gspo/config.py); keys the preset does not "
+            "`model.preset` selects one of `MODEL_PRESETS` (megatron_gspo/config/model.py); keys the preset does not "
             "set keep the field defaults above, and every key can still be overridden. A model can also be "
             "described by a Hugging Face Qwen3-MoE `config.json` (`config.model_config_from_hf`, used by "
             "`checkpoints_tools.hf_to_megatron`, which writes the implied `model_config.yaml` next to the "

@@ -3,22 +3,20 @@
 import json
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from megatron_gspo.plotting import pyplot, save_figure, smooth
 
 
 def main(jsonl: str, out: str) -> None:
-    rows = [json.loads(line) for line in open(jsonl)]
+    with open(jsonl, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
     steps = [r["step"] for r in rows]
     reward = [r["rollout/reward_mean"] for r in rows]
     w = 5
-    smooth = [sum(reward[max(0, i - w + 1):i + 1]) / len(reward[max(0, i - w + 1):i + 1]) for i in range(len(reward))]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=120)
     ax.plot(steps, reward, color="#9ecae1", lw=1, label="reward (per step)")
-    ax.plot(steps, smooth, color="#08519c", lw=2, label=f"{w}-step mean")
+    ax.plot(steps, smooth(reward, w), color="#08519c", lw=2, label=f"{w}-step mean")
     ax.axhline(first, color="gray", ls=":", lw=1)
     ax.axhline(last, color="gray", ls="--", lw=1)
     ax.set_xlabel("GSPO step (after the supervised warm start)")
@@ -26,8 +24,7 @@ def main(jsonl: str, out: str) -> None:
     ax.set_title(f"default job: first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
     ax.set_ylim(0, 1)
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out)
+    save_figure(fig, out)
 
 
 if __name__ == "__main__":

@@ -320,5 +320,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(HERE))  # run from a checkout without installing
     sys.exit(main())

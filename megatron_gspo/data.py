@@ -23,80 +23,15 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence, Union
 
+from megatron_gspo.config import DataConfig
+from megatron_gspo.errors import DataError, TokenizerError
 from megatron_gspo.tasks import Task, build_task
-from megatron_gspo.tokenizer import Tokenizer, TokenizerError
+from megatron_gspo.tokenizer import Tokenizer
 
-OVERLONG_POLICIES = ("drop", "truncate_left", "error")
 BUILTIN_PREFIX = "builtin:"
-
-
-class DataError(ValueError):
-    """A dataset cannot be loaded or sampled; the message names the file, line/row and field."""
-
-
-def _config_error(msg: str) -> Exception:
-    # Imported lazily: config.py composes DataConfig, so a module-level import would be circular.
-    from megatron_gspo.config import ConfigError
-
-    return ConfigError(msg)
-
-
-@dataclass
-class DataConfig:
-    """``data:`` section of a job.
-
-    source: ``builtin:arithmetic`` / ``builtin:sort`` (generated from ``seed``, see
-        :mod:`megatron_gspo.tasks`) or a path to a ``.jsonl`` or ``.parquet`` file.
-    prompt_key / answer_key: field names in each record; a dotted name (``reward_model.ground_truth``)
-        reaches into nested objects. ``answer_key: null`` for answer-free data (e.g. a format-only reward).
-        A prompt is a string, or a list of chat messages (``[{"role": ..., "content": ...}]``), which
-        needs ``apply_chat_template``.
-    shuffle / seed: each epoch is a fresh permutation drawn from ``(seed, epoch)``.
-    max_prompt_length / overlong_prompt_policy: token budget of a prompt and what to do past it
-        (the trainer counts dropped and truncated prompts in ``data/dropped_prompts`` /
-        ``data/truncated_prompts`` and logs a line in every step that has any).
-    apply_chat_template: render prompts with the tokenizer's chat template (a string prompt becomes
-        one user message); ``chat_template_kwargs`` reach the template (Qwen3: ``enable_thinking``).
-    add_special_tokens: without a chat template, let the tokenizer add its BOS (the built-in
-        tokenizer's ``<bos>``, Llama's ``<s>``; Qwen3 adds none).
-    task_*: knobs of the built-in tasks; ``task_num_examples`` is the length of one epoch of a task.
-    """
-
-    source: str = "builtin:arithmetic"
-    prompt_key: str = "prompt"
-    answer_key: Optional[str] = "answer"
-    shuffle: bool = True
-    seed: int = 1234
-    max_prompt_length: int = 64
-    overlong_prompt_policy: str = "drop"
-    apply_chat_template: bool = False
-    chat_template_kwargs: dict = field(default_factory=dict)
-    add_special_tokens: bool = True
-    task_num_examples: int = 100_000
-    task_num_digits: int = 2
-    task_operators: str = "+"
-    task_sort_min_len: int = 3
-    task_sort_max_len: int = 5
-    task_sort_max_value: int = 9
-
-    def __post_init__(self) -> None:
-        if self.overlong_prompt_policy not in OVERLONG_POLICIES:
-            raise _config_error(
-                f"data.overlong_prompt_policy={self.overlong_prompt_policy!r} is not one of {list(OVERLONG_POLICIES)}"
-            )
-        for name in ("max_prompt_length", "task_num_examples", "task_num_digits"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise _config_error(f"data.{name} must be a positive integer, got {v!r}")
-        if not self.source:
-            raise _config_error("data.source is empty; use builtin:arithmetic, builtin:sort or a .jsonl/.parquet path")
-        if not self.prompt_key:
-            raise _config_error("data.prompt_key is empty")
-        if not isinstance(self.chat_template_kwargs, dict):
-            raise _config_error(f"data.chat_template_kwargs must be a mapping, got {self.chat_template_kwargs!r}")
 
 
 # ----------------------------------------------------------------------------------------------

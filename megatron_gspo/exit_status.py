@@ -26,7 +26,6 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Optional
 
 EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" -> requeue and resume

@@ -6,11 +6,13 @@ through an all-reduce), writes a checkpoint and exits with ``EXIT_PREEMPTED`` so
 can requeue and resume.
 
 Fault injection (tests only): ``MEGATRON_GSPO_FAULTS="kind@step[:rank],..."`` with kinds
-  nan_logprob  make rank's current log-probs non-finite in the training forward of that step
+  nan_logprob  make rank's old log-probs of the first micro-batch of every minibatch non-finite
+               in that step (the loss and gradients follow: the NaN guard must catch it)
   raise        raise RuntimeError at the start of that step
   kill         SIGKILL this process at the start of that step
   kill_in_save SIGKILL this process while the checkpoint of that step is half written
 A fault without ``:rank`` fires on every rank. Unset in production: every check is a dict lookup.
+``FaultInjection`` applies them from outside the loop, as a trainer hook.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import signal
 from typing import Optional
 
 from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS  # noqa: F401 (re-exported)
+from megatron_gspo.hooks import TrainerHook
 
 _KINDS = ("nan_logprob", "raise", "kill", "kill_in_save")
 
@@ -76,3 +79,29 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
 
         return hook
+
+
+class FaultInjection(TrainerHook):
+    """``MEGATRON_GSPO_FAULTS`` (or ``spec``) applied to a trainer, for the reliability tests."""
+
+    def __init__(self, spec: Optional[str] = None, rank: int = 0) -> None:
+        self.faults = Faults(spec, rank)
+
+    def at_step_start(self, trainer) -> None:
+        self.faults.at_step_start(trainer.step + 1)
+
+    def after_rollout(self, trainer, batch) -> None:
+        if not self.faults.active("nan_logprob", trainer.step + 1):
+            return
+        from megatron_gspo.rollout import micro_batch_slices
+
+        t = trainer.cfg.train
+        for mini in micro_batch_slices(batch.num_rows, t.num_minibatches, t.micro_batch_size):
+            rows = mini[0]
+            batch.old_logprobs[rows] = batch.old_logprobs[rows].masked_fill(batch.mask[rows], float("nan"))
+
+    def during_save(self, trainer, tmp_dir: str) -> None:
+        hook = self.faults.save_hook(trainer.step)
+        if hook is not None:
+            hook("save", tmp_dir)
+

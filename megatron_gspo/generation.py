@@ -93,88 +93,18 @@ Routing replay (R3)
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron_gspo import comm
+from megatron_gspo.config import GenerationConfig
 from megatron_gspo.sampling import counter_uniform, sample_tokens
 
-# config.py composes GenerationConfig into JobConfig and imports this module: nothing of the package
-# is imported at the top here (ConfigError and the model helpers are imported where they are used).
-
 OnForward = Callable[[int, str], None]
-
-
-# ----------------------------------------------------------------------------------------------
-# Configuration
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class GenerationConfig:
-    """Sampling settings of a rollout."""
-
-    max_new_tokens: int = 256
-    # 0 = greedy (argmax); otherwise logits are divided by it before sampling.
-    temperature: float = 1.0
-    # Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off).
-    top_p: float = 1.0
-    # Keep the top_k most likely tokens (0 = off).
-    top_k: int = 0
-    # Samples per prompt (the group size G of GRPO/GSPO): each prompt is repeated G times.
-    n_samples_per_prompt: int = 4
-    # Base seed of the sampling noise; the trainer mixes it with the step (sampling.counter_uniform
-    # keys every draw by seed, sample index and position, never by rank).
-    seed: int = 1234
-    # A response ends after the first of these tokens (which is kept as its last token).
-    stop_token_ids: list[int] = field(default_factory=list)
-    # Token written after a response ends (and fed for finished rows). None: first stop token, or 0.
-    pad_token_id: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        from megatron_gspo.config import ConfigError  # a ValueError subclass
-
-        def check(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ConfigError(msg)
-
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
-              f"generation.max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-              and math.isfinite(self.temperature) and self.temperature >= 0,
-              f"generation.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        check(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool)
-              and 0 < self.top_p <= 1,
-              f"generation.top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        check(is_int(self.top_k) and self.top_k >= 0,
-              f"generation.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        check(is_int(self.n_samples_per_prompt) and self.n_samples_per_prompt >= 1,
-              f"generation.n_samples_per_prompt must be an integer >= 1, got {self.n_samples_per_prompt!r}")
-        check(is_int(self.seed) and self.seed >= 0, f"generation.seed must be an integer >= 0, got {self.seed!r}")
-        check(isinstance(self.stop_token_ids, (list, tuple))
-              and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-              f"generation.stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
-        check(self.pad_token_id is None or (is_int(self.pad_token_id) and self.pad_token_id >= 0),
-              f"generation.pad_token_id must be a token id >= 0 or null, got {self.pad_token_id!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def pad_id(self) -> int:
-        if self.pad_token_id is not None:
-            return self.pad_token_id
-        return self.stop_token_ids[0] if self.stop_token_ids else 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
-"""Rank-0 logging: tensorboard scalars and histograms, a JSONL copy, and one progress line per step."""
+"""Rank-0 logging: tensorboard scalars and histograms, a JSONL copy, one progress line per step,
+and the step's section timings (``Timer``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import sys
+import time
 from typing import Mapping, Optional, Union
 
 import torch
@@ -136,3 +139,27 @@ def progress_line(step: int, total: int, m: Mapping[str, Value]) -> str:
         if s is not None:
             parts.append(f"{label} {s}")
     return " | ".join(parts)
+
+
+class Timer:
+    """Wall-clock sections of a step: ``with timer("generate"): ...``; ``timer.pop()`` -> dict."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        @contextlib.contextmanager
+        def section():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            yield
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+        return section()
+
+    def pop(self) -> dict[str, float]:
+        t, self.times = self.times, {}
+        return t

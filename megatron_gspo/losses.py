@@ -42,129 +42,19 @@ Numerics
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import torch
 
+from megatron_gspo.config import LOSS_AGG_MODES, LossConfig
+from megatron_gspo.config.checks import check_clip_range
+from megatron_gspo.config.checks import finite as _finite
 from megatron_gspo.metrics import Metric
 
 Tensor = torch.Tensor
 Metrics = dict[str, Metric]
 Normalizer = Optional[Union[float, Tensor]]
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# Paper defaults: GSPO §5.1 uses 3e-4 / 4e-4 (sequence ratios live very close to 1 because they
-# are geometric means); GRPO/PPO use 0.2 / 0.2 (DAPO's clip-higher is 0.2 / 0.28).
-DEFAULT_CLIP_RATIOS: dict[str, tuple[float, float]] = {
-    "gspo": (3e-4, 4e-4),
-    "gspo_token": (3e-4, 4e-4),
-    "grpo": (0.2, 0.2),
-}
-
-
-def _config_error(msg: str) -> Exception:
-    # Imported lazily: config.py composes LossConfig, so a top-level import would be circular.
-    from megatron_gspo.config import ConfigError  # a ValueError subclass
-
-    return ConfigError(msg)
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise _config_error(msg)
-
-
-def _finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _check_clip(low: float, high: float, bound: float, where: str = "loss.") -> None:
-    """Ranges shared by LossConfig and the loss functions' keyword arguments."""
-    _check(_finite(low) and 0 < low < 1, f"{where}clip_ratio_low must be in (0, 1), got {low}")
-    _check(_finite(high) and high > 0, f"{where}clip_ratio_high must be a finite number > 0, got {high}")
-    _check(_finite(bound) and bound > 0, f"{where}log_ratio_bound must be a finite number > 0, got {bound}")
-    # A bound inside the clip range would cut gradients that clipping means to keep.
-    need = max(math.log1p(high), -math.log1p(-low))
-    _check(
-        bound > need,
-        f"{where}log_ratio_bound={bound} must exceed the clip range's log-width {need:.4g} "
-        f"(clip_ratio_low={low}, clip_ratio_high={high})",
-    )
-
-
-@dataclass
-class LossConfig:
-    """The ``loss`` section of a job.
-
-    name: "gspo" | "gspo_token" | "grpo".
-    clip_ratio_low / clip_ratio_high: epsilons of the clip range [1 - low, 1 + high]. None picks the
-        loss's default: 3e-4 / 4e-4 for gspo and gspo_token (GSPO paper §5.1), 0.2 / 0.2 for grpo
-        (set 0.2 / 0.28 for DAPO's clip-higher).
-    loss_agg_mode (grpo only): "token-mean" (every response token of the batch weighs the same),
-        "seq-mean-token-mean" (GRPO paper: mean over tokens within a sequence, then over
-        sequences), "seq-mean-token-sum-norm" (Dr. GRPO: token sum / loss_agg_norm_constant, then
-        mean over sequences). gspo/gspo_token always aggregate per sequence.
-    loss_agg_norm_constant: the constant of "seq-mean-token-sum-norm", normally the maximum
-        response length; required by that mode and rejected by the others.
-    kl_coef: weight of the k3 KL estimator to the reference policy (needs ref_logp).
-    dual_clip_c (grpo only): > 1; for A < 0 the objective is bounded below by c * A.
-    log_ratio_bound: |log-ratio| cap before exp (see the module docstring).
-    entropy_coef: weight of the entropy bonus (needs an entropy tensor).
-    """
-
-    name: str = "gspo"
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
-    loss_agg_mode: str = "token-mean"
-    loss_agg_norm_constant: Optional[float] = None
-    kl_coef: float = 0.0
-    dual_clip_c: Optional[float] = None
-    log_ratio_bound: float = 20.0
-    entropy_coef: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check(self.name in POLICY_LOSSES, f"loss.name={self.name!r} is not one of {list(POLICY_LOSSES)}")
-        if self.clip_ratio_low is not None:
-            _check(_finite(self.clip_ratio_low) and 0 < self.clip_ratio_low < 1,
-                   f"loss.clip_ratio_low must be in (0, 1), got {self.clip_ratio_low}")
-        if self.clip_ratio_high is not None:
-            _check(_finite(self.clip_ratio_high) and self.clip_ratio_high > 0,
-                   f"loss.clip_ratio_high must be a finite number > 0, got {self.clip_ratio_high}")
-        low, high = self.clip_range()
-        _check_clip(low, high, self.log_ratio_bound)
-        _check(self.loss_agg_mode in LOSS_AGG_MODES,
-               f"loss.loss_agg_mode={self.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
-        if self.name != "grpo":
-            _check(self.loss_agg_mode == "token-mean",
-                   f"loss.loss_agg_mode={self.loss_agg_mode!r} applies to loss.name='grpo' only; "
-                   f"{self.name} always averages per sequence (leave loss_agg_mode at 'token-mean')")
-            _check(self.dual_clip_c is None,
-                   f"loss.dual_clip_c applies to loss.name='grpo' only, got name={self.name!r}")
-        if self.loss_agg_mode == "seq-mean-token-sum-norm":
-            c = self.loss_agg_norm_constant
-            _check(c is not None and _finite(c) and c > 0,
-                   "loss.loss_agg_norm_constant must be a number > 0 (the maximum response length) "
-                   f"with loss.loss_agg_mode='seq-mean-token-sum-norm', got {c}")
-        else:
-            _check(self.loss_agg_norm_constant is None,
-                   "loss.loss_agg_norm_constant is only used with loss.loss_agg_mode='seq-mean-token-sum-norm', "
-                   f"got loss_agg_mode={self.loss_agg_mode!r}")
-        if self.dual_clip_c is not None:
-            _check(_finite(self.dual_clip_c) and self.dual_clip_c > 1,
-                   f"loss.dual_clip_c must be > 1, got {self.dual_clip_c}")
-        _check(_finite(self.kl_coef) and self.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {self.kl_coef}")
-        _check(_finite(self.entropy_coef) and self.entropy_coef >= 0,
-               f"loss.entropy_coef must be >= 0, got {self.entropy_coef}")
-
-    def clip_range(self) -> tuple[float, float]:
-        """(clip_ratio_low, clip_ratio_high) with None resolved to the loss's default."""
-        d_low, d_high = DEFAULT_CLIP_RATIOS[self.name]
-        low = d_low if self.clip_ratio_low is None else self.clip_ratio_low
-        high = d_high if self.clip_ratio_high is None else self.clip_ratio_high
-        return low, high
-
 
 # ----------------------------------------------------------------------------------------------
 # Shared plumbing
@@ -370,7 +260,7 @@ def gspo_loss(
     normalizer if given); KL / entropy terms are averaged per sequence then over sequences.
     Returns (scalar loss, metrics); clip fractions count sequences.
     """
-    _check_clip(clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
+    check_clip_range(clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
     _validate_common(kl_coef, entropy_coef, ref_logp, entropy, global_batch_normalizer)
     b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
     adv = b.adv if b.adv.dim() == 1 else _token_mean_per_seq(b.adv, b)
@@ -405,7 +295,7 @@ def gspo_token_loss(
     rounding), clipped sequences (zero gradient) and out-of-bound log-ratios included.
     loss = -(1/N) sum_i (masked token mean of obj_it); N as in gspo_loss.
     """
-    _check_clip(clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
+    check_clip_range(clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
     _validate_common(kl_coef, entropy_coef, ref_logp, entropy, global_batch_normalizer)
     b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
     adv = b.adv[:, None] if b.adv.dim() == 1 else b.adv  # [B, 1] broadcasts over tokens
@@ -456,7 +346,7 @@ def grpo_loss(
     The denominator (tokens or sequences) is replaced by global_batch_normalizer when given.
     Returns (scalar loss, metrics); clip fractions count tokens.
     """
-    _check_clip(clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
+    check_clip_range(clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
     _validate_common(kl_coef, entropy_coef, ref_logp, entropy, global_batch_normalizer)
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")

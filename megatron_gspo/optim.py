@@ -9,48 +9,10 @@ redirected by cpu_compat.optimizer_context(), which is what lets both layouts ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
 from megatron_gspo import cpu_compat
-from megatron_gspo.config import ConfigError
-
-
-@dataclass
-class OptimizerConfig:
-    """Adam + warmup/decay schedule (Megatron-LM argument names)."""
-
-    optimizer: str = "adam"
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
-    # None: decay over all optimizer steps of the run (train.num_steps x train.num_minibatches).
-    lr_decay_steps: Optional[int] = None
-    lr_decay_style: str = "constant"
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in ("adam", "sgd"):
-            raise ConfigError(f"optimizer.optimizer={self.optimizer!r} is not one of ['adam', 'sgd']")
-        if not self.lr > 0:
-            raise ConfigError(f"optimizer.lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ConfigError(f"optimizer.min_lr={self.min_lr} must be in [0, optimizer.lr={self.lr}]")
-        if self.lr_warmup_steps < 0:
-            raise ConfigError(f"optimizer.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
-        if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
-            raise ConfigError(f"optimizer.lr_decay_style={self.lr_decay_style!r} is not one of "
-                              "['constant', 'linear', 'cosine', 'inverse-square-root']")
-        if self.clip_grad < 0:
-            raise ConfigError(f"optimizer.clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
-        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
-            raise ConfigError(f"optimizer.adam_beta1/adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+from megatron_gspo.config import OptimizerConfig
 
 
 def build_optimizer(cfg: OptimizerConfig, ddp_model, state, bf16: bool):

@@ -47,36 +47,16 @@ import numbers
 import os
 import re
 import string
-from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from megatron_gspo.config import RewardConfig
+from megatron_gspo.errors import ConfigError, RewardError
+from megatron_gspo.errors import clip_repr as _clip
+
 RewardFn = Callable[..., float]
-
-
-class RewardError(RuntimeError):
-    """A reward function failed or returned something that is not a finite number."""
-
-    def __init__(self, fn_name: str, index: int, prompt: str, response: str, problem: str) -> None:
-        self.fn_name, self.index, self.prompt, self.response, self.problem = fn_name, index, prompt, response, problem
-        super().__init__(
-            f"reward function {fn_name!r} on sample {index}: {problem}\n"
-            f"  prompt:   {_clip(prompt)}\n  response: {_clip(response)}"
-        )
-
-
-def _clip(text: Any, limit: int = 200) -> str:
-    text = repr(text)
-    return text if len(text) <= limit else text[: limit - 15] + f"... ({len(text)} chars)"
-
-
-def _config_error(msg: str) -> Exception:
-    # Imported lazily: config.py composes RewardConfig, so a module-level import would be circular.
-    from megatron_gspo.config import ConfigError
-
-    return ConfigError(msg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,16 +92,16 @@ def get_reward_fn(name_or_path: str) -> RewardFn:
         return _REGISTRY[name_or_path]
     where = f"reward {name_or_path!r} (reward.name)"
     if ":" not in name_or_path:
-        raise _config_error(
+        raise ConfigError(
             f"unknown reward {name_or_path!r} (reward.name); registered: {registered_rewards()}, "
             "or give your own as 'package.module:function'"
         )
     module_name, _, fn_name = name_or_path.rpartition(":")
     if not module_name or not fn_name:
-        raise _config_error(f"{where}: expected 'package.module:function'")
+        raise ConfigError(f"{where}: expected 'package.module:function'")
     if module_name.endswith(".py"):
         if not os.path.isfile(module_name):
-            raise _config_error(f"{where}: file {module_name} not found")
+            raise ConfigError(f"{where}: file {module_name} not found")
         plugin_name = "_reward_plugin_" + re.sub(r"\W", "_", os.path.abspath(module_name))
         spec = importlib.util.spec_from_file_location(plugin_name, module_name)
         assert spec is not None and spec.loader is not None
@@ -129,19 +109,19 @@ def get_reward_fn(name_or_path: str) -> RewardFn:
         try:
             spec.loader.exec_module(module)
         except Exception as e:  # the plug-in's own code failed while loading (syntax, imports, ...)
-            raise _config_error(f"{where}: loading {module_name} failed: {type(e).__name__}: {e}") from e
+            raise ConfigError(f"{where}: loading {module_name} failed: {type(e).__name__}: {e}") from e
     else:
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
-            raise _config_error(f"{where}: cannot import module {module_name!r}: {e}") from None
+            raise ConfigError(f"{where}: cannot import module {module_name!r}: {e}") from None
         except Exception as e:
-            raise _config_error(f"{where}: importing module {module_name!r} failed: {type(e).__name__}: {e}") from e
+            raise ConfigError(f"{where}: importing module {module_name!r} failed: {type(e).__name__}: {e}") from e
     fn = getattr(module, fn_name, None)
     if fn is None:
-        raise _config_error(f"{where}: module {module_name!r} has no attribute {fn_name!r}")
+        raise ConfigError(f"{where}: module {module_name!r} has no attribute {fn_name!r}")
     if not callable(fn):
-        raise _config_error(f"{where}: {module_name}.{fn_name} is a {type(fn).__name__}, not a function")
+        raise ConfigError(f"{where}: {module_name}.{fn_name} is a {type(fn).__name__}, not a function")
     return fn
 
 
@@ -452,30 +432,6 @@ def format_reward(prompt: str, response: str, answer: Optional[str] = None, *, r
 # ----------------------------------------------------------------------------------------------
 # Config and batch scoring
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RewardConfig:
-    """``reward:`` section of a job.
-
-    name: a registered reward or ``module.path:function``.
-    kwargs: passed to that function on every call.
-    format_weight: when > 0, adds ``format_weight * format(...)`` (with ``format_kwargs``) to it.
-    """
-
-    name: str = "exact_match"
-    kwargs: dict = field(default_factory=dict)
-    format_weight: float = 0.0
-    format_kwargs: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise _config_error(f"reward.name is empty; registered rewards: {registered_rewards()}")
-        for key in ("kwargs", "format_kwargs"):
-            if not isinstance(getattr(self, key), dict):
-                raise _config_error(f"reward.{key} must be a mapping, got {getattr(self, key)!r}")
-        if not math.isfinite(self.format_weight) or self.format_weight < 0:
-            raise _config_error(f"reward.format_weight must be a finite number >= 0, got {self.format_weight!r}")
 
 
 def build_reward_fn(cfg: RewardConfig) -> RewardFn:

@@ -1,4 +1,12 @@
-"""From prompts to a training batch: generate, score, advantages, old log-probs.
+"""From prompts to a training batch: the first half of an RL step (``Rollouts.collect``).
+
+    1. draw the step's P prompts, the same on every rank                      data.PromptSampler
+    2. keep this rank's rows: its share of every minibatch                    local_rows
+    3. sample G responses per prompt on the training model (KV cache)        generation.generate
+    4. score them; advantages over every rank's rewards                       rewards, global_advantages
+    5. pad to a width every rank shares; old (and reference) log-probs       compute_logprobs
+The routing policy is told at 3 (R3 records routes) and 5 (reference routes, R2 records, R3
+replays); ``Rollouts.metrics`` reduces the rollout's own metrics over DP.
 
 Global rows. A step's rollout is P prompts x G samples = R rows in prompt-major order (global row
 g = prompt g // G, sample g % G), split into ``num_minibatches`` consecutive minibatches of R / M rows
@@ -16,16 +24,21 @@ which is also why routing recorded during generation (R3) needs no route for it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_gspo import comm
+from megatron_gspo.generation import generate
 from megatron_gspo.logprobs import vocab_parallel_logprobs
+from megatron_gspo.metrics import Metric, MetricAccumulator
 from megatron_gspo.model import forward_logits, input_padding_mask
+from megatron_gspo.rewards import compute_rewards
 
 # Called around each micro-batch forward with its index: routing replay/monitor hooks use it.
 MicroBatchHook = Optional[Callable[[int], "object"]]
@@ -131,8 +144,6 @@ def compute_logprobs(model, tokens: torch.Tensor, micro_batches: list[slice], vo
 
     ``on_micro_batch(i)`` may return a context manager entered around micro-batch i's forward
     (routing record / monitor capture)."""
-    import contextlib
-
     out = []
     for i, rows in enumerate(micro_batches):
         mb = tokens[rows]
@@ -145,27 +156,86 @@ def compute_logprobs(model, tokens: torch.Tensor, micro_batches: list[slice], vo
     return torch.cat(out, dim=0)
 
 
-class Timer:
-    """Wall-clock sections of a step: ``with timer("generate"): ...``; ``timer.pop()`` -> dict."""
+class Rollouts:
+    """Prompts -> RolloutBatch on this rank, every step (see the module docstring).
 
-    def __init__(self) -> None:
-        self.times: dict[str, float] = {}
+    cfg: the JobConfig; gen_cfg: the generation section with the tokenizer's stop and pad ids filled
+    in; model / ref_model: the policy (DDP-wrapped) and the frozen KL reference (or None); routing:
+    the RoutingPolicy; timer: where the sections' wall times go."""
 
-    def __call__(self, name: str):
-        import contextlib
+    def __init__(self, cfg, state, model, ref_model, sampler, tokenizer, reward_fn, advantage_fn, gen_cfg,
+                 routing, timer) -> None:
+        self.cfg, self.state, self.model, self.ref_model = cfg, state, model, ref_model
+        self.sampler, self.tokenizer, self.reward_fn, self.advantage_fn = sampler, tokenizer, reward_fn, advantage_fn
+        self.routing, self.timer = routing, timer
+        self.gen_cfg = gen_cfg
+        # generate() gets one row per sample: a sample's noise is keyed by its global row
+        self.row_gen_cfg = dataclasses.replace(gen_cfg, n_samples_per_prompt=1)
+        # log-probs are taken at the sampling temperature (greedy rollouts: the raw policy)
+        self.temperature = gen_cfg.temperature or 1.0
 
-        @contextlib.contextmanager
-        def section():
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            yield
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+    def micro_batches(self, num_rows: int) -> list[slice]:
+        """This rank's micro-batches, minibatch after minibatch: the one partition both passes use."""
+        t = self.cfg.train
+        return [s for mini in micro_batch_slices(num_rows, t.num_minibatches, t.micro_batch_size) for s in mini]
 
-        return section()
+    def sampling_seed(self, step: int) -> int:
+        """(generation.seed, step) in one 64-bit key; sampling.py keys every draw by row and position too."""
+        return (self.gen_cfg.seed << 32) + step
 
-    def pop(self) -> dict[str, float]:
-        t, self.times = self.times, {}
-        return t
+    def collect(self, step: int) -> RolloutBatch:
+        cfg, st, dev = self.cfg, self.state, self.state.device
+        vocab = cfg.model.vocab_size
+        prompts = self.sampler.next_batch()  # 1. the same P prompts on every rank
+        G = self.gen_cfg.n_samples_per_prompt
+        R = len(prompts) * G
+        rows = local_rows(R, cfg.train.num_minibatches, st.dp, st.dp_rank)  # 2.
+        mine = [prompts[g // G] for g in rows]
+        with self.timer("generate"), self.routing.generating():  # 3.
+            out = generate(self.model, [p.ids for p in mine], self.row_gen_cfg, vocab_size=vocab, state=st,
+                           seed=self.sampling_seed(step), row_keys=rows,
+                           on_forward=self.routing.on_generation_forward)
+        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
+        with self.timer("reward"):  # 4.
+            rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine],
+                                      device=dev)
+        row_ids = torch.tensor(rows, dtype=torch.long, device=dev)
+        advantages = global_advantages(rewards, row_ids, R, G, self.advantage_fn, st.dp, cfg.train.num_minibatches,
+                                       st.dp_group)
+        # 5. one width on every rank (MoE dispatch is a collective), (T - 1) % TP == 0 under SP
+        T = common_length(out.tokens.shape[1], st.tp if st.sequence_parallel else 1, dev, group=dist.group.WORLD)
+        tokens = pad_columns(out.tokens, T, self.gen_cfg.pad_id)
+        mask, sample_lp = pad_columns(out.response_mask, T, False), pad_columns(out.logprobs, T, 0.0)
+        batch = RolloutBatch(tokens=tokens, mask=mask[:, 1:], seq_lengths=out.prompt_lengths + out.response_lengths,
+                             row_ids=row_ids, rewards=rewards, advantages=advantages,
+                             sample_logprobs=sample_lp[:, 1:], response_texts=texts,
+                             sample_ids=[f"{p.id}#{g % G}" for p, g in zip(mine, rows)])
+        micro = self.micro_batches(batch.num_rows)
+        self.routing.after_generation(out, micro, seq_len=T - 1)
+        pad_mask = batch.input_padding_mask()
+        with self.timer("old_logprob"):
+            batch.old_logprobs = compute_logprobs(self.model, tokens, micro, vocab, st.tp_group, self.temperature,
+                                                  on_micro_batch=self.routing.old_pass, padding_mask=pad_mask)
+            self.routing.after_old_pass()
+            if self.ref_model is not None:
+                batch.ref_logprobs = compute_logprobs(self.ref_model, tokens, micro, vocab, st.tp_group,
+                                                      self.temperature, padding_mask=pad_mask)
+        batch.timings = {"gen_tokens": out.num_generated_tokens, "gen_s": out.elapsed_s}
+        return batch
+
+    def metrics(self, batch: RolloutBatch) -> dict:
+        """rollout/* (rewards, lengths, sampling vs recomputed log-probs) and perf/gen_tokens, over DP."""
+        m = batch.mask
+        diff = (batch.old_logprobs - batch.sample_logprobs).abs()
+        acc = MetricAccumulator()
+        acc.add({
+            "rollout/reward_mean": Metric.mean(batch.rewards),
+            "rollout/reward_std": Metric.std(batch.rewards),
+            "rollout/response_length_mean": Metric.mean(m.sum(-1).float()),
+            "rollout/response_length_max": Metric.max(m.sum(-1).float()),
+            # generation ran on the training model itself: this is numerical noise only
+            "rollout/logprob_diff_mean": Metric.mean(diff, m),
+            "rollout/logprob_diff_max": Metric.max(diff, m),
+            "perf/gen_tokens": Metric.sum(torch.tensor([float(batch.timings["gen_tokens"])], device=self.state.device)),
+        })
+        return acc.reduce(self.state.dp_group)

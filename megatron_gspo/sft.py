@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo import comm
-from megatron_gspo.data import DataError
+from megatron_gspo.data import PromptSampler
+from megatron_gspo.errors import DataError
+from megatron_gspo.hooks import TrainerHook
 from megatron_gspo.logprobs import vocab_parallel_logprobs
 from megatron_gspo.model import (
     aux_loss_scales,
@@ -55,23 +57,31 @@ def build_sft_batch(prompts, tokenizer, pad_id: int, device="cpu") -> tuple[torc
     return tokens.to(device), mask.to(device), lengths.to(device)
 
 
-def sft_warm_start(trainer) -> None:
-    cfg, st = trainer.cfg, trainer.state
-    t = cfg.train
+class SFTWarmStart(TrainerHook):
+    """The warm start as a hook: before the RL optimizer exists (bf16 master weights copy the
+    parameters when it is built), unless the run resumes (the checkpoint holds the warmed-up policy)."""
+
+    def before_training(self, trainer) -> None:
+        if trainer.cfg.train.sft_steps > 0 and not trainer.resumed:
+            sft_warm_start(trainer.ddp, trainer.state, trainer.cfg, trainer.sampler.dataset, trainer.tokenizer,
+                           trainer.rollouts.gen_cfg.pad_id)
+
+
+def sft_warm_start(model, state, cfg, dataset, tokenizer, pad: int) -> None:
+    """``train.sft_steps`` supervised steps on ``dataset``'s (prompt, answer) pairs. model: the DDP-wrapped
+    policy; cfg: the JobConfig (train.sft_*, optimizer, model, data); pad: the padding token id."""
+    st, t = state, cfg.train
     opt_cfg = dataclasses.replace(cfg.optimizer, lr=t.sft_lr, min_lr=0.0, lr_warmup_steps=0,
                                   lr_decay_style="constant", weight_decay=0.0)
-    optimizer = build_optimizer(opt_cfg, trainer.ddp, st, cfg.model.precision == "bf16")
-    # draw from the sampler's own dataset with a separate stream so the RL data order is untouched
-    from megatron_gspo.data import PromptSampler
-
-    sampler = PromptSampler(trainer.sampler.dataset, trainer.tokenizer,
-                            dataclasses.replace(cfg.data, seed=cfg.data.seed + 7919), t.sft_batch_size)
-    pad = trainer.gen_cfg.pad_id
+    optimizer = build_optimizer(opt_cfg, model, st, cfg.model.precision == "bf16")
+    # draw from the same dataset with a separate stream so the RL data order is untouched
+    sampler = PromptSampler(dataset, tokenizer, dataclasses.replace(cfg.data, seed=cfg.data.seed + 7919),
+                            t.sft_batch_size)
     for step in range(t.sft_steps):
         prompts = sampler.next_batch()
         per = len(prompts) // st.dp
-        tokens, mask, lengths = build_sft_batch(prompts[st.dp_rank * per:(st.dp_rank + 1) * per], trainer.tokenizer,
-                                                pad, st.device)
+        tokens, mask, lengths = build_sft_batch(prompts[st.dp_rank * per:(st.dp_rank + 1) * per], tokenizer, pad,
+                                                st.device)
         # one width on every rank (MoE dispatch is a collective) and (T - 1) % TP == 0 under SP
         T = common_length(tokens.shape[1], st.tp if st.sequence_parallel else 1, st.device, group=dist.group.WORLD)
         tokens, mask = pad_columns(tokens, T, pad), pad_columns(mask, T - 1, False)
@@ -79,17 +89,17 @@ def sft_warm_start(trainer) -> None:
         micro = micro_batch_slices(per, 1, t.micro_batch_size)[0]
         pad_masks = [input_padding_mask(lengths[sl], T - 1) for sl in micro]
         scales = aux_loss_scales(pad_masks, st, cfg.model.moe_router_load_balancing_type, cfg.model.moe_aux_loss_coeff)
-        trainer.ddp.zero_grad_buffer()
+        model.zero_grad_buffer()
         optimizer.zero_grad()
         nll = torch.zeros(1, device=st.device)
         for j, sl in enumerate(micro):
-            logits = forward_logits(trainer.ddp, tokens[sl, :-1], padding_mask=pad_masks[j])
+            logits = forward_logits(model, tokens[sl, :-1], padding_mask=pad_masks[j])
             lp, _ = vocab_parallel_logprobs(logits, tokens[sl, 1:], cfg.model.vocab_size, st.tp_group, with_entropy=False)
             loss = -(lp * mask[sl]).sum() / n[0]
             set_aux_loss_scale(scales[j], st.device)
             loss.backward()
             nll += loss.detach()  # this rank's share of the global mean
-        finalize_grads(trainer.ddp, st)
+        finalize_grads(model, st)
         optimizer_step(optimizer)
         if (step + 1) % max(1, t.sft_steps // 10) == 0 or step == t.sft_steps - 1:
             comm.all_reduce(nll, "sum", st.dp_group, what="SFT: loss over DP")

@@ -28,42 +28,11 @@ import json
 import os
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Optional, Sequence
 
-
-class TokenizerError(ValueError):
-    """A tokenizer cannot be built or used as configured; the message names the file or the token."""
-
-
-@dataclass
-class TokenizerConfig:
-    """``tokenizer:`` section of a job.
-
-    type: "builtin" (:class:`CharTokenizer`, for the built-in tasks and the tiny model),
-        "hf" (a Hugging Face tokenizer directory or ``tokenizer.json``) or
-        "sentencepiece" (a ``.model`` file).
-    path: the directory or file for "hf"/"sentencepiece"; unused for "builtin".
-    chat_template: optional Jinja chat template (inline text, or a path to a ``.jinja`` file) that
-        overrides the tokenizer's own, e.g. to give a base checkpoint or SentencePiece model one.
-    """
-
-    type: str = "builtin"
-    path: Optional[str] = None
-    chat_template: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        # ConfigError is imported lazily: config.py composes this class, a module-level import would be circular.
-        from megatron_gspo.config import ConfigError
-
-        if self.type not in TOKENIZER_TYPES:
-            raise ConfigError(f"tokenizer.type={self.type!r} is not one of {list(TOKENIZER_TYPES)}")
-        if self.type != "builtin" and not self.path:
-            raise ConfigError(f"tokenizer.type={self.type!r} needs tokenizer.path (a file or directory)")
-
-
-TOKENIZER_TYPES = ("builtin", "hf", "sentencepiece")
+from megatron_gspo.config import TOKENIZER_TYPES, TokenizerConfig
+from megatron_gspo.errors import TokenizerError
 
 
 # ----------------------------------------------------------------------------------------------

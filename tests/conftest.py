@@ -25,6 +25,14 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 300, check: boo
     return p
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every test that starts torchrun ranks is in the slow tier (``-m "not slow"`` skips it):
+    process start-up and gloo rendezvous dominate their time, not what they check."""
+    for item in items:
+        if "run_dist" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def run_dist():
     return torchrun

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the benchmark runner
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("train_step", "logprob_pass", "generation")
 
@@ -80,3 +82,13 @@ def test_plot_writes_png(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError):
         mod.plot({"scaling": []}, str(tmp_path / "q.png"))
+
+
+def test_runs_as_a_module():
+    """`python -m benchmarks.run` from the repository root: the package is imported as installed,
+    no sys.path edit (here: the Markdown tables of the committed CPU result)."""
+    p = subprocess.run([sys.executable, "-m", "benchmarks.run", "--markdown",
+                        os.path.join("benchmarks", "results", "cpu_latest.json")],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "| training step |" in p.stdout and "| log-prob pass |" in p.stdout

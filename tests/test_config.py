@@ -181,3 +181,15 @@ def test_hf_router_normalization_and_expert_key_spellings():
     cfg = model_config_from_hf(hf)
     assert cfg.num_moe_experts == 4 and cfg.moe_router_pre_softmax is True
     assert model_config_from_hf({**hf, "norm_topk_prob": True}).moe_router_pre_softmax is False
+
+
+def test_config_names_match_the_registries():
+    """The config validates names without importing the subsystems; each registry offers exactly them."""
+    from megatron_gspo import config
+    from megatron_gspo.advantages import ADVANTAGE_ESTIMATORS
+    from megatron_gspo.losses import POLICY_LOSSES
+    from megatron_gspo.tokenizer import build_tokenizer  # noqa: F401 (TOKENIZER_TYPES is its dispatch)
+
+    assert tuple(POLICY_LOSSES) == config.LOSS_NAMES
+    assert tuple(ADVANTAGE_ESTIMATORS) == config.ADVANTAGE_ESTIMATOR_NAMES
+    assert set(config.DEFAULT_CLIP_RATIOS) == set(config.LOSS_NAMES)

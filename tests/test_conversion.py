@@ -24,7 +24,10 @@ import pytest
 import torch
 
 from checkpoints_tools import hf_to_megatron, megatron_to_hf
-from checkpoints_tools.common import ConversionError, SafetensorsStreamWriter
+from checkpoints_tools.errors import ConversionError
+from checkpoints_tools.safetensors_io import SafetensorsStreamWriter
+
+pytestmark = pytest.mark.slow  # conversions under torchrun layouts and transformers reference models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIST = os.path.join(REPO, "tests", "dist_scripts")

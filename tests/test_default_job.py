@@ -5,6 +5,9 @@ import json
 import os
 import subprocess
 import sys
+import pytest
+
+pytestmark = pytest.mark.slow  # trainer subprocesses under torchrun / the launcher
 
 
 def test_default_job_reward_rises_during_gspo(tmp_path):

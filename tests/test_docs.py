@@ -124,8 +124,10 @@ def _known_metrics() -> set[str]:
     stats.tokens_per_expert += 1
     stats.compared += 1
     keys |= set(stats.summary(prefix="routing/"))
-    with open(os.path.join(ROOT, "megatron_gspo", "train.py"), encoding="utf-8") as f:
-        src = f.read()
+    src = ""
+    for module in ("trainer.py", "rollout.py"):  # where the trainer's and the rollout's metrics are named
+        with open(os.path.join(ROOT, "megatron_gspo", module), encoding="utf-8") as f:
+            src += f.read()
     keys |= set(re.findall(r"\"((?:loss|rollout|routing|perf|train|data)/[A-Za-z0-9_/]+)\"", src))
     keys |= {f"perf/{name}_s" for name in re.findall(r"self\.timer\(\"(\w+)\"\)", src)}
     return keys
@@ -146,6 +148,26 @@ def test_metric_names_in_docs_exist():
                 continue
             bad.append(f"{where}:{n}: {name}")
     assert not bad, "metric names in the docs that the code does not log:\n" + "\n".join(bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# Commands
+# ----------------------------------------------------------------------------------------------
+
+_PYTHON_M = re.compile(r"python -m ([A-Za-z_][A-Za-z0-9_.]*[A-Za-z0-9_])")
+
+
+def test_python_m_modules_in_docs_exist():
+    """Every `python -m <module>` the docs show runs from the repository root: a module that moved
+    (the comparison went from the package to experiments/compare) leaves no stale command behind."""
+    seen, bad = set(), []
+    for where, n, line in _lines():
+        for name in _PYTHON_M.findall(line):
+            seen.add(name)
+            if importlib.util.find_spec(name) is None:
+                bad.append(f"{where}:{n}: python -m {name}")
+    assert not bad, "commands in the docs that name no module:\n" + "\n".join(bad)
+    assert {"megatron_gspo.train", "experiments.compare"} <= seen
 
 
 # ----------------------------------------------------------------------------------------------

@@ -311,6 +311,7 @@ def _torchrun(script: str, nproc: int, *args: str, timeout: int = 240) -> subpro
     return p
 
 
+@pytest.mark.slow
 def test_tp2_and_ep2_generate_like_single_rank(tmp_path):
     # one torchrun call: a TP=1 reference on the same processes, then TP=2, then EP=2 (groups
     # re-initialized in between, weights through a dist_checkpointing checkpoint)

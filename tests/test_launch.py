@@ -382,6 +382,7 @@ def test_sigusr1_reaches_every_worker(probe):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_torchrun_runs_the_launcher_file_and_trains(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(LAUNCHER),
@@ -393,6 +394,7 @@ def test_torchrun_runs_the_launcher_file_and_trains(tmp_path):
     assert "(EP 2," in log
 
 
+@pytest.mark.slow
 def test_bash_launcher_trains_on_cpu(tmp_path):
     out = tmp_path / "run"
     p = subprocess.run([BASH, str(LAUNCHER), str(RECIPE_DIR / "tiny_cpu.yaml"), *TINY, f"train.output_dir={out}"],
@@ -570,6 +572,15 @@ def test_memory_estimate_cli(capsys):
     assert mem.main(["--check-recipes"]) == 0
 
 
+def test_memory_estimate_runs_as_a_script(tmp_path):
+    """`python launch/memory_estimate.py` imports the installed package: no sys.path edit, and it
+    runs from any directory."""
+    p = subprocess.run([sys.executable, str(ROOT / "launch" / "memory_estimate.py"), "--check-recipes"],
+                       env=clean_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert len([ln for ln in p.stdout.splitlines() if "GiB/GPU" in ln and "(fits)" in ln]) == len(RECIPES)
+
+
 # ----------------------------------------------------------------------------------------------
 # Docker
 # ----------------------------------------------------------------------------------------------
@@ -611,6 +622,7 @@ def test_dockerfile_hadolint():
     assert p.returncode == 0, p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_package_installs_the_way_the_dockerfile_does(tmp_path):
     """The Dockerfile's two install steps, run here: the COPYed context, `pip install --no-deps .`
     (into --target), the requirements read back from the installed metadata, and a pip dry run of

@@ -22,6 +22,8 @@ import torch
 
 from megatron_gspo.checkpoint import dist_checkpoint_to_tensors
 
+pytestmark = pytest.mark.slow  # trainer subprocesses under torchrun / the launcher
+
 # a dense reward so the random tiny model already has non-zero advantages, no SFT
 GRAD_JOB = ["train.sft_steps=0", "reward.name=digit_match", "train.num_minibatches=2"]
 

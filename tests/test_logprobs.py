@@ -100,6 +100,7 @@ _MEM_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_chunked_peak_memory_is_bounded():
     """Vocab 151936, 1024 tokens of bf16 logits (311 MB): the naive fp32 log-softmax allocates
     >= 2 x 622 MB on top; the chunked path at most a few 64 MiB chunks."""

@@ -11,6 +11,8 @@ import torch
 
 from megatron_gspo.metrics import Metric, MetricAccumulator, merge_metrics, reduce_metrics
 
+pytestmark = pytest.mark.slow  # trainer subprocesses under torchrun / the launcher
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "dist_scripts", "metrics_dp.py")
 
 

@@ -9,6 +9,8 @@ import torch
 
 from megatron_gspo.checkpoint import dist_checkpoint_to_tensors
 
+pytestmark = pytest.mark.slow  # trainer subprocesses under torchrun / the launcher
+
 LAYOUTS = {
     "tp2": (2, ["--tp", "2"]),
     "ep2": (2, ["--ep", "2"]),

@@ -25,6 +25,8 @@ from megatron_gspo.faults import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
 from test_launch import BASH, LAUNCHER, ROOT, SBATCH, clean_env, fake_bin
 from test_reliability import JOB, assert_same, final_weights
 
+pytestmark = pytest.mark.slow  # trainer subprocesses under torchrun / the launcher
+
 # Periodic checkpoints every 2 steps; runs are interrupted once the second one (step 4) is complete,
 # with 6 steps still to go, so that the signal lands mid-run even on a loaded machine.
 STEPS, EVERY = 10, 2

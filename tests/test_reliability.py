@@ -15,6 +15,8 @@ import torch
 from megatron_gspo.checkpoint import dist_checkpoint_to_tensors, iter_dir, latest_complete, verify_checkpoint
 from megatron_gspo.faults import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
 
+pytestmark = pytest.mark.slow  # trainer subprocesses under torchrun / the launcher
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = [
     "train.sft_steps=0", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generation.max_new_tokens=4",

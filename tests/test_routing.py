@@ -438,3 +438,21 @@ def test_replay_under_ep2_and_tp2_sequence_parallel(run_dist):
         assert c[("tp2sp", rank, "tokens")] == 2 * 16 // 2
         assert c[("tp2sp", rank, "bwd_changed")] == 0 and c[("tp2sp", rank, "bwd_calls")] == 2
         assert c[("tp2sp", rank, "load_layout_equal")] == 1 and c[("tp2sp", rank, "load_replay_changed")] == 0
+
+
+def test_megatron_internals_are_checked_with_a_clear_error(monkeypatch):
+    """The RouterReplay internals routing replay drives are checked against the installed megatron:
+    a missing one is named (with the tested version), not met deep inside a forward."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from megatron_gspo.routing import common
+
+    monkeypatch.setattr(common, "_CHECKED", False)
+    monkeypatch.delattr(RouterReplay, "set_replay_data")
+    with pytest.raises(RoutingReplayError, match=r"lacks \['RouterReplay.set_replay_data'\].*tested with megatron-core 0.16"):
+        common.megatron_api()
+    inst = type("Instance", (), {"router_replay_action": None, "target_topk_idx": None})()
+    monkeypatch.undo()
+    monkeypatch.setattr(common, "_CHECKED", False)
+    with pytest.raises(RoutingReplayError, match=r"RouterReplay\(\)\.replay_backward_list"):
+        common.megatron_api(inst)

@@ -185,3 +185,28 @@ def test_metrics_restart_at_the_resumed_step(tmp_path):
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("x")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0),
                                                             (6, 60.0)]
+
+
+def test_resume_reads_each_file_once_and_rotation_reads_none(tmp_path, monkeypatch):
+    """The checkpoint manager verifies the resume checkpoint once (every file against its manifest,
+    once, on rank 0) and rotation trusts manifests: saving never re-reads a kept checkpoint. (The
+    trainer used to checksum the resume checkpoint up to four times and every kept one per save.)"""
+    from megatron_gspo.checkpoint import directory
+
+    reads = []
+    real_crc = directory._crc32
+    monkeypatch.setattr(directory, "_crc32", lambda path: reads.append(path) or real_crc(path))
+    ckpt = f"{tmp_path}/ckpt"
+    common = [f"train.output_dir={tmp_path}/out", f"checkpoint.save={ckpt}", "checkpoint.save_interval=1",
+              "checkpoint.keep_last=2", "train.tensorboard=false"]
+    run_job(["train.num_steps=3"] + common)
+    # every save checksummed only the files it wrote (to write its manifest), never a kept checkpoint
+    by_ckpt = {os.path.basename(os.path.dirname(p)) for p in reads}
+    assert by_ckpt == {"iter_0000001.tmp", "iter_0000002.tmp", "iter_0000003.tmp"}, by_ckpt
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+
+    reads.clear()
+    run_job(["train.num_steps=4", "checkpoint.resume=true"] + common)
+    resumed = [p for p in reads if "/iter_0000003/" in p]
+    files = json.load(open(f"{ckpt}/iter_0000004/manifest.json"))["files"]  # the same file set per save
+    assert len(resumed) == len(set(resumed)) == len(files)  # each file of the resumed checkpoint read once

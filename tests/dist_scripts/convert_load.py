@@ -20,14 +20,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-# the repository root (checkpoints_tools may not be in an older editable install's mapping)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from checkpoints_tools.megatron_to_hf import load_model_config  # noqa: E402
-from megatron_gspo import parallel  # noqa: E402
-from megatron_gspo.checkpoint import load_model, save_checkpoint, save_model  # noqa: E402
-from megatron_gspo.config import ParallelConfig, to_dict  # noqa: E402
-from megatron_gspo.model import build_model, forward_logits, unwrap  # noqa: E402
+from checkpoints_tools.megatron_to_hf import load_model_config
+from megatron_gspo import parallel
+from megatron_gspo.checkpoint import load_model, save_checkpoint, save_model
+from megatron_gspo.config import ParallelConfig, to_dict
+from megatron_gspo.model import build_model, forward_logits, unwrap
 
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "ep2": (1, 2), "tp2ep2": (2, 2)}
 

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from megatron_gspo.losses import LossConfig, batch_normalizer, compute_policy_loss  # noqa: E402
-from megatron_gspo.metrics import Metric, MetricAccumulator, reduce_metrics  # noqa: E402
+from megatron_gspo.losses import LossConfig, batch_normalizer, compute_policy_loss
+from megatron_gspo.metrics import Metric, MetricAccumulator, reduce_metrics
 
 WORLD = 2
 B, T, F = 8, 16, 3

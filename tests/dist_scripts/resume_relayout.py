@@ -6,14 +6,11 @@ usage: torchrun ... resume_relayout.py --src ROOT --dst ROOT [config overrides .
 """
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron_gspo import parallel  # noqa: E402
-from megatron_gspo.config import load_job_config  # noqa: E402
-from megatron_gspo.train import DEMO_CONFIG, Trainer  # noqa: E402
+from megatron_gspo import parallel
+from megatron_gspo.config import load_job_config
+from megatron_gspo.train import DEMO_CONFIG, Trainer
 
 
 def main() -> None:

@@ -26,25 +26,25 @@ from megatron_gspo.checkpoint import save_model
 from megatron_gspo.config import load_job_config
 from megatron_gspo.metrics import MetricAccumulator
 from megatron_gspo.rollout import micro_batch_slices
+from megatron_gspo.hooks import TrainerHook
 from megatron_gspo.train import DEMO_CONFIG, Trainer
 
 
-def record_rollouts(trainer, out_dir):
-    st = trainer.state
-    path = os.path.join(out_dir, f"rollouts.dp{st.dp_rank}.jsonl")
-    inner = trainer.rollout
+class RecordRollouts(TrainerHook):
+    """Every step's sampled rows of this DP rank (TP rank 0 writes them)."""
 
-    def rollout():
-        batch = inner()
-        if st.tp_rank == 0:
-            with open(path, "a") as f:
-                for i in range(batch.num_rows):
-                    keep = batch.tokens[i, : int(batch.seq_lengths[i])].tolist()
-                    f.write(json.dumps({"step": trainer.step + 1, "row": int(batch.row_ids[i]), "tokens": keep,
-                                        "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i])}) + "\n")
-        return batch
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
 
-    trainer.rollout = rollout
+    def after_rollout(self, trainer, batch):
+        st = trainer.state
+        if st.tp_rank != 0:
+            return
+        with open(os.path.join(self.out_dir, f"rollouts.dp{st.dp_rank}.jsonl"), "a") as f:
+            for i in range(batch.num_rows):
+                keep = batch.tokens[i, : int(batch.seq_lengths[i])].tolist()
+                f.write(json.dumps({"step": trainer.step + 1, "row": int(batch.row_ids[i]), "tokens": keep,
+                                    "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i])}) + "\n")
 
 
 def _optimizer_states(trainer):
@@ -101,20 +101,22 @@ def save_gradients(trainer, out_dir, micro_batch_sizes):
     trainer.setup_optimizer()
     # routing metrics compare the training forward with the old-log-prob pass micro-batch by
     # micro-batch; here the training pass is re-split on purpose (no replay: nothing else to keep)
-    trainer._train_pass_context = lambda mb: contextlib.nullcontext()
+    trainer.routing.train_pass = lambda mb: contextlib.nullcontext()
+    rollouts = trainer.rollouts
     for kind in ("policy", "aux"):
         if kind == "aux":  # greedy: identical samples per prompt -> all advantages exactly 0
-            trainer.row_gen_cfg = dataclasses.replace(trainer.row_gen_cfg, temperature=0.0)
-            trainer.temperature = 1.0
+            rollouts.row_gen_cfg = dataclasses.replace(rollouts.row_gen_cfg, temperature=0.0)
+            rollouts.temperature = 1.0
         # the coefficient is read by megatron's routers at every forward and by aux_loss_scales
         unwrap(trainer.ddp).config.moe_aux_loss_coeff = mcfg.moe_aux_loss_coeff = coeff if kind == "aux" else 0.0
-        trainer.monitor.clear()  # the routing records of the previous rollout (no metrics are logged here)
-        batch = trainer.rollout()
+        trainer.routing.monitor.clear()  # the routing records of the previous rollout (no metrics here)
+        batch = rollouts.collect(trainer.step)
+        trainer.hooks.after_rollout(trainer, batch)
         trainer.step += 1
         for mbs in micro_batch_sizes:
             mini = micro_batch_slices(batch.num_rows, trainer.cfg.train.num_minibatches, mbs)[0]
             trainer.accumulate_gradients(batch, mini, 0, MetricAccumulator())
-            trainer.replay.reset()
+            trainer.routing.replay.reset()
             saved = [p.detach().clone() for p in model.parameters()]
             for p in model.parameters():
                 p.data.copy_(p.main_grad)
@@ -134,9 +136,8 @@ def main():
     overrides = argv[split + 1:] + [f"train.output_dir={a.out}", "train.tensorboard=false"]
     cfg = load_job_config(DEMO_CONFIG, overrides)
     os.makedirs(a.out, exist_ok=True)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, hooks=[RecordRollouts(a.out)])
     try:
-        record_rollouts(trainer, a.out)
         if a.grads:
             save_gradients(trainer, a.out, [int(x) for x in a.grads.split(",")])
             return
@@ -148,7 +149,7 @@ def main():
             print(f"[rank {trainer.state.rank}] replicas: {worst}", flush=True)
         save_model(trainer.model, os.path.join(a.out, "weights"))
     finally:
-        trainer.logger.close()
+        trainer.close()
         parallel.destroy()
 
 

@@ -1,0 +1,147 @@
+"""A checkpoint root on disk: iteration directories, manifests, the tracker file, rotation.
+
+    <root>/iter_0000010/            one checkpoint (torch_dist files + manifest.json)
+    <root>/iter_0000012.tmp/        a save in progress (never taken for a checkpoint)
+    <root>/latest_checkpointed_iteration.txt   the newest step (Megatron-LM's name; a hint only)
+
+Crash safety: every rank writes into ``iter_XXXXXXX.tmp`` and fsyncs; rank 0 writes manifest.json
+(size and crc32 of every file) last, renames the directory into place and fsyncs the parent, then
+replaces the tracker. So a directory with a manifest is complete as written. ``verify_checkpoint``
+re-reads every file against its manifest: that is for the one checkpoint a run resumes from (a
+disk can still corrupt it); rotation trusts the manifests and reads no file (at 30B with Adam state
+and three kept checkpoints, checksumming them on every save would read a terabyte).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import zlib
+from typing import Optional
+
+from megatron_gspo.errors import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
+
+log = logging.getLogger("megatron_gspo")
+
+
+def iter_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"iter_{step:07d}")
+
+
+def iter_steps(root: str) -> list[int]:
+    """Steps of the iter_XXXXXXX directories under root (temporary ones excluded), newest first."""
+    if not os.path.isdir(root):
+        return []
+    steps = [int(d[5:]) for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit()]
+    return sorted(steps, reverse=True)
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_file(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(ckpt_dir: str, step: int) -> None:
+    files = {}
+    for name in sorted(os.listdir(ckpt_dir)):
+        path = os.path.join(ckpt_dir, name)
+        if name == MANIFEST or not os.path.isfile(path):
+            continue
+        fsync_path(path)
+        files[name] = {"bytes": os.path.getsize(path), "crc32": _crc32(path)}
+    replace_file(os.path.join(ckpt_dir, MANIFEST), json.dumps({"step": step, "files": files}, indent=1))
+
+
+def has_manifest(ckpt_dir: str) -> bool:
+    """The save of ``ckpt_dir`` finished (its manifest is written last); files are not re-read."""
+    return os.path.isfile(os.path.join(ckpt_dir, MANIFEST))
+
+
+def verify_checkpoint(ckpt_dir: str) -> Optional[str]:
+    """None if ``ckpt_dir`` is complete and intact, else the reason it is not."""
+    mpath = os.path.join(ckpt_dir, MANIFEST)
+    if not os.path.isfile(mpath):
+        return "no manifest.json (the save did not finish)"
+    try:
+        manifest = json.load(open(mpath, encoding="utf-8"))
+        files = manifest["files"]
+    except (ValueError, KeyError) as e:
+        return f"unreadable manifest.json ({e})"
+    for name, meta in files.items():
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            return f"file {name} is missing"
+        if os.path.getsize(path) != meta["bytes"]:
+            return f"file {name} has {os.path.getsize(path)} bytes, the manifest says {meta['bytes']}"
+        if _crc32(path) != meta["crc32"]:
+            return f"file {name} fails its checksum"
+    return None
+
+
+def latest_complete(root: str) -> Optional[int]:
+    """The newest step under ``root`` whose checkpoint verifies; a bad newer one is skipped with a
+    warning naming it (the tracker is a hint, the manifests are the truth)."""
+    for step in iter_steps(root):
+        why = verify_checkpoint(iter_dir(root, step))
+        if why is None:
+            return step
+        log.warning("checkpoint %s is incomplete or corrupt (%s); falling back to an earlier one",
+                    iter_dir(root, step), why)
+    return None
+
+
+def resolve(path: str) -> str:
+    """A checkpoint root -> its newest complete iteration directory; an iteration dir -> itself."""
+    if os.path.isfile(os.path.join(path, TRACKER)) or iter_steps(path):
+        step = latest_complete(path)
+        if step is None:
+            raise CheckpointError(f"{path}: no complete checkpoint (every iter_* directory failed verification)")
+        return iter_dir(path, step)
+    return path
+
+
+def rotate(root: str, keep_last: int) -> list[str]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (0 keeps everything). The
+    newest complete checkpoint is never deleted, whatever state the others are in. Complete means
+    "has its manifest" (written last by the save): no file is read again here."""
+    if keep_last <= 0:
+        return []
+    complete = [s for s in iter_steps(root) if has_manifest(iter_dir(root, s))]
+    doomed = complete[max(1, keep_last):]
+    for s in doomed:
+        shutil.rmtree(iter_dir(root, s), ignore_errors=True)
+    return [iter_dir(root, s) for s in doomed]
+
+
+def remove_leftovers(root: str) -> None:
+    """Delete the iter_*.tmp directories of saves that died half-way (SIGKILL, node failure): one
+    save runs at a time, so once this one is in place every other .tmp is garbage. Until then they
+    sit harmlessly, never taken for a checkpoint."""
+    for d in os.listdir(root):
+        if d.startswith("iter_") and d.endswith(".tmp") and os.path.isdir(os.path.join(root, d)):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)

@@ -1,0 +1,92 @@
+"""The trainer's one checkpoint object: where a run starts from, and its saves.
+
+Finding the checkpoint to resume from reads every file of the newest candidate against its
+manifest (a disk can corrupt a complete checkpoint). That happens once, on rank 0, which broadcasts
+the step it settled on: at 30B with Adam state a checkpoint is hundreds of GB, and every rank
+re-verifying it (four times over, as the trainer used to) costs minutes of I/O before step 1.
+Saves rotate by manifest (directory.rotate) and never re-read what they keep.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Optional
+
+import torch
+
+from megatron_gspo import comm
+from megatron_gspo.checkpoint.directory import TRACKER, iter_dir, iter_steps, latest_complete
+from megatron_gspo.checkpoint.storage import check_compatible, load_model
+from megatron_gspo.checkpoint.training import load_checkpoint, save_checkpoint
+from megatron_gspo.config import CheckpointConfig
+from megatron_gspo.errors import CheckpointError
+
+log = logging.getLogger("megatron_gspo")
+
+_NONE, _ITSELF = -1, -2  # broadcast codes: no complete checkpoint; the path is an iteration directory
+
+
+class CheckpointManager:
+    """``checkpoint.*`` for one run. Construction is collective (rank 0 verifies, all agree)."""
+
+    def __init__(self, cfg: CheckpointConfig, state) -> None:
+        self.cfg, self.state = cfg, state
+        # resume = continue the newest complete checkpoint under save (or load); without one, a
+        # resume request is a fresh start (initial weights from checkpoint.load, if given)
+        root = (cfg.save or cfg.load) if cfg.resume else None
+        self.resume_dir = self._settle(root, required=False) if root else None
+        self.initial_weights = None
+        if self.resume_dir is None and cfg.load:
+            self.initial_weights = self._settle(cfg.load, required=True)
+
+    @property
+    def resuming(self) -> bool:
+        return self.resume_dir is not None
+
+    def _settle(self, path: str, required: bool) -> Optional[str]:
+        """The iteration directory ``path`` stands for, decided on rank 0 and broadcast: a checkpoint
+        root gives its newest checkpoint that verifies; any other directory is itself (initial weights,
+        e.g. a converted HF model) or, for a resume (``required=False``), no checkpoint yet."""
+        is_root = os.path.isfile(os.path.join(path, TRACKER)) or bool(iter_steps(path))
+        if not is_root and not required:
+            return None
+        code = _ITSELF
+        if self.state.is_main and is_root:
+            step = latest_complete(path)  # the one full read of the files, with fallback warnings
+            code = _NONE if step is None else step
+        t = torch.tensor([code], dtype=torch.long, device=self.state.device)
+        code = int(comm.broadcast(t, 0, None, what="checkpoint: the step rank 0 verified").item())
+        if code == _ITSELF:
+            return path
+        if code == _NONE:
+            if required:
+                raise CheckpointError(f"{path}: no complete checkpoint (every iter_* directory failed verification)")
+            return None
+        return iter_dir(path, code)
+
+    def prepare(self, model) -> None:
+        """Before DDP wraps the model: refuse a resume checkpoint of another shape before any work,
+        or load ``checkpoint.load``'s weights for a fresh start."""
+        if self.resume_dir is not None:
+            check_compatible(model, self.resume_dir)
+        elif self.initial_weights is not None:
+            load_model(model, self.initial_weights)
+
+    def restore(self, model, optimizer, scheduler, extra_models: Optional[dict] = None) -> dict:
+        """Load the resume checkpoint (already verified) into everything; {"step", "extra", "path"}."""
+        return load_checkpoint(self.resume_dir, model, optimizer, scheduler, extra_models=extra_models, verified=True)
+
+    def due(self, step: int) -> bool:
+        """A periodic save is due after ``step`` completed steps."""
+        return bool(self.cfg.save and self.cfg.save_interval and step % self.cfg.save_interval == 0)
+
+    def save(self, step: int, model, optimizer, scheduler, *, extra: dict, extra_models: Optional[dict] = None,
+             during_save: Optional[Callable[[str], None]] = None) -> Optional[str]:
+        """Collective. Writes <save>/iter_<step> atomically; None when checkpoint.save is unset."""
+        if not self.cfg.save:
+            return None
+        hook = (lambda phase, tmp: during_save(tmp)) if during_save is not None else None
+        return save_checkpoint(self.cfg.save, step, model, optimizer, scheduler, extra=extra,
+                               is_main=self.state.is_main, keep_last=self.cfg.keep_last, fault_hook=hook,
+                               extra_models=extra_models)

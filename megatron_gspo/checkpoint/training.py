@@ -1,0 +1,132 @@
+"""Training checkpoints: model, optimizer, LR schedule, extra models and plain state (data position,
+config), saved and loaded collectively and atomically (directory.py has the on-disk protocol)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from megatron_gspo import comm
+from megatron_gspo.checkpoint.directory import (
+    MANIFEST,
+    TRACKER,
+    fsync_path,
+    iter_dir,
+    remove_leftovers,
+    replace_file,
+    resolve,
+    rotate,
+    verify_checkpoint,
+    write_manifest,
+)
+from megatron_gspo.checkpoint.storage import check_compatible, model_sharded_state_dict, save_strategy
+from megatron_gspo.errors import CheckpointError
+from megatron_gspo.model import unwrap
+
+# How megatron lays out a DistributedOptimizer's state in the checkpoint. "fully_reshardable" stores
+# its shards as per-parameter tensors (the replicated optimizer's layout), so a checkpoint resumes
+# under another TP / EP / DP size; megatron 0.16's own default ("fully_sharded_model_space") is
+# deprecated and its dist_checkpointing refuses to save it ("ShardedTensor.flattened_range is not
+# supported", seen with the distributed optimizer on the CPU). The replicated optimizer ignores it.
+OPTIMIZER_CKPT_METADATA = {"chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _training_sharded_state_dict(model, optimizer, is_loading: bool, extra_models: Optional[dict] = None) -> dict:
+    from megatron_gspo import cpu_compat
+
+    model_sd = model_sharded_state_dict(model)
+    sd = {"model": model_sd}
+    for name, m in (extra_models or {}).items():  # e.g. the frozen KL reference, keys "ref_model.*"
+        sd[name] = model_sharded_state_dict(m, prefix=f"{name}.")
+    if optimizer is not None:
+        with cpu_compat.optimizer_context():
+            sd["optimizer"] = optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata=OPTIMIZER_CKPT_METADATA)
+    return sd
+
+
+def _optimizer_parts(optimizer) -> int:
+    return len(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None, extra: Optional[dict] = None,
+                    is_main: bool = True, keep_last: int = 0, fault_hook=None,
+                    extra_models: Optional[dict] = None) -> str:
+    """Collective. Writes <root>/iter_<step> atomically (see above) and points the tracker at it."""
+    import shutil
+
+    from megatron.core import dist_checkpointing
+
+    final = iter_dir(root, step)
+    tmp = final + ".tmp"
+    if is_main:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(tmp):  # leftover of a crashed save
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    comm.barrier()
+    sd = _training_sharded_state_dict(model, optimizer, is_loading=False, extra_models=extra_models)
+    sd["step"] = step
+    if optimizer is not None:
+        sd["optimizer_parts"] = _optimizer_parts(optimizer)
+    if scheduler is not None:
+        sd["scheduler"] = scheduler.state_dict()
+    if extra:
+        sd["extra"] = extra
+    dist_checkpointing.save(sd, tmp, sharded_strategy=save_strategy())
+    if fault_hook is not None:
+        fault_hook("save", tmp)  # tests: die with a half-written checkpoint
+    comm.barrier()
+    if is_main:
+        write_manifest(tmp, step)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_path(root)
+        replace_file(os.path.join(root, TRACKER), str(step))
+        remove_leftovers(root)
+        rotate(root, keep_last)
+    comm.barrier()
+    return final
+
+
+def load_checkpoint(path: str, model, optimizer=None, scheduler=None, extra_models: Optional[dict] = None,
+                    verified: bool = False) -> dict:
+    """Collective. ``path`` is a checkpoint root (its newest complete iteration) or an iter_
+    directory; ``verified=True``: an iteration directory whose files were already checked against
+    its manifest (CheckpointManager does it once, on one rank). Returns {"step", "extra", "path"}."""
+    from megatron.core import dist_checkpointing
+
+    if not verified:
+        path = resolve(path)
+        why = verify_checkpoint(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None
+        if why is not None:
+            raise CheckpointError(f"{path}: {why}")
+    check_compatible(model, path)
+    if optimizer is not None:
+        # Weights and Adam moments are stored under global, layout-free keys, but megatron keeps
+        # one optimizer per parameter family (dense / expert), and how many exist depends on the
+        # layout (EP > 1 splits them); their non-tensor state cannot be re-split on load.
+        saved = dist_checkpointing.load_common_state_dict(path).get("optimizer_parts")
+        if saved is not None and saved != _optimizer_parts(optimizer):
+            raise CheckpointError(
+                f"{path}: the optimizer state was saved as {saved} megatron optimizer(s) and this layout "
+                f"builds {_optimizer_parts(optimizer)} (dense/expert parameters are split when "
+                "expert_model_parallel_size > 1); resume with the saving layout's EP, or start from these "
+                f"weights with a fresh optimizer: checkpoint.load={path} checkpoint.resume=false")
+    sd = _training_sharded_state_dict(model, optimizer, is_loading=True, extra_models=extra_models)
+    loaded = dist_checkpointing.load(sd, path)
+    unwrap(model).load_state_dict(loaded["model"], strict=True)
+    for name, m in (extra_models or {}).items():
+        unwrap(m).load_state_dict(loaded[name], strict=True)
+    if optimizer is not None:
+        if "optimizer" not in loaded:
+            raise CheckpointError(f"{path}: has no optimizer state (a weights-only checkpoint?); "
+                                  "load it with checkpoint.load as initial weights instead of resuming")
+        from megatron_gspo import cpu_compat
+
+        with cpu_compat.optimizer_context():
+            optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and "scheduler" in loaded:
+        scheduler.load_state_dict(loaded["scheduler"])
+    return {"step": int(loaded.get("step", 0)), "extra": loaded.get("extra", {}), "path": path}

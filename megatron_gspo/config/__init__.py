@@ -1,0 +1,47 @@
+"""Typed configuration of a job: leaf dataclasses, YAML loading and command-line overrides.
+
+Every section is a dataclass validated in ``__post_init__`` with a message that names the field
+(``ConfigError: model.num_attention_heads=...``). Field names follow Megatron-LM's argument names
+where one exists (``tensor_model_parallel_size``, ``num_query_groups``, ``moe_router_topk`` ...).
+
+This package is a leaf: it imports nothing of megatron_gspo but ``errors``; every subsystem imports
+its section from here (tests/test_imports.py imports each module alone in a fresh interpreter).
+
+    model.py     ModelConfig, the presets, a Hugging Face config.json -> ModelConfig
+    sections.py  parallel, loss, generation, optimizer, data, tokenizer, reward, train, checkpoint
+    job.py       JobConfig (the sections + cross-section checks) and load_job_config
+    loader.py    YAML / CLI plumbing: from_dict, overrides, coercion to the annotated types
+    checks.py    the validation helpers
+"""
+
+from megatron_gspo.config.job import JobConfig, load_job_config
+from megatron_gspo.config.loader import apply_overrides, from_dict, load_yaml, parse_overrides, to_dict
+from megatron_gspo.config.model import MODEL_PRESETS, ModelConfig, model_config_from_hf, model_config_from_preset
+from megatron_gspo.config.sections import (
+    ADVANTAGE_ESTIMATOR_NAMES,
+    DEFAULT_CLIP_RATIOS,
+    LOSS_AGG_MODES,
+    LOSS_NAMES,
+    OVERLONG_POLICIES,
+    ROUTING_REPLAY_MODES,
+    TOKENIZER_TYPES,
+    CheckpointConfig,
+    DataConfig,
+    GenerationConfig,
+    LossConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RewardConfig,
+    TokenizerConfig,
+    TrainConfig,
+)
+from megatron_gspo.errors import ConfigError
+
+__all__ = [
+    "ADVANTAGE_ESTIMATOR_NAMES", "DEFAULT_CLIP_RATIOS", "LOSS_AGG_MODES", "LOSS_NAMES", "MODEL_PRESETS",
+    "OVERLONG_POLICIES", "ROUTING_REPLAY_MODES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
+    "DataConfig", "GenerationConfig", "JobConfig", "LossConfig", "ModelConfig", "OptimizerConfig",
+    "ParallelConfig", "RewardConfig", "TokenizerConfig", "TrainConfig", "apply_overrides", "from_dict",
+    "load_job_config", "load_yaml", "model_config_from_hf", "model_config_from_preset", "parse_overrides",
+    "to_dict",
+]

@@ -1,0 +1,183 @@
+"""YAML files and command-line overrides -> nested dicts -> validated dataclasses.
+
+A job is loaded from YAML and then patched with ``section.field=value`` (or ``--section.field
+value``) overrides, the way torchtitan and Hydra users expect; values are parsed as YAML scalars and
+coerced to each field's annotated type, and an unknown key is refused with the closest valid names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import fields
+from typing import Any
+
+from megatron_gspo.config.model import MODEL_PRESETS, ModelConfig
+from megatron_gspo.errors import ConfigError
+
+
+def _resolve_type(tp: Any) -> tuple[Any, bool]:
+    """Return (base type, optional?) for a dataclass field annotation."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return (args[0] if len(args) == 1 else Any), True
+    return tp, False
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    base, optional = _resolve_type(tp)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
+        if optional or base is Any:
+            return None
+        raise ConfigError(f"{where} may not be null")
+    if dataclasses.is_dataclass(base):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {type(value).__name__}")
+        return from_dict(base, value, where)
+    origin = typing.get_origin(base)
+    if base is Any:
+        return value
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"{where} must be a boolean, got {value!r}")
+    if base is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be an integer, got {value!r}") from None
+        if not f.is_integer():
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return int(f)
+    if base is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where} must be a number, got {value!r}") from None
+    if base is str:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off/on as a bool
+            return "off" if value is False else "on"
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where} must be a string, got {type(value).__name__}")
+        return str(value)
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        (item_t, *_) = typing.get_args(base) or (Any,)
+        return [_coerce(v, item_t, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return dict(value)
+    return value
+
+
+def _unknown_key(cls: type, key: str, where: str) -> ConfigError:
+    names = [f.name for f in fields(cls)]
+    close = difflib.get_close_matches(key, names, n=3)
+    hint = f"; did you mean {close}?" if close else f"; valid keys: {names}"
+    return ConfigError(f"unknown config key {where + '.' if where else ''}{key}{hint}")
+
+
+def from_dict(cls: type, data: dict, where: str = "") -> Any:
+    """Build dataclass ``cls`` from a (possibly nested) dict, rejecting unknown keys by name."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls) if f.init}
+    kwargs = {}
+    # A model section names a preset ("tiny" when absent, null for none); its values are the
+    # defaults the other keys override, so `model.hidden_size=128` alone tweaks the tiny model.
+    if cls is ModelConfig and data.get("preset", "tiny"):
+        name = data.get("preset", "tiny")
+        data = {"preset": name, **data}
+        if name not in MODEL_PRESETS:
+            raise ConfigError(f"model.preset={name!r} is unknown; valid presets: {sorted(MODEL_PRESETS)}")
+        data = {**MODEL_PRESETS[name], **data}
+    for key, value in data.items():
+        if key not in known:
+            raise _unknown_key(cls, key, where)
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}" if where else key)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - defensive: a required field without default
+        raise ConfigError(f"{where or cls.__name__}: {e}") from None
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
+    """``a.b=1``, ``--a.b=1`` and ``--a.b 1`` -> [("a.b", "1"), ...]."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok.startswith("--"):
+            tok = tok[2:]
+            if "=" not in tok:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"flag --{tok} needs a value")
+                out.append((tok.replace("-", "_") if "." not in tok else tok, argv[i + 1]))
+                i += 2
+                continue
+        if "=" not in tok:
+            raise ConfigError(f"cannot parse override {argv[i]!r}; expected section.key=value")
+        k, v = tok.split("=", 1)
+        out.append((k, v))
+        i += 1
+    return out
+
+
+def _yaml_scalar(text: str) -> Any:
+    """Parse an override's value the way YAML would (numbers, bools, null, lists)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[tuple[str, str]]) -> dict:
+    """Set dotted keys in a nested dict (validation happens when the dataclasses are built)."""
+    for key, raw in overrides:
+        parts = key.split(".")
+        node = data
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {key}: {p} is not a section")
+            node = nxt
+        node[parts[-1]] = _yaml_scalar(raw)
+    return data
+
+
+def load_yaml(path: str | os.PathLike) -> dict:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data

@@ -1,0 +1,381 @@
+"""Every section of a job but the model's: plain dataclasses validated in ``__post_init__`` with
+messages that name the field. Pure data: nothing here imports a subsystem; the subsystems import
+their section from here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_gspo.config.checks import check, check_clip_range, choice, finite, is_int
+from megatron_gspo.errors import ConfigError
+
+# Names the registries must offer (tests/test_config.py checks each registry against its tuple):
+# the config validates names without importing the subsystems that implement them.
+LOSS_NAMES = ("gspo", "gspo_token", "grpo")  # losses.POLICY_LOSSES
+ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "mean_only")  # advantages.ADVANTAGE_ESTIMATORS
+TOKENIZER_TYPES = ("builtin", "hf", "sentencepiece")  # tokenizer.build_tokenizer
+ROUTING_REPLAY_MODES = ("off", "R2", "R3")  # routing.RoutingPolicy
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+OVERLONG_POLICIES = ("drop", "truncate_left", "error")
+
+# Paper defaults: GSPO §5.1 uses 3e-4 / 4e-4 (sequence ratios live very close to 1 because they
+# are geometric means); GRPO/PPO use 0.2 / 0.2 (DAPO's clip-higher is 0.2 / 0.28).
+DEFAULT_CLIP_RATIOS: dict[str, tuple[float, float]] = {
+    "gspo": (3e-4, 4e-4),
+    "gspo_token": (3e-4, 4e-4),
+    "grpo": (0.2, 0.2),
+}
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout (Megatron names). DP is derived: world / (TP x PP)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    # None means "same as tensor_model_parallel_size" (Megatron's default).
+    expert_tensor_parallel_size: Optional[int] = None
+    # None means "on whenever TP > 1" (MoE with TP requires it in megatron-core).
+    sequence_parallel: Optional[bool] = None
+    # megatron's DistributedOptimizer (gradients reduce-scattered, Adam states sharded over DP). None =
+    # where it can run and checkpoint (CUDA with Transformer Engine's or apex's fused Adam), else the
+    # replicated optimizer; true where it cannot is refused (parallel.resolve_distributed_optimizer).
+    use_distributed_optimizer: Optional[bool] = None
+    # Minutes before a collective gives up (a dead rank must not hang the others forever).
+    distributed_timeout_minutes: float = 10.0
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and v >= 1, f"parallel.{name} must be an integer >= 1, got {v!r}")
+        if self.expert_tensor_parallel_size is not None:
+            v = self.expert_tensor_parallel_size
+            check(isinstance(v, int) and v >= 1, f"parallel.expert_tensor_parallel_size must be an integer >= 1, got {v!r}")
+        check(self.distributed_timeout_minutes > 0, "parallel.distributed_timeout_minutes must be > 0")
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def sp(self) -> bool:
+        return self.tensor_model_parallel_size > 1 if self.sequence_parallel is None else self.sequence_parallel
+
+
+@dataclass
+class LossConfig:
+    """The ``loss`` section of a job.
+
+    name: "gspo" | "gspo_token" | "grpo".
+    clip_ratio_low / clip_ratio_high: epsilons of the clip range [1 - low, 1 + high]. None picks the
+        loss's default: 3e-4 / 4e-4 for gspo and gspo_token (GSPO paper §5.1), 0.2 / 0.2 for grpo
+        (set 0.2 / 0.28 for DAPO's clip-higher).
+    loss_agg_mode (grpo only): "token-mean" (every response token of the batch weighs the same),
+        "seq-mean-token-mean" (GRPO paper: mean over tokens within a sequence, then over
+        sequences), "seq-mean-token-sum-norm" (Dr. GRPO: token sum / loss_agg_norm_constant, then
+        mean over sequences). gspo/gspo_token always aggregate per sequence.
+    loss_agg_norm_constant: the constant of "seq-mean-token-sum-norm", normally the maximum
+        response length; required by that mode and rejected by the others.
+    kl_coef: weight of the k3 KL estimator to the reference policy (needs ref_logp).
+    dual_clip_c (grpo only): > 1; for A < 0 the objective is bounded below by c * A.
+    log_ratio_bound: |log-ratio| cap before exp (see the module docstring).
+    entropy_coef: weight of the entropy bonus (needs an entropy tensor).
+    """
+
+    name: str = "gspo"
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    loss_agg_mode: str = "token-mean"
+    loss_agg_norm_constant: Optional[float] = None
+    kl_coef: float = 0.0
+    dual_clip_c: Optional[float] = None
+    log_ratio_bound: float = 20.0
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        choice("loss.name", self.name, LOSS_NAMES)
+        if self.clip_ratio_low is not None:
+            check(finite(self.clip_ratio_low) and 0 < self.clip_ratio_low < 1,
+                   f"loss.clip_ratio_low must be in (0, 1), got {self.clip_ratio_low}")
+        if self.clip_ratio_high is not None:
+            check(finite(self.clip_ratio_high) and self.clip_ratio_high > 0,
+                   f"loss.clip_ratio_high must be a finite number > 0, got {self.clip_ratio_high}")
+        low, high = self.clip_range()
+        check_clip_range(low, high, self.log_ratio_bound)
+        check(self.loss_agg_mode in LOSS_AGG_MODES,
+               f"loss.loss_agg_mode={self.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
+        if self.name != "grpo":
+            check(self.loss_agg_mode == "token-mean",
+                   f"loss.loss_agg_mode={self.loss_agg_mode!r} applies to loss.name='grpo' only; "
+                   f"{self.name} always averages per sequence (leave loss_agg_mode at 'token-mean')")
+            check(self.dual_clip_c is None,
+                   f"loss.dual_clip_c applies to loss.name='grpo' only, got name={self.name!r}")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm":
+            c = self.loss_agg_norm_constant
+            check(c is not None and finite(c) and c > 0,
+                   "loss.loss_agg_norm_constant must be a number > 0 (the maximum response length) "
+                   f"with loss.loss_agg_mode='seq-mean-token-sum-norm', got {c}")
+        else:
+            check(self.loss_agg_norm_constant is None,
+                   "loss.loss_agg_norm_constant is only used with loss.loss_agg_mode='seq-mean-token-sum-norm', "
+                   f"got loss_agg_mode={self.loss_agg_mode!r}")
+        if self.dual_clip_c is not None:
+            check(finite(self.dual_clip_c) and self.dual_clip_c > 1,
+                   f"loss.dual_clip_c must be > 1, got {self.dual_clip_c}")
+        check(finite(self.kl_coef) and self.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {self.kl_coef}")
+        check(finite(self.entropy_coef) and self.entropy_coef >= 0,
+               f"loss.entropy_coef must be >= 0, got {self.entropy_coef}")
+
+    def clip_range(self) -> tuple[float, float]:
+        """(clip_ratio_low, clip_ratio_high) with None resolved to the loss's default."""
+        d_low, d_high = DEFAULT_CLIP_RATIOS[self.name]
+        low = d_low if self.clip_ratio_low is None else self.clip_ratio_low
+        high = d_high if self.clip_ratio_high is None else self.clip_ratio_high
+        return low, high
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling settings of a rollout."""
+
+    max_new_tokens: int = 256
+    # 0 = greedy (argmax); otherwise logits are divided by it before sampling.
+    temperature: float = 1.0
+    # Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off).
+    top_p: float = 1.0
+    # Keep the top_k most likely tokens (0 = off).
+    top_k: int = 0
+    # Samples per prompt (the group size G of GRPO/GSPO): each prompt is repeated G times.
+    n_samples_per_prompt: int = 4
+    # Base seed of the sampling noise; the trainer mixes it with the step (sampling.counter_uniform
+    # keys every draw by seed, sample index and position, never by rank).
+    seed: int = 1234
+    # A response ends after the first of these tokens (which is kept as its last token).
+    stop_token_ids: list[int] = field(default_factory=list)
+    # Token written after a response ends (and fed for finished rows). None: first stop token, or 0.
+    pad_token_id: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+              f"generation.max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+              and math.isfinite(self.temperature) and self.temperature >= 0,
+              f"generation.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        check(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool)
+              and 0 < self.top_p <= 1,
+              f"generation.top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        check(is_int(self.top_k) and self.top_k >= 0,
+              f"generation.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        check(is_int(self.n_samples_per_prompt) and self.n_samples_per_prompt >= 1,
+              f"generation.n_samples_per_prompt must be an integer >= 1, got {self.n_samples_per_prompt!r}")
+        check(is_int(self.seed) and self.seed >= 0, f"generation.seed must be an integer >= 0, got {self.seed!r}")
+        check(isinstance(self.stop_token_ids, (list, tuple))
+              and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+              f"generation.stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        check(self.pad_token_id is None or (is_int(self.pad_token_id) and self.pad_token_id >= 0),
+              f"generation.pad_token_id must be a token id >= 0 or null, got {self.pad_token_id!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def pad_id(self) -> int:
+        if self.pad_token_id is not None:
+            return self.pad_token_id
+        return self.stop_token_ids[0] if self.stop_token_ids else 0
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam + warmup/decay schedule (Megatron-LM argument names)."""
+
+    optimizer: str = "adam"
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    # None: decay over all optimizer steps of the run (train.num_steps x train.num_minibatches).
+    lr_decay_steps: Optional[int] = None
+    lr_decay_style: str = "constant"
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ConfigError(f"optimizer.optimizer={self.optimizer!r} is not one of ['adam', 'sgd']")
+        if not self.lr > 0:
+            raise ConfigError(f"optimizer.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"optimizer.min_lr={self.min_lr} must be in [0, optimizer.lr={self.lr}]")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(f"optimizer.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
+            raise ConfigError(f"optimizer.lr_decay_style={self.lr_decay_style!r} is not one of "
+                              "['constant', 'linear', 'cosine', 'inverse-square-root']")
+        if self.clip_grad < 0:
+            raise ConfigError(f"optimizer.clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ConfigError(f"optimizer.adam_beta1/adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+
+
+@dataclass
+class DataConfig:
+    """``data:`` section of a job.
+
+    source: ``builtin:arithmetic`` / ``builtin:sort`` (generated from ``seed``, see
+        :mod:`megatron_gspo.tasks`) or a path to a ``.jsonl`` or ``.parquet`` file.
+    prompt_key / answer_key: field names in each record; a dotted name (``reward_model.ground_truth``)
+        reaches into nested objects. ``answer_key: null`` for answer-free data (e.g. a format-only reward).
+        A prompt is a string, or a list of chat messages (``[{"role": ..., "content": ...}]``), which
+        needs ``apply_chat_template``.
+    shuffle / seed: each epoch is a fresh permutation drawn from ``(seed, epoch)``.
+    max_prompt_length / overlong_prompt_policy: token budget of a prompt and what to do past it
+        (the trainer counts dropped and truncated prompts in ``data/dropped_prompts`` /
+        ``data/truncated_prompts`` and logs a line in every step that has any).
+    apply_chat_template: render prompts with the tokenizer's chat template (a string prompt becomes
+        one user message); ``chat_template_kwargs`` reach the template (Qwen3: ``enable_thinking``).
+    add_special_tokens: without a chat template, let the tokenizer add its BOS (the built-in
+        tokenizer's ``<bos>``, Llama's ``<s>``; Qwen3 adds none).
+    task_*: knobs of the built-in tasks; ``task_num_examples`` is the length of one epoch of a task.
+    """
+
+    source: str = "builtin:arithmetic"
+    prompt_key: str = "prompt"
+    answer_key: Optional[str] = "answer"
+    shuffle: bool = True
+    seed: int = 1234
+    max_prompt_length: int = 64
+    overlong_prompt_policy: str = "drop"
+    apply_chat_template: bool = False
+    chat_template_kwargs: dict = field(default_factory=dict)
+    add_special_tokens: bool = True
+    task_num_examples: int = 100_000
+    task_num_digits: int = 2
+    task_operators: str = "+"
+    task_sort_min_len: int = 3
+    task_sort_max_len: int = 5
+    task_sort_max_value: int = 9
+
+    def __post_init__(self) -> None:
+        if self.overlong_prompt_policy not in OVERLONG_POLICIES:
+            raise ConfigError(
+                f"data.overlong_prompt_policy={self.overlong_prompt_policy!r} is not one of {list(OVERLONG_POLICIES)}"
+            )
+        for name in ("max_prompt_length", "task_num_examples", "task_num_digits"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"data.{name} must be a positive integer, got {v!r}")
+        if not self.source:
+            raise ConfigError("data.source is empty; use builtin:arithmetic, builtin:sort or a .jsonl/.parquet path")
+        if not self.prompt_key:
+            raise ConfigError("data.prompt_key is empty")
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ConfigError(f"data.chat_template_kwargs must be a mapping, got {self.chat_template_kwargs!r}")
+
+
+@dataclass
+class TokenizerConfig:
+    """``tokenizer:`` section of a job.
+
+    type: "builtin" (:class:`CharTokenizer`, for the built-in tasks and the tiny model),
+        "hf" (a Hugging Face tokenizer directory or ``tokenizer.json``) or
+        "sentencepiece" (a ``.model`` file).
+    path: the directory or file for "hf"/"sentencepiece"; unused for "builtin".
+    chat_template: optional Jinja chat template (inline text, or a path to a ``.jinja`` file) that
+        overrides the tokenizer's own, e.g. to give a base checkpoint or SentencePiece model one.
+    """
+
+    type: str = "builtin"
+    path: Optional[str] = None
+    chat_template: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.type not in TOKENIZER_TYPES:
+            raise ConfigError(f"tokenizer.type={self.type!r} is not one of {list(TOKENIZER_TYPES)}")
+        if self.type != "builtin" and not self.path:
+            raise ConfigError(f"tokenizer.type={self.type!r} needs tokenizer.path (a file or directory)")
+
+
+@dataclass
+class RewardConfig:
+    """``reward:`` section of a job.
+
+    name: a registered reward or ``module.path:function``.
+    kwargs: passed to that function on every call.
+    format_weight: when > 0, adds ``format_weight * format(...)`` (with ``format_kwargs``) to it.
+    """
+
+    name: str = "exact_match"
+    kwargs: dict = field(default_factory=dict)
+    format_weight: float = 0.0
+    format_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("reward.name is empty; name a registered reward (exact_match, digit_match, math, "
+                              "format, ...) or your own as 'package.module:function'")
+        for key in ("kwargs", "format_kwargs"):
+            if not isinstance(getattr(self, key), dict):
+                raise ConfigError(f"reward.{key} must be a mapping, got {getattr(self, key)!r}")
+        if not math.isfinite(self.format_weight) or self.format_weight < 0:
+            raise ConfigError(f"reward.format_weight must be a finite number >= 0, got {self.format_weight!r}")
+
+
+@dataclass
+class TrainConfig:
+    """The RL loop: P prompts x G samples per step, split into minibatches (one optimizer step each)."""
+
+    num_steps: int = 40
+    prompts_per_step: int = 16
+    # Optimizer steps per rollout: the rollout is split into this many minibatches, so the
+    # later ones are trained off-policy (ratios really leave 1).
+    num_minibatches: int = 2
+    # Sequences per forward/backward (gradient accumulation inside a minibatch).
+    micro_batch_size: int = 16
+    advantage_estimator: str = "grpo"
+    # MoE routing replay for the GRPO baseline: off | R2 (old-log-prob pass) | R3 (rollout).
+    routing_replay: str = "off"
+    # Supervised warm start on the task's reference answers before RL (0 = none).
+    sft_steps: int = 0
+    sft_lr: float = 1e-3
+    sft_batch_size: int = 32
+    # Non-finite loss / gradients skip the update on every rank; this many in a row stop the run.
+    max_consecutive_skips: int = 5
+    output_dir: str = "runs/gspo"
+    tensorboard: bool = True
+    log_interval: int = 1
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "prompts_per_step", "num_minibatches", "micro_batch_size", "log_interval"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and v >= 1, f"train.{name} must be an integer >= 1, got {v!r}")
+        check(self.sft_steps >= 0, f"train.sft_steps must be >= 0, got {self.sft_steps}")
+        check(self.max_consecutive_skips >= 1, f"train.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+        choice("train.routing_replay", self.routing_replay, ROUTING_REPLAY_MODES)
+        choice("train.advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATOR_NAMES)
+
+
+@dataclass
+class CheckpointConfig:
+    """Megatron-LM names: save / save_interval / load. ``resume`` continues from save's latest."""
+
+    save: Optional[str] = None
+    save_interval: int = 0
+    load: Optional[str] = None
+    resume: bool = False
+    keep_last: int = 0
+
+    def __post_init__(self) -> None:
+        check(self.save_interval >= 0, f"checkpoint.save_interval must be >= 0, got {self.save_interval}")
+        check(self.keep_last >= 0, f"checkpoint.keep_last must be >= 0, got {self.keep_last}")
+        check(not (self.resume and not (self.save or self.load)),
+               "checkpoint.resume=true needs checkpoint.save (or checkpoint.load) to find a checkpoint in")

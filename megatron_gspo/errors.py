@@ -1,0 +1,49 @@
+"""The errors a user can cause, in one leaf module (it imports nothing of the package).
+
+Each names the problem (the config field, the file and line, the sample) so that the entry point
+prints one line and exits 2 instead of a traceback: ``USER_ERRORS`` is what it catches. Errors
+that mean a bug in the program (RoutingReplayError, CollectiveDeviceError, ...) live next to the
+code that raises them and are not in the list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value or layout is invalid; the message names the field and the numbers."""
+
+
+class DataError(ValueError):
+    """A dataset cannot be loaded or sampled; the message names the file, line/row and field."""
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be built or used as configured; the message names the file or the token."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, or does not fit the model."""
+
+
+def clip_repr(text: Any, limit: int = 200) -> str:
+    """repr(text), cut to ``limit`` characters with the full length said."""
+    text = repr(text)
+    return text if len(text) <= limit else text[: limit - 15] + f"... ({len(text)} chars)"
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something that is not a finite number."""
+
+    def __init__(self, fn_name: str, index: int, prompt: str, response: str, problem: str) -> None:
+        self.fn_name, self.index, self.prompt, self.response, self.problem = fn_name, index, prompt, response, problem
+        super().__init__(
+            f"reward function {fn_name!r} on sample {index}: {problem}\n"
+            f"  prompt:   {clip_repr(prompt)}\n  response: {clip_repr(response)}"
+        )
+
+
+# What the entry points report as "error: <message>" with exit code 2 (exit_status.EXIT_USER_ERROR).
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError, CheckpointError, DataError, RewardError, TokenizerError, FileNotFoundError)

@@ -1,0 +1,225 @@
+"""R3: the routes the rollout was generated with, recorded during generation and laid out per
+sequence for the training forward (``RolloutRoutes``; ``RolloutRecorder`` is generation's callback)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+
+from megatron_gspo.model import unwrap
+from megatron_gspo.routing.common import RoutingReplayError, Routes, find_routers, index_dtype
+from megatron_gspo.routing.metrics import routing_map_to_indices
+
+
+class RolloutRoutes:
+    """Accumulates the routes recorded by the generator (R3) into per-sequence token order.
+
+    Contract with the generator: it calls ``add_step`` once per model forward, prefill first and then
+    every decode step, with the top-k expert ids of every MoE layer for the tokens it *fed* in that
+    forward: ``layers`` [L, b, t, k] (or a list of L tensors [b, t, k]); t = fed positions (prefill:
+    the padded prompt length; decode: 1). ``valid`` [b, t] marks the positions that are real tokens of
+    the row's sequence (False for left/right padding and for rows that already finished); ``rows`` [b]
+    says which sequences the b rows are (default: all ``batch_size`` sequences in order). Valid
+    positions are appended to their sequence in order, so routes[l, r, j] is the route of token j of
+    sequence r, whatever padding the generator used.
+
+    The last response token is sampled but never fed to the model, so it has no route: a sequence of
+    n real tokens (prompt + response) must end with exactly n - 1 routes, one per token of the
+    training forward's input ``tokens[:, :-1]`` (``check(lengths)`` asserts it). If the trainer feeds
+    the full ``tokens`` instead, ``routes_for`` gives the last position (and right padding) a filler
+    route [0, 1, ..., k-1]: it only affects outputs at positions no loss reads (causal attention).
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, topk: int,
+                 num_experts: Optional[int] = None, device: Union[str, torch.device] = "cpu"):
+        for name, v in (("num_layers", num_layers), ("batch_size", batch_size), ("max_len", max_len), ("topk", topk)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"RolloutRoutes: {name} must be a positive integer, got {v!r}")
+        self.num_layers, self.batch_size, self.max_len, self.topk = num_layers, batch_size, max_len, topk
+        self.num_experts = num_experts
+        self.routes = torch.full((num_layers, batch_size, max_len, topk), -1, dtype=index_dtype(num_experts),
+                                 device=device)
+        self.count = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.num_steps = 0
+        self._checked = False
+
+    def add_step(self, layers: Routes, valid: Optional[torch.Tensor] = None,
+                 rows: Optional[torch.Tensor] = None) -> None:
+        """Append one forward's routes (see the class docstring for shapes)."""
+        x = torch.stack(list(layers)) if not isinstance(layers, torch.Tensor) else layers
+        if x.dim() != 4 or x.shape[0] != self.num_layers or x.shape[3] != self.topk:
+            raise RoutingReplayError(f"add_step: routes of shape {tuple(x.shape)}; expected [L={self.num_layers}, b, t, "
+                                     f"k={self.topk}]")
+        if x.is_floating_point():
+            raise RoutingReplayError(f"add_step: routes are {x.dtype}, expected integer expert ids")
+        _, b, t, _ = x.shape
+        dev = self.routes.device
+        if rows is None:
+            if b != self.batch_size:
+                raise RoutingReplayError(f"add_step: {b} rows but batch_size={self.batch_size}; pass rows= for a subset")
+            rows = torch.arange(b, device=dev)
+        rows = torch.as_tensor(rows, device=dev).long().reshape(-1)
+        if rows.numel() != b:
+            raise RoutingReplayError(f"add_step: rows has {rows.numel()} entries for {b} rows of routes")
+        if valid is None:
+            valid = torch.ones(b, t, dtype=torch.bool, device=dev)
+        valid = torch.as_tensor(valid, device=dev).bool()
+        if valid.shape != (b, t):
+            raise RoutingReplayError(f"add_step: valid has shape {tuple(valid.shape)}, expected {(b, t)}")
+        pos = self.count[rows][:, None] + valid.long().cumsum(1) - 1  # destination column per position
+        rr, cc = valid.nonzero(as_tuple=True)
+        dest_r, dest_c = rows[rr], pos[rr, cc]
+        if dest_c.numel() and int(dest_c.max()) >= self.max_len:
+            raise RoutingReplayError(f"add_step: a sequence exceeds max_len={self.max_len} routed positions")
+        self.routes[:, dest_r, dest_c] = x.to(dev)[:, rr, cc].to(self.routes.dtype)
+        self.count.index_add_(0, rows, valid.long().sum(1))
+        self.num_steps += 1
+        self._checked = False
+
+    def check(self, lengths: torch.Tensor) -> None:
+        """Assert the contract: sequence r (``lengths[r]`` real tokens, prompt + response) has exactly
+        lengths[r] - 1 routes (its last token was never fed)."""
+        lengths = torch.as_tensor(lengths, device=self.count.device).long().reshape(-1)
+        if lengths.numel() != self.batch_size:
+            raise RoutingReplayError(f"check: {lengths.numel()} lengths for batch_size={self.batch_size}")
+        bad = (self.count != lengths - 1).nonzero().reshape(-1).tolist()
+        if bad:
+            r = bad[0]
+            raise RoutingReplayError(
+                f"R3 routes do not match the sequences: rows {bad[:8]}{'...' if len(bad) > 8 else ''}; e.g. row {r} has "
+                f"{int(self.count[r])} routed positions for {int(lengths[r])} tokens (expected {int(lengths[r]) - 1}: every "
+                "token but the last one, which is sampled and never fed to the model)")
+        self._checked = True
+
+    def routes_for(self, rows: Sequence[int] | torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Routes of a training micro-batch: [L, len(rows), seq_len, k] int64 for input tokens
+        right-padded to ``seq_len`` (``tokens[:, :-1]``: seq_len = S - 1; full tokens: seq_len = S).
+        Positions past a sequence's routes get the filler route [0, ..., k-1]. Needs ``check()``."""
+        if not self._checked:
+            raise RoutingReplayError("routes_for: call check(lengths) after the last add_step")
+        rows = torch.as_tensor(rows, device=self.routes.device).long().reshape(-1)
+        longest = int(self.count[rows].max()) if rows.numel() else 0
+        if seq_len < longest:
+            raise RoutingReplayError(f"routes_for: seq_len={seq_len} is shorter than a sequence's {longest} routed positions")
+        out = torch.empty(self.num_layers, rows.numel(), seq_len, self.topk, dtype=torch.long, device=self.routes.device)
+        n = min(seq_len, self.max_len)
+        out[:, :, :n] = self.routes[:, rows, :n].long()
+        if seq_len > n:
+            out[:, :, n:] = -1
+        filler = torch.arange(self.topk, device=out.device)
+        pad = torch.arange(seq_len, device=out.device)[None, :] >= self.count[rows][:, None]  # [b, s]
+        out[:, pad] = filler
+        return out
+
+    @classmethod
+    def from_generation(cls, steps: Sequence[torch.Tensor], prompt_lengths: torch.Tensor,
+                        response_lengths: torch.Tensor, topk: int, num_experts: Optional[int] = None) -> "RolloutRoutes":
+        """Routes of a ``generation.generate`` call from its per-forward records.
+
+        steps: step 0 (prefill) [L, B, P, k] over the left-padded prompt block, then one [L, B, 1, k]
+        per decode step (step j feeds response token j - 1). B may exceed the real rows (EP dummy rows,
+        dropped). Valid positions: prefill columns >= P - prompt_length; decode step j for rows whose
+        response is longer than j tokens (a row's last response token is never its own input; finished
+        rows are fed padding). Checked: n real tokens -> n - 1 routes per row.
+        """
+        if not steps:
+            raise RoutingReplayError("from_generation: no forwards were recorded")
+        plen = torch.as_tensor(prompt_lengths).long().cpu()
+        rlen = torch.as_tensor(response_lengths).long().cpu()
+        n = plen.numel()
+        pre = steps[0]
+        L, B, P, _ = pre.shape
+        if B < n or int(plen.max()) > P:
+            raise RoutingReplayError(f"from_generation: prefill routes {tuple(pre.shape)} do not cover {n} rows with "
+                                     f"prompts up to {int(plen.max())} tokens")
+        rr = cls(L, n, P + len(steps) - 1, topk, num_experts)
+        rr.add_step(pre[:, :n].cpu(), valid=torch.arange(P)[None, :] >= (P - plen)[:, None])
+        for j, d in enumerate(steps[1:], start=1):
+            if d.shape[1:3] != (B, 1):
+                raise RoutingReplayError(f"from_generation: decode step {j} routes {tuple(d.shape)}; expected [L, {B}, 1, k]")
+            rr.add_step(d[:, :n].cpu(), valid=(rlen > j)[:, None])
+        rr.check(plen + rlen)
+        return rr
+
+    @staticmethod
+    def from_router_layout(per_layer: Routes, batch: int) -> torch.Tensor:
+        """Megatron router layout (per layer [t * b, k], sequence-major; e.g. RouterReplay RECORD or
+        RoutingMonitor routes of a generator that runs the megatron model) -> [L, b, t, k]."""
+        x = torch.stack(list(per_layer)) if not isinstance(per_layer, torch.Tensor) else per_layer
+        L, n, k = x.shape
+        if n % batch:
+            raise RoutingReplayError(f"from_router_layout: {n} tokens are not a multiple of batch={batch}")
+        return x.reshape(L, n // batch, batch, k).transpose(1, 2)
+
+
+class RolloutRecorder:
+    """R3 recorder for ``megatron_gspo.generation.generate`` (which calls ``on_forward(step, kind)``
+    after every model forward: step 0 "prefill", then "decode" steps)::
+
+        rec = RolloutRecorder(model)                    # once per model (hooks on every router)
+        with rec.recording():
+            out = generate(model, prompts, gen_cfg, vocab_size=V, state=st, on_forward=rec.on_forward)
+        routes = rec.finish(out)                        # RolloutRoutes, contract checked
+        for mb, rows in enumerate(micro_batch_rows):    # input = out.tokens[rows, :-1] (S - 1 columns)
+            replay.load(mb, routes.routes_for(rows, seq_len=out.tokens.shape[1] - 1))
+
+    Forward hooks on the routers read each forward's routing map, whose router input [t, B, H] gives
+    the step's shape; the generator runs the MoE layers on full sequences (no sequence split), so every
+    TP rank records all of its rows' tokens and ``RoutingReplay.load`` takes this rank's chunk.
+    """
+
+    def __init__(self, model):
+        self.routers = find_routers(unwrap(model))
+        if not self.routers:
+            raise ValueError("RolloutRecorder: the model has no MoE routers")
+        cfg = self.routers[0].config
+        self.topk, self.num_experts = cfg.moe_router_topk, cfg.num_moe_experts
+        self._active = False
+        self._cur: list[Optional[torch.Tensor]] = [None] * len(self.routers)
+        self.steps: list[torch.Tensor] = []
+        self._hooks = [r.register_forward_hook(
+            lambda mod, args, kwargs, out, l=l: self._hook(l, args, kwargs, out), with_kwargs=True)
+            for l, r in enumerate(self.routers)]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator["RolloutRecorder"]:
+        self.steps, self._cur = [], [None] * len(self.routers)
+        self._active = True
+        try:
+            yield self
+        finally:
+            self._active = False
+
+    def _hook(self, l: int, args, kwargs, out) -> None:
+        if not self._active:
+            return
+        x = args[0] if args else kwargs["input"]
+        t, b = x.shape[0], x.shape[1]
+        if self._cur[l] is not None:
+            raise RoutingReplayError(f"RolloutRecorder: router of layer {l} ran twice before on_forward() was called")
+        idx = routing_map_to_indices(out[1].reshape(-1, self.num_experts), self.topk)
+        self._cur[l] = idx.to(index_dtype(self.num_experts)).reshape(t, b, self.topk).transpose(0, 1)
+
+    def on_forward(self, step: int, kind: str) -> None:
+        """The generator's callback: files the routes of the forward that just ran as step ``step``."""
+        if not self._active:
+            raise RoutingReplayError("RolloutRecorder.on_forward outside recording()")
+        if step != len(self.steps) or (kind == "prefill") != (step == 0):
+            raise RoutingReplayError(f"RolloutRecorder: got step {step} ({kind}) after {len(self.steps)} recorded forwards")
+        missing = [l for l, c in enumerate(self._cur) if c is None]
+        if missing:
+            raise RoutingReplayError(f"RolloutRecorder: step {step}: MoE layers {missing} did not run")
+        self.steps.append(torch.stack(self._cur))  # [L, B, t, k]
+        self._cur = [None] * len(self.routers)
+
+    def finish(self, out) -> RolloutRoutes:
+        """RolloutRoutes for ``out`` (a GenerationOutput: prompt_lengths, response_lengths)."""
+        return RolloutRoutes.from_generation(self.steps, out.prompt_lengths, out.response_lengths,
+                                             self.topk, self.num_experts)

@@ -1,0 +1,147 @@
+"""What a measurement records about where it ran: this process's memory (resident set size now and
+its high-water mark), the machine's load, and the machine itself (CPU, memory, GPUs, versions).
+
+Used by the checkpoint converters (bounded-memory summaries), the benchmarks and the comparison
+(the machine block of their reports). A leaf module: it imports nothing of megatron_gspo, and torch
+only inside ``machine_info``, so a tool can measure its baseline RSS before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+from typing import Optional
+
+
+# ----------------------------------------------------------------------------------------------
+# This process's memory
+# ----------------------------------------------------------------------------------------------
+
+
+def current_rss() -> int:
+    """Resident set size of this process now, in bytes."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # pragma: no cover - non-Linux
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+
+def reset_peak_rss() -> bool:
+    """Restart the kernel's RSS high-water mark (VmHWM) from the current RSS (Linux >= 4.0).
+
+    False where that is not possible: ``peak_rss`` then still includes whatever came before."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    """High-water mark of this process's RSS, in bytes.
+
+    VmHWM (Linux) belongs to this process image only; ru_maxrss is not usable for a child of a big
+    process: the kernel carries the parent's high-water mark over fork + exec into it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - non-Linux
+        pass
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# The machine
+# ----------------------------------------------------------------------------------------------
+
+
+def load_avg() -> list[float]:
+    """The 1-, 5- and 15-minute load averages, rounded to 0.01; [] where the OS has none.
+
+    On a shared machine timings are only comparable with the load they were taken under."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (/proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def package_version(dist: str) -> Optional[str]:
+    """Installed version of a distribution (``megatron-core``), or None when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info(device: Optional[str] = None) -> dict:
+    """The machine and software a measurement ran on, as a JSON-ready dict.
+
+    ``device``: "cpu" or "cuda", what the measurement runs on (default: "cuda" when a GPU is
+    visible, else "cpu"). Keys:
+
+    * ``cpu_model``: the CPU's name (``cpu_model()``);
+    * ``cpu_cores``: logical CPUs of the machine (``os.cpu_count()``);
+    * ``cpu_cores_usable``: logical CPUs this process may run on (its affinity mask; under a job
+      scheduler or taskset fewer than ``cpu_cores``);
+    * ``memory_gb``: physical memory, GiB, rounded to 0.1;
+    * ``python``, ``platform``: ``platform.python_version()``, ``platform.platform()``;
+    * ``torch``, ``megatron_core``, ``transformers``, ``transformer_engine``: installed versions
+      (None when not installed);
+    * ``device``: the ``device`` argument (resolved);
+    * ``gpu``, ``gpu_count``, ``cuda``: only when ``device`` is "cuda": the name of the current
+      GPU, the number of visible GPUs, the CUDA version torch was built with;
+    * ``cpus``: the same number as ``cpu_cores``, under the name the comparison's reports read;
+    * ``gpus``: "N x <name of GPU 0>" when CUDA is available, else "none (CPU)" (whatever
+      ``device`` says: what the machine has, for a report's one-line summary);
+    * ``load_avg_at_start``: ``load_avg()`` when this was called (a measurement calls it at its
+      start).
+    """
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    device = device or ("cuda" if has_cuda else "cpu")
+    cores = os.cpu_count()
+    info = {
+        "cpu_model": cpu_model(),
+        "cpu_cores": cores,
+        "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores,
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "megatron_core": package_version("megatron-core"),
+        "transformers": package_version("transformers"),
+        "transformer_engine": package_version("transformer-engine") or package_version("transformer_engine"),
+        "device": device,
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+    info["cpus"] = cores
+    info["gpus"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if has_cuda else "none (CPU)"
+    info["load_avg_at_start"] = load_avg()
+    return info

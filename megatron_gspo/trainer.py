@@ -1,0 +1,311 @@
+"""The GSPO / GRPO trainer: components assembled once, and the RL loop.
+
+A step, top to bottom (``Trainer.run``):
+  1. rollout: this rank's share of P prompts x G responses, sampled by the training model itself,
+     scored, group advantages over every rank's rewards, old log-probs  (rollout.Rollouts.collect)
+  2. num_minibatches optimizer steps over it, each the one-rank, one-micro-batch gradient whatever
+     the layout and micro-batch size                                    (Trainer.train_on)
+  3. metrics reduced over ranks, logged; a checkpoint every N steps     (logger, checkpoint)
+
+The components, each behind a narrow interface:
+
+    state        parallel.ParallelState      layout, compute device, the optimizer-layout decision
+    model / ddp  model.build_model, wrap_ddp the policy; ref_model: the frozen KL reference (or None)
+    checkpoints  checkpoint.CheckpointManager the resume decision (verified once) and the saves
+    routing      routing.RoutingPolicy        off / R2 / R3 routing replay and routing metrics
+    rollouts     rollout.Rollouts             prompts -> RolloutBatch
+    hooks        hooks.Hooks                  SFT warm start, fault injection, experiments' probes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import signal
+import time
+from typing import Iterable
+
+import torch
+
+from megatron_gspo import comm, parallel
+from megatron_gspo.advantages import get_advantage_estimator
+from megatron_gspo.checkpoint import CheckpointManager, has_manifest, iter_dir
+from megatron_gspo.config import JobConfig, to_dict
+from megatron_gspo.data import build_prompt_sampler
+from megatron_gspo.errors import ConfigError
+from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
+from megatron_gspo.faults import FaultInjection, PreemptionFlag
+from megatron_gspo.hooks import Hooks, TrainerHook
+from megatron_gspo.logger import MetricsLogger, Timer, progress_line, setup_logging
+from megatron_gspo.logprobs import vocab_parallel_logprobs
+from megatron_gspo.losses import batch_normalizer, compute_policy_loss
+from megatron_gspo.metrics import MetricAccumulator
+from megatron_gspo.model import (
+    aux_loss_scales,
+    build_model,
+    finalize_grads,
+    forward_logits,
+    model_summary,
+    set_aux_loss_scale,
+    wrap_ddp,
+)
+from megatron_gspo.optim import build_optimizer, build_scheduler, optimizer_step
+from megatron_gspo.rewards import build_reward_fn
+from megatron_gspo.rollout import RolloutBatch, Rollouts, micro_batch_slices
+from megatron_gspo.routing import RoutingPolicy
+from megatron_gspo.sft import SFTWarmStart
+from megatron_gspo.sysinfo import current_rss
+from megatron_gspo.tokenizer import build_tokenizer, check_vocab_fits
+
+log = logging.getLogger("megatron_gspo")
+
+
+class TrainingStopped(Exception):
+    """The run stops on purpose (preemption, too many non-finite steps): checkpoint written."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Trainer:
+    """Construction validates and builds everything (collective); ``run()`` is the loop.
+
+    hooks: extra TrainerHooks, called after the built-in ones (SFT warm start, fault injection)."""
+
+    def __init__(self, cfg: JobConfig, hooks: Iterable[TrainerHook] = ()):
+        self.cfg = cfg
+        self.state = st = parallel.initialize(cfg.model, cfg.parallel)
+        setup_logging(st.rank)
+        t = cfg.train
+        rows = t.prompts_per_step * cfg.generation.n_samples_per_prompt
+        if rows % (t.num_minibatches * st.dp):
+            raise ConfigError(f"train.prompts_per_step x generation.n_samples_per_prompt = {rows} rollout rows are "
+                              f"not divisible by train.num_minibatches x the data-parallel size = "
+                              f"{t.num_minibatches} x {st.dp}: every DP rank holds an equal share of every minibatch")
+        if t.sft_steps > 0 and t.sft_batch_size % st.dp:
+            raise ConfigError(f"train.sft_batch_size={t.sft_batch_size} is not divisible by the data-parallel size {st.dp}")
+        self.tokenizer = build_tokenizer(cfg.tokenizer)
+        check_vocab_fits(self.tokenizer, cfg.model.vocab_size)
+        self.sampler = build_prompt_sampler(cfg.data, self.tokenizer, t.prompts_per_step)
+
+        self.model = build_model(cfg.model, cfg.parallel, st, routing_replay=t.routing_replay != "off")
+        # The KL reference is the initial policy: a frozen copy taken after checkpoint.load and the
+        # SFT warm start (in run()), saved in every checkpoint so a resumed run keeps it.
+        self.ref_model = None
+        if cfg.loss.kl_coef > 0:
+            self.ref_model = build_model(cfg.model, cfg.parallel, st).eval().requires_grad_(False)
+        self.checkpoints = CheckpointManager(cfg.checkpoint, st)
+        self.checkpoints.prepare(self.model)  # refuse a wrong-shape resume, or load checkpoint.load
+        self.ddp = wrap_ddp(self.model, st)
+        self.routing = RoutingPolicy(t.routing_replay, self.ddp, st)
+        self.timer = Timer()
+        g = cfg.generation
+        gen_cfg = dataclasses.replace(g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
+                                      pad_token_id=g.pad_token_id if g.pad_token_id is not None else self.tokenizer.pad_id)
+        self.rollouts = Rollouts(cfg, st, self.ddp, self.ref_model, self.sampler, self.tokenizer,
+                                 build_reward_fn(cfg.reward), get_advantage_estimator(t.advantage_estimator), gen_cfg,
+                                 self.routing, self.timer)
+        self.hooks = Hooks([SFTWarmStart(), FaultInjection(rank=st.rank), *hooks])
+        self.logger = MetricsLogger(t.output_dir, enabled=st.is_main, tensorboard=t.tensorboard)
+        self.preempt = PreemptionFlag()
+        self.consecutive_skips = 0
+        self.skipped_total = 0
+        self.step = 0
+        log.info("model: %s", model_summary(cfg.model))
+        log.info("layout: world %d = TP %d x PP %d x DP %d (EP %d, ETP %d, SP %s) on %s", st.world_size, st.tp, st.pp,
+                 st.dp, st.ep, st.etp, st.sequence_parallel, st.device)
+        log.info("optimizer: %s", st.optimizer_layout())
+
+    @property
+    def resumed(self) -> bool:
+        return self.checkpoints.resuming
+
+    # ------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        t = self.cfg.train
+        self.hooks.before_training(self)  # the SFT warm start, unless resuming
+        if self.ref_model is not None and not self.resumed:
+            self.ref_model.load_state_dict(self.model.state_dict())
+        self.setup_optimizer()  # and, when resuming, everything the checkpoint holds
+        history = []
+        while self.step < t.num_steps:
+            self.stop_if_preempted()
+            self.hooks.at_step_start(self)
+            t0 = time.perf_counter()
+            parallel.set_seed(t.seed + self.step, self.state)  # every draw of a step depends on (seed, step)
+            data_before = self.sampler.counters()
+            batch = self.rollouts.collect(self.step)
+            self.hooks.after_rollout(self, batch)
+            with self.timer("train"):
+                metrics = self.train_on(batch)
+            metrics.update(self.rollouts.metrics(batch))
+            metrics.update(self.routing.step_metrics(len(self.rollouts.micro_batches(batch.num_rows))))
+            self.step += 1
+            metrics.update(self.perf_metrics(metrics, time.perf_counter() - t0))
+            metrics.update(_data_metrics(data_before, self.sampler.counters(), self.step, self.cfg.data, self.state.is_main))
+            self.hooks.after_step(self, metrics)
+            self.logger.log(self.step, metrics)
+            history.append({k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor) or v.numel() == 1})
+            if self.step % t.log_interval == 0:
+                log.info(progress_line(self.step, t.num_steps, metrics))
+            if self.checkpoints.due(self.step):
+                self.save()
+        if not self.checkpoints.due(self.step):
+            self.save()  # the end of the run (a no-op without checkpoint.save)
+        self.logger.close()
+        return {"history": history}
+
+    # ------------------------------------------------------------------------------------------
+    def setup_optimizer(self) -> None:
+        cfg = self.cfg
+        self.optimizer = build_optimizer(cfg.optimizer, self.ddp, self.state, cfg.model.precision == "bf16")
+        self.scheduler = build_scheduler(cfg.optimizer, self.optimizer, cfg.train.num_steps * cfg.train.num_minibatches)
+        if self.resumed:
+            info = self.checkpoints.restore(self.ddp, self.optimizer, self.scheduler, extra_models=self._extra_models())
+            self.step = info["step"]
+            self.sampler.load_state_dict(info["extra"]["data"])
+            log.info("resumed from %s at step %d", info["path"], self.step)
+
+    def train_on(self, batch: RolloutBatch) -> dict:
+        """num_minibatches optimizer steps over the rollout; returns reduced metrics."""
+        st, t = self.state, self.cfg.train
+        acc = MetricAccumulator()
+        grad_norms, skipped = [], 0
+        mb_index = 0  # flat micro-batch id: the key of the old-log-prob pass's routing records
+        for k, mini in enumerate(micro_batch_slices(batch.num_rows, t.num_minibatches, t.micro_batch_size)):
+            bad_rows = self.accumulate_gradients(batch, mini, mb_index, acc)
+            mb_index += len(mini)
+            # NaN/Inf guard: decided collectively so every rank skips the same update
+            local_bad = bool(bad_rows) or not all(
+                torch.isfinite(p.main_grad).all() for p in self.ddp.parameters() if getattr(p, "main_grad", None) is not None)
+            if comm.any_rank(local_bad, st.device, what="non-finite gradient vote"):
+                self._skip_update(bad_rows)
+                skipped += 1
+                continue
+            ok, gnorm = optimizer_step(self.optimizer)
+            if not ok or not math.isfinite(gnorm):  # megatron's own overflow check (bf16/fp16)
+                self._skip_update([])
+                skipped += 1
+                continue
+            self.consecutive_skips = 0
+            self.scheduler.step(increment=1)
+            grad_norms.append(gnorm)
+            self.hooks.after_update(self, k)
+        self.routing.finish_step()  # asserts every recorded route was replayed exactly once
+        out = {f"loss/{k}": v for k, v in acc.reduce(st.dp_group).items()}
+        out["loss/clip_frac"] = out["loss/clip_frac_low"] + out["loss/clip_frac_high"]
+        out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        out["train/skipped_updates"] = skipped
+        out["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        return out
+
+    def accumulate_gradients(self, batch: RolloutBatch, mini: list[slice], mb_index: int,
+                             acc: MetricAccumulator) -> list[str]:
+        """Forward + backward of one minibatch (its micro-batches ``mini``), gradients reduced over DP
+        (finalize_grads). The loss divides by the unit count of the whole minibatch over every DP rank
+        and DDP sums gradients (calculate_per_token_loss), so the gradient is the DP=1, one-micro-batch
+        gradient whatever the split; the MoE aux loss gets the same weight too (model.aux_loss_scales).
+        Returns the sample ids whose (current or old) log-probs were not finite."""
+        cfg, st = self.cfg, self.state
+        rows = slice(mini[0].start, mini[-1].stop)
+        norm = comm.all_reduce(batch_normalizer(cfg.loss, batch.mask[rows]).reshape(1), "sum", st.dp_group,
+                               what="loss normalizer (units of the minibatch over DP)")
+        pad_masks = [batch.rows(sl).input_padding_mask() for sl in mini]
+        scales = aux_loss_scales(pad_masks, st, cfg.model.moe_router_load_balancing_type, cfg.model.moe_aux_loss_coeff)
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        bad_rows: list[str] = []
+        for j, sl in enumerate(mini):
+            micro = batch.rows(sl)
+            with self.routing.train_pass(mb_index + j):
+                logits = forward_logits(self.ddp, micro.tokens[:, :-1], padding_mask=pad_masks[j])
+                logp, ent = vocab_parallel_logprobs(logits, micro.tokens[:, 1:], cfg.model.vocab_size,
+                                                    st.tp_group, temperature=self.rollouts.temperature)
+                ratio = torch.where(micro.mask, logp.detach() - micro.old_logprobs, 0.0)
+                bad_rows += [micro.sample_ids[r] for r in torch.nonzero(~ratio.isfinite().all(-1)).flatten().tolist()]
+                loss, metrics = compute_policy_loss(
+                    cfg.loss, logp, micro.old_logprobs, micro.advantages, micro.mask,
+                    ref_logp=micro.ref_logprobs, entropy=ent, global_batch_normalizer=norm[0])
+            set_aux_loss_scale(scales[j], st.device)
+            with self.routing.backward():
+                loss.backward()
+            acc.add(metrics)
+        finalize_grads(self.ddp, st)
+        return bad_rows
+
+    def _skip_update(self, bad_rows: list[str]) -> None:
+        self.consecutive_skips += 1
+        self.skipped_total += 1
+        log.warning("step %d: non-finite loss/gradients, update skipped on every rank (%d in a row, %d total)%s",
+                    self.step + 1, self.consecutive_skips, self.skipped_total,
+                    f"; sequences with non-finite log-probs on rank {self.state.rank}: {bad_rows[:8]}" if bad_rows else "")
+        if self.consecutive_skips >= self.cfg.train.max_consecutive_skips:
+            self.save()  # nothing was applied since the last good update: this is the last good state
+            raise TrainingStopped(
+                f"stopping: {self.consecutive_skips} consecutive updates had non-finite loss or gradients "
+                f"(train.max_consecutive_skips={self.cfg.train.max_consecutive_skips}) at step {self.step + 1}; "
+                f"the last good state was saved to {self.cfg.checkpoint.save or '(checkpoint.save not set)'}",
+                EXIT_TOO_MANY_SKIPS)
+
+    def perf_metrics(self, metrics: dict, step_time: float) -> dict:
+        times = self.timer.pop()
+        out = {f"perf/{k}_s": v for k, v in times.items()}
+        out["perf/step_time_s"] = step_time
+        out["perf/rss_mb"] = current_rss() / 2**20
+        out["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(times.get("generate", 0.0), 1e-9)
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    def stop_if_preempted(self) -> None:
+        """At a step boundary: if any rank got SIGTERM / SIGUSR1, all checkpoint and stop (exit 75)."""
+        st, ck = self.state, self.cfg.checkpoint
+        if not comm.any_rank(self.preempt.set, st.device, what="preemption vote"):
+            return
+        # The periodic save at the end of the step just run already holds this state (its
+        # directory has a manifest only once complete): writing it again would spend the
+        # scheduler's lead time on a copy.
+        just_saved = bool(ck.save and self.step and self.checkpoints.due(self.step)
+                          and has_manifest(iter_dir(ck.save, self.step)))
+        if not comm.all_ranks(just_saved, st.device, what="preemption: step already saved"):
+            self.save()
+        saved = f"checkpoint saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
+        sig = signal.Signals(self.preempt.received).name if self.preempt.received else "(on another rank)"
+        raise TrainingStopped(f"preempted by signal {sig} before step {self.step + 1}: {saved}; exiting with "
+                              f"{EXIT_PREEMPTED} (resume with checkpoint.resume=true)", EXIT_PREEMPTED)
+
+    def _extra_models(self) -> dict:
+        return {"ref_model": self.ref_model} if self.ref_model is not None else {}
+
+    def save(self) -> None:
+        self.checkpoints.save(self.step, self.ddp, self.optimizer, self.scheduler, extra_models=self._extra_models(),
+                              extra={"data": self.sampler.state_dict(), "config": to_dict(self.cfg)},
+                              during_save=lambda tmp: self.hooks.during_save(self, tmp))
+
+    def close(self) -> None:
+        self.hooks.close(self)
+        self.logger.close()
+
+
+def _data_metrics(before: dict, after: dict, step: int, data_cfg, log_it: bool) -> dict:
+    """Prompts that data.overlong_prompt_policy dropped or cut this step, and since the start of the
+    run (the sampler's counters survive a resume); said once per step when any, never silently.
+    Every DP rank draws the same prompts, so the counts need no reduction."""
+    out = {"data/dropped_prompts": after["num_dropped"] - before["num_dropped"],
+           "data/truncated_prompts": after["num_truncated"] - before["num_truncated"],
+           "data/dropped_prompts_total": after["num_dropped"], "data/truncated_prompts_total": after["num_truncated"]}
+    if log_it and (out["data/dropped_prompts"] or out["data/truncated_prompts"]):
+        log.warning("step %d: %d prompt(s) dropped and %d left-truncated for exceeding data.max_prompt_length=%d "
+                    "tokens (data.overlong_prompt_policy=%s; %d dropped, %d truncated since the start)",
+                    step, out["data/dropped_prompts"], out["data/truncated_prompts"], data_cfg.max_prompt_length,
+                    data_cfg.overlong_prompt_policy, after["num_dropped"], after["num_truncated"])
+    return out
+
+
+def summarize(history: list[dict], loss_name: str) -> str:
+    r = [h["rollout/reward_mean"] for h in history]
+    k = min(10, max(1, len(r) // 2))
+    first, last = sum(r[:k]) / k, sum(r[-k:]) / k
+    return (f"mean reward of the first {k} {loss_name.upper()} steps {first:.3f} -> last {k} steps {last:.3f} "
+            f"({last - first:+.3f})")
