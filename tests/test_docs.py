@@ -151,6 +151,26 @@ def test_metric_names_in_docs_exist():
 
 
 # ----------------------------------------------------------------------------------------------
+# Commands
+# ----------------------------------------------------------------------------------------------
+
+_PYTHON_M = re.compile(r"python -m ([A-Za-z_][A-Za-z0-9_.]*[A-Za-z0-9_])")
+
+
+def test_python_m_modules_in_docs_exist():
+    """Every `python -m <module>` the docs show runs from the repository root: a module that moved
+    (the comparison went from the package to experiments/compare) leaves no stale command behind."""
+    seen, bad = set(), []
+    for where, n, line in _lines():
+        for name in _PYTHON_M.findall(line):
+            seen.add(name)
+            if importlib.util.find_spec(name) is None:
+                bad.append(f"{where}:{n}: python -m {name}")
+    assert not bad, "commands in the docs that name no module:\n" + "\n".join(bad)
+    assert {"megatron_gspo.train", "experiments.compare"} <= seen
+
+
+# ----------------------------------------------------------------------------------------------
 # Links between the pages
 # ----------------------------------------------------------------------------------------------
 

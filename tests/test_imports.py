@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import checkpoints_tools
+import experiments
 import megatron_gspo
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 def _modules():
     out = []
-    for pkg in (megatron_gspo, checkpoints_tools):
+    for pkg in (megatron_gspo, checkpoints_tools, experiments):
         out.append(pkg.__name__)
         out += [m.name for m in pkgutil.walk_packages(pkg.__path__, prefix=pkg.__name__ + ".")]
     return sorted(out)
