@@ -346,6 +346,23 @@ class _Lockstep:
 # ----------------------------------------------------------------------------------------------
 
 
+def _lean_decoder(m, cfg: GenerationConfig, on_forward, batch: int, slots: int, max_position: int):
+    """The lean decode path (megatron_gspo/decode.py) when ``cfg.decode_impl`` allows and supports it, else None."""
+    from megatron_gspo.decode import LeanDecoder, lean_decode_unsupported
+
+    if cfg.decode_impl == "megatron":
+        return None
+    reason = lean_decode_unsupported(m)
+    if reason is None and on_forward is not None:
+        # routing recorders read megatron's per-forward state; keep them on the path they were built for
+        reason = "a per-forward callback (routing recorder)"
+    if reason is not None:
+        if cfg.decode_impl == "lean":
+            raise ValueError(f"generation.decode_impl=lean does not support {reason}; use auto or megatron")
+        return None
+    return LeanDecoder(m, batch, slots, max_position)
+
+
 def _as_list(p: Union[Sequence[int], torch.Tensor]) -> list[int]:
     return p.tolist() if isinstance(p, torch.Tensor) else [int(t) for t in p]
 
@@ -436,7 +453,8 @@ def generate(
 
     from megatron.core.inference.contexts import StaticInferenceContext
 
-    ctx = StaticInferenceContext(max_batch_size=B, max_sequence_length=S - 1)
+    lean = _lean_decoder(m, cfg, on_forward, B, S - 1, int(positions.max()))
+    ctx = None if lean is not None else StaticInferenceContext(max_batch_size=B, max_sequence_length=S - 1)
     n_fwd, prefill_s, row_steps = 0, 0.0, 0
     # The rows in the decode batch, in the KV cache's row order (None: all B, in order). Finished rows
     # leave it (compaction, below); every per-row tensor stays indexed by the original row.
@@ -445,6 +463,8 @@ def generate(
 
     def forward(lo: int, hi: int, mask: torch.Tensor) -> torch.Tensor:
         rows = slice(None) if live is None else live
+        if lean is not None:
+            return lean.forward(grid[rows, lo:hi], positions[rows, lo:hi], mask, lo)[:, :vocab_size]
         logits = m(input_ids=grid[rows, lo:hi], position_ids=positions[rows, lo:hi], attention_mask=mask,
                    inference_context=ctx, runtime_gather_output=True)
         ctx.increment_sequence_len_offset(hi - lo)
@@ -469,6 +489,10 @@ def generate(
         nonlocal live
         cur = torch.arange(B, device=device) if live is None else live
         order = torch.argsort(done[cur].long(), stable=True)[:keep]  # unfinished first, cache order kept
+        if lean is not None:
+            lean.compact(order, keep)
+            live = cur[order]
+            return
         for layer, (k_mem, v_mem) in ctx.key_value_memory_dict.items():  # [S-1, B, heads, dim] each
             k_mem[:, :keep] = k_mem[:, order]
             v_mem[:, :keep] = v_mem[:, order]
@@ -480,7 +504,7 @@ def generate(
         stack.enter_context(_without_sequence_parallel(m))
         # Equal-length real prompts: slot index = position and no padding to mask (the padding of
         # EP shape-filler rows is harmless: their outputs are dropped).
-        if bool((left_pad[:n_real] > 0).any()):
+        if lean is None and bool((left_pad[:n_real] > 0).any()):
             stack.enter_context(_per_row_rope(m, positions, lambda: live))
             stack.enter_context(_padding_mask_honored(m))
 
@@ -488,7 +512,8 @@ def generate(
         prefill_mask = (causal[None] | key_pad[:, None, :P])[:, None]  # [B, 1, P, P]
         t0 = time.perf_counter()
         logits = forward(0, P, prefill_mask)
-        ctx.enable_decode_mode()
+        if ctx is not None:
+            ctx.enable_decode_mode()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         prefill_s = time.perf_counter() - t0
@@ -524,7 +549,7 @@ def generate(
             if on_forward is not None:
                 on_forward(step + 1, "decode", live)
             tok, lp = pick(logits, step + 1)
-    del ctx  # frees the KV cache
+    del ctx, lean  # frees the KV cache
 
     # left-padded internal grid -> right-padded training grid (real rows only)
     lens, resp_len = lens[:n_real], resp_len[:n_real]

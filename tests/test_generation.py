@@ -303,10 +303,11 @@ def test_dropping_finished_rows_changes_no_result_and_saves_decode_work(tiny):
 
 def test_min_new_tokens_and_ignore_eos(tiny):
     model, st = tiny
-    free = generate(model, _prompts(), GenerationConfig(max_new_tokens=10, temperature=0.0), vocab_size=VOCAB,
-                    state=st).responses()
-    stop = [free[0][0], free[1][1]]  # rows 0 and 1 would stop at once / at their second token
-    cfg = dict(max_new_tokens=10, temperature=1.0, n_samples_per_prompt=4, seed=3, stop_token_ids=stop)
+    cfg = dict(max_new_tokens=10, temperature=1.0, n_samples_per_prompt=4, seed=3)
+    free = generate(model, _prompts(), GenerationConfig(**cfg), vocab_size=VOCAB, state=st)
+    # the tokens these samples draw most often as stop tokens: several rows would stop early
+    stop = torch.bincount(free.tokens[free.response_mask], minlength=VOCAB).topk(4).indices.tolist()
+    cfg["stop_token_ids"] = stop
     plain = generate(model, _prompts(), GenerationConfig(**cfg), vocab_size=VOCAB, state=st)
     assert plain.response_lengths.min() < 5
     atleast = generate(model, _prompts(), GenerationConfig(**cfg, min_new_tokens=5), vocab_size=VOCAB, state=st)

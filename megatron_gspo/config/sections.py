@@ -169,6 +169,11 @@ class GenerationConfig:
     # has finished (0 = never: the static batch decodes until its longest row ends). Results do not
     # depend on it; long-tailed response lengths run faster with it.
     compact_finished_rows: float = 0.25
+    # The forward of prefill and decode steps: "lean" (megatron_gspo/decode.py: the model's own
+    # modules and weights, a KV cache of roped keys, last-position logits only), "megatron"
+    # (GPTModel.forward with megatron's StaticInferenceContext), "auto" (lean where it supports
+    # the layout, i.e. one rank of TP/EP/PP and RoPE, and no routing recorder; else megatron).
+    decode_impl: str = "auto"
 
     def __post_init__(self) -> None:
         check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
@@ -195,6 +200,8 @@ class GenerationConfig:
               f"got {self.min_new_tokens!r}")
         check(finite(self.compact_finished_rows) and 0 <= self.compact_finished_rows < 1,
               f"generation.compact_finished_rows must be in [0, 1) (0 = off), got {self.compact_finished_rows!r}")
+        check(self.decode_impl in ("auto", "lean", "megatron"),
+              f"generation.decode_impl must be one of auto, lean, megatron, got {self.decode_impl!r}")
 
     @property
     def greedy(self) -> bool:
