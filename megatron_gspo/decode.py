@@ -11,7 +11,7 @@ this overhead was about half of a decode step on CPU (docs/performance.md).
 ``LeanDecoder`` runs the same computation with the same parameters: the embedding, each layer's
 own norm modules (``input_layernorm``, ``q_layernorm``/``k_layernorm``, ``pre_mlp_layernorm``,
 ``final_layernorm``) and its whole MLP/MoE module (router, dispatcher and experts untouched, so
-routing is megatron's), with the attention projections, RoPE and a KV cache of *roped* keys
+routing is megatron's and router hooks such as the R3 recorder see the same [s, b, h] input), with the attention projections, RoPE and a KV cache of *roped* keys
 ([b, groups, slots, head dim], batch-first, contiguous per row) done here; only the last
 position's logits are computed. Logits equal the megatron path's to float rounding
 (tests/test_decode.py: per step, prefill and decode, left-padded prompts, compaction).

@@ -346,16 +346,15 @@ class _Lockstep:
 # ----------------------------------------------------------------------------------------------
 
 
-def _lean_decoder(m, cfg: GenerationConfig, on_forward, batch: int, slots: int, max_position: int):
+def _lean_decoder(m, cfg: GenerationConfig, batch: int, slots: int, max_position: int):
     """The lean decode path (megatron_gspo/decode.py) when ``cfg.decode_impl`` allows and supports it, else None."""
     from megatron_gspo.decode import LeanDecoder, lean_decode_unsupported
 
     if cfg.decode_impl == "megatron":
         return None
+    # Routing recorders (on_forward) work on either path: the lean step calls each layer's own MoE
+    # module, router hooks included, on [s, b, h] hidden states as megatron's forward does.
     reason = lean_decode_unsupported(m)
-    if reason is None and on_forward is not None:
-        # routing recorders read megatron's per-forward state; keep them on the path they were built for
-        reason = "a per-forward callback (routing recorder)"
     if reason is not None:
         if cfg.decode_impl == "lean":
             raise ValueError(f"generation.decode_impl=lean does not support {reason}; use auto or megatron")
@@ -453,7 +452,7 @@ def generate(
 
     from megatron.core.inference.contexts import StaticInferenceContext
 
-    lean = _lean_decoder(m, cfg, on_forward, B, S - 1, int(positions.max()))
+    lean = _lean_decoder(m, cfg, B, S - 1, int(positions.max()))
     ctx = None if lean is not None else StaticInferenceContext(max_batch_size=B, max_sequence_length=S - 1)
     n_fwd, prefill_s, row_steps = 0, 0.0, 0
     # The rows in the decode batch, in the KV cache's row order (None: all B, in order). Finished rows

@@ -87,14 +87,21 @@ def test_decode_attention_matches_sdpa():
 def test_auto_falls_back_and_lean_refuses_what_it_does_not_support(model):
     m, st = model
     assert lean_decode_unsupported(m) is None
-    # a routing recorder (R3) keeps megatron's path under auto; lean refuses it by name
+    # a per-forward callback (the R3 routing recorder) runs on the lean path too
     calls = []
-    out = generate(m, _prompts(), GenerationConfig(max_new_tokens=3, temperature=0.0),
+    out = generate(m, _prompts(), GenerationConfig(max_new_tokens=3, temperature=0.0, decode_impl="lean"),
                    vocab_size=VOCAB, state=st, on_forward=lambda i, kind, rows: calls.append(kind))
     assert calls == ["prefill", "decode", "decode"] and out.num_forwards == 3
-    with pytest.raises(ValueError, match="decode_impl=lean does not support a per-forward callback"):
-        generate(m, _prompts(), GenerationConfig(max_new_tokens=3, decode_impl="lean"), vocab_size=VOCAB, state=st,
-                 on_forward=lambda *a: None)
+    # Transformer Engine's (or any other) core attention: auto keeps megatron's path, lean refuses by name
+    layer = m.decoder.layers[0].self_attention
+    core = layer.core_attention
+    layer.core_attention = torch.nn.Identity()
+    try:
+        assert lean_decode_unsupported(m) == "core attention Identity"
+        with pytest.raises(ValueError, match="decode_impl=lean does not support core attention Identity"):
+            generate(m, _prompts(), GenerationConfig(max_new_tokens=3, decode_impl="lean"), vocab_size=VOCAB, state=st)
+    finally:
+        layer.core_attention = core
     m.config.sequence_parallel, saved = True, m.config.sequence_parallel
     try:
         assert lean_decode_unsupported(m) == "sequence parallelism"
