@@ -96,7 +96,8 @@ class LeanDecoder:
         # the RoPE table of megatron's own RotaryEmbedding (same frequencies, same cos/sin values)
         freqs = m.rotary_pos_emb.get_freqs_non_repeated(max_position + 1)  # [positions, rot/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # non-interleaved layout, as megatron's get_emb
-        self.cos, self.sin = torch.cos(emb).to(p.dtype), torch.sin(emb).to(p.dtype)  # [positions, rot]
+        self.cos = torch.cos(emb).to(device=p.device, dtype=p.dtype)  # [positions, rot]
+        self.sin = torch.sin(emb).to(device=p.device, dtype=p.dtype)
         self.k = [torch.zeros(batch, self.ng, max_slots, self.hn, dtype=p.dtype, device=p.device) for _ in self.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.shared = m.share_embeddings_and_output_weights
