@@ -28,6 +28,8 @@ setup(
         "test": ["pytest>=7", "transformers>=4.51", "safetensors"],
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         "parquet": ["pyarrow"],
+        # benchmarks/trl_side_by_side.py only: TRL is never a dependency of the package
+        "bench": ["trl==1.16.0"],
     },
     entry_points={"console_scripts": ["megatron-gspo-train=megatron_gspo.train:main"]},
 )

@@ -93,11 +93,9 @@ class FaultInjection(TrainerHook):
     def after_rollout(self, trainer, batch) -> None:
         if not self.faults.active("nan_logprob", trainer.step + 1):
             return
-        from megatron_gspo.rollout import micro_batch_slices
-
-        t = trainer.cfg.train
-        for mini in micro_batch_slices(batch.num_rows, t.num_minibatches, t.micro_batch_size):
-            rows = mini[0]
+        batch.old_logprobs = batch.old_logprobs.clone()  # it may be the sampling log-probs themselves
+        for mini in batch.minibatches:
+            rows = batch.micro[mini[0]]
             batch.old_logprobs[rows] = batch.old_logprobs[rows].masked_fill(batch.mask[rows], float("nan"))
 
     def during_save(self, trainer, tmp_dir: str) -> None:

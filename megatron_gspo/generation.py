@@ -78,8 +78,8 @@ Cost
     small next to the local attention's own [b, heads, P, P] scores. megatron's static path
     re-rotates the cached keys each step (it caches keys before RoPE).
 
-Routing replay (R3)
-    ``on_forward(step_idx, kind)`` is called right after each model forward, ``kind`` being
+Routing replay (R3) and routing metrics
+    ``on_forward(step_idx, kind, rows)`` is called right after each model forward, ``kind`` being
     ``"prefill"`` (step 0: the whole left-padded prompt block, P positions per row) or
     ``"decode"`` (steps 1..: one position per row, the token sampled at the previous step). The
     last sampled token of a row is never fed to the model, so a routing recorder sees routes for
@@ -87,7 +87,16 @@ Routing replay (R3)
     left padding of the prefill block (columns < P - prompt_length), the inputs of rows that already
     ended (decode step j is a real position of row r iff ``response_lengths[r] > j``; an ended row
     is fed its last token once, then ``pad_token_id``) and, under EP, dummy rows, which are the
-    last rows of the batch (rows >= B = len(prompts) x n_samples_per_prompt).
+    last rows of the batch (rows >= B = len(prompts) x n_samples_per_prompt). ``rows`` names the
+    batch positions of that forward: None for all B rows in order, else (after finished rows left the
+    decode batch) the original row index of each position.
+
+Finished rows (``generation.compact_finished_rows``)
+    A static batch decodes every row until its longest one ends: with long-tailed response lengths
+    most of that work is for rows already done. Once that share of the batch has finished, the
+    unfinished rows move to the front of every layer's KV cache and the decode batch shrinks to them
+    (under EP to the largest count any lockstep rank still has, topped up with finished rows). Every
+    per-row tensor stays indexed by the original row, so results are those of the static batch.
 """
 
 from __future__ import annotations
@@ -104,7 +113,7 @@ from megatron_gspo import comm
 from megatron_gspo.config import GenerationConfig
 from megatron_gspo.sampling import counter_uniform, sample_tokens
 
-OnForward = Callable[[int, str], None]
+OnForward = Callable[[int, str, Optional[torch.Tensor]], None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,6 +145,8 @@ class GenerationOutput:
     elapsed_s: float = 0.0
     prefill_s: float = 0.0
     num_forwards: int = 0
+    # rows fed to decode forwards, summed over steps (B x steps without compaction)
+    decode_row_steps: int = 0
     temperature: float = 1.0
 
     @property
@@ -208,24 +219,26 @@ def _without_sequence_parallel(model) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _per_row_rope(model, positions: torch.Tensor) -> Iterator[None]:
-    """Make the model's RoPE return per-row angles [L, b, 1, d] for positions [b, L].
+def _per_row_rope(model, positions: torch.Tensor, rows: Callable[[], Optional[torch.Tensor]]) -> Iterator[None]:
+    """Make the model's RoPE return per-row angles [L, b, 1, d] for positions [B, L].
 
     megatron takes rotary angles from the KV slot index (``q_pos_emb[offset:offset+s]``); with
     left padding a row's true position is slot - pad. Rows of the same angle table a training
     forward uses are selected, so a token's rotation is bitwise the one of an unpadded forward.
+    ``rows()`` names the rows of the current forward (None: all B), in the KV cache's order.
     """
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is None or getattr(model, "position_embedding_type", "rope") != "rope":
         raise NotImplementedError("generation supports RoPE GPT models only "
                                   f"(position_embedding_type={getattr(model, 'position_embedding_type', None)!r})")
     L = positions.shape[1]
-    table = rope.get_emb(L)  # [L, 1, 1, d]
-    emb = table[:, 0, 0, :][positions.t()].unsqueeze(2)  # [L, b, 1, d]
+    table = rope.get_emb(L)[:, 0, 0, :]  # [L, d]
+    emb = table[positions.t()].unsqueeze(2)  # [L, B, 1, d]
 
     def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
         assert max_seq_len == L and offset == 0 and not packed_seq, (max_seq_len, L, offset, packed_seq)
-        return emb
+        r = rows()
+        return emb if r is None else emb[:, r]
 
     rope.forward = forward  # instance attribute shadows the (lru-cached) class method
     try:
@@ -333,6 +346,22 @@ class _Lockstep:
 # ----------------------------------------------------------------------------------------------
 
 
+def _lean_decoder(m, cfg: GenerationConfig, batch: int, slots: int, max_position: int):
+    """The lean decode path (megatron_gspo/decode.py) when ``cfg.decode_impl`` allows and supports it, else None."""
+    from megatron_gspo.decode import LeanDecoder, lean_decode_unsupported
+
+    if cfg.decode_impl == "megatron":
+        return None
+    # Routing recorders (on_forward) work on either path: the lean step calls each layer's own MoE
+    # module, router hooks included, on [s, b, h] hidden states as megatron's forward does.
+    reason = lean_decode_unsupported(m)
+    if reason is not None:
+        if cfg.decode_impl == "lean":
+            raise ValueError(f"generation.decode_impl=lean does not support {reason}; use auto or megatron")
+        return None
+    return LeanDecoder(m, batch, slots, max_position)
+
+
 def _as_list(p: Union[Sequence[int], torch.Tensor]) -> list[int]:
     return p.tolist() if isinstance(p, torch.Tensor) else [int(t) for t in p]
 
@@ -363,7 +392,7 @@ def generate(
             the sample for the sampling noise (sampling.counter_uniform); the trainer passes global
             row indices, so a sample's tokens do not depend on which rank draws it or beside which rows.
             Default: 0, 1, 2, ... in output-row order.
-        on_forward: ``f(step_idx, kind)`` called after each model forward (see the module doc).
+        on_forward: ``f(step_idx, kind, rows)`` called after each model forward (see the module doc).
     Collective when ``state`` has TP or EP > 1: every rank of the layout must call it.
     """
     from megatron_gspo.model import unwrap
@@ -423,22 +452,50 @@ def generate(
 
     from megatron.core.inference.contexts import StaticInferenceContext
 
-    ctx = StaticInferenceContext(max_batch_size=B, max_sequence_length=S - 1)
-    n_fwd, prefill_s = 0, 0.0
+    lean = _lean_decoder(m, cfg, B, S - 1, int(positions.max()))
+    ctx = None if lean is not None else StaticInferenceContext(max_batch_size=B, max_sequence_length=S - 1)
+    n_fwd, prefill_s, row_steps = 0, 0.0, 0
+    # The rows in the decode batch, in the KV cache's row order (None: all B, in order). Finished rows
+    # leave it (compaction, below); every per-row tensor stays indexed by the original row.
+    live: Optional[torch.Tensor] = None
+    compact_at = cfg.compact_finished_rows
 
     def forward(lo: int, hi: int, mask: torch.Tensor) -> torch.Tensor:
-        logits = m(input_ids=grid[:, lo:hi], position_ids=positions[:, lo:hi], attention_mask=mask,
+        rows = slice(None) if live is None else live
+        if lean is not None:
+            return lean.forward(grid[rows, lo:hi], positions[rows, lo:hi], mask, lo)[:, :vocab_size]
+        logits = m(input_ids=grid[rows, lo:hi], position_ids=positions[rows, lo:hi], attention_mask=mask,
                    inference_context=ctx, runtime_gather_output=True)
         ctx.increment_sequence_len_offset(hi - lo)
-        return logits[:, -1, :vocab_size]  # [B, V]: full vocabulary, last position only
+        return logits[:, -1, :vocab_size]  # [b, V]: full vocabulary, last position only
 
     def pick(logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        noise = None if cfg.greedy else counter_uniform(noise_seed, keys, position, logits.shape[-1])
-        tok, lp = sample_tokens(logits, cfg.temperature, cfg.top_k, cfg.top_p, noise)
+        row_keys = keys if live is None else keys[live]
+        noise = None if cfg.greedy else counter_uniform(noise_seed, row_keys, position)
+        allowed = None
+        if position < cfg.min_new_tokens and stop.numel():  # the draw only: log-probs stay unrestricted
+            allowed = torch.ones(logits.shape[-1], dtype=torch.bool, device=device)
+            allowed[stop] = False
+        tok, lp = sample_tokens(logits, cfg.temperature, cfg.top_k, cfg.top_p, noise, allowed=allowed)
         if sync.tp_group is not None:  # one sample per TP group, bitwise (logits may differ in the last bit)
             packed = sync.broadcast_tp(torch.stack([tok.double(), lp.double()]))
             tok, lp = packed[0].long(), packed[1].float()
         return tok, lp
+
+    def compact(keep: int) -> None:
+        """Move ``keep`` rows (this rank's unfinished ones first, then finished fillers so every rank of
+        the lockstep group has the same batch) to the front of every layer's KV cache."""
+        nonlocal live
+        cur = torch.arange(B, device=device) if live is None else live
+        order = torch.argsort(done[cur].long(), stable=True)[:keep]  # unfinished first, cache order kept
+        if lean is not None:
+            lean.compact(order, keep)
+            live = cur[order]
+            return
+        for layer, (k_mem, v_mem) in ctx.key_value_memory_dict.items():  # [S-1, B, heads, dim] each
+            k_mem[:, :keep] = k_mem[:, order]
+            v_mem[:, :keep] = v_mem[:, order]
+        live = cur[order]
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
@@ -446,45 +503,52 @@ def generate(
         stack.enter_context(_without_sequence_parallel(m))
         # Equal-length real prompts: slot index = position and no padding to mask (the padding of
         # EP shape-filler rows is harmless: their outputs are dropped).
-        if bool((left_pad[:n_real] > 0).any()):
-            stack.enter_context(_per_row_rope(m, positions))
+        if lean is None and bool((left_pad[:n_real] > 0).any()):
+            stack.enter_context(_per_row_rope(m, positions, lambda: live))
             stack.enter_context(_padding_mask_honored(m))
 
         causal = torch.triu(torch.ones(P, P, dtype=torch.bool, device=device), diagonal=1)
         prefill_mask = (causal[None] | key_pad[:, None, :P])[:, None]  # [B, 1, P, P]
         t0 = time.perf_counter()
         logits = forward(0, P, prefill_mask)
-        ctx.enable_decode_mode()
+        if ctx is not None:
+            ctx.enable_decode_mode()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         prefill_s = time.perf_counter() - t0
         n_fwd += 1
         if on_forward is not None:
-            on_forward(0, "prefill")
+            on_forward(0, "prefill", None)
         tok, lp = pick(logits, 0)
 
         for step in range(cfg.max_new_tokens):
-            active = ~done
+            rows = torch.arange(B, device=device) if live is None else live
+            active = ~done[rows]
             col = P + step
-            grid[:, col] = torch.where(active, tok, torch.full_like(tok, pad))
-            lp_grid[:, step] = torch.where(active, lp, torch.zeros_like(lp))
-            resp_len += active.long()
-            if stop.numel():
+            grid[rows, col] = torch.where(active, tok, torch.full_like(tok, pad))
+            lp_grid[rows, step] = torch.where(active, lp, torch.zeros_like(lp))
+            resp_len[rows] += active.long()
+            if stop.numel() and not cfg.ignore_eos:
                 hit = active & torch.isin(tok, stop)
-                stopped |= hit
-                done |= hit
+                stopped[rows] |= hit
+                done[rows] |= hit
             if step == cfg.max_new_tokens - 1:
                 break  # the last sampled token is never fed to the model
-            flag = sync.all_reduce_max((~done).any().long().reshape(1), what="generate(): some row still generating")
-            if not bool(flag.item()):
+            # the most unfinished rows any rank of the lockstep group still has (0: every row is done)
+            n_live = int(sync.all_reduce_max((~done[rows]).sum().reshape(1), what="generate(): rows still generating").item())
+            if n_live == 0:
                 break
+            if compact_at > 0 and n_live <= (1 - compact_at) * rows.numel():
+                compact(n_live)
+                rows = live
             k = col + 1  # keys: slots [0, col]
-            logits = forward(col, col + 1, key_pad[:, None, None, :k])
+            logits = forward(col, col + 1, key_pad[rows, None, None, :k])
             n_fwd += 1
+            row_steps += rows.numel()
             if on_forward is not None:
-                on_forward(step + 1, "decode")
+                on_forward(step + 1, "decode", live)
             tok, lp = pick(logits, step + 1)
-    del ctx  # frees the KV cache
+    del ctx, lean  # frees the KV cache
 
     # left-padded internal grid -> right-padded training grid (real rows only)
     lens, resp_len = lens[:n_real], resp_len[:n_real]
@@ -504,5 +568,5 @@ def generate(
         logprobs=logprobs, stopped=stopped[:n_real],
         prompt_index=torch.arange(len(ids), device=device).repeat_interleave(G),
         elapsed_s=time.perf_counter() - t_start, prefill_s=prefill_s, num_forwards=n_fwd,
-        temperature=cfg.temperature,
+        decode_row_steps=row_steps, temperature=cfg.temperature,
     )

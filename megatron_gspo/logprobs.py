@@ -31,9 +31,11 @@ def _all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
     return comm.all_reduce(t, op, group, what="vocab-parallel log-probs (TP)")
 
 
-def _chunk_fp32(x: torch.Tensor, v_start: int, vocab_size: int, inv_temp: float) -> torch.Tensor:
-    """One chunk of logits in fp32, divided by the temperature, padded columns masked."""
-    x = x.to(torch.float32, copy=True)  # a copy: masking below must not touch the model's logits
+def _chunk_fp32(x: torch.Tensor, v_start: int, vocab_size: int, inv_temp: float,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One chunk of logits in fp32, divided by the temperature, padded columns masked: a copy (in
+    ``out`` when given, an fp32 buffer of x's shape), so masking never touches the model's logits."""
+    x = x.to(torch.float32, copy=True) if out is None else out.copy_(x)
     if inv_temp != 1.0:
         x.mul_(inv_temp)
     if v_start + x.shape[-1] > vocab_size:  # this shard holds padded vocabulary columns
@@ -90,10 +92,13 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         logits, target, log_z, ent = ctx.saved_tensors
         n, v_local = logits.shape
         grad = torch.empty_like(logits)
+        # fp32 logits: the chunk's working copy is the gradient's own slice (no extra copy at the end)
+        in_grad = grad.dtype == torch.float32
         for s in range(0, n, ctx.chunk):
             sl = slice(s, min(n, s + ctx.chunk))
             # in place on the chunk's own fp32 copy: log p, then p, then the gradient
-            log_p = _chunk_fp32(logits[sl], ctx.v_start, ctx.vocab_size, ctx.inv_temp).sub_(log_z[sl, None])
+            log_p = _chunk_fp32(logits[sl], ctx.v_start, ctx.vocab_size, ctx.inv_temp,
+                                out=grad[sl] if in_grad else None).sub_(log_z[sl, None])
             if g_ent is not None:  # dH/dx = -p * (log p + H)
                 p = torch.exp(log_p)
                 g = log_p.add_(ent[sl, None]).mul_(p).mul_(-g_ent[sl, None])
@@ -109,7 +114,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 g = p.zero_()
             if ctx.inv_temp != 1.0:
                 g.mul_(ctx.inv_temp)
-            grad[sl] = g
+            if not in_grad:
+                grad[sl] = g
         return grad, None, None, None, None, None, None, None
 
 

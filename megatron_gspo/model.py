@@ -54,6 +54,16 @@ def resolve_expert_impl(cfg: ModelConfig, impl: str) -> str:
     return cfg.moe_expert_impl
 
 
+def resolve_attention_impl(cfg: ModelConfig, impl: str) -> str:
+    """"te" (TE's fused attention, the TE spec), "sdpa" or "unfused" (local spec)."""
+    if impl == "transformer_engine":
+        if cfg.attention_impl != "auto":
+            raise ConfigError(f"model.attention_impl={cfg.attention_impl!r} is a local-spec choice; with "
+                              "model.transformer_impl='transformer_engine' attention is TE's fused kernel (use 'auto')")
+        return "te"
+    return "sdpa" if cfg.attention_impl == "auto" else cfg.attention_impl
+
+
 def resolve_dispatcher(cfg: ModelConfig) -> str:
     if cfg.moe_token_dispatcher_type == "auto":
         # alltoall creates CUDA streams (CPU workaround 6); on GPU it is the fast path.
@@ -98,6 +108,7 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, routing_repl
     cuda = torch.cuda.is_available()
     impl = resolve_impl(cfg)
     expert_impl = resolve_expert_impl(cfg, impl)
+    resolve_attention_impl(cfg, impl)  # refuse a local-spec attention choice on the TE spec early
     if cfg.moe_router_fusion and routing_replay:
         # megatron-core 0.16: the fused top-k kernel returns before RouterReplay's hook, so
         # replay would be skipped silently.
@@ -204,6 +215,10 @@ def build_layer_spec(tcfg, cfg: ModelConfig, pp_rank: Optional[int] = None):
         # a separate module (pre_mlp_layernorm.weight).
         sub.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
         final_norm = RMSNorm
+        if resolve_attention_impl(cfg, impl) == "sdpa":
+            from megatron_gspo.attention import SDPAttention
+
+            sub.self_attention.submodules.core_attention = SDPAttention
         if resolve_expert_impl(cfg, impl) == "batched":
             from megatron_gspo.experts import BatchedSequentialMLP
 
@@ -242,6 +257,10 @@ def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, rou
         rotary_base=int(cfg.rotary_base),
         pg_collection=state.pg,
     )
+    if model.post_process:
+        from megatron_gspo.output_layer import use_batch_first_output
+
+        use_batch_first_output(model)  # logits [b, s, V] without megatron's transpose copy
     if torch.cuda.is_available():
         model = model.to(state.device)
     # megatron's own init draws from each rank's RNG stream (layout dependent): re-draw every weight
@@ -404,10 +423,12 @@ def _human(n: int) -> str:
 
 
 def model_summary(cfg: ModelConfig) -> str:
+    impl = resolve_impl(cfg)
     return (f"{cfg.preset or 'custom'}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
             f"{cfg.num_moe_experts} experts top-{cfg.moe_router_topk}, "
             f"{_human(cfg.num_parameters())} params ({_human(cfg.num_parameters(active=True))} active), "
-            f"impl={resolve_impl(cfg)}, precision={cfg.precision}")
+            f"impl={impl}, attention={resolve_attention_impl(cfg, impl)}, experts={resolve_expert_impl(cfg, impl)}, "
+            f"precision={cfg.precision}")
 
 
 def wrap_ddp(model, state: ParallelState):

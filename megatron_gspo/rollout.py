@@ -4,7 +4,7 @@
     2. keep this rank's rows: its share of every minibatch                    local_rows
     3. sample G responses per prompt on the training model (KV cache)        generation.generate
     4. score them; advantages over every rank's rewards                       rewards, global_advantages
-    5. pad to a width every rank shares; old (and reference) log-probs       compute_logprobs
+    5. micro-batches of rows of similar length; old (and reference) log-probs  plan_micro_batches
 The routing policy is told at 3 (R3 records routes) and 5 (reference routes, R2 records, R3
 replays); ``Rollouts.metrics`` reduces the rollout's own metrics over DP.
 
@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_gspo import comm
 from megatron_gspo.generation import generate
@@ -60,6 +59,11 @@ class RolloutBatch:
     sample_ids: list = field(default_factory=list)  # "<prompt id>#<sample>" per row, for error reports
     response_texts: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    # The micro-batch plan both passes use (plan_micro_batches): row slices, the flat micro-batch
+    # indices of each minibatch, and each micro-batch's token-grid width (its longest row's length).
+    micro: list = field(default_factory=list)
+    minibatches: list = field(default_factory=list)
+    widths: list = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -69,15 +73,22 @@ class RolloutBatch:
         """[B, T-1] bool: True where the forward's input ``tokens[:, :-1]`` holds no real token."""
         return input_padding_mask(self.seq_lengths, self.tokens.shape[1] - 1)
 
-    def rows(self, idx: slice) -> "RolloutBatch":
-        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+    def rows(self, idx, width: Optional[int] = None) -> "RolloutBatch":
+        """The rows ``idx`` (a slice or an index tensor), cut to a token-grid width of ``width`` columns
+        (every row of them must fit: the columns cut are padding)."""
+        w = self.tokens.shape[1] if width is None else width
+        pick = lambda t: None if t is None else t[idx, : w - 1]  # noqa: E731
+        ids = self.sample_ids[idx] if isinstance(idx, slice) else [self.sample_ids[i] for i in idx.tolist()]
         return RolloutBatch(
-            tokens=self.tokens[idx], mask=self.mask[idx], seq_lengths=self.seq_lengths[idx],
-            row_ids=self.row_ids[idx], rewards=self.rewards[idx],
-            advantages=self.advantages[idx], sample_logprobs=self.sample_logprobs[idx],
-            old_logprobs=pick(self.old_logprobs), ref_logprobs=pick(self.ref_logprobs),
-            sample_ids=self.sample_ids[idx],
+            tokens=self.tokens[idx, :w], mask=pick(self.mask), seq_lengths=self.seq_lengths[idx],
+            row_ids=self.row_ids[idx], rewards=self.rewards[idx], advantages=self.advantages[idx],
+            sample_logprobs=pick(self.sample_logprobs), old_logprobs=pick(self.old_logprobs),
+            ref_logprobs=pick(self.ref_logprobs), sample_ids=ids,
         )
+
+    def micro_batch(self, i: int) -> "RolloutBatch":
+        """Flat micro-batch ``i`` of the plan, at its own width."""
+        return self.rows(self.micro[i], self.widths[i])
 
 
 def common_length(length: int, multiple_of: int, device: torch.device, group=None) -> int:
@@ -123,6 +134,35 @@ def pad_columns(t: torch.Tensor, width: int, value) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
 
 
+def plan_micro_batches(seq_lengths: list[int], num_minibatches: int, micro_batch_size: int,
+                       max_tokens: Optional[int], multiple_of: int) -> tuple[list[int], list[list[slice]], list[int]]:
+    """Group each minibatch's rows by length into micro-batches no wider than their longest row.
+
+    seq_lengths: real tokens per local row. Rows are sorted (longest first) within each minibatch,
+    which never moves a row to another minibatch; then cut into micro-batches of
+    ``micro_batch_size`` rows, or, with a ``max_tokens`` budget, of as many rows as keep
+    rows x width <= max_tokens. Returns (perm: the new order of the rows, per minibatch its
+    micro-batches as slices of the permuted rows, each micro-batch's width: its longest row,
+    rounded up so that (width - 1) % multiple_of == 0, the sequence-parallel split of the input)."""
+    n = len(seq_lengths)
+    per = n // num_minibatches
+    round_up = lambda w: 1 + math.ceil((max(w, 2) - 1) / multiple_of) * multiple_of  # noqa: E731
+    perm, plan, widths = [], [], []
+    for k in range(num_minibatches):
+        rows = sorted(range(k * per, (k + 1) * per), key=lambda r: -seq_lengths[r])  # stable: ties keep order
+        perm += rows
+        mini, lo = [], k * per
+        while lo < (k + 1) * per:
+            width = round_up(seq_lengths[perm[lo]])  # the longest row of the micro-batch comes first
+            take = micro_batch_size if max_tokens is None else max(1, max_tokens // width)
+            hi = min(lo + take, (k + 1) * per)
+            mini.append(slice(lo, hi))
+            widths.append(width)
+            lo = hi
+        plan.append(mini)
+    return perm, plan, widths
+
+
 def micro_batch_slices(num_rows: int, num_minibatches: int, micro_batch_size: int) -> list[list[slice]]:
     """Rows of each minibatch, split into micro-batches of at most ``micro_batch_size``.
 
@@ -132,28 +172,6 @@ def micro_batch_slices(num_rows: int, num_minibatches: int, micro_batch_size: in
     per = num_rows // num_minibatches
     return [[slice(lo, min(lo + micro_batch_size, hi)) for lo in range(k * per, hi, micro_batch_size)]
             for k, hi in ((k, (k + 1) * per) for k in range(num_minibatches))]
-
-
-@torch.no_grad()
-def compute_logprobs(model, tokens: torch.Tensor, micro_batches: list[slice], vocab_size: int, tp_group,
-                     temperature: float = 1.0, on_micro_batch: MicroBatchHook = None,
-                     padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Forward-only per-token log-probs of tokens[:, 1:], one forward per row slice in
-    ``micro_batches`` (which cover the rows in order): [B, T-1] fp32. padding_mask [B, T-1]: see
-    model.forward_logits.
-
-    ``on_micro_batch(i)`` may return a context manager entered around micro-batch i's forward
-    (routing record / monitor capture)."""
-    out = []
-    for i, rows in enumerate(micro_batches):
-        mb = tokens[rows]
-        ctx = on_micro_batch(i) if on_micro_batch is not None else contextlib.nullcontext()
-        with ctx:
-            logits = forward_logits(model, mb[:, :-1], padding_mask=None if padding_mask is None else padding_mask[rows])
-        lp, _ = vocab_parallel_logprobs(logits, mb[:, 1:], vocab_size, tp_group, temperature=temperature,
-                                        with_entropy=False)
-        out.append(lp)
-    return torch.cat(out, dim=0)
 
 
 class Rollouts:
@@ -174,22 +192,17 @@ class Rollouts:
         # log-probs are taken at the sampling temperature (greedy rollouts: the raw policy)
         self.temperature = gen_cfg.temperature or 1.0
 
-    def micro_batches(self, num_rows: int) -> list[slice]:
-        """This rank's micro-batches, minibatch after minibatch: the one partition both passes use."""
-        t = self.cfg.train
-        return [s for mini in micro_batch_slices(num_rows, t.num_minibatches, t.micro_batch_size) for s in mini]
-
     def sampling_seed(self, step: int) -> int:
         """(generation.seed, step) in one 64-bit key; sampling.py keys every draw by row and position too."""
         return (self.gen_cfg.seed << 32) + step
 
     def collect(self, step: int) -> RolloutBatch:
-        cfg, st, dev = self.cfg, self.state, self.state.device
+        cfg, st, dev, t = self.cfg, self.state, self.state.device, self.cfg.train
         vocab = cfg.model.vocab_size
         prompts = self.sampler.next_batch()  # 1. the same P prompts on every rank
         G = self.gen_cfg.n_samples_per_prompt
         R = len(prompts) * G
-        rows = local_rows(R, cfg.train.num_minibatches, st.dp, st.dp_rank)  # 2.
+        rows = local_rows(R, t.num_minibatches, st.dp, st.dp_rank)  # 2.
         mine = [prompts[g // G] for g in rows]
         with self.timer("generate"), self.routing.generating():  # 3.
             out = generate(self.model, [p.ids for p in mine], self.row_gen_cfg, vocab_size=vocab, state=st,
@@ -200,42 +213,71 @@ class Rollouts:
             rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine],
                                       device=dev)
         row_ids = torch.tensor(rows, dtype=torch.long, device=dev)
-        advantages = global_advantages(rewards, row_ids, R, G, self.advantage_fn, st.dp, cfg.train.num_minibatches,
+        advantages = global_advantages(rewards, row_ids, R, G, self.advantage_fn, st.dp, t.num_minibatches,
                                        st.dp_group)
-        # 5. one width on every rank (MoE dispatch is a collective), (T - 1) % TP == 0 under SP
-        T = common_length(out.tokens.shape[1], st.tp if st.sequence_parallel else 1, dev, group=dist.group.WORLD)
-        tokens = pad_columns(out.tokens, T, self.gen_cfg.pad_id)
-        mask, sample_lp = pad_columns(out.response_mask, T, False), pad_columns(out.logprobs, T, 0.0)
-        batch = RolloutBatch(tokens=tokens, mask=mask[:, 1:], seq_lengths=out.prompt_lengths + out.response_lengths,
-                             row_ids=row_ids, rewards=rewards, advantages=advantages,
-                             sample_logprobs=sample_lp[:, 1:], response_texts=texts,
-                             sample_ids=[f"{p.id}#{g % G}" for p, g in zip(mine, rows)])
-        micro = self.micro_batches(batch.num_rows)
-        self.routing.after_generation(out, micro, seq_len=T - 1)
-        pad_mask = batch.input_padding_mask()
+        # 5. rows of similar length share a micro-batch as wide as its longest row; under expert
+        # parallelism every MoE forward is a collective: the widths are agreed over all ranks
+        seq_lengths = out.prompt_lengths + out.response_lengths
+        sp = st.tp if st.sequence_parallel else 1
+        perm, plan, widths = plan_micro_batches(seq_lengths.tolist(), t.num_minibatches, t.micro_batch_size,
+                                                t.max_tokens_per_micro_batch, sp)
+        if st.ep > 1:
+            agreed = torch.tensor(widths, dtype=torch.long, device=dev)
+            widths = comm.all_reduce(agreed, "max", None, what="micro-batch widths (EP lockstep)").tolist()
+        T = max(max(widths), out.tokens.shape[1])
+        order = torch.tensor(perm, dtype=torch.long, device=dev)
+        tokens = pad_columns(out.tokens, T, self.gen_cfg.pad_id)[order]
+        mask = pad_columns(out.response_mask, T, False)[order]
+        sample_lp = pad_columns(out.logprobs, T, 0.0)[order]
+        batch = RolloutBatch(tokens=tokens, mask=mask[:, 1:], seq_lengths=seq_lengths[order], row_ids=row_ids[order],
+                             rewards=rewards[order], advantages=advantages[order],
+                             sample_logprobs=sample_lp[:, 1:], response_texts=[texts[i] for i in perm],
+                             sample_ids=[f"{mine[i].id}#{rows[i] % G}" for i in perm],
+                             micro=[sl for mini in plan for sl in mini], widths=widths)
+        batch.minibatches, n = [], 0
+        for mini in plan:
+            batch.minibatches.append(list(range(n, n + len(mini))))
+            n += len(mini)
+        pads = [batch.micro_batch(i).input_padding_mask() for i in range(len(batch.micro))]
+        self.routing.after_generation(out, [order[sl] for sl in batch.micro], widths, pads)
         with self.timer("old_logprob"):
-            batch.old_logprobs = compute_logprobs(self.model, tokens, micro, vocab, st.tp_group, self.temperature,
-                                                  on_micro_batch=self.routing.old_pass, padding_mask=pad_mask)
-            self.routing.after_old_pass()
+            if t.recompute_old_logprobs:
+                batch.old_logprobs = self.logprobs(self.model, batch, pads, on_micro_batch=self.routing.old_pass)
+                self.routing.after_old_pass()
+            else:  # the sampling log-probs are the old policy's (see TrainConfig.old_logprobs)
+                batch.old_logprobs = batch.sample_logprobs
             if self.ref_model is not None:
-                batch.ref_logprobs = compute_logprobs(self.ref_model, tokens, micro, vocab, st.tp_group,
-                                                      self.temperature, padding_mask=pad_mask)
-        batch.timings = {"gen_tokens": out.num_generated_tokens, "gen_s": out.elapsed_s}
+                batch.ref_logprobs = self.logprobs(self.ref_model, batch, pads)
+        batch.timings = {"gen_tokens": out.num_generated_tokens, "gen_s": out.elapsed_s,
+                         "decode_row_steps": out.decode_row_steps}
         return batch
 
+    @torch.no_grad()
+    def logprobs(self, model, batch: RolloutBatch, pads: list[torch.Tensor], on_micro_batch=None) -> torch.Tensor:
+        """Forward-only log-probs of the batch's targets [B, T-1], micro-batch by micro-batch at each one's
+        own width (0 past it)."""
+        out = torch.zeros_like(batch.sample_logprobs)
+        for i, sl in enumerate(batch.micro):
+            w = batch.widths[i]
+            ctx = on_micro_batch(i) if on_micro_batch is not None else contextlib.nullcontext()
+            with ctx:
+                logits = forward_logits(model, batch.tokens[sl, : w - 1], padding_mask=pads[i])
+            out[sl, : w - 1], _ = vocab_parallel_logprobs(logits, batch.tokens[sl, 1:w], self.cfg.model.vocab_size,
+                                                          self.state.tp_group, temperature=self.temperature,
+                                                          with_entropy=False)
+        return out
+
     def metrics(self, batch: RolloutBatch) -> dict:
-        """rollout/* (rewards, lengths, sampling vs recomputed log-probs) and perf/gen_tokens, over DP."""
+        """rollout/* (rewards, lengths) and perf/gen_tokens, reduced over DP."""
         m = batch.mask
-        diff = (batch.old_logprobs - batch.sample_logprobs).abs()
+        dev = self.state.device
         acc = MetricAccumulator()
         acc.add({
             "rollout/reward_mean": Metric.mean(batch.rewards),
             "rollout/reward_std": Metric.std(batch.rewards),
             "rollout/response_length_mean": Metric.mean(m.sum(-1).float()),
             "rollout/response_length_max": Metric.max(m.sum(-1).float()),
-            # generation ran on the training model itself: this is numerical noise only
-            "rollout/logprob_diff_mean": Metric.mean(diff, m),
-            "rollout/logprob_diff_max": Metric.max(diff, m),
-            "perf/gen_tokens": Metric.sum(torch.tensor([float(batch.timings["gen_tokens"])], device=self.state.device)),
+            "perf/gen_tokens": Metric.sum(torch.tensor([float(batch.timings["gen_tokens"])], device=dev)),
+            "perf/decode_row_steps": Metric.sum(torch.tensor([float(batch.timings["decode_row_steps"])], device=dev)),
         })
         return acc.reduce(self.state.dp_group)

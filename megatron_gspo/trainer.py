@@ -52,7 +52,8 @@ from megatron_gspo.model import (
 )
 from megatron_gspo.optim import build_optimizer, build_scheduler, optimizer_step
 from megatron_gspo.rewards import build_reward_fn
-from megatron_gspo.rollout import RolloutBatch, Rollouts, micro_batch_slices
+from megatron_gspo.metrics import Metric
+from megatron_gspo.rollout import RolloutBatch, Rollouts
 from megatron_gspo.routing import RoutingPolicy
 from megatron_gspo.sft import SFTWarmStart
 from megatron_gspo.sysinfo import current_rss
@@ -99,7 +100,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(cfg.checkpoint, st)
         self.checkpoints.prepare(self.model)  # refuse a wrong-shape resume, or load checkpoint.load
         self.ddp = wrap_ddp(self.model, st)
-        self.routing = RoutingPolicy(t.routing_replay, self.ddp, st)
+        self.routing = RoutingPolicy(t.routing_replay, self.ddp, st, old_pass=t.recompute_old_logprobs)
         self.timer = Timer()
         g = cfg.generation
         gen_cfg = dataclasses.replace(g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
@@ -141,7 +142,7 @@ class Trainer:
             with self.timer("train"):
                 metrics = self.train_on(batch)
             metrics.update(self.rollouts.metrics(batch))
-            metrics.update(self.routing.step_metrics(len(self.rollouts.micro_batches(batch.num_rows))))
+            metrics.update(self.routing.step_metrics(len(batch.micro)))
             self.step += 1
             metrics.update(self.perf_metrics(metrics, time.perf_counter() - t0))
             metrics.update(_data_metrics(data_before, self.sampler.counters(), self.step, self.cfg.data, self.state.is_main))
@@ -170,13 +171,12 @@ class Trainer:
 
     def train_on(self, batch: RolloutBatch) -> dict:
         """num_minibatches optimizer steps over the rollout; returns reduced metrics."""
-        st, t = self.state, self.cfg.train
+        st = self.state
         acc = MetricAccumulator()
         grad_norms, skipped = [], 0
-        mb_index = 0  # flat micro-batch id: the key of the old-log-prob pass's routing records
-        for k, mini in enumerate(micro_batch_slices(batch.num_rows, t.num_minibatches, t.micro_batch_size)):
-            bad_rows = self.accumulate_gradients(batch, mini, mb_index, acc)
-            mb_index += len(mini)
+        for k, mini in enumerate(batch.minibatches):
+            # the first minibatch runs on the sampling weights: its log-probs measure the rollout's gap
+            bad_rows = self.accumulate_gradients(batch, mini, acc, measure_rollout_gap=k == 0)
             # NaN/Inf guard: decided collectively so every rank skips the same update
             local_bad = bool(bad_rows) or not all(
                 torch.isfinite(p.main_grad).all() for p in self.ddp.parameters() if getattr(p, "main_grad", None) is not None)
@@ -194,32 +194,33 @@ class Trainer:
             grad_norms.append(gnorm)
             self.hooks.after_update(self, k)
         self.routing.finish_step()  # asserts every recorded route was replayed exactly once
-        out = {f"loss/{k}": v for k, v in acc.reduce(st.dp_group).items()}
+        out = {(k if k.startswith("rollout/") else f"loss/{k}"): v for k, v in acc.reduce(st.dp_group).items()}
         out["loss/clip_frac"] = out["loss/clip_frac_low"] + out["loss/clip_frac_high"]
         out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         out["train/skipped_updates"] = skipped
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
-    def accumulate_gradients(self, batch: RolloutBatch, mini: list[slice], mb_index: int,
-                             acc: MetricAccumulator) -> list[str]:
-        """Forward + backward of one minibatch (its micro-batches ``mini``), gradients reduced over DP
-        (finalize_grads). The loss divides by the unit count of the whole minibatch over every DP rank
-        and DDP sums gradients (calculate_per_token_loss), so the gradient is the DP=1, one-micro-batch
-        gradient whatever the split; the MoE aux loss gets the same weight too (model.aux_loss_scales).
-        Returns the sample ids whose (current or old) log-probs were not finite."""
+    def accumulate_gradients(self, batch: RolloutBatch, mini: list[int], acc: MetricAccumulator,
+                             measure_rollout_gap: bool = False) -> list[str]:
+        """Forward + backward of one minibatch (its flat micro-batch indices ``mini`` in the batch's plan),
+        gradients reduced over DP (finalize_grads). The loss divides by the unit count of the whole
+        minibatch over every DP rank and DDP sums gradients (calculate_per_token_loss), so the gradient is
+        the DP=1, one-micro-batch gradient whatever the split; the MoE aux loss gets the same weight too
+        (model.aux_loss_scales). ``measure_rollout_gap``: log rollout/logprob_diff_* from these forwards
+        (on the sampling weights: the first minibatch). Returns the sample ids whose (current or old)
+        log-probs were not finite."""
         cfg, st = self.cfg, self.state
-        rows = slice(mini[0].start, mini[-1].stop)
-        norm = comm.all_reduce(batch_normalizer(cfg.loss, batch.mask[rows]).reshape(1), "sum", st.dp_group,
-                               what="loss normalizer (units of the minibatch over DP)")
-        pad_masks = [batch.rows(sl).input_padding_mask() for sl in mini]
+        micros = [batch.micro_batch(i) for i in mini]
+        units = sum(batch_normalizer(cfg.loss, m.mask) for m in micros).reshape(1)
+        norm = comm.all_reduce(units, "sum", st.dp_group, what="loss normalizer (units of the minibatch over DP)")
+        pad_masks = [m.input_padding_mask() for m in micros]
         scales = aux_loss_scales(pad_masks, st, cfg.model.moe_router_load_balancing_type, cfg.model.moe_aux_loss_coeff)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         bad_rows: list[str] = []
-        for j, sl in enumerate(mini):
-            micro = batch.rows(sl)
-            with self.routing.train_pass(mb_index + j):
+        for j, micro in enumerate(micros):
+            with self.routing.train_pass(mini[j]):
                 logits = forward_logits(self.ddp, micro.tokens[:, :-1], padding_mask=pad_masks[j])
                 logp, ent = vocab_parallel_logprobs(logits, micro.tokens[:, 1:], cfg.model.vocab_size,
                                                     st.tp_group, temperature=self.rollouts.temperature)
@@ -228,6 +229,10 @@ class Trainer:
                 loss, metrics = compute_policy_loss(
                     cfg.loss, logp, micro.old_logprobs, micro.advantages, micro.mask,
                     ref_logp=micro.ref_logprobs, entropy=ent, global_batch_normalizer=norm[0])
+                if measure_rollout_gap:  # generation ran on these weights: float noise, or a real mismatch
+                    gap = (logp.detach() - micro.sample_logprobs).abs()
+                    metrics["rollout/logprob_diff_mean"] = Metric.mean(gap, micro.mask)
+                    metrics["rollout/logprob_diff_max"] = Metric.max(gap, micro.mask)
             set_aux_loss_scale(scales[j], st.device)
             with self.routing.backward():
                 loss.backward()

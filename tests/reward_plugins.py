@@ -7,6 +7,15 @@ def digit_fraction(prompt: str, response: str, answer=None, **kwargs) -> float:
     return sum(c.isdigit() for c in response) / max(1, len(response))
 
 
+def slow_digit_fraction(prompt: str, response: str, answer=None, **kwargs) -> float:
+    """digit_fraction, 50 ms per response: keeps a short test run alive long enough to be signalled
+    between two steps however fast the step itself has become."""
+    import time
+
+    time.sleep(0.05)
+    return digit_fraction(prompt, response, answer)
+
+
 def nan_reward(prompt: str, response: str, answer=None, **kwargs) -> float:
     """A broken reward (docs/troubleshooting.md's catalogue runs it): training must stop on it."""
     return float("nan")

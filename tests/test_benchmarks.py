@@ -92,3 +92,49 @@ def test_runs_as_a_module():
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "| training step |" in p.stdout and "| log-prob pass |" in p.stdout
+
+
+def _module(argv: list, timeout: int = 600) -> subprocess.CompletedProcess:
+    dist_vars = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
+    env = {**{k: v for k, v in os.environ.items() if k not in dist_vars}, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_long_tail_generation_runner(tmp_path):
+    """Every variant gives the same tokens (the runner exits non-zero otherwise); compaction does
+    less decode work than the static batch on the long-tailed workload."""
+    out = tmp_path / "lt.json"
+    p = _module(["benchmarks.long_tail_generation", "--shape", "tiny", "--max-new", "20", "--rounds", "1",
+                 "--stop-share", "0.05", "--json", str(out)])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    L = res["lengths"]
+    assert L["rows"] == 64 and L["median"] < L["max"] == 20 and 0 < L["share_at_max"] < 0.5  # long-tailed
+    r = res["results"]
+    assert r["static_megatron"]["decode_row_steps"] == r["static_lean"]["decode_row_steps"] == 64 * 19
+    assert r["compact_lean"]["decode_row_steps"] == r["compact_megatron"]["decode_row_steps"] < 64 * 19
+    assert all(v["wall_s"] > 0 and v["cpu_s"] > 0 for v in r.values())
+
+
+def test_trl_side_by_side_runner(tmp_path):
+    """The side-by-side runner on the tiny shape: our side always; TRL's when the bench extra is
+    installed (pip install -e '.[bench]'), then both sides' steps and the speedup are reported."""
+    import importlib.util
+
+    from benchmarks.trl_side_by_side import even_token_reward, even_token_reward_trl
+
+    assert even_token_reward("w1", "w4 w5 x w6", None) == pytest.approx(2 / 3)  # non-words ignored
+    assert even_token_reward_trl(["w3 w8", ""]) == [0.5, 0.0]
+    sides = "ours,trl" if importlib.util.find_spec("trl") else "ours"
+    out = tmp_path / "sbs.json"
+    p = _module(["benchmarks.trl_side_by_side", "--shape", "tiny", "--prompts", "2", "--samples", "2",
+                 "--new-tokens", "4", "--prompt-len", "4", "--warmup", "0", "--steps", "2", "--rounds", "1",
+                 "--threads", "1", "--sides", sides, "--json", str(out)])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    res = json.loads(out.read_text())
+    for side in sides.split(","):
+        s = res[side]
+        assert s["steps"] == 2 and s["wall_s"] >= s["rollout_wall_s"] > 0 and s["update_wall_s"] > 0, (side, s)
+        assert 0 < s["generate_wall_s"] <= s["rollout_wall_s"], (side, s)
+    if sides == "ours,trl":
+        assert res["speedup"] == pytest.approx(res["trl"]["wall_s"] / res["ours"]["wall_s"], rel=1e-3)

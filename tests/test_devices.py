@@ -153,10 +153,10 @@ def test_sampling_noise_and_draw_on_cuda():
 
     with cuda_on_cpu():
         rows = torch.arange(6, device="cuda")
-        u = counter_uniform(5, rows, 2, 10)
+        u = counter_uniform(5, rows, 2)
         tok, lp = sample_tokens(torch.randn(6, 10).to("cuda"), 0.8, top_k=4, top_p=0.9, uniform=u)
         assert u.device.type == tok.device.type == lp.device.type == "cuda"
-    assert torch.equal(u.cpu(), counter_uniform(5, torch.arange(6), 2, 10))  # same bits as on the CPU
+    assert torch.equal(u.cpu(), counter_uniform(5, torch.arange(6), 2))  # same bits as on the CPU
 
 
 # ----------------------------------------------------------------------------------------------

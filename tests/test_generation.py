@@ -96,7 +96,7 @@ def test_greedy_kv_cache_equals_no_cache_loop(tiny):
     prompts, new = _prompts(), 10
     calls = []
     out = generate(model, prompts, GenerationConfig(max_new_tokens=new, temperature=0.0, n_samples_per_prompt=2),
-                   vocab_size=VOCAB, state=st, on_forward=lambda i, k: calls.append((i, k)))
+                   vocab_size=VOCAB, state=st, on_forward=lambda i, k, rows: calls.append((i, k)))
 
     # reference: no cache, one prompt at a time, a full forward per generated token
     model.eval()
@@ -250,7 +250,7 @@ def test_stop_tokens_end_each_response(tiny):
     calls = []
     out = generate(model, _prompts(), GenerationConfig(max_new_tokens=new, temperature=0.0, n_samples_per_prompt=1,
                                                        stop_token_ids=stop, pad_token_id=pad),
-                   vocab_size=VOCAB, state=st, on_forward=lambda i, k: calls.append(i))
+                   vocab_size=VOCAB, state=st, on_forward=lambda i, k, rows: calls.append(i))
     got = out.responses()
     n_stopped = 0
     for r, full in enumerate(free):
@@ -272,6 +272,52 @@ def test_stop_tokens_end_each_response(tiny):
                                                              n_samples_per_prompt=2, stop_token_ids=[free[0][0]]),
                      vocab_size=VOCAB, state=st)
     assert early.response_lengths.tolist() == [1, 1] and early.num_forwards == 1 and early.stopped.all()
+
+
+def test_dropping_finished_rows_changes_no_result_and_saves_decode_work(tiny):
+    """Finished rows leave the decode batch and its KV cache (generation.compact_finished_rows): the
+    tokens, log-probs and lengths are those of the static batch, for less decode work."""
+    model, st = tiny
+    prompts = _prompts() * 4  # 16 ragged rows
+    base = dict(max_new_tokens=14, temperature=1.0, n_samples_per_prompt=2, seed=4)
+    free = generate(model, prompts, GenerationConfig(**base), vocab_size=VOCAB, state=st)
+    # frequent tokens as stop tokens: a long-tailed mix of short and full-length responses
+    common = torch.bincount(free.tokens[free.response_mask], minlength=VOCAB).topk(3).indices.tolist()
+    outs = {c: generate(model, prompts, GenerationConfig(**base, stop_token_ids=common, compact_finished_rows=c),
+                        vocab_size=VOCAB, state=st) for c in (0.0, 0.25, 0.5, 0.9)}
+    ref = outs[0.0]
+    lengths = ref.response_lengths
+    assert lengths.min() < 4 and lengths.max() == 14  # long-tailed indeed
+    assert ref.decode_row_steps == 32 * 13  # the static batch decodes every row until the longest ends
+    for c in (0.25, 0.5, 0.9):  # 0.9: 14 of the 32 rows run to the end, the batch never shrinks that far
+        got = outs[c]
+        assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.response_lengths, lengths), c
+        assert torch.equal(got.stopped, ref.stopped)
+        torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=0, atol=1e-5)
+        assert (got.decode_row_steps < ref.decode_row_steps) == (c < 0.9), c
+    # the work left is close to the rows' own lengths (each row decodes until it ends, +fillers)
+    assert outs[0.25].decode_row_steps <= 1.5 * int((lengths - 1).sum())
+    # and the returned log-probs are still the training forward's
+    assert _max_lp_diff(model, outs[0.25], 1.0) < 1e-5
+
+
+def test_min_new_tokens_and_ignore_eos(tiny):
+    model, st = tiny
+    cfg = dict(max_new_tokens=10, temperature=1.0, n_samples_per_prompt=4, seed=3)
+    free = generate(model, _prompts(), GenerationConfig(**cfg), vocab_size=VOCAB, state=st)
+    # the tokens these samples draw most often as stop tokens: several rows would stop early
+    stop = torch.bincount(free.tokens[free.response_mask], minlength=VOCAB).topk(4).indices.tolist()
+    cfg["stop_token_ids"] = stop
+    plain = generate(model, _prompts(), GenerationConfig(**cfg), vocab_size=VOCAB, state=st)
+    assert plain.response_lengths.min() < 5
+    atleast = generate(model, _prompts(), GenerationConfig(**cfg, min_new_tokens=5), vocab_size=VOCAB, state=st)
+    assert atleast.response_lengths.min() >= 5
+    for r, resp in enumerate(atleast.responses()):  # no stop token drawn before the 5th token
+        assert not set(resp[:4]) & set(stop), r
+    # the draw is restricted, the recorded log-probs are not: they match a fresh forward
+    assert _max_lp_diff(model, atleast, 1.0) < 1e-5
+    full = generate(model, _prompts(), GenerationConfig(**cfg, ignore_eos=True), vocab_size=VOCAB, state=st)
+    assert (full.response_lengths == 10).all() and not full.stopped.any()
 
 
 def test_model_state_restored_and_input_errors(tiny):

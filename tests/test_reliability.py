@@ -121,7 +121,8 @@ def test_corrupt_latest_checkpoint_falls_back(tmp_path, straight):
 
 
 def test_sigterm_checkpoints_and_resumes(tmp_path, straight):
-    run = train(tmp_path, "d", steps=4, wait=False)
+    # the same rewards, 50 ms per response: steps 2-4 take seconds, so the signal surely lands mid-run
+    run = train(tmp_path, "d", f"reward.name={HERE}/reward_plugins.py:slow_digit_fraction", steps=4, wait=False)
     # wait for the first checkpoint, then preempt
     root = f"{tmp_path}/d/ckpt"
     deadline = time.time() + 300

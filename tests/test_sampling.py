@@ -1,5 +1,5 @@
 """Token sampling (megatron_gspo.sampling): the draw's distribution, and counter-based noise that
-depends on (seed, row key, position, token id) only, never on the batch it is drawn in.
+depends on (seed, row key, position) only, never on the batch it is drawn in.
 
 Layout independence of whole rollouts (TP / EP / DP give the same tokens) is tested end to end in
 tests/test_layouts.py; here the primitives: hand-checkable properties and distributions."""
@@ -29,32 +29,33 @@ def test_mix32_matches_reference_lowbias32():
 
 def test_counter_noise_is_a_function_of_its_keys_alone():
     rows = torch.tensor([7, 3, 1_000_000_007, 2**40 + 5])
-    u = counter_uniform(11, rows, 4, 50)
-    assert u.shape == (4, 50) and u.dtype == torch.float32
+    u = counter_uniform(11, rows, 4)
+    assert u.shape == (4,) and u.dtype == torch.float64
     assert float(u.min()) > 0 and float(u.max()) < 1
     # a row's noise does not depend on the other rows, their order or the batch size
-    alone = counter_uniform(11, rows[2:3], 4, 50)
-    assert torch.equal(alone[0], u[2])
-    assert torch.equal(counter_uniform(11, rows.flip(0), 4, 50), u.flip(0))
+    assert torch.equal(counter_uniform(11, rows[2:3], 4)[0], u[2])
+    assert torch.equal(counter_uniform(11, rows.flip(0), 4), u.flip(0))
     # every key matters
-    for other in (counter_uniform(12, rows, 4, 50), counter_uniform(11, rows, 5, 50), counter_uniform(11, rows + 1, 4, 50)):
-        assert not torch.equal(other, u)
+    for other in (counter_uniform(12, rows, 4), counter_uniform(11, rows, 5), counter_uniform(11, rows + 1, 4)):
+        assert not (other == u).any()
     # the high word of a 64-bit key matters too
-    assert not torch.equal(counter_uniform(11, torch.tensor([5]), 0, 50), counter_uniform(11, torch.tensor([2**40 + 5]), 0, 50))
+    assert not torch.equal(counter_uniform(11, torch.tensor([5]), 0), counter_uniform(11, torch.tensor([2**40 + 5]), 0))
 
 
 def test_counter_noise_is_uniform_and_uncorrelated():
-    u = counter_uniform(3, torch.arange(2000), 0, 256).double()  # 512k draws
+    u = counter_uniform(3, torch.arange(500_000), 0)
     assert abs(u.mean().item() - 0.5) < 2e-3
     assert abs(u.var().item() - 1 / 12) < 1e-3
     hist = torch.histc(u, bins=20, min=0, max=1)
     expected = u.numel() / 20
     chi2 = float(((hist - expected) ** 2 / expected).sum())
     assert chi2 < 50, chi2  # 19 degrees of freedom: P(chi2 > 50) ~ 1e-4 for uniform draws
-    # neighbouring rows, positions and token ids are not correlated
-    for a, b in ((u[:-1], u[1:]), (u[:, :-1], u[:, 1:]),
-                 (counter_uniform(3, torch.arange(2000), 0, 256).double(), counter_uniform(3, torch.arange(2000), 1, 256).double())):
-        corr = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+    # the low bits are random too (53 bits, not 32 stretched): the fine structure inside one bin
+    fine = torch.histc((u * 2**20).frac(), bins=20, min=0, max=1)
+    assert float(((fine - expected) ** 2 / expected).sum()) < 50
+    # neighbouring rows and positions are not correlated
+    for a, b in ((u[:-1], u[1:]), (u, counter_uniform(3, torch.arange(500_000), 1))):
+        corr = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
         assert abs(corr) < 0.01, corr
 
 
@@ -62,7 +63,7 @@ def test_sample_tokens_distribution_and_recorded_logprobs():
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 40000
     logits = p.log().expand(n, 4).contiguous()
-    noise = lambda pos: counter_uniform(0, torch.arange(n), pos, 4)  # noqa: E731
+    noise = lambda pos: counter_uniform(0, torch.arange(n), pos)  # noqa: E731
     tok, lp = sample_tokens(logits, 1.0, top_p=0.7, uniform=noise(0))
     counts = torch.bincount(tok, minlength=4).float() / n
     assert counts[2:].sum() == 0  # nucleus {0, 1}: 0.5 + 0.3 >= 0.7
@@ -87,7 +88,22 @@ def test_sample_tokens_distribution_and_recorded_logprobs():
     assert torch.equal(a, sample_tokens(logits, 1.0, uniform=noise(3))[0])
 
 
+def test_inverse_cdf_draw_by_hand():
+    # cdf of [0.1, 0, 0.6, 0.3] = [0.1, 0.1, 0.7, 1.0]: u picks the first token whose cdf exceeds it
+    logits = torch.tensor([0.1, 0.0, 0.6, 0.3]).log().expand(6, 4)
+    u = torch.tensor([1e-9, 0.0999, 0.1001, 0.6999, 0.7001, 1 - 1e-12], dtype=torch.float64)
+    tok, _ = sample_tokens(logits, 1.0, uniform=u)
+    assert tok.tolist() == [0, 0, 2, 2, 3, 3]  # never token 1 (probability 0), never out of range
+    # a forbidden token (allowed=False) gets an empty interval
+    allowed = torch.tensor([True, True, True, False])
+    tok, lp = sample_tokens(logits, 1.0, uniform=u, allowed=allowed)
+    assert tok.tolist() == [0, 0, 0, 2, 2, 2]  # renormalized: cdf [1/7, 1/7, 1, 1], 0.1001 < 1/7
+    torch.testing.assert_close(lp, torch.tensor([0.1, 0.1, 0.1, 0.6, 0.6, 0.6]).log())  # unrestricted log-probs
+    with pytest.raises(ValueError, match="one number per row"):
+        sample_tokens(logits, 1.0, uniform=torch.rand(6, 4))
+
+
 @pytest.mark.parametrize("bad", [(-1, 0), (0, -1)])
 def test_counter_noise_refuses_negative_keys(bad):
     with pytest.raises(ValueError, match="must be >= 0"):
-        counter_uniform(bad[0], torch.arange(2), bad[1], 4)
+        counter_uniform(bad[0], torch.arange(2), bad[1])

@@ -210,3 +210,108 @@ def test_resume_reads_each_file_once_and_rotation_reads_none(tmp_path, monkeypat
     resumed = [p for p in reads if "/iter_0000003/" in p]
     files = json.load(open(f"{ckpt}/iter_0000004/manifest.json"))["files"]  # the same file set per save
     assert len(resumed) == len(set(resumed)) == len(files)  # each file of the resumed checkpoint read once
+
+
+# ----------------------------------------------------------------------------------------------
+# A faster step: micro-batches of rows of similar length, no old-log-prob pass where it is redundant
+# ----------------------------------------------------------------------------------------------
+
+
+def test_plan_groups_rows_by_length_within_each_minibatch():
+    from megatron_gspo.rollout import plan_micro_batches
+
+    lengths = [5, 9, 3, 9, 4, 12, 6, 2]  # two minibatches of 4 rows
+    perm, plan, widths = plan_micro_batches(lengths, 2, 2, None, 1)
+    assert perm == [1, 3, 0, 2, 5, 6, 4, 7]  # longest first, never across minibatches, ties keep order
+    assert plan == [[slice(0, 2), slice(2, 4)], [slice(4, 6), slice(6, 8)]]
+    assert widths == [9, 5, 12, 4]
+    # a token budget: as many rows as keep rows x width <= budget (the longest row sets the width)
+    perm, plan, widths = plan_micro_batches(lengths, 2, 99, 18, 1)
+    assert plan == [[slice(0, 2), slice(2, 4)], [slice(4, 5), slice(5, 8)]] and widths == [9, 5, 12, 6]
+    # sequence parallel over 4 ranks: the input (width - 1) splits evenly
+    assert plan_micro_batches(lengths, 1, 8, None, 4)[2] == [13]
+
+
+@pytest.fixture
+def trainer_on(tmp_path):
+    """A built trainer (tiny job) whose first rollout a test can inspect; torn down afterwards."""
+    from megatron_gspo.train import Trainer
+
+    made = []
+
+    def build(overrides):
+        cfg = load_job_config(None, TINY_JOB + [f"train.output_dir={tmp_path}/{len(made)}", "train.tensorboard=false",
+                                                "model.moe_aux_loss_coeff=0"] + overrides)
+        made.append(Trainer(cfg))
+        made[-1].setup_optimizer()
+        return made[-1]
+
+    yield build
+    for t in made:
+        t.close()
+    parallel.destroy()
+
+
+def _grads(trainer, batch, mini):
+    from megatron_gspo.metrics import MetricAccumulator
+
+    trainer.accumulate_gradients(batch, mini, MetricAccumulator())
+    return torch.cat([p.main_grad.reshape(-1).clone() for p in trainer.ddp.parameters()])
+
+
+def test_length_grouped_micro_batches_give_the_padded_gradient(trainer_on):
+    trainer = trainer_on(["generation.max_new_tokens=12", "train.micro_batch_size=2", "train.num_minibatches=1",
+                          "generation.stop_token_ids=[3,7,11]"])
+    batch = trainer.rollouts.collect(0)
+    lengths = batch.seq_lengths.tolist()
+    assert max(lengths) - min(lengths) >= 3 and len(set(batch.widths)) > 1  # ragged, so widths differ
+    assert lengths == sorted(lengths, reverse=True)  # rows grouped by length
+    assert sum(w * (sl.stop - sl.start) for w, sl in zip(batch.widths, batch.micro)) < batch.tokens.numel()
+    grouped = _grads(trainer, batch, batch.minibatches[0])
+    trainer.routing.monitor.clear()
+    trainer.routing.train_pass = lambda mb: __import__("contextlib").nullcontext()  # re-split below
+    batch.micro, batch.widths = [slice(0, batch.num_rows)], [batch.tokens.shape[1]]  # one padded micro-batch
+    padded = _grads(trainer, batch, [0])
+    assert grouped.norm() > 0
+    assert (grouped - padded).norm() / padded.norm() < 1e-5
+
+
+def _training_forwards(trainer):
+    """Counts the policy's forwards that are not generation (no inference context)."""
+    count = [0]
+    trainer.model.register_forward_pre_hook(
+        lambda m, args, kwargs: count.__setitem__(0, count[0] + (kwargs.get("inference_context") is None)),
+        with_kwargs=True)
+    return count
+
+
+@pytest.mark.parametrize("source", ["rollout", "recompute"])
+def test_old_logprobs_from_the_rollout_save_a_pass(trainer_on, source):
+    trainer = trainer_on([f"train.old_logprobs={source}", "train.num_minibatches=1"])
+    forwards = _training_forwards(trainer)
+    batch = trainer.rollouts.collect(0)
+    n_micro = len(batch.micro)
+    assert forwards[0] == (n_micro if source == "recompute" else 0)
+    gap = (batch.old_logprobs - batch.sample_logprobs).abs()[batch.mask]
+    assert gap.max() < 1e-5  # the sampling log-probs are the old policy's, up to float noise
+    assert (batch.old_logprobs is batch.sample_logprobs) == (source == "rollout")
+    metrics = trainer.train_on(batch)
+    assert forwards[0] == (2 if source == "recompute" else 1) * n_micro
+    # the gap is measured either way, on the first minibatch's forwards (the sampling weights)
+    assert metrics["rollout/logprob_diff_max"] < 1e-5
+    # and the routing change is measured against the rollout's own routes when no pass ran
+    routing = trainer.routing.step_metrics(n_micro)
+    assert 0 <= routing["routing/routing_change_frac"] < 0.01  # one minibatch: no update before it
+
+
+def test_old_logprobs_choice_is_checked():
+    from megatron_gspo.config import ConfigError, TrainConfig
+
+    assert TrainConfig(routing_replay="R2").recompute_old_logprobs
+    assert not TrainConfig().recompute_old_logprobs and not TrainConfig(routing_replay="R3").recompute_old_logprobs
+    with pytest.raises(ConfigError, match="train.old_logprobs='rollout' skips the old-log-prob pass"):
+        TrainConfig(old_logprobs="rollout", routing_replay="R2")
+    with pytest.raises(ConfigError, match="train.old_logprobs="):
+        TrainConfig(old_logprobs="sometimes")
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch needs parallel.expert_model_parallel_size=1"):
+        load_job_config(None, ["train.max_tokens_per_micro_batch=4096", "parallel.expert_model_parallel_size=2"])

@@ -22,6 +22,7 @@ from megatron_gspo.config.sections import (
     DEFAULT_CLIP_RATIOS,
     LOSS_AGG_MODES,
     LOSS_NAMES,
+    OLD_LOGPROB_SOURCES,
     OVERLONG_POLICIES,
     ROUTING_REPLAY_MODES,
     TOKENIZER_TYPES,
@@ -39,7 +40,7 @@ from megatron_gspo.errors import ConfigError
 
 __all__ = [
     "ADVANTAGE_ESTIMATOR_NAMES", "DEFAULT_CLIP_RATIOS", "LOSS_AGG_MODES", "LOSS_NAMES", "MODEL_PRESETS",
-    "OVERLONG_POLICIES", "ROUTING_REPLAY_MODES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
+    "OLD_LOGPROB_SOURCES", "OVERLONG_POLICIES", "ROUTING_REPLAY_MODES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
     "DataConfig", "GenerationConfig", "JobConfig", "LossConfig", "ModelConfig", "OptimizerConfig",
     "ParallelConfig", "RewardConfig", "TokenizerConfig", "TrainConfig", "apply_overrides", "from_dict",
     "load_job_config", "load_yaml", "model_config_from_hf", "model_config_from_preset", "parse_overrides",

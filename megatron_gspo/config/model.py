@@ -48,6 +48,10 @@ class ModelConfig:
     # parameters, all local experts in grouped GEMMs). "sequential" = megatron's per-expert loop.
     moe_expert_impl: str = "auto"
     moe_router_fusion: bool = False
+    # Core attention: "auto" = TE's fused attention with TE, else "sdpa" (megatron_gspo.attention:
+    # torch's fused scaled_dot_product_attention, no K/V copies under GQA). "unfused" = megatron's
+    # DotProductAttention (baddbmm + masked softmax + bmm).
+    attention_impl: str = "auto"
     init_method_std: float = 0.02
     # Implementation: "auto" picks Transformer Engine when TE and CUDA are both present.
     transformer_impl: str = "auto"
@@ -83,6 +87,7 @@ class ModelConfig:
                 ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
         choice("model.moe_token_dispatcher_type", self.moe_token_dispatcher_type, ("auto", "allgather", "alltoall", "flex"))
         choice("model.moe_expert_impl", self.moe_expert_impl, ("auto", "sequential", "batched", "te_grouped"))
+        choice("model.attention_impl", self.attention_impl, ("auto", "sdpa", "unfused"))
         choice("model.transformer_impl", self.transformer_impl, ("auto", "local", "transformer_engine"))
         choice("model.precision", self.precision, ("fp32", "bf16"))
         choice("model.fp8", self.fp8, (None, "e4m3", "hybrid"))

@@ -17,6 +17,7 @@ LOSS_NAMES = ("gspo", "gspo_token", "grpo")  # losses.POLICY_LOSSES
 ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "mean_only")  # advantages.ADVANTAGE_ESTIMATORS
 TOKENIZER_TYPES = ("builtin", "hf", "sentencepiece")  # tokenizer.build_tokenizer
 ROUTING_REPLAY_MODES = ("off", "R2", "R3")  # routing.RoutingPolicy
+OLD_LOGPROB_SOURCES = ("auto", "rollout", "recompute")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 OVERLONG_POLICIES = ("drop", "truncate_left", "error")
 
@@ -158,6 +159,21 @@ class GenerationConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     # Token written after a response ends (and fed for finished rows). None: first stop token, or 0.
     pad_token_id: Optional[int] = None
+    # Stop tokens cannot be drawn before this many response tokens (HF's min_new_tokens); the
+    # recorded log-probs stay the unrestricted policy's, like top-k / top-p.
+    min_new_tokens: int = 0
+    # Never end a response at a stop token (vLLM's ignore_eos): every response has max_new_tokens
+    # tokens. For throughput measurements; a stop token drawn is kept as an ordinary token.
+    ignore_eos: bool = False
+    # Drop finished rows from the decode batch and its KV cache once at least this share of the batch
+    # has finished (0 = never: the static batch decodes until its longest row ends). Results do not
+    # depend on it; long-tailed response lengths run faster with it.
+    compact_finished_rows: float = 0.25
+    # The forward of prefill and decode steps: "lean" (megatron_gspo/decode.py: the model's own
+    # modules and weights, a KV cache of roped keys, last-position logits only), "megatron"
+    # (GPTModel.forward with megatron's StaticInferenceContext), "auto" (lean where it supports
+    # the layout, i.e. one rank of TP/EP/PP and RoPE, and no routing recorder; else megatron).
+    decode_impl: str = "auto"
 
     def __post_init__(self) -> None:
         check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
@@ -179,6 +195,13 @@ class GenerationConfig:
         self.stop_token_ids = list(self.stop_token_ids)
         check(self.pad_token_id is None or (is_int(self.pad_token_id) and self.pad_token_id >= 0),
               f"generation.pad_token_id must be a token id >= 0 or null, got {self.pad_token_id!r}")
+        check(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+              f"generation.min_new_tokens must be an integer in [0, generation.max_new_tokens={self.max_new_tokens}], "
+              f"got {self.min_new_tokens!r}")
+        check(finite(self.compact_finished_rows) and 0 <= self.compact_finished_rows < 1,
+              f"generation.compact_finished_rows must be in [0, 1) (0 = off), got {self.compact_finished_rows!r}")
+        check(self.decode_impl in ("auto", "lean", "megatron"),
+              f"generation.decode_impl must be one of auto, lean, megatron, got {self.decode_impl!r}")
 
     @property
     def greedy(self) -> bool:
@@ -340,6 +363,16 @@ class TrainConfig:
     num_minibatches: int = 2
     # Sequences per forward/backward (gradient accumulation inside a minibatch).
     micro_batch_size: int = 16
+    # Rows are grouped by length into micro-batches (sorted within each minibatch) and every
+    # micro-batch is only as wide as its longest row: padding costs no compute. With a token budget a
+    # micro-batch holds as many rows as keep rows x width <= budget (micro_batch_size then unused);
+    # null: micro_batch_size rows. (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu.)
+    max_tokens_per_micro_batch: Optional[int] = None
+    # The old policy's log-probs: "rollout" (the sampling log-probs: rollouts run on the very weights
+    # being trained, so they are the old policy's up to float noise, and one forward pass over the
+    # batch is saved), "recompute" (a forward pass of the training model) or "auto" (recompute for
+    # routing replay R2, which records its routes in that pass; rollout otherwise).
+    old_logprobs: str = "auto"
     advantage_estimator: str = "grpo"
     # MoE routing replay for the GRPO baseline: off | R2 (old-log-prob pass) | R3 (rollout).
     routing_replay: str = "off"
@@ -362,6 +395,18 @@ class TrainConfig:
         check(self.max_consecutive_skips >= 1, f"train.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
         choice("train.routing_replay", self.routing_replay, ROUTING_REPLAY_MODES)
         choice("train.advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATOR_NAMES)
+        choice("train.old_logprobs", self.old_logprobs, OLD_LOGPROB_SOURCES)
+        check(self.max_tokens_per_micro_batch is None or (is_int(self.max_tokens_per_micro_batch)
+                                                          and self.max_tokens_per_micro_batch >= 1),
+              f"train.max_tokens_per_micro_batch must be a positive integer or null, got {self.max_tokens_per_micro_batch!r}")
+        check(not (self.old_logprobs == "rollout" and self.routing_replay == "R2"),
+              "train.old_logprobs='rollout' skips the old-log-prob pass, where routing replay R2 records its routes; "
+              "use train.old_logprobs=recompute (or auto) with train.routing_replay=R2, or R3")
+
+    @property
+    def recompute_old_logprobs(self) -> bool:
+        """Whether the old policy's log-probs get their own forward pass (see old_logprobs)."""
+        return self.old_logprobs == "recompute" or (self.old_logprobs == "auto" and self.routing_replay == "R2")
 
 
 @dataclass

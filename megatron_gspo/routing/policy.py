@@ -2,24 +2,28 @@
 
 An RL step calls, in order (the trainer never asks which mode is on)::
 
-    with policy.generating():                          # R3: record the rollout's routes
+    with policy.generating():                          # record the rollout's routes (R3, or the reference)
         out = generate(..., on_forward=policy.on_generation_forward)
-    policy.after_generation(out, micro_batches, T - 1) # R3: the rollout's routes -> replay, per micro-batch
-    with policy.old_pass(i): forward(micro-batch i)    # old log-probs: reference routes (+ R2 record, R3 replay)
-    policy.after_old_pass()                            # R3: the training pass replays the same routes again
-    with policy.train_pass(i): forward(micro-batch i)  # routing change vs the old pass (+ R2/R3 replay)
+    policy.after_generation(out, rows, widths, pads)    # R3: the rollout's routes -> replay, per micro-batch
+    with policy.old_pass(i): forward(micro-batch i)    # old log-probs, when they get a pass of their own:
+    policy.after_old_pass()                            #   reference routes (+ R2 record, R3 replay)
+    with policy.train_pass(i): forward(micro-batch i)  # routing change vs the reference (+ R2/R3 replay)
     with policy.backward(): loss.backward()            # activation recompute replays the same routes
     policy.finish_step()                               # every recorded route was replayed exactly once
     policy.step_metrics(num_micro_batches)             # routing/* metrics, reduced over every rank
 
-Mode "off" (GSPO's default: it needs no replay) only measures: expert load, aux loss and the share
-of expert choices that changed between the old-log-prob pass and the training forward.
+The routing change is measured against the behaviour policy's routing: the old-log-prob pass's
+when it runs, else the routes recorded while the rollout was generated (the same weights: the
+same routes up to float noise). Mode "off" (GSPO's default: it needs no replay) only measures:
+expert load, aux loss and that routing change.
 """
 
 from __future__ import annotations
 
 import contextlib
 from typing import Callable, Iterator, Optional
+
+import torch
 
 from megatron_gspo.routing.common import normalize_mode
 from megatron_gspo.routing.metrics import RoutingMonitor
@@ -28,26 +32,50 @@ from megatron_gspo.routing.rollout_routes import RolloutRecorder
 
 
 class RoutingPolicy:
-    def __init__(self, mode: str, model, state) -> None:
+    """mode: "off" | "R2" | "R3"; old_pass: whether the old log-probs get a forward pass of their own
+    (train.recompute_old_logprobs), which then also gives the reference routing."""
+
+    def __init__(self, mode: str, model, state, old_pass: bool = True) -> None:
         self.mode = normalize_mode(mode)
+        self.has_old_pass = old_pass
         self.replay = RoutingReplay.from_model(self.mode, model, state)
-        self.recorder = RolloutRecorder(model) if self.mode == "R3" else None
+        self.sp_rank, self.sp_size = self.replay.sp_rank, self.replay.sp_size
+        need_rollout_routes = self.mode == "R3" or not old_pass
+        self.recorder = RolloutRecorder(model) if need_rollout_routes else None
         self.monitor = RoutingMonitor(model)
+        self._references: dict[int, list[torch.Tensor]] = {}
 
     # -- rollout ---------------------------------------------------------------------------------
     def generating(self):
         return self.recorder.recording() if self.recorder is not None else contextlib.nullcontext()
 
     @property
-    def on_generation_forward(self) -> Optional[Callable[[int, str], None]]:
+    def on_generation_forward(self) -> Optional[Callable]:
         return self.recorder.on_forward if self.recorder is not None else None
 
-    def after_generation(self, out, micro_batches: list[slice], seq_len: int) -> None:
+    def after_generation(self, out, rows: list[torch.Tensor], widths: list[int], pads: list[torch.Tensor]) -> None:
+        """rows[i]: the generation-output rows of micro-batch i; widths[i]: its token-grid width (the
+        forward's input is widths[i] - 1 wide); pads[i]: that input's padding mask [b, widths[i] - 1]."""
         if self.recorder is None:
             return
-        routes = self.recorder.finish(out)  # in the micro-batch partition both passes use
-        for i, rows in enumerate(micro_batches):
-            self.replay.load(i, routes.routes_for(list(range(rows.start, rows.stop)), seq_len=seq_len))
+        routes = self.recorder.finish(out)
+        for i, (r, w, pad) in enumerate(zip(rows, widths, pads)):
+            mb_routes = routes.routes_for(r, seq_len=w - 1)  # [L, b, w-1, k]
+            if self.mode == "R3":
+                self.replay.load(i, mb_routes)
+            if not self.has_old_pass:
+                self._references[i] = self._router_layout(mb_routes, pad)
+
+    def _router_layout(self, routes: torch.Tensor, pad: torch.Tensor) -> list[torch.Tensor]:
+        """[L, b, s, k] routes -> per layer [T, k] in the order the routing monitor compares tokens:
+        sequence-major, this rank's sequence chunk under sequence parallel, padding left out."""
+        x, valid = routes.transpose(1, 2), ~pad.transpose(0, 1)  # [L, s, b, k], [s, b]
+        if self.sp_size > 1:
+            c = x.shape[1] // self.sp_size
+            x = x[:, self.sp_rank * c:(self.sp_rank + 1) * c]
+            valid = valid[self.sp_rank * c:(self.sp_rank + 1) * c]
+        keep = valid.reshape(-1).to(x.device)
+        return [layer.reshape(-1, layer.shape[-1])[keep] for layer in x]
 
     @contextlib.contextmanager
     def old_pass(self, mb: int) -> Iterator[None]:
@@ -66,7 +94,8 @@ class RoutingPolicy:
     # -- training --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def train_pass(self, mb: int) -> Iterator[None]:
-        with self.monitor.capture(("train", mb), compare_to=("old", mb)), self.replay.replaying(mb):
+        reference = ("old", mb) if self.has_old_pass else self._references[mb]
+        with self.monitor.capture(("train", mb), compare_to=reference), self.replay.replaying(mb):
             yield
 
     def backward(self):
@@ -78,11 +107,12 @@ class RoutingPolicy:
         self.replay.finish_step()
 
     def step_metrics(self, num_micro_batches: int) -> dict:
-        """Expert load, aux loss and the old -> training routing change of the step's micro-batches,
-        reduced over every rank (each holds distinct tokens, or its TP rank's share of them)."""
+        """Expert load, aux loss and the behaviour -> training routing change of the step's
+        micro-batches, reduced over every rank (each holds distinct tokens, or its TP rank's share)."""
         stats = None
         for i in range(num_micro_batches):
             s = self.monitor.stats(("train", i), pop=True)
             stats = s if stats is None else stats + s
             self.monitor.drop(("old", i))
+        self._references.clear()
         return stats.all_reduce().summary(prefix="routing/")

@@ -115,14 +115,17 @@ class RolloutRoutes:
 
     @classmethod
     def from_generation(cls, steps: Sequence[torch.Tensor], prompt_lengths: torch.Tensor,
-                        response_lengths: torch.Tensor, topk: int, num_experts: Optional[int] = None) -> "RolloutRoutes":
+                        response_lengths: torch.Tensor, topk: int, num_experts: Optional[int] = None,
+                        rows: Optional[Sequence[Optional[torch.Tensor]]] = None) -> "RolloutRoutes":
         """Routes of a ``generation.generate`` call from its per-forward records.
 
-        steps: step 0 (prefill) [L, B, P, k] over the left-padded prompt block, then one [L, B, 1, k]
-        per decode step (step j feeds response token j - 1). B may exceed the real rows (EP dummy rows,
-        dropped). Valid positions: prefill columns >= P - prompt_length; decode step j for rows whose
-        response is longer than j tokens (a row's last response token is never its own input; finished
-        rows are fed padding). Checked: n real tokens -> n - 1 routes per row.
+        steps: step 0 (prefill) [L, B, P, k] over the left-padded prompt block, then one [L, b, 1, k]
+        per decode step (step j feeds response token j - 1). rows[j]: the original row of each of step
+        j's b batch positions (None: all B in order; generation drops finished rows from the batch).
+        Rows >= the real rows are EP dummy rows, dropped. Valid positions: prefill columns >=
+        P - prompt_length; decode step j for rows whose response is longer than j tokens (a row's last
+        response token is never its own input; finished rows are fed padding). Checked: n real tokens
+        -> n - 1 routes per row.
         """
         if not steps:
             raise RoutingReplayError("from_generation: no forwards were recorded")
@@ -137,9 +140,13 @@ class RolloutRoutes:
         rr = cls(L, n, P + len(steps) - 1, topk, num_experts)
         rr.add_step(pre[:, :n].cpu(), valid=torch.arange(P)[None, :] >= (P - plen)[:, None])
         for j, d in enumerate(steps[1:], start=1):
-            if d.shape[1:3] != (B, 1):
-                raise RoutingReplayError(f"from_generation: decode step {j} routes {tuple(d.shape)}; expected [L, {B}, 1, k]")
-            rr.add_step(d[:, :n].cpu(), valid=(rlen > j)[:, None])
+            fed = torch.arange(B) if rows is None or rows[j] is None else torch.as_tensor(rows[j]).long().cpu()
+            if d.shape[1:3] != (fed.numel(), 1):
+                raise RoutingReplayError(f"from_generation: decode step {j} routes {tuple(d.shape)}; expected "
+                                         f"[L, {fed.numel()}, 1, k]")
+            real = fed < n
+            idx = fed[real]
+            rr.add_step(d[:, real].cpu(), valid=(rlen[idx] > j)[:, None], rows=idx)
         rr.check(plen + rlen)
         return rr
 
@@ -179,6 +186,7 @@ class RolloutRecorder:
         self._active = False
         self._cur: list[Optional[torch.Tensor]] = [None] * len(self.routers)
         self.steps: list[torch.Tensor] = []
+        self.rows: list[Optional[torch.Tensor]] = []  # per step: the original rows fed (None: all)
         self._hooks = [r.register_forward_hook(
             lambda mod, args, kwargs, out, l=l: self._hook(l, args, kwargs, out), with_kwargs=True)
             for l, r in enumerate(self.routers)]
@@ -190,7 +198,7 @@ class RolloutRecorder:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator["RolloutRecorder"]:
-        self.steps, self._cur = [], [None] * len(self.routers)
+        self.steps, self.rows, self._cur = [], [], [None] * len(self.routers)
         self._active = True
         try:
             yield self
@@ -207,8 +215,9 @@ class RolloutRecorder:
         idx = routing_map_to_indices(out[1].reshape(-1, self.num_experts), self.topk)
         self._cur[l] = idx.to(index_dtype(self.num_experts)).reshape(t, b, self.topk).transpose(0, 1)
 
-    def on_forward(self, step: int, kind: str) -> None:
-        """The generator's callback: files the routes of the forward that just ran as step ``step``."""
+    def on_forward(self, step: int, kind: str, rows: Optional[torch.Tensor] = None) -> None:
+        """The generator's callback: files the routes of the forward that just ran as step ``step``
+        (``rows``: the original row of each batch position, None for all rows in order)."""
         if not self._active:
             raise RoutingReplayError("RolloutRecorder.on_forward outside recording()")
         if step != len(self.steps) or (kind == "prefill") != (step == 0):
@@ -216,10 +225,11 @@ class RolloutRecorder:
         missing = [l for l, c in enumerate(self._cur) if c is None]
         if missing:
             raise RoutingReplayError(f"RolloutRecorder: step {step}: MoE layers {missing} did not run")
-        self.steps.append(torch.stack(self._cur))  # [L, B, t, k]
+        self.steps.append(torch.stack(self._cur))  # [L, b, t, k]
+        self.rows.append(None if rows is None else rows.detach().cpu())
         self._cur = [None] * len(self.routers)
 
     def finish(self, out) -> RolloutRoutes:
         """RolloutRoutes for ``out`` (a GenerationOutput: prompt_lengths, response_lengths)."""
         return RolloutRoutes.from_generation(self.steps, out.prompt_lengths, out.response_lengths,
-                                             self.topk, self.num_experts)
+                                             self.topk, self.num_experts, rows=self.rows)

@@ -130,7 +130,7 @@ def check(cfg, ckpt, ref, tp, ep, tag):
     ):
         calls = []
         out = generate(model, my_prompts, gcfg, vocab_size=VOCAB, state=st,
-                       on_forward=lambda i, k: calls.append((i, k)))
+                       on_forward=lambda i, k, rows: calls.append((i, k)))
         want = [ref[key][i] for i in mine]
         got = out.responses()
         print(f"[rank {st.rank}] {tag} {name}: {got} forwards={out.num_forwards} "

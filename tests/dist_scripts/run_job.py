@@ -113,9 +113,16 @@ def save_gradients(trainer, out_dir, micro_batch_sizes):
         batch = rollouts.collect(trainer.step)
         trainer.hooks.after_rollout(trainer, batch)
         trainer.step += 1
+        # one width for every micro-batch, agreed over the ranks (expert parallelism runs in lockstep)
+        width = torch.tensor([batch.tokens.shape[1]])
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)
+        batch.tokens = torch.nn.functional.pad(batch.tokens, (0, int(width) - batch.tokens.shape[1]))
+        for name in ("mask", "sample_logprobs", "old_logprobs"):
+            setattr(batch, name, torch.nn.functional.pad(getattr(batch, name), (0, int(width) - 1 - getattr(batch, name).shape[1])))
         for mbs in micro_batch_sizes:
-            mini = micro_batch_slices(batch.num_rows, trainer.cfg.train.num_minibatches, mbs)[0]
-            trainer.accumulate_gradients(batch, mini, 0, MetricAccumulator())
+            batch.micro = micro_batch_slices(batch.num_rows, trainer.cfg.train.num_minibatches, mbs)[0]
+            batch.widths = [int(width)] * len(batch.micro)
+            trainer.accumulate_gradients(batch, list(range(len(batch.micro))), MetricAccumulator())
             trainer.routing.replay.reset()
             saved = [p.detach().clone() for p in model.parameters()]
             for p in model.parameters():

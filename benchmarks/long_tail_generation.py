@@ -1,0 +1,133 @@
+"""Generation on a long-tailed length workload: the static batch against finished-row compaction.
+
+Reasoning RL rollouts are long-tailed: most responses end early, a few run to ``max_new_tokens``.
+A static batch decodes every row until the longest one ends; ``generation.compact_finished_rows``
+drops finished rows from the decode batch and its KV cache. This runner measures both, plus the
+decode path (``generation.decode_impl``: megatron's GPTModel forward vs the lean step), on the
+benchmark model of docs/performance.md with random weights:
+
+* workload: ``--prompts`` x ``--samples`` rows, ``--prompt-len`` prompt tokens, up to
+  ``--max-new`` new tokens, temperature 1. The stop set is the ``--stop-share`` of the vocabulary the
+  model samples most often (found by a first run with no stop tokens), so each token ends its
+  response with a roughly fixed probability: geometric lengths, most short, a few at the maximum.
+  The length distribution is printed and stored;
+* variants, alternated run by run (``--rounds``): static + megatron (the landed code's behaviour),
+  static + lean, compaction + megatron, compaction + lean (the default). Every variant must give
+  the same tokens (checked: the runner fails otherwise);
+* reported: wall and process CPU seconds per generate() call (median), decode row-steps, speedup
+  against the static megatron batch; the load average before and after.
+
+    python -m benchmarks.long_tail_generation --threads 1 --json benchmarks/results/long_tail.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+from megatron_gspo import parallel  # noqa: E402
+from megatron_gspo.config import ParallelConfig, model_config_from_preset  # noqa: E402
+from megatron_gspo.generation import GenerationConfig, generate  # noqa: E402
+from megatron_gspo.model import build_model  # noqa: E402
+from megatron_gspo.sysinfo import load_avg, machine_info  # noqa: E402
+
+from benchmarks.trl_side_by_side import SHAPES  # noqa: E402
+
+VARIANTS = {  # name -> (compact_finished_rows, decode_impl)
+    "static_megatron": (0.0, "megatron"),
+    "static_lean": (0.0, "lean"),
+    "compact_megatron": (0.25, "megatron"),
+    "compact_lean": (0.25, "lean"),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="bench")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-new", type=int, default=256)
+    p.add_argument("--stop-share", type=float, default=0.015, help="share of the vocabulary used as stop tokens")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shape = SHAPES[args.shape]
+    cfg = model_config_from_preset("tiny", **shape)
+    par = ParallelConfig(seed=args.seed)
+    st = parallel.initialize(cfg, par)
+    model = build_model(cfg, par, st)
+    V = shape["vocab_size"]
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(3, V, (args.prompts, args.prompt_len), generator=g).tolist()
+    base = dict(max_new_tokens=args.max_new, temperature=1.0, n_samples_per_prompt=args.samples, seed=args.seed + 1)
+
+    free = generate(model, prompts, GenerationConfig(**base), vocab_size=V, state=st)
+    n_stop = max(1, round(args.stop_share * V))
+    stop = torch.bincount(free.tokens[free.response_mask], minlength=V).topk(n_stop).indices.tolist()
+    base["stop_token_ids"] = stop
+
+    runs: dict = {k: [] for k in VARIANTS}
+    ref = None
+    load_start = load_avg()
+    for r in range(args.rounds):
+        for name, (compact, impl) in VARIANTS.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            out = generate(model, prompts, GenerationConfig(**base, compact_finished_rows=compact, decode_impl=impl),
+                           vocab_size=V, state=st)
+            runs[name].append({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+                               "decode_row_steps": out.decode_row_steps, "forwards": out.num_forwards})
+            if ref is None:
+                ref = out
+            elif not torch.equal(out.tokens, ref.tokens):
+                raise SystemExit(f"{name} produced other tokens than static_megatron: a bug, not a benchmark")
+            print(f"round {r + 1}/{args.rounds} {name}: {runs[name][-1]['wall_s']:.3f} s", flush=True)
+    lengths = ref.response_lengths.float()
+    res = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info("cpu"), "threads": args.threads, "load_avg_start": load_start, "load_avg_end": load_avg(),
+        "config": {k: getattr(args, k) for k in ("shape", "prompts", "samples", "prompt_len", "max_new", "stop_share",
+                                                 "rounds", "seed")},
+        "lengths": {"median": float(lengths.median()), "mean": float(lengths.mean()),
+                    "p90": float(lengths.quantile(0.9)), "max": int(lengths.max()),
+                    "share_at_max": float((lengths == args.max_new).float().mean()),
+                    "tokens": int(lengths.sum()), "rows": int(lengths.numel())},
+        "results": {},
+    }
+    base_wall = statistics.median(x["wall_s"] for x in runs["static_megatron"])
+    base_cpu = statistics.median(x["cpu_s"] for x in runs["static_megatron"])
+    for name, recs in runs.items():
+        wall, cpu = statistics.median(x["wall_s"] for x in recs), statistics.median(x["cpu_s"] for x in recs)
+        res["results"][name] = {"wall_s": round(wall, 4), "cpu_s": round(cpu, 4), "decode_row_steps": recs[0]["decode_row_steps"],
+                                "speedup_wall": round(base_wall / wall, 3), "speedup_cpu": round(base_cpu / cpu, 3),
+                                "runs": recs}
+    print(json.dumps({"lengths": res["lengths"], **{k: {kk: v[kk] for kk in ("wall_s", "cpu_s", "decode_row_steps",
+                                                                             "speedup_wall", "speedup_cpu")}
+                                                     for k, v in res["results"].items()}}, indent=1))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=1)
+    parallel.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
