@@ -136,3 +136,37 @@ def test_quick_under_torchrun_measures_the_ep_collectives_on_gloo(tmp_path):
         assert r["data"]["backend"] == "gloo" and r["data"]["ranks"] == 2
         assert r["data"]["busbw_gbps"] > 0
     assert doc["checks"]["rl_step"]["status"] == "ok"
+
+
+class _FakeModel:
+    """Just the state-dict interface copy_weights uses."""
+
+    def __init__(self, sd):
+        self.sd, self.loaded = sd, None
+
+    def state_dict(self):
+        return self.sd
+
+    def load_state_dict(self, sd, strict=True):
+        self.loaded = sd
+
+
+def test_weights_map_from_the_local_spec_to_te_names():
+    """The GPU-only TE comparison copies weights by name: the renames are checked here on the CPU."""
+    import torch
+
+    from megatron_gspo.preflight.numerics import copy_weights
+
+    t = torch.zeros(1)
+    local = _FakeModel({"decoder.layers.0.input_layernorm.weight": t,
+                        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight": t,
+                        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight": t,
+                        "output_layer.weight": t})
+    te = _FakeModel({"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": t,
+                     "decoder.layers.0.mlp.experts.linear_fc1.weight3": t,
+                     "decoder.layers.0.mlp.experts.linear_fc2.weight3": t,
+                     "decoder.layers.0.mlp.experts.linear_fc1._extra_state": None, "output_layer.weight": t})
+    copy_weights(local, te)
+    assert set(te.loaded) == {k for k in te.sd if not k.endswith("_extra_state")}
+    with pytest.raises(RuntimeError, match="do not map"):
+        copy_weights(_FakeModel({"extra.weight": t}), te)
