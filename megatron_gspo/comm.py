@@ -90,6 +90,22 @@ def broadcast(t: torch.Tensor, src: int, group=None, *, what: str) -> torch.Tens
     return t
 
 
+def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group=None, *, what: str) -> torch.Tensor:
+    """Equal-split all-to-all: chunk i of ``t`` (along dim 0) goes to group rank i, ``out`` receives
+    one chunk from every rank in group-rank order; returns ``out`` (a copy of ``t`` for one rank)."""
+    if not _active(group):
+        return out.copy_(t)
+    _check(t, group, what)
+    _check(out, group, what)
+    _transport.all_to_all_single(out, t.contiguous(), group=group)
+    return out
+
+
+def backend_name(group=None) -> str:
+    """The group's backend as torch names it ("nccl", "gloo"), "none" without torch.distributed."""
+    return str(_transport.get_backend(group)) if is_distributed() else "none"
+
+
 def barrier(group=None) -> None:
     if _active(group):
         _transport.barrier(group=group)

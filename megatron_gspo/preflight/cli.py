@@ -1,0 +1,125 @@
+"""``python -m megatron_gspo.preflight [--quick] [--json out.json] [section.key=value ...]``:
+the checks in order, one line each as it finishes, the table at the end, exit 0 / 1 / 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from typing import Optional
+
+import torch
+
+from megatron_gspo.errors import USER_ERRORS
+from megatron_gspo.preflight import collectives, environment, memory, numerics, training
+from megatron_gspo.preflight.context import Context, validate_overrides
+from megatron_gspo.preflight.runner import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    FAILED,
+    Check,
+    exit_code,
+    format_line,
+    format_table,
+    run_checks,
+    to_json,
+)
+
+log = logging.getLogger("megatron_gspo")
+
+# Cheap and local first, then the model builds, then the long jobs; collectives last so a slow
+# rendezvous does not hide the rest. Every rank runs the same list in the same order (the jobs and
+# the collectives are collective calls).
+CHECKS = [
+    Check("env.versions", environment.check_versions),
+    Check("env.device", environment.check_device),
+    Check("env.bf16", environment.check_bf16),
+    Check("env.fp8", environment.check_fp8),
+    Check("env.auto_impl", environment.check_auto_impl),
+    Check("numerics.te_vs_local", numerics.check_te_vs_local),
+    Check("numerics.experts", numerics.check_experts),
+    Check("rl_step", training.check_rl_step),
+    Check("rl_step.fp8", training.check_rl_step_fp8),
+    Check("speed.train_bf16", training.check_train_bf16),
+    Check("speed.mfu_bf16", training.check_mfu_bf16),
+    Check("speed.generation", training.check_generation),
+    Check("speed.logprob", training.check_logprob),
+    Check("speed.train_fp8", training.check_train_fp8),
+    Check("speed.mfu_fp8", training.check_mfu_fp8),
+    Check("memory.30b_cut", memory.check_memory),
+    Check("dist.all_reduce", collectives.check_all_reduce),
+    Check("dist.all_to_all", collectives.check_all_to_all),
+]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m megatron_gspo.preflight", description=(
+        "Check and measure megatron-gspo on this node (run it first on new hardware; under torchrun "
+        "for the collectives). Overrides apply to every job it runs (the demo job and its variants)."))
+    ap.add_argument("--quick", action="store_true", help="cut-down shapes: well under a minute on a CPU")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON (rank 0)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory (the jobs' metrics)")
+    args, rest = ap.parse_known_args(argv)
+    args.overrides = rest
+    return args
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _workdir() -> str:
+    """The same path on every rank of a node (torchrun's run id), so no rank writes elsewhere."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run is None or "RANK" not in os.environ:
+        return tempfile.mkdtemp(prefix="megatron_gspo_preflight.")
+    path = os.path.join(tempfile.gettempdir(), f"megatron_gspo_preflight.{run}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from megatron_gspo import comm, parallel
+    from megatron_gspo.logger import setup_logging
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    rank = int(os.environ.get("RANK", 0))
+    setup_logging(rank)
+    try:
+        validate_overrides(args.overrides)
+    except USER_ERRORS as e:
+        log.error("error: %s", e)
+        return EXIT_USAGE
+    parallel.init_distributed()
+    ctx = Context(quick=args.quick, overrides=args.overrides, workdir=_workdir(), device=_device())
+    if rank == 0:
+        print(f"megatron-gspo preflight{' --quick' if args.quick else ''} on {ctx.device} "
+              f"({comm.world_size()} rank{'s' if comm.world_size() > 1 else ''}); scratch {ctx.workdir}", flush=True)
+
+    def progress(r):
+        if rank == 0:
+            print(format_line(r), flush=True)
+
+    try:
+        results = run_checks(CHECKS, ctx, on_result=progress)
+        # one verdict for the job: a check that failed on any rank fails the run everywhere
+        failed = comm.any_rank(exit_code(results) == EXIT_FAILED, ctx.device, what="preflight verdict")
+    finally:
+        parallel.destroy()
+        if not args.keep and rank == 0:
+            shutil.rmtree(ctx.workdir, ignore_errors=True)
+    code = EXIT_FAILED if failed else EXIT_OK
+    if rank == 0:
+        print("\n" + format_table(results))
+        if failed and not any(r.status == FAILED for r in results):
+            print("(a check failed on another rank: see its log)")
+        if args.json:
+            meta = {"exit_code": code, "quick": args.quick, "device": str(ctx.device),
+                    "world_size": int(os.environ.get("WORLD_SIZE", 1)), "overrides": args.overrides}
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(to_json(results, meta))
+    return code

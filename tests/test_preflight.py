@@ -1,0 +1,172 @@
+"""The preflight (python -m megatron_gspo.preflight): --quick runs on this CPU machine with every
+item ok or skipped for a stated reason, a bad override exits 2 naming the key, a check that raises
+is reported failed (exit 1) without stopping the others, and under torchrun the EP collectives run."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_gspo.preflight import cli
+from megatron_gspo.preflight.runner import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Check,
+    Skip,
+    exit_code,
+    format_table,
+    run_checks,
+    to_json,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+CUDA_ONLY = ["env.fp8", "numerics.te_vs_local", "rl_step.fp8", "speed.train_fp8", "speed.mfu_fp8"]
+
+
+def _preflight(*args, timeout=240, torchrun=0, env=None):
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
+                if torchrun else [sys.executable])
+    return subprocess.run([*launcher, "-m", "megatron_gspo.preflight", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**ENV, **(env or {})})
+
+
+# ----------------------------------------------------------------------------------------------
+# The runner, on plain functions
+# ----------------------------------------------------------------------------------------------
+
+
+def _boom(ctx):
+    raise ValueError("broken on purpose")
+
+
+def _skip(ctx):
+    raise Skip("no CUDA")
+
+
+def test_runner_reports_a_raising_check_as_failed_and_goes_on():
+    seen = []
+    results = run_checks([Check("a", lambda ctx: ("fine", {"x": 1})), Check("b", _boom), Check("c", _skip),
+                          Check("d", lambda ctx: ("after", {}))], ctx=None, on_result=lambda r: seen.append(r.name))
+    assert seen == ["a", "b", "c", "d"]  # the failure did not stop the run
+    by = {r.name: r for r in results}
+    assert (by["a"].status, by["a"].value, by["a"].data) == ("ok", "fine", {"x": 1})
+    assert by["b"].status == "failed" and by["b"].error == "ValueError: broken on purpose"
+    assert by["c"].status == "skipped" and by["c"].reason == "no CUDA"
+    assert by["d"].status == "ok"
+    assert exit_code(results) == EXIT_FAILED
+    assert exit_code([by["a"], by["c"]]) == EXIT_OK
+    table = format_table(results)
+    assert "ValueError: broken on purpose" in table and "1 failed" in table
+    doc = json.loads(to_json(results, {"quick": True}))
+    assert doc["exit_code"] == 1 and doc["checks"]["c"] == {"status": "skipped", "value": "no CUDA",
+                                                             "reason": "no CUDA", "data": {},
+                                                             "seconds": doc["checks"]["c"]["seconds"]}
+
+
+def test_main_exits_1_when_a_check_raises(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "CHECKS", [Check("env.ok", lambda ctx: ("fine", {})), Check("boom", _boom)])
+    out = tmp_path / "out.json"
+    assert cli.main(["--quick", "--json", str(out)]) == EXIT_FAILED
+    doc = json.loads(out.read_text())
+    assert doc["exit_code"] == 1 and doc["checks"]["boom"]["status"] == "failed"
+    assert "broken on purpose" in doc["checks"]["boom"]["error"]
+    assert "boom" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------------------------------
+
+
+def test_unknown_override_exits_2_naming_the_key():
+    p = _preflight("--quick", "model.hidden_sise=128", timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "model.hidden_sise" in p.stdout + p.stderr
+    assert "hidden_size" in p.stdout + p.stderr  # the closest valid name
+
+
+def test_quick_on_this_machine(tmp_path):
+    out = tmp_path / "preflight.json"
+    p = _preflight("--quick", "--json", str(out))
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    checks = doc["checks"]
+    assert doc["exit_code"] == 0 and doc["quick"] is True
+    assert set(checks) == {c.name for c in cli.CHECKS}
+    for name, r in checks.items():
+        assert r["status"] in ("ok", "skipped"), (name, r)
+        if r["status"] == "skipped":
+            assert r["reason"], name
+        assert name in p.stdout  # the readable table
+    import torch
+
+    if not torch.cuda.is_available():
+        for name in CUDA_ONLY:
+            assert (checks[name]["status"], checks[name]["reason"]) == ("skipped", "no CUDA"), name
+        assert checks["speed.mfu_bf16"]["reason"].startswith("no peak for this device")
+    assert checks["dist.all_reduce"]["reason"].startswith("single process")
+    assert checks["env.versions"]["data"]["torch"] == torch.__version__
+    assert checks["env.auto_impl"]["data"]["transformer_impl"] in ("local", "transformer_engine")
+    assert checks["numerics.experts"]["status"] == "ok"
+    step = checks["rl_step"]["data"]
+    assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0
+    if checks["speed.train_bf16"]["status"] == "ok":
+        speed = checks["speed.train_bf16"]["data"]
+        assert speed["train_tokens_per_s"] > 0 and speed["train_tflops"] > 0
+        assert checks["speed.generation"]["data"]["gen_tokens_per_s"] > 0
+        assert checks["speed.logprob"]["data"]["logprob_tokens_per_s"] > 0
+    else:  # a CPU without bf16 says so
+        assert checks["speed.train_bf16"]["reason"]
+
+
+@pytest.mark.slow
+def test_quick_under_torchrun_measures_the_ep_collectives_on_gloo(tmp_path):
+    out = tmp_path / "preflight.json"
+    p = _preflight("--quick", "--json", str(out), torchrun=2, timeout=600, env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["world_size"] == 2
+    for name in ("dist.all_reduce", "dist.all_to_all"):
+        r = doc["checks"][name]
+        assert r["status"] == "ok", r
+        assert r["data"]["backend"] == "gloo" and r["data"]["ranks"] == 2
+        assert r["data"]["busbw_gbps"] > 0
+    assert doc["checks"]["rl_step"]["status"] == "ok"
+
+
+class _FakeModel:
+    """Just the state-dict interface copy_weights uses."""
+
+    def __init__(self, sd):
+        self.sd, self.loaded = sd, None
+
+    def state_dict(self):
+        return self.sd
+
+    def load_state_dict(self, sd, strict=True):
+        self.loaded = sd
+
+
+def test_weights_map_from_the_local_spec_to_te_names():
+    """The GPU-only TE comparison copies weights by name: the renames are checked here on the CPU."""
+    import torch
+
+    from megatron_gspo.preflight.numerics import copy_weights
+
+    t = torch.zeros(1)
+    local = _FakeModel({"decoder.layers.0.input_layernorm.weight": t,
+                        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight": t,
+                        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight": t,
+                        "output_layer.weight": t})
+    te = _FakeModel({"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": t,
+                     "decoder.layers.0.mlp.experts.linear_fc1.weight3": t,
+                     "decoder.layers.0.mlp.experts.linear_fc2.weight3": t,
+                     "decoder.layers.0.mlp.experts.linear_fc1._extra_state": None, "output_layer.weight": t})
+    copy_weights(local, te)
+    assert set(te.loaded) == {k for k in te.sd if not k.endswith("_extra_state")}
+    with pytest.raises(RuntimeError, match="do not map"):
+        copy_weights(_FakeModel({"extra.weight": t}), te)
