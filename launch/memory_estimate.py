@@ -5,55 +5,10 @@
     python launch/memory_estimate.py --update-recipes      # rewrite the comment block of every recipe
     python launch/memory_estimate.py --check-recipes       # exit 1 if a block is stale or a recipe does not fit
 
-``estimate_memory(job_cfg, world_size) -> dict`` (GiB per GPU, the worst pipeline stage) is what
-tests/test_launch.py asserts each recipe with, and what writes the ``# memory`` block at the top
-of each recipe, so the numbers in the comments are this function's output, not hand arithmetic.
-
-What is counted, and how megatron_gspo actually holds it (model.py / optim.py / train.py):
-
-  weights      bf16 (fp32 for precision=fp32): 2 B/param of this rank's shard. Dense (non-expert)
-               params are split over TP (attention, embedding and output layer; norms and the
-               router are replicated), expert params over EP x ETP.
-  grads        fp32 main-grad buffer, 4 B/param, NOT sharded by the distributed optimizer
-               (wrap_ddp sets grad_reduce_in_fp32=True; the reduce-scatter lands in a full buffer).
-  optimizer    Adam: fp32 master params + m + v = 12 B/param (8 without a master copy for fp32
-               models), sharded by the distributed optimizer over the param's data-parallel group:
-               DP = world / (TP x PP) for dense params, expert-DP = world / (EP x ETP x PP) for
-               experts. Without the distributed optimizer every rank holds all 12 B.
-  ref_model    a second bf16 copy of the weights when loss.kl_coef > 0 (the KL reference).
-  fp8_cache    FP8 only: TE's fp8 copy of each GEMM weight and its transpose (2 B/param) while a
-               micro-batch is in flight.
-  routing      routes of the local rollout kept between the old-log-prob pass and training:
-               RoutingMonitor's [T, k] int64 ids per layer (always), + RouterReplay's int32 copy
-               (R2 / R3).
-  train_act    activations of ONE micro-batch (micro_batch_size x (max_prompt_length +
-               max_new_tokens) tokens), per layer per token, in elements of 2 B (GEMM inputs:
-               1 B under FP8):
-                 attention: RMSNorm in/out 2h, q/k pre-norm q+kv, q/k/v post-RoPE q+2kv,
-                            core-attention out q, softmax lse 2 x heads (fp32)        -> / TP (SP)
-                 router:    logits + probs in fp32 4E, top-k probs/ids 6k, RMSNorm in/out 2h  -> / TP
-                 experts:   k x imbalance x (permuted in h + fc1 out 2f + SwiGLU out f + fc2 out h)
-                            on this rank's T / TP tokens (alltoall: each EP rank gets T/TP x k on
-                            average; ``expert_load_imbalance`` is the hottest rank's excess)
-               recompute: none = all L layers; selective (core_attn, moe_act) drops the SwiGLU
-               output; full/uniform(n) keeps the L/n chunk inputs (h / TP each) plus n layers
-               being recomputed; full/block(n) keeps n inputs and L-n full layers (+1 recomputed).
-               Plus the logits: bf16 [T, V/TP] kept for the log-prob backward and its gradient,
-               plus the chunked fp32 log-prob temporaries (logprobs.py, 4 x 64 MiB).
-  generation   rollouts run on the training model (weights, grads and optimizer stay resident):
-               megatron's static KV cache for the whole local batch (prompts_per_step / DP x G
-               rows, max_prompt_length + max_new_tokens slots, kv_heads / TP) plus one layer of
-               the no-grad prefill over the whole prompt block. Training activations and the
-               generation peak never coexist, so the peak takes the larger of the two.
-  runtime      CUDA context, NCCL / TE / cuBLAS workspaces: a fixed ``runtime_overhead_gib``, plus
-               ``fragmentation`` x the dynamic (activation / generation) peak for the caching
-               allocator.
-
-  total = weights + grads + optimizer + ref_model + fp8_cache + routing
-          + max(train_act, generation) x (1 + fragmentation) + runtime
-
-It is an estimate for choosing a layout, not a guarantee: sequence lengths are the configured
-maxima (a conservative choice) and the hottest expert rank's load is an assumption.
+The estimate itself is ``megatron_gspo.memory_estimate.estimate_memory`` (what is counted, and
+how, is documented there); this script applies it to the recipes under ``launch/recipes/`` and
+writes the ``# memory`` block at the top of each, so the numbers in the comments are that
+function's output, not hand arithmetic.
 """
 
 from __future__ import annotations
@@ -65,143 +20,12 @@ import re
 import sys
 from typing import Any, Optional
 
-GIB = 1024 ** 3
-# An "80 GB" H100 SXM reports 81559 MiB in nvidia-smi.
-H100_80GB_GIB = 81559 / 1024
+from megatron_gspo.memory_estimate import GIB, H100_80GB_GIB, estimate_memory  # noqa: F401 (re-exported)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECIPES_DIR = os.path.join(HERE, "recipes")
 BLOCK_BEGIN = "# ---- memory estimate (generated by launch/memory_estimate.py --update-recipes; do not edit) ----"
 BLOCK_END = "# ---- end of memory estimate ----"
-
-
-def _param_counts(m, par) -> dict[str, float]:
-    """Parameters held by one GPU of the largest pipeline stage (dense, expert, GEMM weights)."""
-    h, q, kv = m.hidden_size, m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
-    tp, pp, ep, etp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                       par.expert_model_parallel_size, par.etp)
-    layers = m.num_layers // pp
-    attn = (h * q + 2 * h * kv + q * h) / tp               # q, k, v, o: column/row parallel
-    replicated = 2 * h + (2 * m.kv_channels if m.qk_layernorm else 0) + m.num_moe_experts * h  # norms, router
-    vocab = m.padded_vocab_size * h / tp                   # vocab-parallel
-    n_tables = 2 if m.untie_embeddings_and_output_weights else 1
-    # Embedding, output layer and final norm are counted on the stage: exact for PP=1 (the only
-    # layout the trainer runs), an upper bound for any stage under PP>1.
-    dense = layers * (attn + replicated) + n_tables * vocab + h
-    experts = layers * m.num_moe_experts * 3 * h * m.moe_ffn_hidden_size / (ep * etp)
-    return {"dense": dense, "expert": experts, "gemm": layers * attn + experts}
-
-
-def _layer_act_bytes(m, tp: int, fp8: bool, imbalance: float, recompute_moe_act: bool) -> float:
-    """Bytes one layer saves for backward, per token of the micro-batch (divided by TP: SP)."""
-    h, E, k, f = m.hidden_size, m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size
-    heads, q, kv = m.num_attention_heads, m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
-    gemm_in = 1 if fp8 else 2  # TE keeps FP8 GEMM inputs in 1 byte
-    attn = (2 * h                    # RMSNorm input (residual stream)
-            + gemm_in * h            # RMSNorm output = QKV GEMM input
-            + 2 * (q + kv)           # q, k before qk-norm
-            + 2 * (q + 2 * kv)       # q, k, v after RoPE (flash-attention inputs)
-            + gemm_in * q            # core-attention output = o-proj GEMM input
-            + 4 * heads)             # softmax log-sum-exp, fp32
-    router = (2 * h + 2 * h          # pre-MLP RMSNorm input and output
-              + 4 * 2 * E            # router logits and probabilities, fp32
-              + 12 * k)              # top-k probabilities (fp32) and expert ids (int64)
-    per_routed = (gemm_in * h        # permuted tokens = fc1 GEMM input
-                  + 2 * 2 * f        # fc1 output (gate, up) = SwiGLU input
-                  + (0 if recompute_moe_act else gemm_in * f)  # SwiGLU output = fc2 GEMM input
-                  + 2 * h)           # fc2 output, kept for the routing-probability backward
-    return (attn + router + k * imbalance * per_routed) / tp
-
-
-def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 1.5,
-                    runtime_overhead_gib: float = 3.0, fragmentation: float = 0.10) -> dict[str, Any]:
-    """Estimated peak memory of one GPU of ``job_cfg`` on ``world_size`` GPUs, in GiB.
-
-    Returns a dict with the components documented in the module docstring (GiB), ``total``,
-    ``budget`` (an 80 GB H100), ``fits`` and the layout numbers it used (dp, expert_dp, params).
-    """
-    from megatron_gspo.parallel import validate_layout
-
-    m, par, t, g, d = job_cfg.model, job_cfg.parallel, job_cfg.train, job_cfg.generation, job_cfg.data
-    dp = validate_layout(m, par, world_size)
-    tp, pp, ep, etp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                       par.expert_model_parallel_size, par.etp)
-    expert_dp = world_size // (ep * etp * pp)
-    p = _param_counts(m, par)
-    n_params = p["dense"] + p["expert"]
-    bf16 = m.precision == "bf16"
-    w_bytes = 2 if bf16 else 4
-    adam = job_cfg.optimizer.optimizer == "adam"
-    opt_bytes = (4 if bf16 else 0) + (8 if adam else 4)  # master copy + (m, v) | momentum
-    # the recipes are for H100s with Transformer Engine, where "unset" means distributed
-    dist_opt = par.use_distributed_optimizer is not False
-    shard_dense = dp if dist_opt else 1
-    shard_expert = expert_dp if dist_opt else 1
-
-    out: dict[str, Any] = {}
-    out["weights"] = n_params * w_bytes / GIB
-    out["grads"] = n_params * 4 / GIB
-    out["optimizer"] = (p["dense"] * opt_bytes / shard_dense + p["expert"] * opt_bytes / shard_expert) / GIB
-    out["ref_model"] = n_params * w_bytes / GIB if job_cfg.loss.kl_coef > 0 else 0.0
-    out["fp8_cache"] = p["gemm"] * 2 / GIB if m.fp8 else 0.0
-
-    # sequences and tokens
-    seq = d.max_prompt_length + g.max_new_tokens
-    rows_local = (t.prompts_per_step // dp) * g.n_samples_per_prompt
-    layers = m.num_layers // pp
-    k = m.moe_router_topk
-    route_bytes = 8 + (4 if t.routing_replay != "off" else 0)
-    out["routing"] = layers * rows_local * seq / tp * k * route_bytes / GIB
-
-    # training activations of one micro-batch
-    tokens = t.micro_batch_size * seq
-    per_layer = _layer_act_bytes(m, tp, bool(m.fp8), expert_load_imbalance,
-                                 recompute_moe_act=m.recompute_granularity == "selective")
-    chunk_input = 2 * m.hidden_size / tp
-    if m.recompute_granularity == "full":
-        n = m.recompute_num_layers or 1
-        if m.recompute_method == "uniform":
-            act = (-(-layers // n)) * chunk_input + min(n, layers) * per_layer
-        else:  # block: the first n layers are recomputed, the rest keep everything
-            n = min(n, layers)
-            act = n * chunk_input + (layers - n) * per_layer + (per_layer if n else 0)
-    else:
-        act = layers * per_layer
-    v_local = m.padded_vocab_size / tp
-    logits = tokens * v_local * 2 * 2 + 4 * (64 << 20)  # bf16 logits + their grad, fp32 chunks
-    out["train_act"] = (tokens * act + logits) / GIB
-
-    # generation: KV cache of the local batch + one prefill layer
-    kv_heads_local = max(1, m.num_query_groups // tp)
-    kv_cache = layers * 2 * rows_local * seq * kv_heads_local * m.kv_channels * w_bytes
-    prefill_tokens = rows_local * d.max_prompt_length
-    h, f, q = m.hidden_size, m.moe_ffn_hidden_size, m.num_attention_heads * m.kv_channels
-    kvd = m.num_query_groups * m.kv_channels
-    # no-grad prefill: the live tensors of one block (no SP while generating; conservative TP=1)
-    attn_ws = 2 * (2 * h + (q + 2 * kvd) + q)
-    moe_ws = 2 * 2 * h + k * expert_load_imbalance * 2 * (h + 2 * f + f + h)
-    prefill = prefill_tokens * max(attn_ws, moe_ws) \
-        + rows_local * m.padded_vocab_size * 4 * 2  # last-position logits gathered over TP, fp32
-    out["generation"] = (kv_cache + prefill) / GIB
-
-    static = sum(out[x] for x in ("weights", "grads", "optimizer", "ref_model", "fp8_cache", "routing"))
-    dynamic = max(out["train_act"], out["generation"]) * (1 + fragmentation)
-    out["runtime"] = runtime_overhead_gib + dynamic - max(out["train_act"], out["generation"])
-    out["total"] = static + dynamic + runtime_overhead_gib
-    out["budget"] = H100_80GB_GIB
-    out["fits"] = out["total"] <= H100_80GB_GIB
-    out.update(world_size=world_size, tp=tp, pp=pp, ep=ep, etp=etp, dp=dp, expert_dp=expert_dp,
-               sequence_parallel=par.sp, distributed_optimizer=dist_opt,
-               recompute=m.recompute_granularity or "none",
-               params_dense_b=p["dense"] / 1e9, params_expert_b=p["expert"] / 1e9,
-               params_total_b=m.num_parameters() / 1e9, seq_len=seq, micro_batch_tokens=tokens,
-               rollout_rows_per_rank=rows_local)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Recipes: world size from the header, generated comment block
-# ----------------------------------------------------------------------------------------------
 
 
 def recipe_world_size(path: str) -> int:

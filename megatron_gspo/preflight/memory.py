@@ -1,5 +1,6 @@
 """Peak memory of one RL step of a Qwen3-30B-A3B-shaped model cut to a few layers at full width,
-beside launch/memory_estimate.py's estimate for the same job, so the 30B recipes' estimates are
+beside the estimate for the same job (megatron_gspo/memory_estimate.py, which
+launch/memory_estimate.py writes into the recipes), so the 30B recipes' estimates are
 checked against a measurement.
 
 Measured: on a GPU ``torch.cuda.max_memory_allocated`` over the step (tensors only: the estimate's
@@ -15,11 +16,11 @@ i.e. the per-layer cost x 48 plus what does not grow with depth (embedding, outp
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 
 import torch
 
+from megatron_gspo.memory_estimate import estimate_memory
 from megatron_gspo.preflight.context import Context
 from megatron_gspo.preflight.runner import Skip
 from megatron_gspo.sysinfo import current_rss, peak_rss, reset_peak_rss
@@ -27,20 +28,6 @@ from megatron_gspo.sysinfo import current_rss, peak_rss, reset_peak_rss
 GIB = 2**30
 MEMORY_MODEL = "qwen3-30b-a3b"
 FULL_LAYERS = 48
-ESTIMATOR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                         "launch", "memory_estimate.py")
-
-
-def load_estimator():
-    """launch/memory_estimate.py as a module (launch/ is scripts, not a package: tests load it so too)."""
-    if not os.path.isfile(ESTIMATOR):
-        raise Skip(f"{ESTIMATOR} not found (run from a source checkout)")
-    spec = importlib.util.spec_from_file_location("memory_estimate", ESTIMATOR)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _cut(ctx: Context, layers: int):
     return ctx.job(f"memory_{layers}l", model={"preset": MEMORY_MODEL, "num_layers": layers})
 
@@ -65,10 +52,9 @@ def measure_step_peak(ctx: Context, cfg) -> tuple[float, str]:
 
 
 def check_memory(ctx: Context):
-    est_mod = load_estimator()
     world = int(os.environ.get("WORLD_SIZE", 1))
     cuts = [1] if ctx.quick else [1, 2]
-    estimates = {n: est_mod.estimate_memory(_cut(ctx, n), world) for n in cuts}
+    estimates = {n: estimate_memory(_cut(ctx, n), world) for n in cuts}
     if not ctx.cuda:
         if ctx.quick:
             raise Skip(f"quick: one full-width layer of {MEMORY_MODEL} needs ~{estimates[1]['total'] - estimates[1]['runtime']:.0f} GiB "
