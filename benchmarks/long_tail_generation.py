@@ -7,9 +7,10 @@ decode path (``generation.decode_impl``: megatron's GPTModel forward vs the lean
 benchmark model of docs/performance.md with random weights:
 
 * workload: ``--prompts`` x ``--samples`` rows, ``--prompt-len`` prompt tokens, up to
-  ``--max-new`` new tokens, temperature 1. The stop set is the ``--stop-share`` of the vocabulary the
-  model samples most often (found by a first run with no stop tokens), so each token ends its
-  response with a roughly fixed probability: geometric lengths, most short, a few at the maximum.
+  ``--max-new`` new tokens, temperature 1. The stop set is the tokens the model samples most often
+  (found by a first run with no stop tokens) until they carry ``--stop-prob`` of the sampled mass,
+  so each token ends its response with about that probability: geometric lengths (default mean
+  ~100 of 256), most short, a few cut at the maximum.
   The length distribution is printed and stored;
 * variants, alternated run by run (``--rounds``): static + megatron (the landed code's behaviour),
   static + lean, compaction + megatron, compaction + lean (the default). Every variant must give
@@ -58,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new", type=int, default=256)
-    p.add_argument("--stop-share", type=float, default=0.015, help="share of the vocabulary used as stop tokens")
+    p.add_argument("--stop-prob", type=float, default=0.01,
+                   help="sampled-token mass of the stop set: the per-token chance that a response ends")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -80,8 +82,13 @@ def main(argv=None) -> int:
     base = dict(max_new_tokens=args.max_new, temperature=1.0, n_samples_per_prompt=args.samples, seed=args.seed + 1)
 
     free = generate(model, prompts, GenerationConfig(**base), vocab_size=V, state=st)
-    n_stop = max(1, round(args.stop_share * V))
-    stop = torch.bincount(free.tokens[free.response_mask], minlength=V).topk(n_stop).indices.tolist()
+    # the most frequent tokens until they carry --stop-prob of the sampled mass: each response token
+    # then ends the response with about that probability (geometric lengths, mean ~ 1 / stop-prob)
+    freq = torch.bincount(free.tokens[free.response_mask], minlength=V).double()
+    order = freq.argsort(descending=True)
+    mass = (freq[order].cumsum(0) / freq.sum())
+    n_stop = int((mass < args.stop_prob).sum()) + 1
+    stop = order[:n_stop].tolist()
     base["stop_token_ids"] = stop
 
     runs: dict = {k: [] for k in VARIANTS}
@@ -103,8 +110,9 @@ def main(argv=None) -> int:
     res = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info("cpu"), "threads": args.threads, "load_avg_start": load_start, "load_avg_end": load_avg(),
-        "config": {k: getattr(args, k) for k in ("shape", "prompts", "samples", "prompt_len", "max_new", "stop_share",
+        "config": {k: getattr(args, k) for k in ("shape", "prompts", "samples", "prompt_len", "max_new", "stop_prob",
                                                  "rounds", "seed")},
+        "stop_tokens": n_stop,
         "lengths": {"median": float(lengths.median()), "mean": float(lengths.mean()),
                     "p90": float(lengths.quantile(0.9)), "max": int(lengths.max()),
                     "share_at_max": float((lengths == args.max_new).float().mean()),

@@ -105,7 +105,7 @@ def test_long_tail_generation_runner(tmp_path):
     less decode work than the static batch on the long-tailed workload."""
     out = tmp_path / "lt.json"
     p = _module(["benchmarks.long_tail_generation", "--shape", "tiny", "--max-new", "20", "--rounds", "1",
-                 "--stop-share", "0.05", "--json", str(out)])
+                 "--stop-prob", "0.08", "--json", str(out)])
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
     L = res["lengths"]
