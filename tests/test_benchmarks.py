@@ -114,6 +114,9 @@ def test_long_tail_generation_runner(tmp_path):
     assert r["static_megatron"]["decode_row_steps"] == r["static_lean"]["decode_row_steps"] == 64 * 19
     assert r["compact_lean"]["decode_row_steps"] == r["compact_megatron"]["decode_row_steps"] < 64 * 19
     assert all(v["wall_s"] > 0 and v["cpu_s"] > 0 for v in r.values())
+    # the two decode paths: the same logits to rounding, so (almost) the same draws
+    lv = res["lean_vs_megatron"]
+    assert lv["draws"] == L["tokens"] and lv["rows_diverged"] <= 1 and lv["max_logprob_diff_before"] < 1e-5
 
 
 def test_trl_side_by_side_runner(tmp_path):
