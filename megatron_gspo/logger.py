@@ -132,6 +132,8 @@ def progress_line(step: int, total: int, m: Mapping[str, Value]) -> str:
         ("len", "rollout/response_length_mean", ".1f"),
         ("route_chg", "routing/routing_change_frac", ".3f"),
         ("|lp-lp_gen|", "rollout/logprob_diff_max", ".1e"),
+        ("eval acc", "eval/greedy_accuracy", ".3f"),
+        *((k[len("eval/"):], k, ".3f") for k in m if k.startswith("eval/pass@")),
         ("gen tok/s", "perf/gen_tokens_per_s", ".0f"),
         ("s/step", "perf/step_time_s", ".2f"),
     ):
