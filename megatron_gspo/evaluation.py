@@ -65,8 +65,8 @@ class Evaluator:
         """eval/* metrics after RL step ``step``."""
         e, P = self.ecfg, len(self.prompts)
         correct, lengths = self._answer(self.prompts, self.greedy_cfg, seed=0)  # argmax: no noise drawn
-        out = {"eval/greedy_accuracy": correct.float().mean().item(),
-               "eval/response_length_mean": lengths.float().mean().item(),
+        out = {"eval/greedy_accuracy": int(correct.sum()) / P,
+               "eval/response_length_mean": int(lengths.sum()) / P,
                "eval/num_prompts": float(P)}
         if e.num_samples > 0:
             n = e.num_samples

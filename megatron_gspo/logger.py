@@ -66,7 +66,7 @@ class MetricsLogger:
             self._open(step)
         row = {"step": step}
         for k, v in metrics.items():
-            if isinstance(v, torch.Tensor) and v.numel() > 1:  # a histogram ("cat" metric)
+            if isinstance(v, torch.Tensor) and v.numel() != 1:  # a histogram ("cat" metric; empty when no row trained)
                 v = v.float()
                 v = v[torch.isfinite(v)]  # a skipped (non-finite) step must not break logging
                 if self.tb is not None and v.numel() > 0:
