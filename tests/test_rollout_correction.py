@@ -131,3 +131,51 @@ def test_config_names_the_field(override, field):
 def test_threshold_low_defaults_to_the_reciprocal():
     assert RolloutCorrectionConfig(threshold=4.0).bounds == (0.25, 4.0)
     assert RolloutCorrectionConfig(threshold=4.0, threshold_low=0.0).bounds == (0.0, 4.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# In the trainer
+# ----------------------------------------------------------------------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = ["train.num_steps=2", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4",
+       "generation.max_new_tokens=4", "train.micro_batch_size=8", "train.num_minibatches=2",
+       f"reward.name={HERE}/reward_plugins.py:digit_fraction", "optimizer.lr=1e-3", "train.tensorboard=false"]
+
+
+def _train(tmp_path, name, overrides):
+    from megatron_gspo import parallel
+    from megatron_gspo.train import Trainer
+
+    t = Trainer(load_job_config(None, JOB + [f"train.output_dir={tmp_path}/{name}"] + overrides))
+    try:
+        t.run()
+        weights = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    finally:
+        t.close()
+        parallel.destroy()
+    return weights, [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
+
+
+def test_corrections_without_an_old_pass_train_bit_identically(tmp_path):
+    """train.old_logprobs=rollout: rho == 1 by construction, so TIS and MIS change no bit of training."""
+    base, rows = _train(tmp_path, "off", ["train.old_logprobs=rollout"])
+    for mode, level in (("tis", "token"), ("mis", "sequence")):
+        w, rows_c = _train(tmp_path, mode, ["train.old_logprobs=rollout", f"rollout_correction.mode={mode}",
+                                            f"rollout_correction.level={level}"])
+        assert all(torch.equal(base[n], w[n]) for n in base), mode
+        for a, b in zip(rows, rows_c):
+            assert a["loss/loss"] == b["loss/loss"] and a["train/grad_norm"] == b["train/grad_norm"]
+            assert b["rollout_correction/weight_min"] == b["rollout_correction/weight_max"] == 1.0
+
+
+def test_mismatch_is_float_noise_when_generation_runs_the_training_weights(tmp_path):
+    _, rows = _train(tmp_path, "rec", ["train.old_logprobs=recompute", "rollout_correction.mode=tis"])
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < 1e-4 and 0 <= r["rollout/mismatch_k3"] < 1e-8
+        assert r["rollout/mismatch_ratio_out_frac"] == 0.0
+        assert r["rollout_correction/truncated_frac"] == 0.0
+        assert abs(r["rollout_correction/weight_mean"] - 1) < 1e-4
