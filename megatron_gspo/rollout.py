@@ -268,7 +268,7 @@ class Rollouts:
         return mine, out, texts, rewards, stats
 
     def collect(self, step: int) -> RolloutBatch:
-        cfg, st, dev, t = self.cfg, self.state, self.state.device, self.cfg.train
+        st, dev, t = self.state, self.state.device, self.cfg.train
         G = self.gen_cfg.n_samples_per_prompt
         R = t.prompts_per_step * G
         rows = local_rows(R, t.num_minibatches, st.dp, st.dp_rank)  # 2.

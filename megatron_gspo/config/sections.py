@@ -377,14 +377,16 @@ class TrainConfig:
     # The old policy's log-probs: "rollout" (the sampling log-probs: rollouts run on the very weights
     # being trained, so they are the old policy's up to float noise, and one forward pass over the
     # batch is saved), "recompute" (a forward pass of the training model) or "auto" (recompute for
-    # routing replay R2, which records its routes in that pass; rollout otherwise).
+    # routing replay R2, which records its routes in that pass, and for train.dynamic_sampling; rollout
+    # otherwise).
     old_logprobs: str = "auto"
     advantage_estimator: str = "grpo"
     # MoE routing replay for the GRPO baseline: off | R2 (old-log-prob pass) | R3 (rollout).
     routing_replay: str = "off"
     # DAPO dynamic sampling (arXiv 2503.14476 §3.2): drop the groups whose rewards are all equal (zero
     # advantage, no signal) and generate more prompts until the step holds train.prompts_per_step
-    # informative groups. Needs data-parallel size 1 and routing_replay off or R2.
+    # informative groups. Needs data-parallel size 1, routing_replay off or R2, and the old-log-prob
+    # pass (old_logprobs auto or recompute: the pass gives the kept rows' routing references).
     dynamic_sampling: bool = False
     # The most extra generation rounds a step may run for dynamic sampling; past it the step trains on
     # the informative groups it has, filled up with constant (zero-advantage) groups, and says so.
@@ -412,6 +414,9 @@ class TrainConfig:
             check(isinstance(getattr(self, name), bool), f"train.{name} must be true or false, got {getattr(self, name)!r}")
         check(is_int(self.dynamic_sampling_max_rounds) and self.dynamic_sampling_max_rounds >= 0,
               f"train.dynamic_sampling_max_rounds must be an integer >= 0, got {self.dynamic_sampling_max_rounds!r}")
+        check(not (self.dynamic_sampling and self.old_logprobs == "rollout"),
+              "train.dynamic_sampling=true with train.old_logprobs=rollout: the kept rows come from several "
+              "generation rounds, whose routes are not recorded per row; use train.old_logprobs=auto or recompute")
         check(not (self.dynamic_sampling and self.routing_replay == "R3"),
               "train.dynamic_sampling=true with train.routing_replay=R3: R3 replays the routes of every generated "
               "row, dynamic sampling drops rows after generation; use routing_replay=R2 or off")
@@ -429,7 +434,8 @@ class TrainConfig:
     @property
     def recompute_old_logprobs(self) -> bool:
         """Whether the old policy's log-probs get their own forward pass (see old_logprobs)."""
-        return self.old_logprobs == "recompute" or (self.old_logprobs == "auto" and self.routing_replay == "R2")
+        return self.old_logprobs == "recompute" or (self.old_logprobs == "auto" and (
+            self.routing_replay == "R2" or self.dynamic_sampling))
 
 
 @dataclass
