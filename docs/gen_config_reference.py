@@ -179,11 +179,15 @@ Checks across sections (`JobConfig.__post_init__`), before anything is built:
 * `train.routing_replay` other than `off` needs `loss.name=grpo` (GSPO needs no routing replay);
 * `generation.n_samples_per_prompt >= 2` with `train.advantage_estimator=grpo`;
 * `train.sft_steps > 0` needs reference answers: `data.answer_key` set (built-in tasks always have them);
-* `data.max_prompt_length + generation.max_new_tokens <= model.max_position_embeddings`.
+* `data.max_prompt_length + generation.max_new_tokens <= model.max_position_embeddings`;
+* `reward.overlong_buffer_len <= generation.max_new_tokens`;
+* `train.dynamic_sampling=true` needs `generation.n_samples_per_prompt >= 2` and `train.routing_replay`
+  `off` or `R2`.
 
 When the trainer starts: the parallel layout is validated against the world size
 (`parallel.validate_layout`, see [troubleshooting](troubleshooting.md#invalid-parallel-layouts)),
-`train.prompts_per_step` must be divisible by the data-parallel size, and the tokenizer's
+`train.prompts_per_step` must be divisible by the data-parallel size, `train.dynamic_sampling=true`
+needs data-parallel size 1, and the tokenizer's
 vocabulary must fit `model.vocab_size`. A minibatch's rows need not be a multiple of
 `train.micro_batch_size`: the last micro-batch of each minibatch is simply smaller.
 """

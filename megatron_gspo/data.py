@@ -318,6 +318,46 @@ class PromptSampler:
         self.num_truncated = int(state.get("num_truncated", 0))
 
 
-def build_prompt_sampler(cfg: DataConfig, tokenizer: Tokenizer, batch_size: int) -> PromptSampler:
-    """Dataset + sampler for a ``data:`` section; ``batch_size`` is prompts per step (P)."""
-    return PromptSampler(PromptDataset.from_config(cfg), tokenizer, cfg, batch_size)
+def split_holdout(dataset: PromptDataset, num: int) -> tuple[PromptDataset, PromptDataset]:
+    """(training set, ``num`` held-out examples) of one data source.
+
+    A built-in task keeps its whole training epoch and holds out the examples just past it (indices
+    len .. len + num - 1: generated from their index like the others, never drawn for training). A
+    file gives up its last ``num`` records, which training then never sees."""
+    if dataset._task is not None:
+        held = [dataset._task[i] for i in range(len(dataset), len(dataset) + num)]
+        return dataset, PromptDataset(
+            [PromptExample(id=ex["id"], prompt=ex["prompt"], answer=ex["answer"], where=f"{dataset.source}[{i}]")
+             for i, ex in zip(range(len(dataset), len(dataset) + num), held)],
+            source=f"{dataset.source} (held out)")
+    if num >= len(dataset):
+        raise DataError(f"{dataset.source}: eval.num_prompts={num} held-out records leave none of its {len(dataset)} "
+                        "for training; lower eval.num_prompts or give eval.source its own file")
+    examples = list(dataset._examples)
+    return (PromptDataset(examples[:-num], source=dataset.source),
+            PromptDataset(examples[-num:], source=f"{dataset.source} (last {num} records, held out)"))
+
+
+def build_prompt_sampler(cfg: DataConfig, tokenizer: Tokenizer, batch_size: int, holdout: int = 0) -> PromptSampler:
+    """Dataset + sampler for a ``data:`` section; ``batch_size`` is prompts per step (P); ``holdout``:
+    examples kept out of training for evaluation (split_holdout)."""
+    dataset = PromptDataset.from_config(cfg)
+    if holdout:
+        dataset, _ = split_holdout(dataset, holdout)
+    return PromptSampler(dataset, tokenizer, cfg, batch_size)
+
+
+def build_eval_prompts(cfg: DataConfig, source: Optional[str], num: int, tokenizer: Tokenizer) -> list[Prompt]:
+    """The held-out prompts of an evaluation: the first ``num`` of ``source`` (a file or builtin task,
+    read like data.source), or, with source None, data.source's held-out split. Rendered and
+    tokenized like training prompts (chat template, data.max_prompt_length policy: dropped ones are
+    not replaced)."""
+    if source is None:
+        _, held = split_holdout(PromptDataset.from_config(cfg), num)
+    else:
+        import dataclasses
+
+        full = PromptDataset.from_config(dataclasses.replace(cfg, source=source))
+        held = PromptDataset([full[i] for i in range(min(num, len(full)))], source=source)
+    encoder = PromptSampler(held, tokenizer, cfg, 1)
+    return [p for p in (encoder.encode(held[i]) for i in range(len(held))) if p is not None]

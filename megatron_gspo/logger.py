@@ -66,7 +66,7 @@ class MetricsLogger:
             self._open(step)
         row = {"step": step}
         for k, v in metrics.items():
-            if isinstance(v, torch.Tensor) and v.numel() > 1:  # a histogram ("cat" metric)
+            if isinstance(v, torch.Tensor) and v.numel() != 1:  # a histogram ("cat" metric; empty when no row trained)
                 v = v.float()
                 v = v[torch.isfinite(v)]  # a skipped (non-finite) step must not break logging
                 if self.tb is not None and v.numel() > 0:
@@ -132,6 +132,8 @@ def progress_line(step: int, total: int, m: Mapping[str, Value]) -> str:
         ("len", "rollout/response_length_mean", ".1f"),
         ("route_chg", "routing/routing_change_frac", ".3f"),
         ("|lp-lp_gen|", "rollout/logprob_diff_max", ".1e"),
+        ("eval acc", "eval/greedy_accuracy", ".3f"),
+        *((k[len("eval/"):], k, ".3f") for k in m if k.startswith("eval/pass@")),
         ("gen tok/s", "perf/gen_tokens_per_s", ".0f"),
         ("s/step", "perf/step_time_s", ".2f"),
     ):

@@ -13,6 +13,8 @@ Token grid
     mask      [B, T]  bool or 0/1 float
     ref_logp  [B, T]  reference policy (optional; for the KL penalty)
     entropy   [B, T]  per-token policy entropy (optional; for the entropy bonus / metric)
+    is_weights [B] or [B, T]  rollout-correction importance weights (optional, rollout_correction.py):
+              multiply each policy-gradient term after clipping; all 1.0 leaves loss and gradient bit-identical
 
 Return value
     Every loss returns ``(loss, metrics)``: a scalar tensor to call ``backward()`` on, and a dict
@@ -140,6 +142,15 @@ def _validate_common(kl_coef: float, entropy_coef: float, ref_logp: Optional[Ten
         raise ValueError(f"global_batch_normalizer must be > 0, got {global_batch_normalizer}")
 
 
+def _check_weights(w: Tensor, b: _Batch) -> Tensor:
+    """Rollout-correction weights [B] or [B, T] as a detached tensor of the loss's dtype."""
+    if tuple(w.shape) not in (tuple(b.mask.shape[:1]), tuple(b.mask.shape)):
+        raise ValueError(f"is_weights must be [B]={tuple(b.mask.shape[:1])} or [B, T]={tuple(b.mask.shape)}, "
+                         f"got {tuple(w.shape)}")
+    # where(): masked positions may hold anything (a mis weight of 0 times an inf must not be NaN)
+    return w.detach().to(b.logp.dtype) if w.dim() == 1 else torch.where(b.mask, w.detach().to(b.logp.dtype), 0.0)
+
+
 def _sum_over_count(terms: Tensor, count: Tensor) -> Metric:
     # The *local* count: reduced over ranks, sum / count is the global-batch value.
     return Metric.from_sum_count(terms.detach().to(torch.float64).sum(), count)
@@ -247,6 +258,7 @@ def gspo_loss(
     clip_ratio_low: float = 3e-4, clip_ratio_high: float = 4e-4, log_ratio_bound: float = 20.0,
     kl_coef: float = 0.0, entropy_coef: float = 0.0, ref_logp: Optional[Tensor] = None,
     entropy: Optional[Tensor] = None, global_batch_normalizer: Normalizer = None,
+    is_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, Metrics]:
     """GSPO: one importance ratio and one clip per sequence.
 
@@ -268,6 +280,10 @@ def gspo_loss(
     s, _ = _gspo_common(b, log_ratio_bound)
     clip_low, clip_high = _clip_masks(adv, s.detach(), clip_ratio_low, clip_ratio_high)
     obj = _clip_objective(s, adv, clip_low, clip_high, clip_ratio_low, clip_ratio_high)
+    if is_weights is not None:
+        # the sequence is GSPO's unit: a token-level weight enters as its mean over the response
+        w = _check_weights(is_weights, b)
+        obj = obj * (w if w.dim() == 1 else _token_mean_per_seq(w, b))
     pg_terms = torch.where(b.active, -obj, 0.0)  # [B]
     count = b.active.sum().to(obj.dtype)
 
@@ -283,6 +299,7 @@ def gspo_token_loss(
     clip_ratio_low: float = 3e-4, clip_ratio_high: float = 4e-4, log_ratio_bound: float = 20.0,
     kl_coef: float = 0.0, entropy_coef: float = 0.0, ref_logp: Optional[Tensor] = None,
     entropy: Optional[Tensor] = None, global_batch_normalizer: Normalizer = None,
+    is_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, Metrics]:
     """GSPO-token: GSPO's sequence ratio with a per-token advantage.
 
@@ -309,6 +326,9 @@ def gspo_token_loss(
     s_grid = s_val[:, None].expand_as(s_tok)
     clip_low, clip_high = _clip_masks(adv, s_grid, clip_ratio_low, clip_ratio_high)
     obj = _clip_objective(s_tok, adv, clip_low, clip_high, clip_ratio_low, clip_ratio_high)
+    if is_weights is not None:
+        w = _check_weights(is_weights, b)
+        obj = obj * (w[:, None] if w.dim() == 1 else w)
     pg_terms = -_token_mean_per_seq(obj, b)  # [B], 0 for empty rows
     count = b.active.sum().to(obj.dtype)
 
@@ -330,7 +350,7 @@ def grpo_loss(
     loss_agg_mode: str = "token-mean", loss_agg_norm_constant: Optional[float] = None,
     dual_clip_c: Optional[float] = None, kl_coef: float = 0.0, entropy_coef: float = 0.0,
     ref_logp: Optional[Tensor] = None, entropy: Optional[Tensor] = None,
-    global_batch_normalizer: Normalizer = None,
+    global_batch_normalizer: Normalizer = None, is_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, Metrics]:
     """GRPO: PPO-clip on per-token importance ratios.
 
@@ -371,6 +391,9 @@ def grpo_loss(
         # with weight w (unbounded); dual clip caps the objective at c A (constant, no gradient).
         dual = (adv < 0) & (r_val > dual_clip_c)
         obj = torch.where(dual, dual_clip_c * adv.expand_as(obj), obj)
+    if is_weights is not None:  # after both clips, as verl applies rollout IS weights
+        w = _check_weights(is_weights, b)
+        obj = obj * (w[:, None] if w.dim() == 1 else w)
     pg_terms, count = _aggregate(-obj, b, loss_agg_mode, loss_agg_norm_constant)
 
     m = b.mask
@@ -425,14 +448,15 @@ def batch_normalizer(cfg: LossConfig, mask: Tensor) -> Tensor:
 def compute_policy_loss(
     cfg: LossConfig, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     ref_logp: Optional[Tensor] = None, entropy: Optional[Tensor] = None,
-    global_batch_normalizer: Normalizer = None,
+    global_batch_normalizer: Normalizer = None, is_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, Metrics]:
-    """Dispatch to the loss named by ``cfg.name`` with the config's hyperparameters."""
+    """Dispatch to the loss named by ``cfg.name`` with the config's hyperparameters (is_weights: the
+    rollout-correction weights, rollout_correction.correction_weights)."""
     low, high = cfg.clip_range()
     kwargs = dict(
         clip_ratio_low=low, clip_ratio_high=high, log_ratio_bound=cfg.log_ratio_bound,
         kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef, ref_logp=ref_logp, entropy=entropy,
-        global_batch_normalizer=global_batch_normalizer,
+        global_batch_normalizer=global_batch_normalizer, is_weights=is_weights,
     )
     if cfg.name == "grpo":
         kwargs.update(loss_agg_mode=cfg.loss_agg_mode, loss_agg_norm_constant=cfg.loss_agg_norm_constant,

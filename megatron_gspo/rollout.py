@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -37,7 +38,11 @@ from megatron_gspo.generation import generate
 from megatron_gspo.logprobs import vocab_parallel_logprobs
 from megatron_gspo.metrics import Metric, MetricAccumulator
 from megatron_gspo.model import forward_logits, input_padding_mask
+from megatron_gspo.dynamic_sampling import informative_groups, pick_groups
+from megatron_gspo.overlong import loss_mask, overlong_penalty, truncated
 from megatron_gspo.rewards import compute_rewards
+
+log = logging.getLogger("megatron_gspo")
 
 # Called around each micro-batch forward with its index: routing replay/monitor hooks use it.
 MicroBatchHook = Optional[Callable[[int], "object"]]
@@ -56,9 +61,13 @@ class RolloutBatch:
     sample_logprobs: torch.Tensor  # [B, T-1] fp32, from the generator
     old_logprobs: Optional[torch.Tensor] = None  # [B, T-1] fp32, recomputed by the training model
     ref_logprobs: Optional[torch.Tensor] = None  # [B, T-1] fp32, reference policy (KL)
+    # [B] bool: the response hit generation.max_new_tokens without a stop token (overlong.truncated)
+    truncated: Optional[torch.Tensor] = None
     sample_ids: list = field(default_factory=list)  # "<prompt id>#<sample>" per row, for error reports
     response_texts: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    # Step-level rollout statistics that need no reduction (dynamic sampling: rounds, dropped groups)
+    stats: dict = field(default_factory=dict)
     # The micro-batch plan both passes use (plan_micro_batches): row slices, the flat micro-batch
     # indices of each minibatch, and each micro-batch's token-grid width (its longest row's length).
     micro: list = field(default_factory=list)
@@ -84,7 +93,13 @@ class RolloutBatch:
             row_ids=self.row_ids[idx], rewards=self.rewards[idx], advantages=self.advantages[idx],
             sample_logprobs=pick(self.sample_logprobs), old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs), sample_ids=ids,
+            truncated=None if self.truncated is None else self.truncated[idx],
         )
+
+    def loss_mask(self, overlong_filtering: bool) -> torch.Tensor:
+        """[B, T-1] bool: the tokens the loss trains on (the response mask, minus truncated responses
+        under train.overlong_filtering)."""
+        return loss_mask(self.mask, self.truncated) if overlong_filtering else self.mask
 
     def micro_batch(self, i: int) -> "RolloutBatch":
         """Flat micro-batch ``i`` of the plan, at its own width."""
@@ -196,25 +211,75 @@ class Rollouts:
         """(generation.seed, step) in one 64-bit key; sampling.py keys every draw by row and position too."""
         return (self.gen_cfg.seed << 32) + step
 
-    def collect(self, step: int) -> RolloutBatch:
-        cfg, st, dev, t = self.cfg, self.state, self.state.device, self.cfg.train
-        vocab = cfg.model.vocab_size
+    def _generate_round(self, step: int, rnd: int, rows: list[int], R: int):
+        """Draw P prompts, sample this rank's rows of them and score them (steps 1-4 without advantages).
+
+        Round ``rnd`` > 0 (dynamic sampling) keys its noise by rows rnd * R + g: every row of every
+        round of a step draws distinct noise, and round 0 is exactly the rollout without dynamic
+        sampling. Returns (this rank's prompts per row, GenerationOutput, texts, rewards [B])."""
+        cfg, st, dev = self.cfg, self.state, self.state.device
         prompts = self.sampler.next_batch()  # 1. the same P prompts on every rank
         G = self.gen_cfg.n_samples_per_prompt
-        R = len(prompts) * G
-        rows = local_rows(R, t.num_minibatches, st.dp, st.dp_rank)  # 2.
         mine = [prompts[g // G] for g in rows]
         with self.timer("generate"), self.routing.generating():  # 3.
-            out = generate(self.model, [p.ids for p in mine], self.row_gen_cfg, vocab_size=vocab, state=st,
-                           seed=self.sampling_seed(step), row_keys=rows,
+            out = generate(self.model, [p.ids for p in mine], self.row_gen_cfg, vocab_size=cfg.model.vocab_size,
+                           state=st, seed=self.sampling_seed(step), row_keys=[rnd * R + g for g in rows],
                            on_forward=self.routing.on_generation_forward)
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
         with self.timer("reward"):  # 4.
             rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine],
                                       device=dev)
+            r = cfg.reward
+            if r.overlong_buffer_len > 0:  # DAPO's soft overlong punishment, part of the reward
+                rewards = rewards + overlong_penalty(out.response_lengths.to(dev), self.gen_cfg.max_new_tokens,
+                                                     r.overlong_buffer_len, r.overlong_penalty_factor)
+        return mine, out, texts, rewards
+
+    def _dynamic_rounds(self, step: int, rows: list[int], R: int, G: int):
+        """Dynamic sampling (dynamic_sampling.py; data-parallel size 1, so ``rows`` is every row): rounds
+        of P prompts until P informative groups, or train.dynamic_sampling_max_rounds extra rounds.
+        Returns the kept rows merged like one round's output, and the step's statistics."""
+        t = self.cfg.train
+        P = t.prompts_per_step
+        rounds, informative = [], []
+        while True:
+            rounds.append(self._generate_round(step, len(rounds), rows, R))
+            informative.append(informative_groups(rounds[-1][3], G).tolist())
+            picks, filled = pick_groups(informative, P, fill=len(rounds) > t.dynamic_sampling_max_rounds)
+            if len(picks) == P:
+                break
+        groups = sum(len(f) for f in informative)
+        dropped = groups - sum(sum(f) for f in informative)
+        if filled:
+            log.warning("step %d: dynamic sampling found %d of %d informative groups in %d generation rounds "
+                        "(train.dynamic_sampling_max_rounds=%d); %d constant groups (zero advantage) fill the step",
+                        step + 1, P - filled, P, len(rounds), t.dynamic_sampling_max_rounds, filled)
+        stats = {"dynamic_sampling/rounds": float(len(rounds)),
+                 "dynamic_sampling/dropped_group_frac": dropped / groups,
+                 "dynamic_sampling/filled_groups": float(filled),
+                 "dynamic_sampling/generated_reward_mean": torch.cat([r[3] for r in rounds]).float().mean().item()}
+        # the kept groups' rows, round by round, in pick order
+        take = [(rnd, g * G + j) for rnd, g in picks for j in range(G)]
+        mine = [rounds[rnd][0][i] for rnd, i in take]
+        texts = [rounds[rnd][2][i] for rnd, i in take]
+        rewards = torch.stack([rounds[rnd][3][i] for rnd, i in take])
+        out = _merge_rows([r[1] for r in rounds], take, self.gen_cfg.pad_id)
+        stats["_gen_tokens"] = sum(r[1].num_generated_tokens for r in rounds)  # every round's, kept or not
+        return mine, out, texts, rewards, stats
+
+    def collect(self, step: int) -> RolloutBatch:
+        st, dev, t = self.state, self.state.device, self.cfg.train
+        G = self.gen_cfg.n_samples_per_prompt
+        R = t.prompts_per_step * G
+        rows = local_rows(R, t.num_minibatches, st.dp, st.dp_rank)  # 2.
+        if t.dynamic_sampling:
+            mine, out, texts, rewards, stats = self._dynamic_rounds(step, rows, R, G)
+        else:
+            (mine, out, texts, rewards), stats = self._generate_round(step, 0, rows, R), {}
         row_ids = torch.tensor(rows, dtype=torch.long, device=dev)
         advantages = global_advantages(rewards, row_ids, R, G, self.advantage_fn, st.dp, t.num_minibatches,
                                        st.dp_group)
+        cut = truncated(out.stopped.to(dev), out.response_lengths.to(dev), self.gen_cfg.max_new_tokens)
         # 5. rows of similar length share a micro-batch as wide as its longest row; under expert
         # parallelism every MoE forward is a collective: the widths are agreed over all ranks
         seq_lengths = out.prompt_lengths + out.response_lengths
@@ -230,7 +295,7 @@ class Rollouts:
         mask = pad_columns(out.response_mask, T, False)[order]
         sample_lp = pad_columns(out.logprobs, T, 0.0)[order]
         batch = RolloutBatch(tokens=tokens, mask=mask[:, 1:], seq_lengths=seq_lengths[order], row_ids=row_ids[order],
-                             rewards=rewards[order], advantages=advantages[order],
+                             rewards=rewards[order], advantages=advantages[order], truncated=cut[order],
                              sample_logprobs=sample_lp[:, 1:], response_texts=[texts[i] for i in perm],
                              sample_ids=[f"{mine[i].id}#{rows[i] % G}" for i in perm],
                              micro=[sl for mini in plan for sl in mini], widths=widths)
@@ -248,7 +313,9 @@ class Rollouts:
                 batch.old_logprobs = batch.sample_logprobs
             if self.ref_model is not None:
                 batch.ref_logprobs = self.logprobs(self.ref_model, batch, pads)
-        batch.timings = {"gen_tokens": out.num_generated_tokens, "gen_s": out.elapsed_s,
+        gen_tokens = stats.pop("_gen_tokens", out.num_generated_tokens)
+        batch.stats = stats
+        batch.timings = {"gen_tokens": gen_tokens, "gen_s": out.elapsed_s,
                          "decode_row_steps": out.decode_row_steps}
         return batch
 
@@ -277,7 +344,31 @@ class Rollouts:
             "rollout/reward_std": Metric.std(batch.rewards),
             "rollout/response_length_mean": Metric.mean(m.sum(-1).float()),
             "rollout/response_length_max": Metric.max(m.sum(-1).float()),
+            "rollout/truncated_frac": Metric.mean(batch.truncated.double()),
+            # rows of a group whose rewards are all equal: advantages.py makes those exactly 0
+            "rollout/zero_advantage_frac": Metric.mean((batch.advantages == 0).double()),
             "perf/gen_tokens": Metric.sum(torch.tensor([float(batch.timings["gen_tokens"])], device=dev)),
             "perf/decode_row_steps": Metric.sum(torch.tensor([float(batch.timings["decode_row_steps"])], device=dev)),
         })
-        return acc.reduce(self.state.dp_group)
+        return {**acc.reduce(self.state.dp_group), **batch.stats}
+
+
+def _merge_rows(outs: list, take: list[tuple[int, int]], pad_id: int):
+    """One GenerationOutput of the rows ``take`` = [(output index, row)] of several outputs, the token
+    grid padded to the widest; timings and generated-token counts are those of every output (all of
+    them were generated)."""
+    width = max(o.tokens.shape[1] for o in outs)
+
+    def gather(name: str, pad=None) -> torch.Tensor:
+        parts = [getattr(outs[k], name)[i] for k, i in take]
+        if pad is not None:
+            parts = [torch.nn.functional.pad(x, (0, width - x.shape[0]), value=pad) for x in parts]
+        return torch.stack(parts)
+
+    merged = dataclasses.replace(
+        outs[0], tokens=gather("tokens", pad_id), prompt_lengths=gather("prompt_lengths"),
+        response_lengths=gather("response_lengths"), response_mask=gather("response_mask", False),
+        logprobs=gather("logprobs", 0.0), stopped=gather("stopped"), prompt_index=gather("prompt_index"),
+        elapsed_s=sum(o.elapsed_s for o in outs), prefill_s=sum(o.prefill_s for o in outs),
+        num_forwards=sum(o.num_forwards for o in outs), decode_row_steps=sum(o.decode_row_steps for o in outs))
+    return merged

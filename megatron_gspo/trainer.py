@@ -15,6 +15,7 @@ The components, each behind a narrow interface:
     routing      routing.RoutingPolicy        off / R2 / R3 routing replay and routing metrics
     rollouts     rollout.Rollouts             prompts -> RolloutBatch
     hooks        hooks.Hooks                  SFT warm start, fault injection, experiments' probes
+    evaluator    evaluation.Evaluator         held-out greedy accuracy / pass@k every eval.interval steps
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from megatron_gspo import comm, parallel
 from megatron_gspo.advantages import get_advantage_estimator
 from megatron_gspo.checkpoint import CheckpointManager, has_manifest, iter_dir
 from megatron_gspo.config import JobConfig, to_dict
-from megatron_gspo.data import build_prompt_sampler
+from megatron_gspo.data import build_eval_prompts, build_prompt_sampler
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.evaluation import Evaluator
 from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
 from megatron_gspo.faults import FaultInjection, PreemptionFlag
 from megatron_gspo.hooks import Hooks, TrainerHook
@@ -52,8 +54,8 @@ from megatron_gspo.model import (
 )
 from megatron_gspo.optim import build_optimizer, build_scheduler, optimizer_step
 from megatron_gspo.rewards import build_reward_fn
-from megatron_gspo.metrics import Metric
 from megatron_gspo.rollout import RolloutBatch, Rollouts
+from megatron_gspo.rollout_correction import correction_weights, mismatch_metrics
 from megatron_gspo.routing import RoutingPolicy
 from megatron_gspo.sft import SFTWarmStart
 from megatron_gspo.sysinfo import current_rss
@@ -87,9 +89,15 @@ class Trainer:
                               f"{t.num_minibatches} x {st.dp}: every DP rank holds an equal share of every minibatch")
         if t.sft_steps > 0 and t.sft_batch_size % st.dp:
             raise ConfigError(f"train.sft_batch_size={t.sft_batch_size} is not divisible by the data-parallel size {st.dp}")
+        if t.dynamic_sampling and st.dp > 1:
+            raise ConfigError(f"train.dynamic_sampling=true needs data-parallel size 1, got {st.dp}: the kept groups "
+                              "would have to move between data-parallel ranks (use TP / EP for more GPUs)")
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         check_vocab_fits(self.tokenizer, cfg.model.vocab_size)
-        self.sampler = build_prompt_sampler(cfg.data, self.tokenizer, t.prompts_per_step)
+        e = cfg.eval
+        # a held-out split of data.source leaves training (only a file loses records: see split_holdout)
+        holdout = e.num_prompts if e.interval > 0 and e.source is None else 0
+        self.sampler = build_prompt_sampler(cfg.data, self.tokenizer, t.prompts_per_step, holdout=holdout)
 
         self.model = build_model(cfg.model, cfg.parallel, st, routing_replay=t.routing_replay != "off")
         # The KL reference is the initial policy: a frozen copy taken after checkpoint.load and the
@@ -105,9 +113,16 @@ class Trainer:
         g = cfg.generation
         gen_cfg = dataclasses.replace(g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
                                       pad_token_id=g.pad_token_id if g.pad_token_id is not None else self.tokenizer.pad_id)
+        reward_fn = build_reward_fn(cfg.reward)
         self.rollouts = Rollouts(cfg, st, self.ddp, self.ref_model, self.sampler, self.tokenizer,
-                                 build_reward_fn(cfg.reward), get_advantage_estimator(t.advantage_estimator), gen_cfg,
+                                 reward_fn, get_advantage_estimator(t.advantage_estimator), gen_cfg,
                                  self.routing, self.timer)
+        self.evaluator = None
+        if e.interval > 0:
+            prompts = build_eval_prompts(cfg.data, e.source, e.num_prompts, self.tokenizer)
+            self.evaluator = Evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg, prompts)
+            log.info("evaluation: %d held-out prompts from %s every %d steps", len(prompts),
+                     e.source or f"{cfg.data.source} (held out)", e.interval)
         self.hooks = Hooks([SFTWarmStart(), FaultInjection(rank=st.rank), *hooks])
         self.logger = MetricsLogger(t.output_dir, enabled=st.is_main, tensorboard=t.tensorboard)
         self.preempt = PreemptionFlag()
@@ -146,6 +161,10 @@ class Trainer:
             self.step += 1
             metrics.update(self.perf_metrics(metrics, time.perf_counter() - t0))
             metrics.update(_data_metrics(data_before, self.sampler.counters(), self.step, self.cfg.data, self.state.is_main))
+            if self.evaluator is not None and self.evaluator.due(self.step):
+                t_eval = time.perf_counter()
+                metrics.update(self.evaluator.run(self.step))
+                metrics["perf/eval_s"] = time.perf_counter() - t_eval
             self.hooks.after_step(self, metrics)
             self.logger.log(self.step, metrics)
             history.append({k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor) or v.numel() == 1})
@@ -194,7 +213,8 @@ class Trainer:
             grad_norms.append(gnorm)
             self.hooks.after_update(self, k)
         self.routing.finish_step()  # asserts every recorded route was replayed exactly once
-        out = {(k if k.startswith("rollout/") else f"loss/{k}"): v for k, v in acc.reduce(st.dp_group).items()}
+        out = {(k if k.startswith(("rollout/", "rollout_correction/")) else f"loss/{k}"): v
+               for k, v in acc.reduce(st.dp_group).items()}
         out["loss/clip_frac"] = out["loss/clip_frac_low"] + out["loss/clip_frac_high"]
         out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         out["train/skipped_updates"] = skipped
@@ -211,9 +231,13 @@ class Trainer:
         (on the sampling weights: the first minibatch). Returns the sample ids whose (current or old)
         log-probs were not finite."""
         cfg, st = self.cfg, self.state
+        rc = cfg.rollout_correction
         micros = [batch.micro_batch(i) for i in mini]
-        units = sum(batch_normalizer(cfg.loss, m.mask) for m in micros).reshape(1)
+        masks = [m.loss_mask(cfg.train.overlong_filtering) for m in micros]
+        units = sum(batch_normalizer(cfg.loss, m) for m in masks).reshape(1)
         norm = comm.all_reduce(units, "sum", st.dp_group, what="loss normalizer (units of the minibatch over DP)")
+        # overlong filtering can empty a minibatch: its loss is then 0 / 1, not 0 / 0
+        norm = norm.clamp(min=1)
         pad_masks = [m.input_padding_mask() for m in micros]
         scales = aux_loss_scales(pad_masks, st, cfg.model.moe_router_load_balancing_type, cfg.model.moe_aux_loss_coeff)
         self.ddp.zero_grad_buffer()
@@ -226,13 +250,16 @@ class Trainer:
                                                     st.tp_group, temperature=self.rollouts.temperature)
                 ratio = torch.where(micro.mask, logp.detach() - micro.old_logprobs, 0.0)
                 bad_rows += [micro.sample_ids[r] for r in torch.nonzero(~ratio.isfinite().all(-1)).flatten().tolist()]
+                # rollout correction: pi_old / pi_rollout weights (None when off; all 1.0 when the old
+                # log-probs are the rollout's)
+                weights, rc_metrics = correction_weights(micro.old_logprobs, micro.sample_logprobs, masks[j],
+                                                         rc.mode, rc.level, *rc.bounds)
                 loss, metrics = compute_policy_loss(
-                    cfg.loss, logp, micro.old_logprobs, micro.advantages, micro.mask,
-                    ref_logp=micro.ref_logprobs, entropy=ent, global_batch_normalizer=norm[0])
+                    cfg.loss, logp, micro.old_logprobs, micro.advantages, masks[j],
+                    ref_logp=micro.ref_logprobs, entropy=ent, global_batch_normalizer=norm[0], is_weights=weights)
+                metrics.update(rc_metrics)
                 if measure_rollout_gap:  # generation ran on these weights: float noise, or a real mismatch
-                    gap = (logp.detach() - micro.sample_logprobs).abs()
-                    metrics["rollout/logprob_diff_mean"] = Metric.mean(gap, micro.mask)
-                    metrics["rollout/logprob_diff_max"] = Metric.max(gap, micro.mask)
+                    metrics.update(mismatch_metrics(logp, micro.sample_logprobs, micro.mask, *rc.bounds))
             set_aux_loss_scale(scales[j], st.device)
             with self.routing.backward():
                 loss.backward()

@@ -24,3 +24,20 @@ def nan_reward(prompt: str, response: str, answer=None, **kwargs) -> float:
 def none_reward(prompt: str, response: str, answer=None, **kwargs):
     """A reward that forgot its return statement (docs/troubleshooting.md's catalogue)."""
     return None
+
+
+def constant_for_odd_first_operand(prompt: str, response: str, answer=None, **kwargs) -> float:
+    """Constant (0) for every response to a prompt whose first digit is odd, the digit share of the
+    response otherwise: a mix of constant and informative groups for dynamic sampling tests."""
+    first = next((c for c in prompt if c.isdigit()), "0")
+    return 0.0 if int(first) % 2 else digit_fraction(prompt, response)
+
+
+def always_zero(prompt: str, response: str, answer=None, **kwargs) -> float:
+    """Every group constant: dynamic sampling never finds an informative one."""
+    return 0.0
+
+
+def always_one(prompt: str, response: str, answer=None, **kwargs) -> float:
+    """Every response correct."""
+    return 1.0

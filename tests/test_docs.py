@@ -101,7 +101,8 @@ def test_overrides_in_docs_exist():
 
 # Quoted log text that looks like a metric name ("non-finite loss/gradients, update skipped").
 NOT_METRICS = {"loss/gradients"}
-_METRIC = re.compile(r"(?<![\w/.-])((?:loss|rollout|routing|perf|train|data)/[A-Za-z0-9_/]*[A-Za-z0-9_])")
+_PREFIXES = "loss|rollout|routing|perf|train|data|rollout_correction|dynamic_sampling|eval"
+_METRIC = re.compile(r"(?<![\w/.-])((?:" + _PREFIXES + r")/[A-Za-z0-9_/@]*[A-Za-z0-9_])")
 
 
 def _known_metrics() -> set[str]:
@@ -124,11 +125,18 @@ def _known_metrics() -> set[str]:
     stats.tokens_per_expert += 1
     stats.compared += 1
     keys |= set(stats.summary(prefix="routing/"))
+    from megatron_gspo.rollout_correction import correction_weights, mismatch_metrics
+
+    keys |= set(mismatch_metrics(logp, old, mask, 0.5, 2.0))
+    for mode in ("tis", "mis"):
+        keys |= set(correction_weights(old, logp, mask, mode, "token", 0.5, 2.0)[1])
+    keys.add("eval/pass@k")  # named by eval.k (evaluation.py)
     src = ""
-    for module in ("trainer.py", "rollout.py"):  # where the trainer's and the rollout's metrics are named
+    # where the trainer's, the rollout's and the evaluation's metrics are named
+    for module in ("trainer.py", "rollout.py", "evaluation.py"):
         with open(os.path.join(ROOT, "megatron_gspo", module), encoding="utf-8") as f:
             src += f.read()
-    keys |= set(re.findall(r"\"((?:loss|rollout|routing|perf|train|data)/[A-Za-z0-9_/]+)\"", src))
+    keys |= set(re.findall(r"\"((?:" + _PREFIXES + r")/[A-Za-z0-9_/]+)\"", src))
     keys |= {f"perf/{name}_s" for name in re.findall(r"self\.timer\(\"(\w+)\"\)", src)}
     return keys
 

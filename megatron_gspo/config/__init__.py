@@ -8,7 +8,8 @@ This package is a leaf: it imports nothing of megatron_gspo but ``errors``; ever
 its section from here (tests/test_imports.py imports each module alone in a fresh interpreter).
 
     model.py     ModelConfig, the presets, a Hugging Face config.json -> ModelConfig
-    sections.py  parallel, loss, generation, optimizer, data, tokenizer, reward, train, checkpoint
+    sections.py  parallel, loss, generation, optimizer, data, tokenizer, reward, train, checkpoint,
+                 rollout_correction, eval
     job.py       JobConfig (the sections + cross-section checks) and load_job_config
     loader.py    YAML / CLI plumbing: from_dict, overrides, coercion to the annotated types
     checks.py    the validation helpers
@@ -24,15 +25,19 @@ from megatron_gspo.config.sections import (
     LOSS_NAMES,
     OLD_LOGPROB_SOURCES,
     OVERLONG_POLICIES,
+    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_CORRECTION_MODES,
     ROUTING_REPLAY_MODES,
     TOKENIZER_TYPES,
     CheckpointConfig,
     DataConfig,
+    EvalConfig,
     GenerationConfig,
     LossConfig,
     OptimizerConfig,
     ParallelConfig,
     RewardConfig,
+    RolloutCorrectionConfig,
     TokenizerConfig,
     TrainConfig,
 )
@@ -40,9 +45,10 @@ from megatron_gspo.errors import ConfigError
 
 __all__ = [
     "ADVANTAGE_ESTIMATOR_NAMES", "DEFAULT_CLIP_RATIOS", "LOSS_AGG_MODES", "LOSS_NAMES", "MODEL_PRESETS",
-    "OLD_LOGPROB_SOURCES", "OVERLONG_POLICIES", "ROUTING_REPLAY_MODES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
-    "DataConfig", "GenerationConfig", "JobConfig", "LossConfig", "ModelConfig", "OptimizerConfig",
-    "ParallelConfig", "RewardConfig", "TokenizerConfig", "TrainConfig", "apply_overrides", "from_dict",
+    "OLD_LOGPROB_SOURCES", "OVERLONG_POLICIES", "ROLLOUT_CORRECTION_LEVELS", "ROLLOUT_CORRECTION_MODES",
+    "ROUTING_REPLAY_MODES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
+    "DataConfig", "EvalConfig", "GenerationConfig", "JobConfig", "LossConfig", "ModelConfig", "OptimizerConfig",
+    "ParallelConfig", "RewardConfig", "RolloutCorrectionConfig", "TokenizerConfig", "TrainConfig", "apply_overrides", "from_dict",
     "load_job_config", "load_yaml", "model_config_from_hf", "model_config_from_preset", "parse_overrides",
     "to_dict",
 ]

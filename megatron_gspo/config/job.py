@@ -11,11 +11,13 @@ from megatron_gspo.config.model import ModelConfig, model_config_from_preset
 from megatron_gspo.config.sections import (
     CheckpointConfig,
     DataConfig,
+    EvalConfig,
     GenerationConfig,
     LossConfig,
     OptimizerConfig,
     ParallelConfig,
     RewardConfig,
+    RolloutCorrectionConfig,
     TokenizerConfig,
     TrainConfig,
 )
@@ -34,6 +36,8 @@ class JobConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         # Cross-section checks: fail before anything is built (TRL-style).
@@ -61,6 +65,12 @@ class JobConfig:
         check(need <= self.model.max_position_embeddings,
                f"data.max_prompt_length + generation.max_new_tokens = {need} exceeds "
                f"model.max_position_embeddings={self.model.max_position_embeddings}")
+        check(self.reward.overlong_buffer_len <= g.max_new_tokens,
+              f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} exceeds generation.max_new_tokens="
+              f"{g.max_new_tokens}: the penalty stretch is the last tokens before that limit")
+        check(not (t.dynamic_sampling and g.n_samples_per_prompt < 2),
+              "train.dynamic_sampling=true needs generation.n_samples_per_prompt >= 2: a group of one response "
+              "always has equal rewards and would always be dropped")
         budget = t.max_tokens_per_micro_batch
         if budget is not None:
             check(budget >= need, f"train.max_tokens_per_micro_batch={budget} cannot hold one row of up to "

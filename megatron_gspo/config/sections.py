@@ -20,6 +20,8 @@ ROUTING_REPLAY_MODES = ("off", "R2", "R3")  # routing.RoutingPolicy
 OLD_LOGPROB_SOURCES = ("auto", "rollout", "recompute")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 OVERLONG_POLICIES = ("drop", "truncate_left", "error")
+ROLLOUT_CORRECTION_MODES = ("off", "tis", "mis")  # rollout_correction.correction_weights
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 
 # Paper defaults: GSPO §5.1 uses 3e-4 / 4e-4 (sequence ratios live very close to 1 because they
 # are geometric means); GRPO/PPO use 0.2 / 0.2 (DAPO's clip-higher is 0.2 / 0.28).
@@ -334,12 +336,19 @@ class RewardConfig:
     name: a registered reward or ``module.path:function``.
     kwargs: passed to that function on every call.
     format_weight: when > 0, adds ``format_weight * format(...)`` (with ``format_kwargs``) to it.
+    overlong_buffer_len: DAPO's soft overlong punishment (arXiv 2503.14476 eq. 13) over the last
+        ``overlong_buffer_len`` tokens before ``generation.max_new_tokens``: a response of |y| tokens
+        gets ``overlong_penalty_factor * min(0, (max_new_tokens - overlong_buffer_len - |y|) /
+        overlong_buffer_len)`` added to its reward (-factor for a response cut at the limit). 0 = off.
+    overlong_penalty_factor: the largest penalty (reached at ``generation.max_new_tokens`` tokens).
     """
 
     name: str = "exact_match"
     kwargs: dict = field(default_factory=dict)
     format_weight: float = 0.0
     format_kwargs: dict = field(default_factory=dict)
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -350,6 +359,10 @@ class RewardConfig:
                 raise ConfigError(f"reward.{key} must be a mapping, got {getattr(self, key)!r}")
         if not math.isfinite(self.format_weight) or self.format_weight < 0:
             raise ConfigError(f"reward.format_weight must be a finite number >= 0, got {self.format_weight!r}")
+        check(is_int(self.overlong_buffer_len) and self.overlong_buffer_len >= 0,
+              f"reward.overlong_buffer_len must be an integer >= 0 (0 = off), got {self.overlong_buffer_len!r}")
+        check(finite(self.overlong_penalty_factor) and self.overlong_penalty_factor >= 0,
+              f"reward.overlong_penalty_factor must be a finite number >= 0, got {self.overlong_penalty_factor!r}")
 
 
 @dataclass
@@ -371,11 +384,23 @@ class TrainConfig:
     # The old policy's log-probs: "rollout" (the sampling log-probs: rollouts run on the very weights
     # being trained, so they are the old policy's up to float noise, and one forward pass over the
     # batch is saved), "recompute" (a forward pass of the training model) or "auto" (recompute for
-    # routing replay R2, which records its routes in that pass; rollout otherwise).
+    # routing replay R2, which records its routes in that pass, and for train.dynamic_sampling; rollout
+    # otherwise).
     old_logprobs: str = "auto"
     advantage_estimator: str = "grpo"
     # MoE routing replay for the GRPO baseline: off | R2 (old-log-prob pass) | R3 (rollout).
     routing_replay: str = "off"
+    # DAPO dynamic sampling (arXiv 2503.14476 §3.2): drop the groups whose rewards are all equal (zero
+    # advantage, no signal) and generate more prompts until the step holds train.prompts_per_step
+    # informative groups. Needs data-parallel size 1, routing_replay off or R2, and the old-log-prob
+    # pass (old_logprobs auto or recompute: the pass gives the kept rows' routing references).
+    dynamic_sampling: bool = False
+    # The most extra generation rounds a step may run for dynamic sampling; past it the step trains on
+    # the informative groups it has, filled up with constant (zero-advantage) groups, and says so.
+    dynamic_sampling_max_rounds: int = 4
+    # Overlong filtering (DAPO §3.4): responses cut at generation.max_new_tokens (no stop token) are
+    # masked out of the loss: a truncated answer is not evidence that its reasoning was wrong.
+    overlong_filtering: bool = False
     # Supervised warm start on the task's reference answers before RL (0 = none).
     sft_steps: int = 0
     sft_lr: float = 1e-3
@@ -392,6 +417,16 @@ class TrainConfig:
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"train.{name} must be an integer >= 1, got {v!r}")
         check(self.sft_steps >= 0, f"train.sft_steps must be >= 0, got {self.sft_steps}")
+        for name in ("dynamic_sampling", "overlong_filtering"):
+            check(isinstance(getattr(self, name), bool), f"train.{name} must be true or false, got {getattr(self, name)!r}")
+        check(is_int(self.dynamic_sampling_max_rounds) and self.dynamic_sampling_max_rounds >= 0,
+              f"train.dynamic_sampling_max_rounds must be an integer >= 0, got {self.dynamic_sampling_max_rounds!r}")
+        check(not (self.dynamic_sampling and self.old_logprobs == "rollout"),
+              "train.dynamic_sampling=true with train.old_logprobs=rollout: the kept rows come from several "
+              "generation rounds, whose routes are not recorded per row; use train.old_logprobs=auto or recompute")
+        check(not (self.dynamic_sampling and self.routing_replay == "R3"),
+              "train.dynamic_sampling=true with train.routing_replay=R3: R3 replays the routes of every generated "
+              "row, dynamic sampling drops rows after generation; use routing_replay=R2 or off")
         check(self.max_consecutive_skips >= 1, f"train.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
         choice("train.routing_replay", self.routing_replay, ROUTING_REPLAY_MODES)
         choice("train.advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATOR_NAMES)
@@ -406,7 +441,8 @@ class TrainConfig:
     @property
     def recompute_old_logprobs(self) -> bool:
         """Whether the old policy's log-probs get their own forward pass (see old_logprobs)."""
-        return self.old_logprobs == "recompute" or (self.old_logprobs == "auto" and self.routing_replay == "R2")
+        return self.old_logprobs == "recompute" or (self.old_logprobs == "auto" and (
+            self.routing_replay == "R2" or self.dynamic_sampling))
 
 
 @dataclass
@@ -424,3 +460,72 @@ class CheckpointConfig:
         check(self.keep_last >= 0, f"checkpoint.keep_last must be >= 0, got {self.keep_last}")
         check(not (self.resume and not (self.save or self.load)),
                "checkpoint.resume=true needs checkpoint.save (or checkpoint.load) to find a checkpoint in")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance sampling between the rollout (behaviour) policy and the old policy (rollout_correction.py)."""
+
+    # "off", "tis" (truncated IS: weight min(rho, threshold), Yao et al. 2025) or "mis" (masked IS:
+    # weight rho inside [threshold_low, threshold], 0 outside, as verl's rollout_is mask mode / slime).
+    # rho = pi_old / pi_rollout; with train.old_logprobs=rollout rho is 1 and every mode is a no-op.
+    mode: str = "off"
+    # "token": one rho per response token; "sequence": one per response, the product of its tokens'.
+    level: str = "token"
+    # Upper threshold C of rho (TIS truncates at it, MIS masks above it); also the bound of the
+    # rollout/mismatch_ratio_out_frac metric.
+    threshold: float = 2.0
+    # MIS lower threshold (rho below it is masked); null = 1 / threshold.
+    threshold_low: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        choice("rollout_correction.mode", self.mode, ROLLOUT_CORRECTION_MODES)
+        choice("rollout_correction.level", self.level, ROLLOUT_CORRECTION_LEVELS)
+        check(finite(self.threshold) and self.threshold > 1,
+              f"rollout_correction.threshold must be a finite number > 1, got {self.threshold!r}")
+        if self.threshold_low is not None:
+            check(finite(self.threshold_low) and 0 <= self.threshold_low < 1,
+                  f"rollout_correction.threshold_low must be in [0, 1) or null, got {self.threshold_low!r}")
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """(low, high) thresholds of rho, low resolved."""
+        return (1.0 / self.threshold if self.threshold_low is None else self.threshold_low), self.threshold
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during training (evaluation.py): greedy accuracy, pass@k, response length."""
+
+    # Evaluate every this many RL steps and after the last one (0 = never).
+    interval: int = 0
+    # Held-out prompts: a .jsonl / .parquet file (read with data.prompt_key / data.answer_key), or
+    # null for a split of data.source: a built-in task's examples just past its training epoch
+    # (indices data.task_num_examples, ...), a file's last eval.num_prompts records (which training
+    # then never sees).
+    source: Optional[str] = None
+    # Held-out prompts per evaluation (the first ones of the source).
+    num_prompts: int = 64
+    # Samples per prompt for pass@k (n of the unbiased estimator, >= eval.k; 0 = greedy only).
+    num_samples: int = 8
+    # k of pass@k.
+    k: int = 4
+    # Sampling temperature of the pass@k samples (the accuracy is always greedy).
+    temperature: float = 1.0
+    # Seed of the pass@k samples' noise, apart from generation.seed: evaluation never moves the
+    # training rollouts' noise.
+    seed: int = 4242
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "num_samples", "seed"):
+            v = getattr(self, name)
+            check(is_int(v) and v >= 0, f"eval.{name} must be an integer >= 0, got {v!r}")
+        for name in ("num_prompts", "k"):
+            v = getattr(self, name)
+            check(is_int(v) and v >= 1, f"eval.{name} must be an integer >= 1, got {v!r}")
+        check(self.num_samples == 0 or self.num_samples >= self.k,
+              f"eval.num_samples={self.num_samples} must be >= eval.k={self.k} (or 0: greedy only)")
+        check(finite(self.temperature) and self.temperature > 0,
+              f"eval.temperature must be a finite number > 0, got {self.temperature!r}")
+        check(self.source is None or (isinstance(self.source, str) and self.source),
+              f"eval.source must be a file path, a builtin:<task> or null, got {self.source!r}")

@@ -1,0 +1,79 @@
+"""Evaluation during training: greedy accuracy, pass@k and response length on held-out prompts.
+
+Every ``eval.interval`` RL steps and after the last one, the policy answers the held-out prompts
+(data.build_eval_prompts) twice: once greedily (``eval/greedy_accuracy``, ``eval/response_length_mean``)
+and ``eval.num_samples`` times at ``eval.temperature`` (``eval/pass@k`` by the unbiased estimator,
+``eval/sample_accuracy`` = pass@1). A response is correct when its reward (reward.name, without the
+overlong penalty) is >= 1: the full score of exact_match and math.
+
+Evaluation leaves training untouched: its sampling noise is keyed by ``eval.seed`` (the
+counter-based sampler of sampling.py draws no torch RNG state), it runs no routing capture, and the
+trainer reseeds every step anyway; tests/test_evaluation.py checks a run's training metrics are
+bit-identical with evaluation on and off. Every rank generates every held-out row (the result needs
+no reduction and is the same under any layout; held-out sets are small).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from megatron_gspo.generation import generate
+from megatron_gspo.rewards import compute_rewards
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, arXiv 2107.03374 eq. 1):
+    1 - C(n - c, k) / C(n, k), computed as 1 - prod_{i=n-c+1}^{n} (1 - k / i) (no huge binomials)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+class Evaluator:
+    """Runs the held-out evaluation on the training model.
+
+    cfg: the JobConfig; prompts: the held-out data.Prompt list; gen_cfg: the generation section with
+    stop / pad ids filled in (its max_new_tokens, top_k, top_p apply)."""
+
+    def __init__(self, cfg, state, model, tokenizer, reward_fn, gen_cfg, prompts) -> None:
+        self.cfg, self.ecfg, self.state, self.model = cfg, cfg.eval, state, model
+        self.tokenizer, self.reward_fn, self.prompts = tokenizer, reward_fn, prompts
+        self.greedy_cfg = dataclasses.replace(gen_cfg, temperature=0.0, n_samples_per_prompt=1)
+        self.sample_cfg = dataclasses.replace(gen_cfg, temperature=self.ecfg.temperature, n_samples_per_prompt=1)
+
+    def due(self, step: int) -> bool:
+        """After RL step ``step`` (1-based): every eval.interval steps and after the last."""
+        every = self.ecfg.interval
+        return every > 0 and (step % every == 0 or step == self.cfg.train.num_steps)
+
+    def _answer(self, prompts, gen_cfg, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(correct [N] bool, response lengths [N]) of one response per prompt."""
+        out = generate(self.model, [p.ids for p in prompts], gen_cfg, vocab_size=self.cfg.model.vocab_size,
+                       state=self.state, seed=seed, row_keys=list(range(len(prompts))))
+        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
+        rewards = compute_rewards(self.reward_fn, [p.text for p in prompts], texts, [p.answer for p in prompts],
+                                  device=self.state.device)
+        return rewards >= 1.0, out.response_lengths
+
+    @torch.no_grad()
+    def run(self, step: int) -> dict[str, float]:
+        """eval/* metrics after RL step ``step``."""
+        e, P = self.ecfg, len(self.prompts)
+        correct, lengths = self._answer(self.prompts, self.greedy_cfg, seed=0)  # argmax: no noise drawn
+        out = {"eval/greedy_accuracy": int(correct.sum()) / P,
+               "eval/response_length_mean": int(lengths.sum()) / P,
+               "eval/num_prompts": float(P)}
+        if e.num_samples > 0:
+            n = e.num_samples
+            rows = [p for p in self.prompts for _ in range(n)]  # prompt-major: row i*n + j
+            # (eval.seed, step) in one 64-bit key, like Rollouts.sampling_seed with its own base seed
+            ok, _ = self._answer(rows, self.sample_cfg, seed=(e.seed << 32) + step)
+            c = ok.reshape(P, n).sum(dim=1).tolist()
+            out[f"eval/pass@{e.k}"] = sum(pass_at_k(n, ci, e.k) for ci in c) / P
+            out["eval/sample_accuracy"] = sum(c) / (P * n)
+        return out

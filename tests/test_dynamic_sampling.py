@@ -1,0 +1,174 @@
+"""DAPO dynamic sampling and overlong handling: hand-computed selections, penalties and masks, and
+the trainer running them."""
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from megatron_gspo import parallel
+from megatron_gspo.config import ConfigError, load_job_config
+from megatron_gspo.dynamic_sampling import informative_groups, pick_groups
+from megatron_gspo.overlong import loss_mask, overlong_penalty, truncated
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PLUGINS = f"{HERE}/reward_plugins.py"
+
+
+def test_three_of_eight_constant_groups_are_dropped_and_refilled_from_the_next_round():
+    G = 4
+    round0 = torch.tensor([
+        [1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 0, 1], [1, 1, 1, 1],  # groups 1 and 3 constant
+        [0.5, 0.5, 0.5, 0.5], [0, 1, 0, 0], [0.2, 0, 0, 0], [1, 0, 1, 0],  # group 4 constant
+    ], dtype=torch.float32).reshape(-1)
+    flags0 = informative_groups(round0, G).tolist()
+    assert flags0 == [True, False, True, False, False, True, True, True]
+    picks, filled = pick_groups([flags0], 8, fill=False)
+    assert picks == [(0, 0), (0, 2), (0, 5), (0, 6), (0, 7)] and filled == 0  # 5 kept: another round
+    # round 1: group 0 constant, then informative ones; exactly 3 are taken, the rest discarded
+    round1 = torch.tensor([[0, 0, 0, 0]] + [[0, 1, 1, 1]] * 7, dtype=torch.float32).reshape(-1)
+    flags1 = informative_groups(round1, G).tolist()
+    picks, filled = pick_groups([flags0, flags1], 8, fill=False)
+    assert picks == [(0, 0), (0, 2), (0, 5), (0, 6), (0, 7), (1, 1), (1, 2), (1, 3)] and filled == 0
+
+
+def test_past_the_cap_the_step_is_filled_with_the_earliest_constant_groups():
+    flags = [[True, False, False], [False, True, False]]
+    assert pick_groups(flags, 3, fill=False) == ([(0, 0), (1, 1)], 0)
+    assert pick_groups(flags, 3, fill=True) == ([(0, 0), (1, 1), (0, 1)], 1)
+    assert pick_groups([[False] * 3], 3, fill=True) == ([(0, 0), (0, 1), (0, 2)], 3)
+
+
+def test_overlong_penalty_is_dapo_eq_13():
+    # L_max = 10, L_cache = 4: no penalty up to 6 tokens, linear to -1 at 10
+    lengths = torch.tensor([1, 6, 7, 8, 9, 10])
+    torch.testing.assert_close(overlong_penalty(lengths, 10, 4), torch.tensor([0, 0, -0.25, -0.5, -0.75, -1.0]))
+    torch.testing.assert_close(overlong_penalty(lengths, 10, 4, factor=0.5),
+                               torch.tensor([0, 0, -0.125, -0.25, -0.375, -0.5]))
+    assert torch.equal(overlong_penalty(lengths, 10, 0), torch.zeros(6))
+
+
+def test_truncated_rows_leave_the_loss_mask():
+    stopped = torch.tensor([True, False, False, True])
+    lengths = torch.tensor([5, 5, 3, 5])
+    cut = truncated(stopped, lengths, 5)
+    assert cut.tolist() == [False, True, False, False]  # a stop at the last token is no truncation
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    assert loss_mask(mask, cut).sum(-1).tolist() == [3, 0, 3, 3]
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.dynamic_sampling_max_rounds=-1", "train.dynamic_sampling_max_rounds"),
+    ("train.dynamic_sampling=maybe", "train.dynamic_sampling"),
+    ("train.overlong_filtering=3", "train.overlong_filtering"),
+    ("reward.overlong_buffer_len=-2", "reward.overlong_buffer_len"),
+    ("reward.overlong_buffer_len=500", "reward.overlong_buffer_len"),
+    ("reward.overlong_penalty_factor=-1", "reward.overlong_penalty_factor"),
+])
+def test_config_names_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_job_config(None, [override])
+
+
+def test_dynamic_sampling_is_refused_with_r3_and_single_samples():
+    with pytest.raises(ConfigError, match="train.dynamic_sampling=true with train.routing_replay=R3"):
+        load_job_config(None, ["train.dynamic_sampling=true", "train.routing_replay=R3", "loss.name=grpo"])
+    with pytest.raises(ConfigError, match="train.dynamic_sampling=true needs generation.n_samples_per_prompt >= 2"):
+        load_job_config(None, ["train.dynamic_sampling=true", "generation.n_samples_per_prompt=1",
+                               "train.advantage_estimator=dr_grpo"])
+
+
+# ----------------------------------------------------------------------------------------------
+# In the trainer
+# ----------------------------------------------------------------------------------------------
+
+JOB = ["train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generation.max_new_tokens=4",
+       "train.micro_batch_size=8", "train.num_minibatches=2", "train.tensorboard=false", "data.shuffle=false"]
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    from megatron_gspo.train import Trainer
+
+    made = []
+
+    def build(overrides):
+        made.append(Trainer(load_job_config(None, JOB + [f"train.output_dir={tmp_path}/{len(made)}"] + overrides)))
+        made[-1].setup_optimizer()
+        return made[-1]
+
+    yield build
+    for t in made:
+        t.close()
+    parallel.destroy()
+
+
+def test_rollout_keeps_only_informative_groups(trainer):
+    t = trainer(["train.dynamic_sampling=true", f"reward.name={PLUGINS}:constant_for_odd_first_operand"])
+    batch = t.rollouts.collect(0)
+    groups = batch.rewards[torch.argsort(batch.row_ids)].reshape(4, 4)
+    assert bool((groups.amax(1) > groups.amin(1)).all())  # every trained group carries signal
+    s = batch.stats
+    assert s["dynamic_sampling/filled_groups"] == 0
+    rounds = int(s["dynamic_sampling/rounds"])
+    assert t.sampler.num_prompts == 4 * rounds  # each round drew P new prompts
+    # the dropped share is over every generated group: 4 kept need 4 + dropped informative-or-not
+    assert 0 < s["dynamic_sampling/dropped_group_frac"] < 1
+    # kept groups' prompts are those with an even first operand
+    assert all(int(next(c for c in t.tokenizer.decode(batch.tokens[i].tolist()) if c.isdigit())) % 2 == 0
+               for i in range(batch.num_rows))
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.text = ""
+
+    def emit(self, record):
+        self.text += record.getMessage() + "\n"
+
+
+def test_rollout_past_the_cap_fills_and_says_so(trainer):
+    t = trainer(["train.dynamic_sampling=true", "train.dynamic_sampling_max_rounds=2",
+                 f"reward.name={PLUGINS}:always_zero"])
+    lines = _Lines()
+    logging.getLogger("megatron_gspo").addHandler(lines)
+    try:
+        batch = t.rollouts.collect(0)
+    finally:
+        logging.getLogger("megatron_gspo").removeHandler(lines)
+    assert batch.stats == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/dropped_group_frac": 1.0,
+                           "dynamic_sampling/filled_groups": 4.0, "dynamic_sampling/generated_reward_mean": 0.0}
+    assert t.sampler.num_prompts == 12 and batch.num_rows == 16
+    assert "dynamic sampling found 0 of 4 informative groups in 3 generation rounds" in lines.text
+
+
+def test_dynamic_sampling_off_is_the_first_round(trainer):
+    """Round 0 draws exactly the rollout of dynamic sampling off: same prompts, noise and rewards."""
+    reward = f"reward.name={HERE}/reward_plugins.py:digit_fraction"
+    off = trainer([reward]).rollouts.collect(0)
+    on = trainer([reward, "train.dynamic_sampling=true"]).rollouts.collect(0)
+    if on.stats["dynamic_sampling/rounds"] == 1:  # every group informative: the very same batch
+        assert torch.equal(off.tokens, on.tokens) and torch.equal(off.rewards, on.rewards)
+
+
+def test_overlong_filtering_and_penalty_in_a_step(tmp_path):
+    """ignore_eos: every response is cut at max_new_tokens: all truncated, penalty -factor, nothing trained."""
+    from megatron_gspo.train import Trainer
+
+    cfg = load_job_config(None, JOB + [
+        f"train.output_dir={tmp_path}", "generation.ignore_eos=true", "train.overlong_filtering=true",
+        "reward.overlong_buffer_len=2", "reward.overlong_penalty_factor=0.5", "train.num_steps=1",
+        f"reward.name={PLUGINS}:always_zero"])
+    t = Trainer(cfg)
+    try:
+        t.run()
+    finally:
+        t.close()
+        parallel.destroy()
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert row["rollout/truncated_frac"] == 1.0
+    assert row["rollout/reward_mean"] == -0.5  # 0 + DAPO penalty at L_max
+    assert row["loss/num_sequences"] == 0  # every row masked out of the loss
