@@ -548,7 +548,7 @@ def generate(
             if on_forward is not None:
                 on_forward(step + 1, "decode", live)
             tok, lp = pick(logits, step + 1)
-    del ctx, lean  # frees the KV cache
+    ctx = lean = None  # frees the KV cache (the step closures above hold the names, not the caches)
 
     # left-padded internal grid -> right-padded training grid (real rows only)
     lens, resp_len = lens[:n_real], resp_len[:n_real]

@@ -54,3 +54,4 @@ def single_rank():
 
     yield make
     parallel.destroy()
+

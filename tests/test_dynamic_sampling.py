@@ -1,7 +1,6 @@
 """DAPO dynamic sampling and overlong handling: hand-computed selections, penalties and masks, and
 the trainer running them."""
 
-import json
 import logging
 import os
 
@@ -12,6 +11,7 @@ from megatron_gspo import parallel
 from megatron_gspo.config import ConfigError, load_job_config
 from megatron_gspo.dynamic_sampling import informative_groups, pick_groups
 from megatron_gspo.overlong import loss_mask, overlong_penalty, truncated
+from job_runner import run_job_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PLUGINS = f"{HERE}/reward_plugins.py"
@@ -156,19 +156,11 @@ def test_dynamic_sampling_off_is_the_first_round(trainer):
 
 def test_overlong_filtering_and_penalty_in_a_step(tmp_path):
     """ignore_eos: every response is cut at max_new_tokens: all truncated, penalty -factor, nothing trained."""
-    from megatron_gspo.train import Trainer
-
     cfg = load_job_config(None, JOB + [
         f"train.output_dir={tmp_path}", "generation.ignore_eos=true", "train.overlong_filtering=true",
         "reward.overlong_buffer_len=2", "reward.overlong_penalty_factor=0.5", "train.num_steps=1",
         f"reward.name={PLUGINS}:always_zero"])
-    t = Trainer(cfg)
-    try:
-        t.run()
-    finally:
-        t.close()
-        parallel.destroy()
-    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    row = run_job_rows(cfg)[0]
     assert row["rollout/truncated_frac"] == 1.0
     assert row["rollout/reward_mean"] == -0.5  # 0 + DAPO penalty at L_max
     assert row["loss/num_sequences"] == 0  # every row masked out of the loss

@@ -6,11 +6,11 @@ import re
 
 import pytest
 
-from megatron_gspo import parallel
 from megatron_gspo.config import load_job_config
 from megatron_gspo.data import PromptDataset, build_eval_prompts
 from megatron_gspo.rewards import math_reward
 from megatron_gspo.tokenizer import build_tokenizer
+from job_runner import run_job_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "math", "gspo_math_tiny.yaml")
@@ -55,19 +55,11 @@ def test_the_chat_template_renders_the_question(in_root):
 
 
 def test_the_example_job_runs_and_evaluates(in_root, tmp_path):
-    from megatron_gspo.train import Trainer
-
     cfg = load_job_config(CONFIG, [f"train.output_dir={tmp_path}", "train.num_steps=1", "train.prompts_per_step=2",
                                    "generation.n_samples_per_prompt=2", "generation.max_new_tokens=8",
                                    "reward.overlong_buffer_len=4", "eval.num_prompts=2", "eval.num_samples=2",
                                    "eval.k=1", "train.tensorboard=false"])
-    t = Trainer(cfg)
-    try:
-        t.run()
-    finally:
-        t.close()
-        parallel.destroy()
-    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    row = run_job_rows(cfg)[0]
     assert row["eval/num_prompts"] == 2.0 and "eval/pass@1" in row
     # a reward of 0 or 1 plus DAPO's penalty in [-1, 0]; 8-token answers are mostly cut
     assert -1.0 <= row["rollout/reward_mean"] <= 1.0 and 0 <= row["rollout/truncated_frac"] <= 1
