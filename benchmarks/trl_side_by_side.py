@@ -157,6 +157,7 @@ def worker_ours(args, paths: dict) -> list[dict]:
         f"train.num_steps={args.warmup + args.steps}", f"train.output_dir={paths['out']}",
         "optimizer.lr=1e-6", "optimizer.lr_warmup_steps=0", "optimizer.lr_decay_style=constant",
         "optimizer.weight_decay=0.0", "optimizer.clip_grad=1.0",
+        "eval.interval=0",  # TRL evaluates nothing either
     ] + list(args.ours_override)
     records: list[dict] = []
 

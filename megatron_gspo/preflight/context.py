@@ -16,7 +16,10 @@ from megatron_gspo.train import DEMO_CONFIG
 # Every preflight job: one RL step from scratch (no SFT warm start), nothing written outside the
 # scratch directory. digit_match is a dense reward, so a random model already gets non-zero
 # advantages and the GSPO update moves weights (exact_match gives all-zero rewards: loss 0).
-ONE_STEP = ["train.num_steps=1", "train.sft_steps=0", "train.tensorboard=false", "reward.name=digit_match"]
+# One RL step, no held-out evaluation (the demo job evaluates after its last step; here it would only
+# add generation time to what the speed items measure).
+ONE_STEP = ["train.num_steps=1", "train.sft_steps=0", "train.tensorboard=false", "reward.name=digit_match",
+            "eval.interval=0"]
 # --quick: a rollout of 4 prompts x 4 samples (16 rows: two minibatches on up to 8 DP ranks).
 QUICK_ROLLOUT = ["train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "train.micro_batch_size=8"]
 
