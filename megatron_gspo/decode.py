@@ -49,6 +49,7 @@ def lean_decode_unsupported(m) -> Optional[str]:
         (getattr(cfg, "multi_latent_attention", False), "multi-latent attention"),
         (getattr(cfg, "attention_output_gate", False), "gated attention"),
         (cfg.apply_residual_connection_post_layernorm, "post-layernorm residual"),
+        (getattr(cfg, "fp32_residual_connection", False), "fp32 residual connection"),
         (getattr(cfg, "fp8", None) is not None, "FP8"),
         (getattr(cfg, "window_size", None) is not None, "sliding-window attention"),
         (getattr(cfg, "softmax_type", "vanilla") != "vanilla", "softmax offsets"),
@@ -174,6 +175,8 @@ class LeanDecoder:
             x = x + out
             mlp_out, mlp_bias = layer.mlp(layer.pre_mlp_layernorm(x))
             x = x + mlp_out if mlp_bias is None else x + mlp_out + mlp_bias
-        last = m.decoder.final_layernorm(x[-1])  # [b, h]: only the last position's logits are used
+        last = x[-1]  # [b, h]: only the last position's logits are used
+        if getattr(m.decoder, "final_layernorm", None) is not None:
+            last = m.decoder.final_layernorm(last)
         weight = m.shared_embedding_or_output_weight() if self.shared else m.output_layer.weight
         return F.linear(last, weight)
