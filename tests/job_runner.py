@@ -1,7 +1,9 @@
 """Run one Trainer job inside the test process (for tests that read the metrics it logs)."""
 
+import contextlib
 import json
 import os
+from typing import Callable, Iterator
 
 
 def run_job_rows(cfg) -> list[dict]:
@@ -18,3 +20,26 @@ def run_job_rows(cfg) -> list[dict]:
         parallel.destroy()
     with open(os.path.join(cfg.train.output_dir, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f]
+
+
+@contextlib.contextmanager
+def built_trainers(base: list, out_dir) -> Iterator[Callable[[list], object]]:
+    """``build(overrides)`` -> a Trainer of ``base + overrides`` (no YAML) with its optimizer set up,
+    writing under out_dir/<n>; every trainer built is closed and the process group torn down on exit."""
+    from megatron_gspo import parallel
+    from megatron_gspo.config import load_job_config
+    from megatron_gspo.trainer import Trainer
+
+    made = []
+
+    def build(overrides: list):
+        made.append(Trainer(load_job_config(None, list(base) + [f"train.output_dir={out_dir}/{len(made)}"] + overrides)))
+        made[-1].setup_optimizer()
+        return made[-1]
+
+    try:
+        yield build
+    finally:
+        for t in made:
+            t.close()
+        parallel.destroy()

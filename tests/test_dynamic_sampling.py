@@ -7,11 +7,10 @@ import os
 import pytest
 import torch
 
-from megatron_gspo import parallel
 from megatron_gspo.config import ConfigError, load_job_config
 from megatron_gspo.dynamic_sampling import informative_groups, pick_groups
 from megatron_gspo.overlong import loss_mask, overlong_penalty, truncated
-from job_runner import run_job_rows
+from job_runner import built_trainers, run_job_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PLUGINS = f"{HERE}/reward_plugins.py"
@@ -90,19 +89,8 @@ JOB = ["train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generat
 
 @pytest.fixture
 def trainer(tmp_path):
-    from megatron_gspo.train import Trainer
-
-    made = []
-
-    def build(overrides):
-        made.append(Trainer(load_job_config(None, JOB + [f"train.output_dir={tmp_path}/{len(made)}"] + overrides)))
-        made[-1].setup_optimizer()
-        return made[-1]
-
-    yield build
-    for t in made:
-        t.close()
-    parallel.destroy()
+    with built_trainers(JOB, tmp_path) as build:
+        yield build
 
 
 def test_rollout_keeps_only_informative_groups(trainer):

@@ -11,6 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 from megatron_gspo import parallel
 from megatron_gspo.config import load_job_config
+from job_runner import built_trainers
 
 TINY_JOB = [
     "train.num_steps=3", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4",
@@ -235,21 +236,8 @@ def test_plan_groups_rows_by_length_within_each_minibatch():
 @pytest.fixture
 def trainer_on(tmp_path):
     """A built trainer (tiny job) whose first rollout a test can inspect; torn down afterwards."""
-    from megatron_gspo.train import Trainer
-
-    made = []
-
-    def build(overrides):
-        cfg = load_job_config(None, TINY_JOB + [f"train.output_dir={tmp_path}/{len(made)}", "train.tensorboard=false",
-                                                "model.moe_aux_loss_coeff=0"] + overrides)
-        made.append(Trainer(cfg))
-        made[-1].setup_optimizer()
-        return made[-1]
-
-    yield build
-    for t in made:
-        t.close()
-    parallel.destroy()
+    with built_trainers(TINY_JOB + ["train.tensorboard=false", "model.moe_aux_loss_coeff=0"], tmp_path) as build:
+        yield build
 
 
 def _grads(trainer, batch, mini):
