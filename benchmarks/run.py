@@ -153,16 +153,18 @@ def build_ours(cfg, state, ckpt: Optional[str], expert_impl: str):
     from megatron_gspo.model import build_model
 
     c = dataclasses.replace(cfg, moe_expert_impl=expert_impl)
-    model = build_model(c, _parallel_config(), state)
+    model = build_model(c, _parallel_config(state.device.type), state)
     if ckpt is not None:
         load_model(model, ckpt)
     return model
 
 
-def _parallel_config():
+def _parallel_config(device: str):
+    """Our side's layout on ``--device``: the job's device decision (parallel.device), so ``--device cpu``
+    builds the CPU model on a GPU machine too."""
     from megatron_gspo.config import ParallelConfig
 
-    return ParallelConfig(use_distributed_optimizer=False)
+    return ParallelConfig(use_distributed_optimizer=False, device=device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,7 +217,7 @@ def ours_trainer(model, state, cfg):
         lp, _ = vocab_parallel_logprobs(logits, tokens[:, 1:], cfg.vocab_size, None, with_entropy=False)
         (-lp.mean()).backward()
         finalize_grads(ddp, state)
-        return optimizer_step(opt)
+        return optimizer_step(opt, state.device)
 
     return step
 
@@ -301,7 +303,7 @@ def probe_logprob_memory(args) -> dict:
     g = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
     if args.probe_side == "ours":
-        state = parallel.initialize(cfg, _parallel_config())
+        state = parallel.initialize(cfg, _parallel_config(device))
         model = build_ours(cfg, state, None, args.probe_expert_impl)
         fn = ours_logprob_fn(model, tokens, cfg.vocab_size)
     else:
@@ -394,14 +396,18 @@ def _command() -> str:
 
 def run_benchmark(args) -> dict:
     from megatron_gspo import parallel
+    from megatron_gspo.config import ConfigError
     from megatron_gspo.flops import flops_per_token, generation_flops
     from megatron_gspo.model import resolve_expert_impl, resolve_impl
 
     device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: CUDA is not available on this machine")
+    try:
+        parallel.resolve_device(_parallel_config(device))  # --device cuda on a machine without one: refused
+    except ConfigError as e:
+        raise SystemExit(f"--device {device}: {e}") from None
     cfg = model_config(args)
-    impls = [resolve_expert_impl(dataclasses.replace(cfg, moe_expert_impl=i), resolve_impl(cfg)) for i in args.expert_impls]
+    impls = [resolve_expert_impl(dataclasses.replace(cfg, moe_expert_impl=i), resolve_impl(cfg, torch.device(device)))
+             for i in args.expert_impls]
     peak = peak_for(args)
     autocast = device == "cuda" and cfg.precision == "bf16"
     result = {
@@ -413,11 +419,12 @@ def run_benchmark(args) -> dict:
         "config": {"model": dataclasses.asdict(cfg), "batch": args.batch, "seq": args.seq,
                    "gen_prompt": args.gen_prompt, "gen_new": args.gen_new, "warmup": args.warmup,
                    "iters": args.iters, "smoke": args.smoke, "expert_impls": impls,
-                   "transformer_impl": resolve_impl(cfg), "precision": cfg.precision, "fp8": cfg.fp8},
+                   "transformer_impl": resolve_impl(cfg, torch.device(device)), "precision": cfg.precision,
+                   "fp8": cfg.fp8},
         "flops_per_token": {"train": flops_per_token(cfg, args.seq), "logprob": flops_per_token(cfg, args.seq, training=False)},
         "peak_flops": peak,
     }
-    state = parallel.initialize(cfg, _parallel_config())
+    state = parallel.initialize(cfg, _parallel_config(device))
     with tempfile.TemporaryDirectory() as work:
         hf = build_hf(cfg, args.seed)
         ckpt = convert_weights(hf, cfg, work)

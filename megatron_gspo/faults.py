@@ -93,7 +93,6 @@ class FaultInjection(TrainerHook):
     def after_rollout(self, trainer, batch) -> None:
         if not self.faults.active("nan_logprob", trainer.step + 1):
             return
-        batch.old_logprobs = batch.old_logprobs.clone()  # it may be the sampling log-probs themselves
         for mini in batch.minibatches:
             rows = batch.micro[mini[0]]
             batch.old_logprobs[rows] = batch.old_logprobs[rows].masked_fill(batch.mask[rows], float("nan"))

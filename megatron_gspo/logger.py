@@ -144,19 +144,22 @@ def progress_line(step: int, total: int, m: Mapping[str, Value]) -> str:
 
 
 class Timer:
-    """Wall-clock sections of a step: ``with timer("generate"): ...``; ``timer.pop()`` -> dict."""
+    """Wall-clock sections of a step: ``with timer("generate"): ...``; ``timer.pop()`` -> dict.
+    On a CUDA ``device`` each section waits for the device's queued work at both ends, so a section
+    is charged with the GPU time it launched."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         self.times: dict[str, float] = {}
+        self.cuda = torch.device(device).type == "cuda"
 
     def __call__(self, name: str):
         @contextlib.contextmanager
         def section():
-            if torch.cuda.is_available():
+            if self.cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             yield
-            if torch.cuda.is_available():
+            if self.cuda:
                 torch.cuda.synchronize()
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 

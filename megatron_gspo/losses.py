@@ -207,6 +207,25 @@ def _batch_metrics(b: _Batch, seq_ratio: Tensor) -> Metrics:
     }
 
 
+def on_policy_metrics(logp: Tensor, old_logp: Tensor, mask: Tensor, loss_metrics: Metrics) -> Metrics:
+    """How far a minibatch trained on the very weights that sampled it is from ratio 1 (GSPO §4.1:
+    on-policy, s_i = 1 and nothing is clipped; any deviation is the old log-probs' rounding).
+
+    logp, old_logp, mask: [B, T] (the current and old log-probs of one micro-batch, its loss mask);
+    loss_metrics: what the loss returned for that micro-batch. Returns detached Metrics:
+      onpolicy/seq_ratio_dev_max    max over responses of |s_i - 1|, s_i = exp(mean_t log ratio) (GSPO eq. 7)
+      onpolicy/log_ratio_abs_max    max over response tokens of |log pi - log pi_old|
+      onpolicy/clip_frac_low, _high the loss's own clip fractions on it"""
+    b = _prepare(logp.detach(), old_logp, torch.zeros(logp.shape[0], device=logp.device), mask, None, None)
+    seq_dev = torch.expm1(_seq_log_ratio(b).to(torch.float64)).abs()
+    return {
+        "onpolicy/seq_ratio_dev_max": Metric.max(seq_dev, b.active),
+        "onpolicy/log_ratio_abs_max": Metric.max(b.log_ratio.to(torch.float64).abs(), b.mask),
+        "onpolicy/clip_frac_low": loss_metrics["clip_frac_low"],
+        "onpolicy/clip_frac_high": loss_metrics["clip_frac_high"],
+    }
+
+
 # ----------------------------------------------------------------------------------------------
 # GSPO
 # ----------------------------------------------------------------------------------------------

@@ -14,29 +14,28 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_gspo import cpu_compat
+from megatron_gspo.compat import have_te
 from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_gspo.parallel import ParallelState
 
-
-def have_te() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-        import megatron.core.extensions.transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+# Every choice below that depends on the machine takes the job's device (ParallelState.device, decided
+# once by parallel.resolve_device), never torch.cuda.is_available(): a CPU job on a GPU machine must
+# build the CPU model.
 
 
-def resolve_impl(cfg: ModelConfig) -> str:
-    """"local" or "transformer_engine" for this machine; an explicit TE request without TE fails."""
-    te_ok = have_te() and torch.cuda.is_available()
+def _is_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def resolve_impl(cfg: ModelConfig, device: torch.device) -> str:
+    """"local" or "transformer_engine" for a job on ``device``; an explicit TE request without TE fails."""
+    te_ok = have_te() and _is_cuda(device)
     if cfg.transformer_impl == "auto":
         return "transformer_engine" if te_ok else "local"
     if cfg.transformer_impl == "transformer_engine" and not te_ok:
         raise ConfigError(
-            "model.transformer_impl='transformer_engine' needs Transformer Engine and CUDA "
-            f"(TE importable: {have_te()}, CUDA: {torch.cuda.is_available()}); use 'local' or 'auto'"
+            "model.transformer_impl='transformer_engine' needs Transformer Engine and a CUDA device "
+            f"(TE importable: {have_te()}, job device: {device}); use 'local' or 'auto'"
         )
     return cfg.transformer_impl
 
@@ -64,12 +63,13 @@ def resolve_attention_impl(cfg: ModelConfig, impl: str) -> str:
     return "sdpa" if cfg.attention_impl == "auto" else cfg.attention_impl
 
 
-def resolve_dispatcher(cfg: ModelConfig) -> str:
+def resolve_dispatcher(cfg: ModelConfig, device: torch.device) -> str:
     if cfg.moe_token_dispatcher_type == "auto":
-        # alltoall creates CUDA streams (CPU workaround 6); on GPU it is the fast path.
-        return "alltoall" if torch.cuda.is_available() else "allgather"
-    if cfg.moe_token_dispatcher_type != "allgather" and not torch.cuda.is_available():
-        raise ConfigError(f"model.moe_token_dispatcher_type={cfg.moe_token_dispatcher_type!r} needs CUDA; use 'allgather' on CPU")
+        # alltoall creates CUDA streams (compat.py); on GPU it is the fast path.
+        return "alltoall" if _is_cuda(device) else "allgather"
+    if cfg.moe_token_dispatcher_type != "allgather" and not _is_cuda(device):
+        raise ConfigError(f"model.moe_token_dispatcher_type={cfg.moe_token_dispatcher_type!r} needs a CUDA device "
+                          f"(this job runs on {device}); use 'allgather' on the CPU")
     return cfg.moe_token_dispatcher_type
 
 
@@ -100,13 +100,14 @@ class QKRMSNorm(RMSNorm):
     differently from the hidden states, but megatron asserts on WrappedTorchNorm all the same."""
 
 
-def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, routing_replay: bool = False, **overrides):
-    """megatron's TransformerConfig for this model and layout; ``overrides`` set TransformerConfig
-    fields directly (tests)."""
+def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, device: torch.device, routing_replay: bool = False,
+                             deterministic: bool = False, **overrides):
+    """megatron's TransformerConfig for this model and layout on ``device``; ``deterministic``: megatron's
+    deterministic mode (train.deterministic); ``overrides`` set TransformerConfig fields directly (tests)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    cuda = torch.cuda.is_available()
-    impl = resolve_impl(cfg)
+    cuda = _is_cuda(device)
+    impl = resolve_impl(cfg, device)
     expert_impl = resolve_expert_impl(cfg, impl)
     resolve_attention_impl(cfg, impl)  # refuse a local-spec attention choice on the TE spec early
     if cfg.moe_router_fusion and routing_replay:
@@ -134,7 +135,7 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, routing_repl
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
-        # fusions that need CUDA kernels (CPU workaround 8) are enabled on GPU only
+        # fusions that need CUDA kernels (compat.py) are enabled on GPU only
         bias_activation_fusion=cuda,
         bias_dropout_fusion=cuda,
         masked_softmax_fusion=cuda and impl == "transformer_engine",
@@ -154,7 +155,7 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, routing_repl
         moe_router_dtype=cfg.moe_router_dtype,
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
-        moe_token_dispatcher_type=resolve_dispatcher(cfg),
+        moe_token_dispatcher_type=resolve_dispatcher(cfg, device),
         moe_grouped_gemm=expert_impl == "te_grouped",
         moe_permute_fusion=cuda and impl == "transformer_engine",
         moe_router_fusion=cfg.moe_router_fusion,
@@ -170,6 +171,9 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, routing_repl
         recompute_num_layers=cfg.recompute_num_layers,
         # losses are normalized by global token/sequence counts; DDP then sums (see wrap_ddp)
         calculate_per_token_loss=True,
+        # megatron's own deterministic choices (no nondeterministic fused kernels); the process-wide
+        # settings (torch, cuBLAS, NCCL) are parallel.set_deterministic's
+        deterministic_mode=deterministic,
     )
     kw.update(overrides)
     if cfg.recompute_granularity == "selective":
@@ -178,15 +182,15 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, routing_repl
     return TransformerConfig(**kw)
 
 
-def build_layer_spec(tcfg, cfg: ModelConfig, pp_rank: Optional[int] = None):
-    """TransformerBlockSubmodules for this pipeline stage."""
+def build_layer_spec(tcfg, cfg: ModelConfig, device: torch.device, pp_rank: Optional[int] = None):
+    """TransformerBlockSubmodules for this pipeline stage of a job on ``device``."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
 
-    impl = resolve_impl(cfg)
+    impl = resolve_impl(cfg, device)
     if impl == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -203,7 +207,7 @@ def build_layer_spec(tcfg, cfg: ModelConfig, pp_rank: Optional[int] = None):
             qk_layernorm=cfg.qk_layernorm,
             normalization="RMSNorm",
         )
-        # Swap megatron's WrappedTorchNorm (refuses sequence parallel, CPU workaround 7).
+        # Swap megatron's WrappedTorchNorm (refuses sequence parallel; compat.py).
         sub = layer.submodules
         sub.input_layernorm = RMSNorm
         sub.pre_mlp_layernorm = RMSNorm
@@ -228,22 +232,23 @@ def build_layer_spec(tcfg, cfg: ModelConfig, pp_rank: Optional[int] = None):
 
 
 def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, routing_replay: bool = False,
-                init_from_seed: bool = True, **config_overrides):
-    """Build this rank's shard of the GPTModel (on GPU: moved to the local device), its weights drawn
-    from ``par.seed`` alone whatever the layout (init_weights.py; ``init_from_seed=False`` keeps
-    megatron's own, layout-dependent init)."""
+                init_from_seed: bool = True, deterministic: bool = False, **config_overrides):
+    """Build this rank's shard of the GPTModel on ``state.device``, its weights drawn from ``par.seed``
+    alone whatever the layout (init_weights.py; ``init_from_seed=False`` keeps megatron's own,
+    layout-dependent init). ``state`` comes from parallel.initialize, which also applied compat.py's
+    workarounds for that device."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    cpu_compat.apply()
     # RouterReplay keeps a class-level list of instances, one per MoE layer, in build order; a
     # rebuilt replay model must start from an empty list or replay data goes to stale routers.
     # (Models without replay create no instances and leave the list alone.)
     if routing_replay:
         RouterReplay.clear_global_router_replay_instances()
-    tcfg = build_transformer_config(cfg, par, routing_replay=routing_replay, **config_overrides)
+    tcfg = build_transformer_config(cfg, par, state.device, routing_replay=routing_replay,
+                                    deterministic=deterministic, **config_overrides)
     pp_rank = state.pp_rank
-    spec = build_layer_spec(tcfg, cfg, pp_rank=pp_rank)
+    spec = build_layer_spec(tcfg, cfg, state.device, pp_rank=pp_rank)
     model = GPTModel(
         config=tcfg,
         transformer_layer_spec=spec,
@@ -261,7 +266,7 @@ def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, rou
         from megatron_gspo.output_layer import use_batch_first_output
 
         use_batch_first_output(model)  # logits [b, s, V] without megatron's transpose copy
-    if torch.cuda.is_available():
+    if state.device.type == "cuda":  # a CPU job initialized on the CPU (use_cpu_initialization)
         model = model.to(state.device)
     # megatron's own init draws from each rank's RNG stream (layout dependent): re-draw every weight
     # from the seed alone. (megatron's pass cannot be skipped: perform_initialization=False also skips
@@ -276,7 +281,7 @@ def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, rou
 
 def causal_attention_mask(seq_len: int, device) -> torch.Tensor:
     """Explicit boolean causal mask [1, 1, s, s] (True = masked): megatron's default mask path
-    assumes CUDA (CPU workaround 3)."""
+    assumes CUDA (compat.py)."""
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
@@ -310,7 +315,7 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Ten
     n = s + extra
     if position_ids is None:
         position_ids = torch.arange(n, device=tokens.device).unsqueeze(0).expand(b, n)
-    if attention_mask is None and not torch.cuda.is_available():
+    if attention_mask is None and tokens.device.type != "cuda":
         attention_mask = causal_attention_mask(n, tokens.device)
     kw = {} if padding_mask is None else {"padding_mask": padding_mask}
     logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask, **kw)
@@ -361,7 +366,7 @@ def aux_loss_scales(padding_masks: list[torch.Tensor], state: ParallelState, loa
     # the tokens megatron's statistic of a micro-batch spans, and the group it reduces them over
     is_global = load_balancing_type == "global_aux_loss"
     spans, group = (dp_counts, state.pg.tp_dp_cp) if is_global else (counts, state.pg.tp_cp)
-    group_total = _aux_count_is_group_total(group, state.device)
+    group_total = _aux_count_is_group_total(group, state)
     scales = []
     for m, v in enumerate(valid):
         if group_total:
@@ -377,10 +382,7 @@ def aux_loss_scales(padding_masks: list[torch.Tensor], state: ParallelState, loa
     return scales
 
 
-_AUX_COUNT_PROBE: dict[int, bool] = {}
-
-
-def _aux_count_is_group_total(group, device: torch.device) -> bool:
+def _aux_count_is_group_total(group, state: ParallelState) -> bool:
     """Which token count megatron multiplies a rank's aux-loss share by.
 
     megatron-core 0.16's get_tokens_per_expert_and_token_count all-reduces the local expert counts
@@ -388,17 +390,25 @@ def _aux_count_is_group_total(group, device: torch.device) -> bool:
     "local" token count from them when a padding mask is given: the count is then the whole group's
     valid tokens, not this rank's (without a mask it is this rank's). Asked once per group with a
     one-token routing map rather than assumed, so a megatron that fixes the aliasing gets the right
-    scale too. Collective over ``group``."""
+    scale too. Collective over ``group``; the answer is kept on the parallel state (it dies with the groups)."""
     if group.size() == 1:
         return True  # one rank: its count is the group's either way
-    key = id(group)
-    if key not in _AUX_COUNT_PROBE:
+    key = ("aux_count_is_group_total", id(group))
+    if key not in state.probes:
         from megatron.core.transformer.moe.moe_utils import get_tokens_per_expert_and_token_count
 
-        one_token = torch.ones(1, 2, dtype=torch.bool, device=device)  # 1 token routed to both of 2 experts
+        one_token = torch.ones(1, 2, dtype=torch.bool, device=state.device)  # 1 token routed to both of 2 experts
         _, local, _ = get_tokens_per_expert_and_token_count(one_token, group, topk=2, with_padding_mask=True)
-        _AUX_COUNT_PROBE[key] = round(float(local)) == group.size()
-    return _AUX_COUNT_PROBE[key]
+        state.probes[key] = round(float(local)) == group.size()
+    return state.probes[key]
+
+
+def clear_aux_losses_tracker() -> None:
+    """Zero megatron's MoE aux-loss logging tracker (filled by every training forward; Megatron-LM clears
+    it after logging each iteration)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.clear_aux_losses_tracker()
 
 
 def set_aux_loss_scale(scale: float, device: torch.device) -> None:
@@ -422,8 +432,8 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def model_summary(cfg: ModelConfig) -> str:
-    impl = resolve_impl(cfg)
+def model_summary(cfg: ModelConfig, device: torch.device) -> str:
+    impl = resolve_impl(cfg, device)
     return (f"{cfg.preset or 'custom'}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
             f"{cfg.num_moe_experts} experts top-{cfg.moe_router_topk}, "
             f"{_human(cfg.num_parameters())} params ({_human(cfg.num_parameters(active=True))} active), "

@@ -4,14 +4,14 @@ Whether the optimizer is megatron's DistributedOptimizer (Adam states sharded ov
 ranks, gradients reduce-scattered by DDP) is decided once, by ``ParallelState.use_distributed_optimizer``,
 and read from there by DDP (model.wrap_ddp) and by every optimizer built here (RL and SFT): the
 two must agree or replicas drift apart. On a CPU machine megatron's hard-coded CUDA tensors are
-redirected by cpu_compat.optimizer_context(), which is what lets both layouts run there too.
+redirected by compat.optimizer_context(), which is what lets both layouts run there too.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_gspo import cpu_compat
+from megatron_gspo import compat
 from megatron_gspo.config import OptimizerConfig
 
 
@@ -30,13 +30,13 @@ def build_optimizer(cfg: OptimizerConfig, ddp_model, state, bf16: bool):
     if ddp_model.ddp_config.use_distributed_optimizer != state.use_distributed_optimizer:
         raise RuntimeError("the DDP wrapper and the optimizer disagree on use_distributed_optimizer; wrap the "
                            "model with model.wrap_ddp(model, state), which reads the same ParallelState field")
-    with cpu_compat.optimizer_context():
+    with compat.optimizer_context(state.device):
         return get_megatron_optimizer(mcfg, [ddp_model], use_gloo_process_groups=False, pg_collection=state.pg)
 
 
-def optimizer_step(optimizer) -> tuple[bool, float]:
-    """One step (grad clipping included). Returns (update applied, global grad norm)."""
-    with cpu_compat.optimizer_context():
+def optimizer_step(optimizer, device: torch.device) -> tuple[bool, float]:
+    """One step (grad clipping included) of a job on ``device``. Returns (update applied, global grad norm)."""
+    with compat.optimizer_context(device):
         ok, grad_norm, _ = optimizer.step()
     return bool(ok), float(grad_norm if grad_norm is not None else 0.0)
 

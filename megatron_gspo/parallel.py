@@ -21,14 +21,14 @@ from __future__ import annotations
 import datetime
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import cpu_compat
+from megatron_gspo import compat
 from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig
 
 
@@ -85,6 +85,9 @@ class ParallelState:
     pg: "object"  # megatron.core.process_groups_config.ProcessGroupCollection
     device: torch.device
     use_distributed_optimizer: bool = False
+    # answers of one-off collective probes of megatron's behaviour, keyed per group (model.py); they
+    # live and die with this state's groups
+    probes: dict = field(default_factory=dict)
 
     @property
     def tp_group(self):
@@ -124,21 +127,21 @@ class ParallelState:
         if self.use_distributed_optimizer:
             return (f"distributed optimizer: gradients reduce-scattered and Adam states sharded over "
                     f"DP={self.dp} ranks (megatron DistributedOptimizer)")
-        why = distributed_optimizer_support()
+        why = distributed_optimizer_support(self.device)
         return (f"replicated optimizer: gradients all-reduced over DP={self.dp} ranks, full Adam states on every "
                 f"rank" + (f" (distributed optimizer unavailable: {why})" if why else ""))
 
 
-def distributed_optimizer_support() -> Optional[str]:
-    """None if megatron's DistributedOptimizer can train *and checkpoint* here, else why not.
+def distributed_optimizer_support(device: torch.device) -> Optional[str]:
+    """None if megatron's DistributedOptimizer can train *and checkpoint* a job on ``device``, else why not.
 
-    It trains anywhere (on the CPU through cpu_compat.optimizer_context()), but megatron-core 0.16
+    It trains anywhere (on the CPU through compat.optimizer_context()), but megatron-core 0.16
     reloads its state only from a fused Adam (Transformer Engine's or apex's): with torch's AdamW
     (what megatron falls back to without them) the per-parameter "step" state breaks every load
     (KeyError 'step' in DistributedOptimizer._set_main_param_and_optimizer_states), so a run could
     save checkpoints it can never resume."""
-    if not torch.cuda.is_available():
-        return "no CUDA device (megatron's fused Adam, which its distributed-optimizer checkpoints need, is CUDA-only)"
+    if torch.device(device).type != "cuda":
+        return "the job runs on the CPU (megatron's fused Adam, which its distributed-optimizer checkpoints need, is CUDA-only)"
     from megatron.core.optimizer import distrib_optimizer
 
     if not distrib_optimizer.HAVE_APEX_OR_TE:
@@ -146,37 +149,58 @@ def distributed_optimizer_support() -> Optional[str]:
     return None
 
 
-def resolve_distributed_optimizer(par: ParallelConfig) -> bool:
+def resolve_distributed_optimizer(par: ParallelConfig, device: torch.device) -> bool:
     """The one optimizer-layout decision: ``parallel.use_distributed_optimizer`` (None = where supported)."""
-    why_not = distributed_optimizer_support()
+    why_not = distributed_optimizer_support(device)
     if par.use_distributed_optimizer and why_not:
         raise ConfigError(f"parallel.use_distributed_optimizer=true is not possible here: {why_not}; set it to "
                           "false or leave it unset (the replicated optimizer is used then)")
     return why_not is None if par.use_distributed_optimizer is None else bool(par.use_distributed_optimizer)
 
 
-def init_distributed(timeout_minutes: float = 10.0, backend: Optional[str] = None) -> None:
-    """Initialize torch.distributed from torchrun's env vars (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+def resolve_device(par: ParallelConfig, local_rank: Optional[int] = None) -> torch.device:
+    """The one device decision of a job: ``parallel.device`` on this machine, for this local rank.
+
+    "auto": cuda:LOCAL_RANK when CUDA is available (a rank without a GPU of its own is refused),
+    else the CPU. Every other module reads the result from ``ParallelState.device``."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
+    if par.device == "cpu" or (par.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("parallel.device=cuda but CUDA is not available on this machine "
+                          f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use auto or cpu")
+    n = torch.cuda.device_count()
+    if local_rank >= n:
+        raise ConfigError(f"local rank {local_rank} has no GPU: this node has {n} visible GPU(s) "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most "
+                          f"{n} processes per node, or run on the CPU with parallel.device=cpu")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(device: torch.device, timeout_minutes: float = 10.0) -> None:
+    """Initialize torch.distributed from torchrun's env vars (RANK, WORLD_SIZE, MASTER_ADDR, ...) with
+    the backend ``device`` needs: NCCL for a CUDA device, gloo for the CPU.
 
     Without torchrun a single-process group is created, since megatron-core needs one even for
-    one rank. nccl with CUDA, gloo without.
+    one rank.
     """
     if dist.is_initialized():
+        backend = dist.get_backend()
+        if (backend == "nccl") != (device.type == "cuda"):
+            raise ConfigError(f"torch.distributed is already initialized with {backend}, which cannot serve a job "
+                              f"on {device}; set parallel.device to match it")
         return
-    cpu_compat.apply()
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(minutes=timeout_minutes)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if "RANK" not in os.environ:
         # One process, no torchrun: an in-process store and no TCP port at all. os.environ stays
         # untouched: exported RANK/MASTER_PORT would be inherited by child processes (a test's
         # subprocess trainer then tried to bind this process's store port: EADDRINUSE in CI).
-        if backend == "nccl":
-            torch.cuda.set_device(0)
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         return
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend=backend, timeout=timeout)
 
 
@@ -188,10 +212,14 @@ def initialize(model: ModelConfig, par: ParallelConfig) -> ParallelState:
     # Validate against the environment first: a bad layout must fail before any collective.
     world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     validate_layout(model, par, world)
-    resolve_distributed_optimizer(par)
-    init_distributed(par.distributed_timeout_minutes)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = resolve_device(par, local_rank)
+    use_distributed_optimizer = resolve_distributed_optimizer(par, device)
+    compat.apply(device)
+    init_distributed(device, par.distributed_timeout_minutes)
     world = dist.get_world_size()
     dp = validate_layout(model, par, world)
+    reset_megatron_globals()
     if mps.model_parallel_is_initialized():
         mps.destroy_model_parallel()
     mps.initialize_model_parallel(
@@ -200,16 +228,15 @@ def initialize(model: ModelConfig, par: ParallelConfig) -> ParallelState:
         expert_model_parallel_size=par.expert_model_parallel_size,
         expert_tensor_parallel_size=par.etp,
         distributed_timeout_minutes=int(max(1, par.distributed_timeout_minutes)),
-        create_gloo_process_groups=torch.cuda.is_available(),
+        # gloo twins of the NCCL groups (megatron's CPU-side collectives) only where NCCL is the backend
+        create_gloo_process_groups=device.type == "cuda",
     )
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     state = ParallelState(
         world_size=world, rank=dist.get_rank(), local_rank=local_rank,
         tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
         ep=par.expert_model_parallel_size, etp=par.etp, dp=dp, sequence_parallel=par.sp,
         pg=ProcessGroupCollection.use_mpu_process_groups(), device=device,
-        use_distributed_optimizer=resolve_distributed_optimizer(par),
+        use_distributed_optimizer=use_distributed_optimizer,
     )
     set_seed(par.seed, state)
     return state
@@ -217,23 +244,43 @@ def initialize(model: ModelConfig, par: ParallelConfig) -> ParallelState:
 
 def set_seed(seed: int, state: Optional[ParallelState] = None) -> None:
     """Seed Python, numpy and torch. Pipeline stages get distinct seeds (as in Megatron-LM);
-    on GPU megatron's tracker adds the TP / EP model-parallel RNG streams."""
+    on a CUDA device megatron's tracker adds the TP / EP model-parallel RNG streams."""
     s = seed + (100 * state.pp_rank if state is not None else 0)
     random.seed(s)
     np.random.seed(s)
     torch.manual_seed(s)
-    if torch.cuda.is_available() and state is not None:
+    if state is not None and state.device.type == "cuda":
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(s)
 
 
-def destroy() -> None:
-    """Tear down megatron's groups and torch.distributed (tests and re-initialization)."""
-    from megatron.core import parallel_state as mps
+def reset_megatron_globals() -> None:
+    """Forget what a previous job left in megatron-core's process-wide state (a process that runs
+    several jobs: the preflight, tests, notebooks, experiments):
+
+    * the MoE aux-loss logging tracker: sized by the first model's layer count and kept on its
+      device (a deeper model then failed with IndexError in save_to_aux_losses_tracker);
+    * RouterReplay's class-level instance list and action (a rebuilt model's routers append to it);
+    * MoEAuxLossAutoScaler's loss scale (a tensor on the previous job's device: set_loss_scale copies
+      into it).
+    The parallel groups and megatron's global memory buffer go with ``destroy`` / ``initialize``
+    (destroy_model_parallel), the RNG tracker with ``compat.apply``."""
+    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
     RouterReplay.clear_global_router_replay_instances()
+    RouterReplay.clear_global_router_replay_action()
+    moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
+def destroy() -> None:
+    """Tear down megatron's groups and torch.distributed, and what a job left in megatron's globals
+    (tests and re-initialization)."""
+    from megatron.core import parallel_state as mps
+
+    reset_megatron_globals()
     if mps.model_parallel_is_initialized():
         mps.destroy_model_parallel()
     if dist.is_initialized():

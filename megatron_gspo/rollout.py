@@ -59,7 +59,7 @@ class RolloutBatch:
     rewards: torch.Tensor  # [B] fp32
     advantages: torch.Tensor  # [B] fp32
     sample_logprobs: torch.Tensor  # [B, T-1] fp32, from the generator
-    old_logprobs: Optional[torch.Tensor] = None  # [B, T-1] fp32, recomputed by the training model
+    old_logprobs: Optional[torch.Tensor] = None  # [B, T-1] fp32, the old policy's (config.old_logprob_source)
     ref_logprobs: Optional[torch.Tensor] = None  # [B, T-1] fp32, reference policy (KL)
     # [B] bool: the response hit generation.max_new_tokens without a stop token (overlong.truncated)
     truncated: Optional[torch.Tensor] = None
@@ -197,8 +197,10 @@ class Rollouts:
     the RoutingPolicy; timer: where the sections' wall times go."""
 
     def __init__(self, cfg, state, model, ref_model, sampler, tokenizer, reward_fn, advantage_fn, gen_cfg,
-                 routing, timer) -> None:
+                 routing, timer, recompute_old_logprobs: bool = True) -> None:
         self.cfg, self.state, self.model, self.ref_model = cfg, state, model, ref_model
+        # config.old_logprob_source decided it (the trainer passes the decision)
+        self.recompute_old_logprobs = recompute_old_logprobs
         self.sampler, self.tokenizer, self.reward_fn, self.advantage_fn = sampler, tokenizer, reward_fn, advantage_fn
         self.routing, self.timer = routing, timer
         self.gen_cfg = gen_cfg
@@ -306,11 +308,12 @@ class Rollouts:
         pads = [batch.micro_batch(i).input_padding_mask() for i in range(len(batch.micro))]
         self.routing.after_generation(out, [order[sl] for sl in batch.micro], widths, pads)
         with self.timer("old_logprob"):
-            if t.recompute_old_logprobs:
+            if self.recompute_old_logprobs:
                 batch.old_logprobs = self.logprobs(self.model, batch, pads, on_micro_batch=self.routing.old_pass)
                 self.routing.after_old_pass()
-            else:  # the sampling log-probs are the old policy's (see TrainConfig.old_logprobs)
-                batch.old_logprobs = batch.sample_logprobs
+            else:  # the sampling log-probs stand for the old policy's (config.old_logprob_source); a copy,
+                # so that nothing written to one can change the other
+                batch.old_logprobs = batch.sample_logprobs.clone()
             if self.ref_model is not None:
                 batch.ref_logprobs = self.logprobs(self.ref_model, batch, pads)
         gen_tokens = stats.pop("_gen_tokens", out.num_generated_tokens)

@@ -100,7 +100,7 @@ def sft_warm_start(model, state, cfg, dataset, tokenizer, pad: int) -> None:
             loss.backward()
             nll += loss.detach()  # this rank's share of the global mean
         finalize_grads(model, st)
-        optimizer_step(optimizer)
+        optimizer_step(optimizer, st.device)
         if (step + 1) % max(1, t.sft_steps // 10) == 0 or step == t.sft_steps - 1:
             comm.all_reduce(nll, "sum", st.dp_group, what="SFT: loss over DP")
             log.info("sft step %d/%d | nll %.4f", step + 1, t.sft_steps, nll.item())

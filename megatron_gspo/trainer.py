@@ -29,10 +29,10 @@ from typing import Iterable
 
 import torch
 
-from megatron_gspo import comm, parallel
+from megatron_gspo import comm, determinism, parallel
 from megatron_gspo.advantages import get_advantage_estimator
 from megatron_gspo.checkpoint import CheckpointManager, has_manifest, iter_dir
-from megatron_gspo.config import JobConfig, to_dict
+from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, JobConfig, old_logprob_source, to_dict
 from megatron_gspo.data import build_eval_prompts, build_prompt_sampler
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.evaluation import Evaluator
@@ -41,10 +41,11 @@ from megatron_gspo.faults import FaultInjection, PreemptionFlag
 from megatron_gspo.hooks import Hooks, TrainerHook
 from megatron_gspo.logger import MetricsLogger, Timer, progress_line, setup_logging
 from megatron_gspo.logprobs import vocab_parallel_logprobs
-from megatron_gspo.losses import batch_normalizer, compute_policy_loss
+from megatron_gspo.losses import batch_normalizer, compute_policy_loss, on_policy_metrics
 from megatron_gspo.metrics import MetricAccumulator
 from megatron_gspo.model import (
     aux_loss_scales,
+    clear_aux_losses_tracker,
     build_model,
     finalize_grads,
     forward_logits,
@@ -79,9 +80,18 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, hooks: Iterable[TrainerHook] = ()):
         self.cfg = cfg
+        # process-wide numerics settings first: NCCL and cuBLAS read them when they start
+        self._restore_determinism = determinism.enable() if cfg.train.deterministic else None
+        try:
+            self._build(cfg, hooks)
+        except BaseException:
+            self._release_process_state()  # a refused config leaves the process as it found it
+            raise
+
+    def _build(self, cfg: JobConfig, hooks: Iterable[TrainerHook]) -> None:
+        t = cfg.train
         self.state = st = parallel.initialize(cfg.model, cfg.parallel)
         setup_logging(st.rank)
-        t = cfg.train
         rows = t.prompts_per_step * cfg.generation.n_samples_per_prompt
         if rows % (t.num_minibatches * st.dp):
             raise ConfigError(f"train.prompts_per_step x generation.n_samples_per_prompt = {rows} rollout rows are "
@@ -99,24 +109,27 @@ class Trainer:
         holdout = e.num_prompts if e.interval > 0 and e.source is None else 0
         self.sampler = build_prompt_sampler(cfg.data, self.tokenizer, t.prompts_per_step, holdout=holdout)
 
-        self.model = build_model(cfg.model, cfg.parallel, st, routing_replay=t.routing_replay != "off")
+        self.model = build_model(cfg.model, cfg.parallel, st, routing_replay=t.routing_replay != "off",
+                                 deterministic=t.deterministic)
         # The KL reference is the initial policy: a frozen copy taken after checkpoint.load and the
         # SFT warm start (in run()), saved in every checkpoint so a resumed run keeps it.
         self.ref_model = None
         if cfg.loss.kl_coef > 0:
-            self.ref_model = build_model(cfg.model, cfg.parallel, st).eval().requires_grad_(False)
+            self.ref_model = build_model(cfg.model, cfg.parallel, st,
+                                         deterministic=t.deterministic).eval().requires_grad_(False)
         self.checkpoints = CheckpointManager(cfg.checkpoint, st)
         self.checkpoints.prepare(self.model)  # refuse a wrong-shape resume, or load checkpoint.load
         self.ddp = wrap_ddp(self.model, st)
-        self.routing = RoutingPolicy(t.routing_replay, self.ddp, st, old_pass=t.recompute_old_logprobs)
-        self.timer = Timer()
+        recompute, why = old_logprob_source(cfg, st.device)
+        self.routing = RoutingPolicy(t.routing_replay, self.ddp, st, old_pass=recompute)
+        self.timer = Timer(st.device)
         g = cfg.generation
         gen_cfg = dataclasses.replace(g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
                                       pad_token_id=g.pad_token_id if g.pad_token_id is not None else self.tokenizer.pad_id)
         reward_fn = build_reward_fn(cfg.reward)
         self.rollouts = Rollouts(cfg, st, self.ddp, self.ref_model, self.sampler, self.tokenizer,
                                  reward_fn, get_advantage_estimator(t.advantage_estimator), gen_cfg,
-                                 self.routing, self.timer)
+                                 self.routing, self.timer, recompute_old_logprobs=recompute)
         self.evaluator = None
         if e.interval > 0:
             prompts = build_eval_prompts(cfg.data, e.source, e.num_prompts, self.tokenizer)
@@ -129,10 +142,13 @@ class Trainer:
         self.consecutive_skips = 0
         self.skipped_total = 0
         self.step = 0
-        log.info("model: %s", model_summary(cfg.model))
+        self._warned_off_policy = False
+        log.info("model: %s", model_summary(cfg.model, st.device))
         log.info("layout: world %d = TP %d x PP %d x DP %d (EP %d, ETP %d, SP %s) on %s", st.world_size, st.tp, st.pp,
                  st.dp, st.ep, st.etp, st.sequence_parallel, st.device)
         log.info("optimizer: %s", st.optimizer_layout())
+        log.info("old log-probs: %s (%s)%s", "recomputed by the training model" if recompute else "the rollout's",
+                 why, "; deterministic mode on" if t.deterministic else "")
 
     @property
     def resumed(self) -> bool:
@@ -151,6 +167,7 @@ class Trainer:
             self.hooks.at_step_start(self)
             t0 = time.perf_counter()
             parallel.set_seed(t.seed + self.step, self.state)  # every draw of a step depends on (seed, step)
+            clear_aux_losses_tracker()  # megatron's per-step aux-loss log (nobody reads it; it must not grow)
             data_before = self.sampler.counters()
             batch = self.rollouts.collect(self.step)
             self.hooks.after_rollout(self, batch)
@@ -203,7 +220,7 @@ class Trainer:
                 self._skip_update(bad_rows)
                 skipped += 1
                 continue
-            ok, gnorm = optimizer_step(self.optimizer)
+            ok, gnorm = optimizer_step(self.optimizer, st.device)
             if not ok or not math.isfinite(gnorm):  # megatron's own overflow check (bf16/fp16)
                 self._skip_update([])
                 skipped += 1
@@ -216,6 +233,8 @@ class Trainer:
         out = {(k if k.startswith(("rollout/", "rollout_correction/")) else f"loss/{k}"): v
                for k, v in acc.reduce(st.dp_group).items()}
         out["loss/clip_frac"] = out["loss/clip_frac_low"] + out["loss/clip_frac_high"]
+        out["loss/onpolicy/clip_frac"] = out["loss/onpolicy/clip_frac_low"] + out["loss/onpolicy/clip_frac_high"]
+        self._check_on_policy(out["loss/onpolicy/seq_ratio_dev_max"])
         out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         out["train/skipped_updates"] = skipped
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -260,12 +279,23 @@ class Trainer:
                 metrics.update(rc_metrics)
                 if measure_rollout_gap:  # generation ran on these weights: float noise, or a real mismatch
                     metrics.update(mismatch_metrics(logp, micro.sample_logprobs, micro.mask, *rc.bounds))
+                    metrics.update(on_policy_metrics(logp, micro.old_logprobs, masks[j], metrics))
             set_aux_loss_scale(scales[j], st.device)
             with self.routing.backward():
                 loss.backward()
             acc.add(metrics)
         finalize_grads(self.ddp, st)
         return bad_rows
+
+    def _check_on_policy(self, deviation: float) -> None:
+        """Say once if the first minibatch, trained on the sampling weights, was not at ratio 1."""
+        if self._warned_off_policy or not deviation > ON_POLICY_RATIO_TOLERANCE:
+            return
+        self._warned_off_policy = True
+        log.warning("step %d: the first minibatch's sequence ratios deviate from 1 by up to %.3g (> %g) although it "
+                    "trains on the weights that sampled it: the old log-probs carry another forward's rounding%s",
+                    self.step + 1, deviation, ON_POLICY_RATIO_TOLERANCE,
+                    "; set train.old_logprobs=recompute" if not self.rollouts.recompute_old_logprobs else "")
 
     def _skip_update(self, bad_rows: list[str]) -> None:
         self.consecutive_skips += 1
@@ -316,8 +346,18 @@ class Trainer:
                               during_save=lambda tmp: self.hooks.during_save(self, tmp))
 
     def close(self) -> None:
+        """Close the hooks and the logger and give back what the job set process-wide (megatron's
+        per-model globals, deterministic mode). The process groups stay up: train.run_trainer (or the
+        caller running several jobs) tears them down with parallel.destroy()."""
         self.hooks.close(self)
         self.logger.close()
+        self._release_process_state()
+
+    def _release_process_state(self) -> None:
+        parallel.reset_megatron_globals()
+        if self._restore_determinism is not None:
+            self._restore_determinism()
+            self._restore_determinism = None
 
 
 def _data_metrics(before: dict, after: dict, step: int, data_cfg, log_it: bool) -> dict:

@@ -12,13 +12,26 @@ DIST_SCRIPTS = os.path.join(HERE, "dist_scripts")
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 
+def multi_rank_env(**extra: str) -> dict:
+    """The environment of a test's 2-4 rank run: the ranks run the CPU path on gloo, with GPUs hidden.
+
+    These tests check layouts (TP / EP / DP parity, replicas, resume), which the CPU path shares with
+    CUDA, and they must run on any machine: one GPU cannot give each of 2-4 ranks its own, and a rank
+    without one is refused (parallel.resolve_device). NCCL on several GPUs is what the preflight checks
+    under torchrun on a GPU node."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1",
+            "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
 def torchrun(script: str, nproc: int, *args: str, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
-    """Run tests/dist_scripts/<script> under torchrun on gloo; returns the completed process."""
-    # --standalone: a local rendezvous on a free port, so parallel test runs never collide
+    """Run tests/dist_scripts/<script> under torchrun (``multi_rank_env``: CPU, gloo) from the repository
+    root; returns the completed process."""
+    # --standalone: a local rendezvous on a free port, so parallel test runs never collide ("--master-port
+    # 0" hands the workers MASTER_PORT=0 with torch 2.13, and init_process_group then waits forever)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            os.path.join(DIST_SCRIPTS, script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=multi_rank_env(),
+                       cwd=os.path.dirname(HERE))
     if check and p.returncode != 0:
         raise AssertionError(f"torchrun {script} {' '.join(args)} failed (rc={p.returncode}):\n"
                              f"{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
@@ -27,10 +40,16 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 300, check: boo
 
 def pytest_collection_modifyitems(config, items):
     """Every test that starts torchrun ranks is in the slow tier (``-m "not slow"`` skips it):
-    process start-up and gloo rendezvous dominate their time, not what they check."""
+    process start-up and gloo rendezvous dominate their time, not what they check. ``gpu`` tests are
+    skipped where torch sees no CUDA device."""
+    import torch
+
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False here)")
     for item in items:
         if "run_dist" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
 
 
 @pytest.fixture(scope="session")

@@ -41,3 +41,11 @@ def always_zero(prompt: str, response: str, answer=None, **kwargs) -> float:
 def always_one(prompt: str, response: str, answer=None, **kwargs) -> float:
     """Every response correct."""
     return 1.0
+
+
+def response_hash(prompt: str, response: str, answer=None, **kwargs) -> float:
+    """A score in [0, 1) that differs between different responses (a hash of the text): every group
+    of distinct samples is informative, so dynamic sampling keeps its first round whole."""
+    import zlib
+
+    return (zlib.crc32(response.encode()) % 9973) / 9973

@@ -56,10 +56,10 @@ def _logits_and_grads(model, tokens, **kw):
 
 
 def test_sdpa_attention_equals_megatron_unfused_attention(single_rank):
-    cfg, _, ref, fast = _pair(single_rank)
+    cfg, st, ref, fast = _pair(single_rank)
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (3, 21), generator=g)
-    pad = torch.zeros(3, 21, dtype=torch.bool)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 21), generator=g).to(st.device)
+    pad = torch.zeros(3, 21, dtype=torch.bool, device=st.device)
     pad[1, 15:] = True  # a right-padded row
     for kw in ({}, {"padding_mask": pad}):
         (l1, g1), (l2, g2) = _logits_and_grads(ref, tokens, **kw), _logits_and_grads(fast, tokens, **kw)
@@ -70,15 +70,16 @@ def test_sdpa_attention_equals_megatron_unfused_attention(single_rank):
 
 
 def test_sdpa_masks_fully_masked_queries_and_causal_defaults(single_rank):
-    _, _, ref, fast = _pair(single_rank)
+    _, st, ref, fast = _pair(single_rank)
+    dev = st.device
     a_ref, a_fast = _core_attentions(ref)[0], _core_attentions(fast)[0]
     a_ref.eval(), a_fast.eval()
     g = torch.Generator().manual_seed(1)
     sq, b, heads, groups, hn = 6, 2, 4, 2, 16
-    q = torch.randn(sq, b, heads, hn, generator=g)
-    k, v = torch.randn(sq, b, groups, hn, generator=g), torch.randn(sq, b, groups, hn, generator=g)
+    q = torch.randn(sq, b, heads, hn, generator=g).to(dev)
+    k, v = torch.randn(sq, b, groups, hn, generator=g).to(dev), torch.randn(sq, b, groups, hn, generator=g).to(dev)
     # left padding: row 1's first two slots are padding keys; its slot 0 query sees no key at all
-    mask = torch.triu(torch.ones(sq, sq, dtype=torch.bool), 1)[None, None].repeat(b, 1, 1, 1)
+    mask = torch.triu(torch.ones(sq, sq, dtype=torch.bool, device=dev), 1)[None, None].repeat(b, 1, 1, 1)
     mask[1, :, :, :2] = True
     out_ref, out = a_ref(q, k, v, mask), a_fast(q, k, v, mask)
     assert torch.isfinite(out).all()
@@ -87,20 +88,20 @@ def test_sdpa_masks_fully_masked_queries_and_causal_defaults(single_rank):
     diff = (out_ref - out).abs().reshape(sq, b, heads, hn).amax((2, 3)).t()  # [b, sq]
     assert diff[seen].max().item() <= TOL and not seen[1, 0] and seen[1, 2]
     # no mask: megatron's causal default (sq == sk), and queries that are the last sq of sk keys
-    causal = torch.triu(torch.ones(sq, sq, dtype=torch.bool), 1)[None, None]
+    causal = torch.triu(torch.ones(sq, sq, dtype=torch.bool, device=dev), 1)[None, None]
     assert (a_fast(q, k, v, None, attn_mask_type=AttnMaskType.causal) - a_ref(q, k, v, causal)).abs().max() <= TOL
     q2 = q[-2:]
-    causal2 = torch.triu(torch.ones(sq, sq, dtype=torch.bool), 1)[None, None, -2:]
+    causal2 = torch.triu(torch.ones(sq, sq, dtype=torch.bool, device=dev), 1)[None, None, -2:]
     assert (a_fast(q2, k, v, None, attn_mask_type=AttnMaskType.causal) - a_ref(q2, k, v, causal2)).abs().max() <= TOL
 
 
 def test_sdpa_falls_back_to_megatron_for_training_dropout(single_rank, monkeypatch):
-    _, _, _, fast = _pair(single_rank)
+    _, st, _, fast = _pair(single_rank)
     att = _core_attentions(fast)[0]
     called = []
     monkeypatch.setattr(DotProductAttention, "forward", lambda self, *a, **k: called.append(1) or a[0].flatten(2))
-    q = torch.randn(4, 1, 4, 16)
-    k = v = torch.randn(4, 1, 2, 16)
+    q = torch.randn(4, 1, 4, 16, device=st.device)
+    k = v = torch.randn(4, 1, 2, 16, device=st.device)
     att.attention_dropout.p = 0.1
     att.train()
     att(q, k, v, None)
@@ -111,12 +112,12 @@ def test_sdpa_falls_back_to_megatron_for_training_dropout(single_rank, monkeypat
 
 
 def test_generation_with_left_padded_prompts_is_unchanged(single_rank):
-    cfg, _, ref, fast = _pair(single_rank)
+    cfg, st, ref, fast = _pair(single_rank)
     prompts = [[5, 9, 3, 7, 11, 2], [4, 8], [13, 1, 6]]  # unequal lengths: left padding + masks
     gc = GenerationConfig(max_new_tokens=6, n_samples_per_prompt=2, temperature=1.0, stop_token_ids=[],
                           pad_token_id=0, seed=3)
-    a = generate(ref, prompts, gc, vocab_size=cfg.vocab_size)
-    b = generate(fast, prompts, gc, vocab_size=cfg.vocab_size)
+    a = generate(ref, prompts, gc, vocab_size=cfg.vocab_size, state=st)
+    b = generate(fast, prompts, gc, vocab_size=cfg.vocab_size, state=st)
     assert torch.equal(a.tokens, b.tokens)
     assert (a.logprobs - b.logprobs).abs().max().item() <= TOL
 
@@ -137,7 +138,7 @@ def test_batch_first_output_layer_skips_the_transpose_copy(single_rank):
     st = single_rank(cfg, par)
     model = build_model(cfg, par, st)
     assert type(model.output_layer) is BatchFirstOutputLayer
-    tokens = torch.randint(0, cfg.vocab_size, (3, 10), generator=torch.Generator().manual_seed(4))
+    tokens = torch.randint(0, cfg.vocab_size, (3, 10), generator=torch.Generator().manual_seed(4)).to(st.device)
     logits, grads = _logits_and_grads(model, tokens)
     # no copy: the logits megatron returns are a view of the output layer's own [b, s, V] result
     assert forward_logits(model, tokens)._base is not None

@@ -130,25 +130,32 @@ def test_layout_error_comes_before_any_distributed_setup(monkeypatch):
 
 def test_one_optimizer_layout_decided_in_one_place(monkeypatch):
     """parallel.use_distributed_optimizer: unset = where megatron's DistributedOptimizer can also reload
-    its checkpoints (CUDA + TE/apex fused Adam), else replicated; true where it cannot is refused with
-    the field named, before any process group exists."""
+    its checkpoints (a CUDA job with TE's/apex's fused Adam), else replicated; true where it cannot is
+    refused with the field named, before any process group exists. Decided from the job's device, so
+    the expectations hold on any machine."""
+    import torch
     import torch.distributed as dist
+    from megatron.core.optimizer import distrib_optimizer
 
     from megatron_gspo import parallel
     from megatron_gspo.config import load_job_config
 
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert load_job_config(None, []).parallel.use_distributed_optimizer is None
-    assert parallel.distributed_optimizer_support() is not None  # a CPU machine: not here
-    assert parallel.resolve_distributed_optimizer(ParallelConfig()) is False
-    assert parallel.resolve_distributed_optimizer(ParallelConfig(use_distributed_optimizer=False)) is False
+    assert "runs on the CPU" in parallel.distributed_optimizer_support(cpu)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    assert "neither Transformer Engine nor apex" in parallel.distributed_optimizer_support(cuda)
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    assert parallel.distributed_optimizer_support(cuda) is None
+    assert parallel.resolve_distributed_optimizer(ParallelConfig(), cpu) is False
+    assert parallel.resolve_distributed_optimizer(ParallelConfig(use_distributed_optimizer=False), cpu) is False
+    assert parallel.resolve_distributed_optimizer(ParallelConfig(), cuda) is True  # supported: unset = distributed
+    assert parallel.resolve_distributed_optimizer(ParallelConfig(use_distributed_optimizer=False), cuda) is False
     monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(ConfigError, match=r"parallel.use_distributed_optimizer=true is not possible here: no CUDA"):
-        parallel.initialize(model_config_from_preset("tiny"), ParallelConfig(use_distributed_optimizer=True))
+    with pytest.raises(ConfigError, match=r"parallel.use_distributed_optimizer=true is not possible here: the job "
+                                          r"runs on the CPU"):
+        parallel.initialize(model_config_from_preset("tiny"), ParallelConfig(use_distributed_optimizer=True, device="cpu"))
     assert not dist.is_initialized()
-    # where it is supported, unset means distributed
-    monkeypatch.setattr(parallel, "distributed_optimizer_support", lambda: None)
-    assert parallel.resolve_distributed_optimizer(ParallelConfig()) is True
-    assert parallel.resolve_distributed_optimizer(ParallelConfig(use_distributed_optimizer=False)) is False
 
 
 def test_hf_config(tmp_path):

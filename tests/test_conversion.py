@@ -23,6 +23,7 @@ import types
 import pytest
 import torch
 
+import conftest
 from checkpoints_tools import hf_to_megatron, megatron_to_hf
 from checkpoints_tools.errors import ConversionError
 from checkpoints_tools.safetensors_io import SafetensorsStreamWriter
@@ -38,14 +39,7 @@ TINY = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def torchrun(script, nproc, *args, timeout=420):
-    # --standalone: a rendezvous on a free port (a static "--master-port 0" hangs in the TCPStore here)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(DIST, script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    if p.returncode != 0:
-        raise AssertionError(f"torchrun {script} failed (rc={p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
-    return p
+    return conftest.torchrun(script, nproc, *args, timeout=timeout)
 
 
 def read_hf(d):

@@ -135,11 +135,12 @@ def test_rollout_past_the_cap_fills_and_says_so(trainer):
 
 def test_dynamic_sampling_off_is_the_first_round(trainer):
     """Round 0 draws exactly the rollout of dynamic sampling off: same prompts, noise and rewards."""
-    reward = f"reward.name={HERE}/reward_plugins.py:digit_fraction"
+    reward = f"reward.name={PLUGINS}:response_hash"  # distinct responses score differently
     off = trainer([reward]).rollouts.collect(0)
     on = trainer([reward, "train.dynamic_sampling=true"]).rollouts.collect(0)
-    if on.stats["dynamic_sampling/rounds"] == 1:  # every group informative: the very same batch
-        assert torch.equal(off.tokens, on.tokens) and torch.equal(off.rewards, on.rewards)
+    assert on.stats["dynamic_sampling/rounds"] == 1  # every group informative: round 0 is the whole step
+    assert torch.equal(off.tokens, on.tokens) and torch.equal(off.rewards, on.rewards)
+    assert torch.equal(off.row_ids, on.row_ids) and len(set(off.rewards.tolist())) > 4
 
 
 def test_overlong_filtering_and_penalty_in_a_step(tmp_path):

@@ -10,7 +10,6 @@ from megatron_gspo.config import load_job_config
 from megatron_gspo.data import PromptDataset, build_eval_prompts
 from megatron_gspo.rewards import math_reward
 from megatron_gspo.tokenizer import build_tokenizer
-from job_runner import run_job_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "math", "gspo_math_tiny.yaml")
@@ -55,11 +54,36 @@ def test_the_chat_template_renders_the_question(in_root):
 
 
 def test_the_example_job_runs_and_evaluates(in_root, tmp_path):
+    from megatron_gspo import parallel
+    from megatron_gspo.hooks import TrainerHook
+    from megatron_gspo.overlong import overlong_penalty
+    from megatron_gspo.trainer import Trainer
+
+    class Batches(TrainerHook):
+        def __init__(self):
+            self.seen = []
+
+        def after_rollout(self, trainer, batch):
+            self.seen.append(batch)
+
     cfg = load_job_config(CONFIG, [f"train.output_dir={tmp_path}", "train.num_steps=1", "train.prompts_per_step=2",
                                    "generation.n_samples_per_prompt=2", "generation.max_new_tokens=8",
                                    "reward.overlong_buffer_len=4", "eval.num_prompts=2", "eval.num_samples=2",
                                    "eval.k=1", "train.tensorboard=false"])
-    row = run_job_rows(cfg)[0]
+    batches = Batches()
+    trainer = Trainer(cfg, hooks=[batches])
+    try:
+        row = trainer.run()["history"][0]
+    finally:
+        trainer.close()
+        parallel.destroy()
     assert row["eval/num_prompts"] == 2.0 and "eval/pass@1" in row
-    # a reward of 0 or 1 plus DAPO's penalty in [-1, 0]; 8-token answers are mostly cut
-    assert -1.0 <= row["rollout/reward_mean"] <= 1.0 and 0 <= row["rollout/truncated_frac"] <= 1
+    # each reward is the math checker's 0 or 1 plus DAPO's penalty of its length (buffer 4 before 8 tokens)
+    (batch,) = batches.seen
+    lengths = batch.mask.sum(-1)
+    penalty = overlong_penalty(lengths, 8, 4, cfg.reward.overlong_penalty_factor)
+    assert ((batch.rewards - penalty) == 0).logical_or((batch.rewards - penalty) == 1).all(), (batch.rewards, penalty)
+    assert row["rollout/reward_mean"] == pytest.approx(batch.rewards.mean().item(), abs=1e-6)
+    # truncated: the responses cut at 8 tokens (never a shorter one), as the metric counts them
+    assert not batch.truncated[lengths < 8].any()
+    assert row["rollout/truncated_frac"] == pytest.approx(batch.truncated.double().mean().item())

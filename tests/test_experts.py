@@ -80,9 +80,10 @@ def test_module_equals_sequential_mlp(single_rank):
     g = torch.Generator().manual_seed(1)
     for counts in ([5, 0, 9, 1, 0, 3, 2, 0], [0] * 8, [1, 0, 0, 1, 0, 1, 0, 1]):
         n = sum(counts)
-        x = torch.randn(n, cfg.hidden_size, generator=g)
-        probs = torch.rand(n, generator=g)
-        tpe = torch.tensor(counts)
+        # inputs on the model's device, as megatron's token dispatcher hands them over
+        x = torch.randn(n, cfg.hidden_size, generator=g).to(st.device)
+        probs = torch.rand(n, generator=g).to(st.device)
+        tpe = torch.tensor(counts, device=st.device)
         for packed in (True, False):
             if not packed:  # rebind one expert's storage: the stacked-copy path
                 w = eb.local_experts[3].linear_fc1.weight
@@ -94,7 +95,7 @@ def test_module_equals_sequential_mlp(single_rank):
                 xi = x.clone().requires_grad_()
                 y, bias = mod(xi, tpe, probs)
                 assert bias is None
-                (y * torch.linspace(-1, 1, cfg.hidden_size)).sum().backward()
+                (y * torch.linspace(-1, 1, cfg.hidden_size, device=st.device)).sum().backward()
                 with torch.no_grad():
                     y_ng, _ = mod(x, tpe, probs)
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in mod.parameters()]
@@ -127,7 +128,7 @@ def test_checkpoint_roundtrip_and_model_parity(single_rank, tmp_path):
             assert torch.equal(a, b), n
     # (the other direction, batched -> checkpoint -> sequential, runs under EP=2 in experts_parity.py)
 
-    tokens = torch.randint(0, cfg.vocab_size, (3, 24), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, cfg.vocab_size, (3, 24), generator=torch.Generator().manual_seed(2)).to(st.device)
     res = []
     for m in (seq, bat):
         logits = forward_logits(m, tokens)

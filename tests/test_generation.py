@@ -17,11 +17,11 @@ the same checkpointed weights, the TP ranks sample identically, EP ranks stay in
 import contextlib
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
+import conftest
 from megatron_gspo import parallel
 from megatron_gspo.config import ConfigError, ParallelConfig, from_dict, model_config_from_preset
 from megatron_gspo.generation import GenerationConfig, generate
@@ -105,16 +105,18 @@ def test_greedy_kv_cache_equals_no_cache_loop(tiny):
         for p in prompts:
             seq = list(p)
             for _ in range(new):
-                seq.append(int(forward_logits(model, torch.tensor([seq]))[0, -1, :VOCAB].argmax()))
+                seq.append(int(forward_logits(model, torch.tensor([seq], device=st.device))[0, -1, :VOCAB].argmax()))
             want.append(seq[len(p):])
     model.train()
     assert out.responses() == [w for w in want for _ in range(2)]
 
     B = 2 * len(prompts)
-    lens = torch.tensor(PROMPT_LENS).repeat_interleave(2)
+    lens = torch.tensor(PROMPT_LENS, device=st.device).repeat_interleave(2)
     assert out.tokens.shape == (B, max(PROMPT_LENS) + new)
-    assert torch.equal(out.prompt_lengths, lens) and torch.equal(out.response_lengths, torch.full((B,), new))
-    assert torch.equal(out.prompt_index, torch.arange(len(prompts)).repeat_interleave(2))
+    assert out.tokens.device == st.device  # the outputs live on the state's device
+    assert torch.equal(out.prompt_lengths, lens)
+    assert torch.equal(out.response_lengths, torch.full((B,), new, device=st.device))
+    assert torch.equal(out.prompt_index, torch.arange(len(prompts), device=st.device).repeat_interleave(2))
     for r in range(B):
         L = int(lens[r])
         assert out.tokens[r, :L].tolist() == prompts[r // 2]
@@ -147,9 +149,9 @@ class TEDotProductAttention(torch.nn.Module):
         if attn_mask_type == AttnMaskType.arbitrary:
             mask = attention_mask
         elif attn_mask_type == AttnMaskType.causal:
-            mask = torch.ones(sq, sk, dtype=torch.bool).triu(1)[None, None]
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(1)[None, None]
         elif attn_mask_type == AttnMaskType.no_mask:
-            mask = torch.zeros(1, 1, sq, sk, dtype=torch.bool)
+            mask = torch.zeros(1, 1, sq, sk, dtype=torch.bool, device=query.device)
         else:
             raise AssertionError(attn_mask_type)
         return self.inner(query, key, value, mask, attn_mask_type=attn_mask_type, **kwargs)
@@ -322,7 +324,7 @@ def test_min_new_tokens_and_ignore_eos(tiny):
 
 def test_model_state_restored_and_input_errors(tiny):
     model, st = tiny
-    probe = torch.tensor([_prompts()[2]])
+    probe = torch.tensor([_prompts()[2]], device=st.device)
     model.train()
     with torch.no_grad():
         before = forward_logits(model, probe)
@@ -345,16 +347,7 @@ def test_model_state_restored_and_input_errors(tiny):
 
 
 def _torchrun(script: str, nproc: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    # --standalone: torchrun picks a free port itself ("--master-port 0" hands the workers
-    # MASTER_PORT=0 with torch 2.13, and init_process_group then waits forever).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           os.path.join(DIST_SCRIPTS, script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if p.returncode != 0:
-        raise AssertionError(f"torchrun {script} {' '.join(args)} failed (rc={p.returncode}):\n"
-                             f"{p.stdout[-4000:]}\n{p.stderr[-6000:]}")
-    return p
+    return conftest.torchrun(script, nproc, *args, timeout=timeout)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from conftest import multi_rank_env
 from megatron_gspo.preflight import cli
 from megatron_gspo.preflight.runner import (
     EXIT_FAILED,
@@ -126,7 +127,7 @@ def test_quick_on_this_machine(tmp_path):
 @pytest.mark.slow
 def test_quick_under_torchrun_measures_the_ep_collectives_on_gloo(tmp_path):
     out = tmp_path / "preflight.json"
-    p = _preflight("--quick", "--json", str(out), torchrun=2, timeout=600, env={"OMP_NUM_THREADS": "1"})
+    p = _preflight("--quick", "--json", str(out), torchrun=2, timeout=600, env=multi_rank_env())
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert doc["world_size"] == 2

@@ -134,7 +134,7 @@ def test_router_fusion_with_replay_is_refused():
 
     cfg = model_config_from_preset("tiny", moe_router_fusion=True)
     with pytest.raises(ConfigError, match="moe_router_fusion=true cannot be combined with routing replay"):
-        build_transformer_config(cfg, ParallelConfig(), routing_replay=True)
+        build_transformer_config(cfg, ParallelConfig(), torch.device("cpu"), routing_replay=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def _loss(logits, tokens, vocab):
     from megatron_gspo.logprobs import vocab_parallel_logprobs
 
     lp, _ = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab, None, with_entropy=False)
-    w = torch.linspace(-1.0, 1.0, lp.numel()).view_as(lp)  # a fixed, non-trivial weighting
+    w = torch.linspace(-1.0, 1.0, lp.numel(), device=lp.device).view_as(lp)  # a fixed, non-trivial weighting
     return (lp * w).sum()
 
 
@@ -182,7 +182,7 @@ def test_r2_replay_single_rank(single_rank):
     replay = RoutingReplay.from_model("R2", model, st)
     mon = RoutingMonitor(model)
     g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, cfg.vocab_size, (4, 12), generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 12), generator=g).to(st.device)
     mbs = [tokens[:2], tokens[2:]]
     T, k = 2 * 12, cfg.moe_router_topk
 
@@ -279,7 +279,7 @@ def test_monitor_without_replay_matches_megatron_aux_loss(single_rank):
         RoutingReplay.from_model("R2", model, st)
     assert RoutingReplay.from_model("off", model, st).mode == "off"
     mon = RoutingMonitor(model)
-    x = torch.randint(0, cfg.vocab_size, (3, 10), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, cfg.vocab_size, (3, 10), generator=torch.Generator().manual_seed(1)).to(st.device)
     moe_utils.clear_aux_losses_tracker()
     with mon.capture("train"):
         loss = _loss(forward_logits(model, x), x, cfg.vocab_size)  # grad on: megatron applies+tracks the aux loss
@@ -303,7 +303,7 @@ def test_r2_replay_inside_activation_recompute(single_rank, monkeypatch):
     replay = RoutingReplay.from_model("R2", model, st)
     assert replay.recompute
     mon = RoutingMonitor(model)
-    x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2)).to(st.device)
     T, k = 32, cfg.moe_router_topk
 
     with torch.no_grad(), replay.recording(0):

@@ -280,23 +280,46 @@ def test_old_logprobs_from_the_rollout_save_a_pass(trainer_on, source):
     batch = trainer.rollouts.collect(0)
     n_micro = len(batch.micro)
     assert forwards[0] == (n_micro if source == "recompute" else 0)
-    gap = (batch.old_logprobs - batch.sample_logprobs).abs()[batch.mask]
-    assert gap.max() < 1e-5  # the sampling log-probs are the old policy's, up to float noise
-    assert (batch.old_logprobs is batch.sample_logprobs) == (source == "rollout")
+    # never the same tensor object: writing to one cannot change the other
+    assert batch.old_logprobs is not batch.sample_logprobs
+    assert batch.old_logprobs.data_ptr() != batch.sample_logprobs.data_ptr()
+    if source == "rollout":
+        assert torch.equal(batch.old_logprobs, batch.sample_logprobs)
+    # the sampling log-probs against a training forward on the same weights (a pass of its own here, so
+    # the check does not compare a tensor with itself): the same policy up to float noise in fp32
+    pads = [batch.micro_batch(i).input_padding_mask() for i in range(n_micro)]
+    recomputed = trainer.rollouts.logprobs(trainer.model, batch, pads)
+    gap = (recomputed - batch.sample_logprobs).abs()[batch.mask]
+    assert 0 < gap.max() < 1e-5  # not zero: two different forwards (a KV-cache decode and a full one)
+    if source == "recompute":
+        assert torch.equal(recomputed, batch.old_logprobs)
     metrics = trainer.train_on(batch)
-    assert forwards[0] == (2 if source == "recompute" else 1) * n_micro
+    assert forwards[0] == (3 if source == "recompute" else 2) * n_micro
     # the gap is measured either way, on the first minibatch's forwards (the sampling weights)
-    assert metrics["rollout/logprob_diff_max"] < 1e-5
+    assert metrics["rollout/logprob_diff_max"] == pytest.approx(float(gap.max()), rel=1e-6)
+    # on-policy: exactly 1 with the old pass; float noise (far inside the clip range) without
+    dev = metrics["loss/onpolicy/seq_ratio_dev_max"]
+    assert dev == 0 if source == "recompute" else 0 < dev < 1e-5
+    assert metrics["loss/onpolicy/clip_frac"] == 0
     # and the routing change is measured against the rollout's own routes when no pass ran
     routing = trainer.routing.step_metrics(n_micro)
     assert 0 <= routing["routing/routing_change_frac"] < 0.01  # one minibatch: no update before it
 
 
 def test_old_logprobs_choice_is_checked():
-    from megatron_gspo.config import ConfigError, TrainConfig
+    from megatron_gspo.config import ConfigError, TrainConfig, old_logprob_source
 
-    assert TrainConfig(routing_replay="R2").recompute_old_logprobs
-    assert not TrainConfig().recompute_old_logprobs and not TrainConfig(routing_replay="R3").recompute_old_logprobs
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+
+    def recompute(overrides, device=cpu):
+        return old_logprob_source(load_job_config(None, overrides), device)[0]
+
+    # auto: the rollout's log-probs only for fp32 on the CPU (measured to agree); the pass everywhere else
+    assert not recompute([]) and not recompute(["loss.name=grpo", "train.routing_replay=R3"])
+    assert recompute(["loss.name=grpo", "train.routing_replay=R2"]) and recompute(["train.dynamic_sampling=true"])
+    assert recompute(["model.precision=bf16"]) and recompute([], cuda)
+    assert recompute(["train.old_logprobs=recompute"]) and not recompute(["train.old_logprobs=rollout",
+                                                                          "model.precision=bf16"], cuda)
     with pytest.raises(ConfigError, match="train.old_logprobs='rollout' skips the old-log-prob pass"):
         TrainConfig(old_logprobs="rollout", routing_replay="R2")
     with pytest.raises(ConfigError, match="train.old_logprobs="):

@@ -83,9 +83,13 @@ def parse_args(argv: list[str]):
         if v not in VARIANTS:
             p.error(f"unknown variant {v!r}; valid: {', '.join(VARIANTS)}")
     if args.threads is None and "OMP_NUM_THREADS" not in os.environ:
-        import torch
+        from megatron_gspo.config import ParallelConfig
+        from megatron_gspo.parallel import resolve_device
 
-        args.threads = None if torch.cuda.is_available() else 1
+        # CPU workers share the machine's cores: one thread each (the runs' own device decision, with
+        # parallel.device as the overrides set it)
+        device = next((o.split("=", 1)[1] for o in rest if o.lstrip("-").startswith("parallel.device=")), "auto")
+        args.threads = None if resolve_device(ParallelConfig(device=device)).type == "cuda" else 1
     args.argv = argv
     return args
 

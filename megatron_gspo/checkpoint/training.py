@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import torch
+
 from megatron_gspo import comm
 from megatron_gspo.checkpoint.directory import (
     MANIFEST,
@@ -31,15 +33,20 @@ from megatron_gspo.model import unwrap
 OPTIMIZER_CKPT_METADATA = {"chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "fully_reshardable"}
 
 
+def _model_device(model) -> torch.device:
+    """The job's device, where its parameters live (compat.optimizer_context keys on it)."""
+    return next(unwrap(model).parameters()).device
+
+
 def _training_sharded_state_dict(model, optimizer, is_loading: bool, extra_models: Optional[dict] = None) -> dict:
-    from megatron_gspo import cpu_compat
+    from megatron_gspo import compat
 
     model_sd = model_sharded_state_dict(model)
     sd = {"model": model_sd}
     for name, m in (extra_models or {}).items():  # e.g. the frozen KL reference, keys "ref_model.*"
         sd[name] = model_sharded_state_dict(m, prefix=f"{name}.")
     if optimizer is not None:
-        with cpu_compat.optimizer_context():
+        with compat.optimizer_context(_model_device(model)):
             sd["optimizer"] = optimizer.sharded_state_dict(
                 model_sd, is_loading=is_loading, metadata=OPTIMIZER_CKPT_METADATA)
     return sd
@@ -123,9 +130,9 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None, extra_mode
         if "optimizer" not in loaded:
             raise CheckpointError(f"{path}: has no optimizer state (a weights-only checkpoint?); "
                                   "load it with checkpoint.load as initial weights instead of resuming")
-        from megatron_gspo import cpu_compat
+        from megatron_gspo import compat
 
-        with cpu_compat.optimizer_context():
+        with compat.optimizer_context(_model_device(model)):
             optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and "scheduler" in loaded:
         scheduler.load_state_dict(loaded["scheduler"])

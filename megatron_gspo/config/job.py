@@ -82,6 +82,35 @@ class JobConfig:
                   "parallel rank must run the same micro-batch shapes); use train.micro_batch_size with EP")
 
 
+# Largest |sequence ratio - 1| the first (on-policy) minibatch may show: 30x inside GSPO's 3e-4 clip
+# range. "auto" takes the rollout's log-probs only where rollout and training agree to within it.
+ON_POLICY_RATIO_TOLERANCE = 1e-5
+
+
+def old_logprob_source(cfg: JobConfig, device) -> tuple[bool, str]:
+    """The one decision of where the old policy's log-probs come from (train.old_logprobs), for a job
+    on ``device``: (recompute?, why, in words for the log).
+
+    The rollout's log-probs come from the decode (a KV-cache forward, other kernel shapes, under TP
+    without sequence parallelism): the same policy, other rounding. In fp32 the gap is float noise
+    (measured on the CPU: docs/algorithms.md); in bf16 it is 1e-3 to 3e-3 per token (CPU and H100),
+    larger than GSPO's 3e-4 clip range, so a fully on-policy minibatch would clip from rounding alone.
+    On a GPU fp32 has not been measured, so "auto" recomputes there too."""
+    t, m = cfg.train, cfg.model
+    if t.old_logprobs != "auto":
+        return t.old_logprobs == "recompute", f"train.old_logprobs={t.old_logprobs}"
+    if t.routing_replay == "R2":
+        return True, "auto: routing replay R2 records its routes in the old-log-prob pass"
+    if t.dynamic_sampling:
+        return True, "auto: dynamic sampling keeps rows of several generation rounds"
+    if m.precision != "fp32" or m.fp8:
+        return True, (f"auto: in {m.precision}{' + FP8' if m.fp8 else ''} the decode's rounding differs from the training "
+                      "forward's by more than the on-policy tolerance")
+    if str(device).startswith("cuda"):
+        return True, "auto: fp32 rollout-vs-training agreement is not measured on a GPU"
+    return False, "auto: fp32 on the CPU, where rollout and training log-probs agree to float noise"
+
+
 def load_job_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> JobConfig:
     """YAML (optional) + ``section.key=value`` overrides -> validated JobConfig."""
     data = load_yaml(path) if path else {}

@@ -22,6 +22,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 OVERLONG_POLICIES = ("drop", "truncate_left", "error")
 ROLLOUT_CORRECTION_MODES = ("off", "tis", "mis")  # rollout_correction.correction_weights
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+DEVICES = ("auto", "cuda", "cpu")  # parallel.resolve_device
 
 # Paper defaults: GSPO §5.1 uses 3e-4 / 4e-4 (sequence ratios live very close to 1 because they
 # are geometric means); GRPO/PPO use 0.2 / 0.2 (DAPO's clip-higher is 0.2 / 0.28).
@@ -50,8 +51,14 @@ class ParallelConfig:
     # Minutes before a collective gives up (a dead rank must not hang the others forever).
     distributed_timeout_minutes: float = 10.0
     seed: int = 1234
+    # Where the job's model and tensors live: "auto" (this rank's GPU, LOCAL_RANK, when CUDA is
+    # available, else the CPU), "cuda" (refused without a GPU) or "cpu" (the portable path, also on a
+    # GPU machine). The backend follows: NCCL for cuda, gloo for cpu. Decided once, by
+    # parallel.resolve_device; every other module reads ParallelState.device.
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        choice("parallel.device", self.device, DEVICES)
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"parallel.{name} must be an integer >= 1, got {v!r}")
@@ -381,11 +388,12 @@ class TrainConfig:
     # micro-batch holds as many rows as keep rows x width <= budget (micro_batch_size then unused);
     # null: micro_batch_size rows. (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu.)
     max_tokens_per_micro_batch: Optional[int] = None
-    # The old policy's log-probs: "rollout" (the sampling log-probs: rollouts run on the very weights
-    # being trained, so they are the old policy's up to float noise, and one forward pass over the
-    # batch is saved), "recompute" (a forward pass of the training model) or "auto" (recompute for
-    # routing replay R2, which records its routes in that pass, and for train.dynamic_sampling; rollout
-    # otherwise).
+    # The old policy's log-probs: "recompute" (a forward pass of the training model over the batch:
+    # the first minibatch's ratios are then exactly 1, whatever the precision), "rollout" (the
+    # sampling log-probs, one forward pass saved; they carry the decode's rounding, which in bf16 is
+    # larger than GSPO's clip range) or "auto", resolved in one place (JobConfig.old_logprob_source):
+    # rollout only where the two agree to float noise (fp32 on the CPU, measured), recompute
+    # everywhere else and whenever routing replay R2 or dynamic sampling needs the pass.
     old_logprobs: str = "auto"
     advantage_estimator: str = "grpo"
     # MoE routing replay for the GRPO baseline: off | R2 (old-log-prob pass) | R3 (rollout).
@@ -411,13 +419,18 @@ class TrainConfig:
     tensorboard: bool = True
     log_interval: int = 1
     seed: int = 1234
+    # Deterministic kernels, cuBLAS workspace, NCCL algorithm and megatron's deterministic mode
+    # (megatron_gspo/determinism.py): the same bits from the same inputs on a GPU too (evaluation on
+    # or off, a resumed run against an uninterrupted one), at some speed. The CPU path is deterministic
+    # without it.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "prompts_per_step", "num_minibatches", "micro_batch_size", "log_interval"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"train.{name} must be an integer >= 1, got {v!r}")
         check(self.sft_steps >= 0, f"train.sft_steps must be >= 0, got {self.sft_steps}")
-        for name in ("dynamic_sampling", "overlong_filtering"):
+        for name in ("dynamic_sampling", "overlong_filtering", "deterministic"):
             check(isinstance(getattr(self, name), bool), f"train.{name} must be true or false, got {getattr(self, name)!r}")
         check(is_int(self.dynamic_sampling_max_rounds) and self.dynamic_sampling_max_rounds >= 0,
               f"train.dynamic_sampling_max_rounds must be an integer >= 0, got {self.dynamic_sampling_max_rounds!r}")
@@ -437,12 +450,6 @@ class TrainConfig:
         check(not (self.old_logprobs == "rollout" and self.routing_replay == "R2"),
               "train.old_logprobs='rollout' skips the old-log-prob pass, where routing replay R2 records its routes; "
               "use train.old_logprobs=recompute (or auto) with train.routing_replay=R2, or R3")
-
-    @property
-    def recompute_old_logprobs(self) -> bool:
-        """Whether the old policy's log-probs get their own forward pass (see old_logprobs)."""
-        return self.old_logprobs == "recompute" or (self.old_logprobs == "auto" and (
-            self.routing_replay == "R2" or self.dynamic_sampling))
 
 
 @dataclass

@@ -11,7 +11,6 @@ import sys
 import tempfile
 from typing import Optional
 
-import torch
 
 from megatron_gspo.errors import USER_ERRORS
 from megatron_gspo.preflight import collectives, environment, memory, numerics, training
@@ -68,10 +67,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def _workdir() -> str:
     """The same path on every rank of a node (torchrun's run id), so no rank writes elsewhere."""
     run = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -90,12 +85,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     setup_logging(rank)
     try:
-        validate_overrides(args.overrides)
+        # the device every job of the preflight will run on: the jobs' own decision (parallel.device)
+        device = parallel.resolve_device(validate_overrides(args.overrides).parallel)
     except USER_ERRORS as e:
         log.error("error: %s", e)
         return EXIT_USAGE
-    parallel.init_distributed()
-    ctx = Context(quick=args.quick, overrides=args.overrides, workdir=_workdir(), device=_device())
+    parallel.init_distributed(device)
+    ctx = Context(quick=args.quick, overrides=args.overrides, workdir=_workdir(), device=device)
     if rank == 0:
         print(f"megatron-gspo preflight{' --quick' if args.quick else ''} on {ctx.device} "
               f"({comm.world_size()} rank{'s' if comm.world_size() > 1 else ''}); scratch {ctx.workdir}", flush=True)

@@ -57,9 +57,10 @@ def check_auto_impl(ctx: Context):
     from megatron_gspo.model import have_te, resolve_dispatcher, resolve_expert_impl, resolve_impl
 
     cfg = ctx.job("auto_impl").model
-    impl = resolve_impl(cfg)
+    impl = resolve_impl(cfg, ctx.device)
     experts = resolve_expert_impl(cfg, impl)
-    data = {"transformer_impl": impl, "moe_expert_impl": experts, "moe_token_dispatcher_type": resolve_dispatcher(cfg)}
+    data = {"transformer_impl": impl, "moe_expert_impl": experts,
+            "moe_token_dispatcher_type": resolve_dispatcher(cfg, ctx.device)}
     if experts == "batched":
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         data["batched_gemm"] = "torch._grouped_mm" if grouped_mm_available(ctx.device, dtype) else "loop of torch.mm"

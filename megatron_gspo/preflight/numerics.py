@@ -54,7 +54,7 @@ def compare_logprobs(ctx: Context, ref_cfg, test_cfg) -> dict:
     from megatron_gspo.logprobs import vocab_parallel_logprobs
     from megatron_gspo.model import build_model, forward_logits
 
-    par = ParallelConfig(use_distributed_optimizer=False)
+    par = ParallelConfig(use_distributed_optimizer=False, device=ctx.device.type)
     state = parallel.initialize(ref_cfg, par)
     ref = build_model(ref_cfg, par, state).eval()
     test = build_model(test_cfg, par, state).eval()
@@ -104,7 +104,7 @@ def check_experts(ctx: Context):
 
     m = _model(ctx, "bf16" if ctx.cuda else "fp32")
     fast = dataclasses.replace(m, moe_expert_impl="auto")
-    impl = resolve_expert_impl(fast, resolve_impl(fast))
+    impl = resolve_expert_impl(fast, resolve_impl(fast, ctx.device))
     r = compare_logprobs(ctx, dataclasses.replace(m, moe_expert_impl="sequential"), fast)
     r["expert_impl"] = impl
     return _value(f"{impl} experts vs sequential loop", r), r

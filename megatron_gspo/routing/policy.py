@@ -33,7 +33,7 @@ from megatron_gspo.routing.rollout_routes import RolloutRecorder
 
 class RoutingPolicy:
     """mode: "off" | "R2" | "R3"; old_pass: whether the old log-probs get a forward pass of their own
-    (train.recompute_old_logprobs), which then also gives the reference routing."""
+    (config.old_logprob_source), which then also gives the reference routing."""
 
     def __init__(self, mode: str, model, state, old_pass: bool = True) -> None:
         self.mode = normalize_mode(mode)

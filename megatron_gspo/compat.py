@@ -1,0 +1,165 @@
+"""Every workaround megatron-core 0.16 needs, each keyed on what is actually missing, in one place.
+
+Two things can be missing, and they are independent:
+
+* **CUDA for this job**: the job runs on the CPU (no GPU, or ``parallel.device=cpu`` on a GPU
+  machine). megatron-core asks ``torch.cuda`` for devices, streams and RNG states in many places.
+* **Transformer Engine**: absent on any device (a GPU box with a pip-installed torch usually has
+  no TE). megatron-core's MoE router references a TE symbol whose import failed.
+
+``apply(device)`` decides from the job's device and from what is importable (``environment``),
+applies the workarounds that need applying and *undoes* the CPU ones when a later job in the same
+process runs on CUDA (a test session or the preflight runs several jobs). ``needed`` is the pure
+decision, tested for every combination on the CPU (tests/test_compat.py), including "CUDA present,
+TE absent". Nothing else in the package patches megatron-core; the other device choices (no grouped
+GEMM, the allgather dispatcher, CPU initialization) are *configuration*, keyed on the same device:
+
+* the alltoall dispatcher creates a torch.cuda.Stream: CPU jobs use allgather (model.resolve_dispatcher);
+* grouped GEMM, gradient-accumulation and permute fusions need CUDA kernels, and CPU jobs initialize
+  on the CPU (model.build_transformer_config);
+* megatron's WrappedTorchNorm refuses sequence parallel: model.RMSNorm on any device;
+* the default causal-mask path assumes CUDA: model.forward_logits passes CPU inputs an explicit mask;
+* megatron's optimizer creates CUDA tensors: ``optimizer_context`` below scopes a redirect to its calls;
+* its DistributedOptimizer reloads checkpoints only with TE's / apex's fused Adam
+  (parallel.distributed_optimizer_support);
+* the async checkpoint writer spawns processes: entry points keep a ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# What each workaround prevents (the symptom without it), by name; ``needed`` returns these names.
+WORKAROUNDS = {
+    # CPU job ------------------------------------------------------------------------------------
+    "cuda_current_device_is_cpu":
+        "megatron creates tensors on torch.cuda.current_device() (rotary embeddings, sequence-parallel "
+        "gathers, router buffers): 'Torch not compiled with CUDA enabled', or on a GPU machine running a CPU "
+        "job, tensors on cuda:0 next to a CPU model",
+    "cuda_synchronize_noop":
+        "dist_checkpointing's writer calls torch.cuda.synchronize() around saves: 'Torch not compiled with "
+        "CUDA enabled' (or a CUDA context on GPU 0 for a CPU job)",
+    "rng_tracker_without_cuda":
+        "the RNG tracker's fork() swaps CUDA RNG states (attention forks it even at dropout 0) and "
+        "activation recompute saves/restores the CUDA RNG state: 'cuda rng state model-parallel-rng is "
+        "not added' / 'Torch not compiled with CUDA enabled'",
+    # Transformer Engine absent (any device) -----------------------------------------------------
+    "te_general_gemm_none":
+        "moe_utils.router_gating_linear references te_general_gemm, bound only when TE imports: "
+        "NameError at the first MoE forward (seen on an H100 without TE)",
+}
+
+
+@dataclass(frozen=True)
+class Environment:
+    device_type: str  # "cuda" | "cpu": where this job's model and tensors live
+    have_te: bool  # transformer_engine and megatron's TE extension import
+
+
+def have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        import megatron.core.extensions.transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def environment(device: torch.device) -> Environment:
+    return Environment(device_type=torch.device(device).type, have_te=have_te())
+
+
+def needed(env: Environment) -> list[str]:
+    """The workarounds this environment needs (names of WORKAROUNDS), in application order."""
+    out = []
+    if env.device_type != "cuda":
+        out += ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "rng_tracker_without_cuda"]
+    if not env.have_te:
+        out.append("te_general_gemm_none")
+    return out
+
+
+# The originals of what the CPU workarounds replace, to put back for a CUDA job in the same process.
+_ORIGINAL: dict[str, object] = {}
+
+
+def _patch(obj, name: str, value, key: str) -> None:
+    _ORIGINAL.setdefault(key, getattr(obj, name))
+    setattr(obj, name, value)
+
+
+def _restore(obj, name: str, key: str) -> None:
+    if key in _ORIGINAL:
+        setattr(obj, name, _ORIGINAL.pop(key))
+
+
+def apply(device: torch.device) -> list[str]:
+    """Make megatron-core runnable for a job on ``device``; returns the workarounds now in effect.
+
+    Idempotent; a CUDA job after a CPU job in one process gets torch.cuda and megatron's CUDA RNG
+    tracker back."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    want = needed(environment(device))
+    cpu = "cuda_current_device_is_cpu" in want
+    if cpu:
+        # `.to("cpu")` / device="cpu" where megatron asks for the current CUDA device
+        _patch(torch.cuda, "current_device", lambda: "cpu", "torch.cuda.current_device")
+        _patch(torch.cuda, "synchronize", lambda *a, **k: None, "torch.cuda.synchronize")
+        if not _inference_tracker(mrandom):
+            # megatron's inference tracker has a no-op fork(); CPU seeding is torch.manual_seed per
+            # rank (parallel.set_seed); recompute's RNG save/restore has no CUDA state to keep.
+            mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        _patch(mrandom, "_get_cuda_rng_state", lambda *a, **k: None, "mrandom._get_cuda_rng_state")
+        _patch(mrandom, "_set_cuda_rng_state", lambda *a, **k: None, "mrandom._set_cuda_rng_state")
+    else:
+        _restore(torch.cuda, "current_device", "torch.cuda.current_device")
+        _restore(torch.cuda, "synchronize", "torch.cuda.synchronize")
+        _restore(mrandom, "_get_cuda_rng_state", "mrandom._get_cuda_rng_state")
+        _restore(mrandom, "_set_cuda_rng_state", "mrandom._set_cuda_rng_state")
+        if _inference_tracker(mrandom):
+            # a CPU job installed the no-op tracker: megatron's CUDA tracker again (seeded by
+            # parallel.set_seed through model_parallel_cuda_manual_seed)
+            mrandom.initialize_rng_tracker(force_reset=True)
+    if "te_general_gemm_none" in want:
+        # its import sits in a try block that fails before the name is bound; None makes megatron
+        # take its plain torch GEMM
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+    return want
+
+
+def _inference_tracker(mrandom) -> bool:
+    """Whether megatron's RNG tracker is its inference tracker (no-op fork), the CPU workaround's."""
+    tracker = getattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
+    return tracker is not None and type(tracker).__name__ == "InferenceCudaRNGStatesTracker"
+
+
+
+class _CudaTensorsOnCPU(TorchFunctionMode):
+    """Redirect ``device='cuda'`` factory calls to the CPU and report CPU float tensors with their
+    CUDA type name. Scoped to megatron's optimizer calls (a global mode would tax every op)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        dev = kwargs.get("device")
+        if dev is not None and str(dev).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def optimizer_context(device: torch.device):
+    """Context for building, stepping, saving and loading megatron-core's optimizer of a job on ``device``.
+
+    On a CPU job: FP32Optimizer.__init__ and clip_grads create ``torch.tensor(..., device='cuda')``
+    ("Torch not compiled with CUDA enabled", or a CUDA tensor beside CPU gradients on a GPU machine)
+    and clip_grad_by_total_norm_fp32 asserts on the grad's CUDA type name. On CUDA it does nothing."""
+    return _CudaTensorsOnCPU() if torch.device(device).type != "cuda" else contextlib.nullcontext()

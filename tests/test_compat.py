@@ -1,0 +1,101 @@
+"""One device decision (parallel.resolve_device) and the megatron-core workarounds keyed on what is
+actually missing (compat.py), checked for every machine on this CPU one.
+
+The H100 that first ran the project had CUDA but no Transformer Engine; the workaround megatron's MoE
+router needs there (the unbound ``te_general_gemm``) was applied only without CUDA, so the default job
+died at the first forward. These tests pin the decision for each combination, and run a CPU job on a
+machine whose torch reports a GPU, which is how a CPU path that keys on ``torch.cuda.is_available()``
+instead of the job's device shows itself here.
+"""
+
+import pytest
+import torch
+
+from megatron_gspo import compat, parallel
+from megatron_gspo.config import ConfigError, ParallelConfig, load_job_config
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+CPU_ONES = ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "rng_tracker_without_cuda"]
+
+
+@pytest.mark.parametrize("device_type,have_te,expected", [
+    ("cuda", True, []),
+    ("cuda", False, ["te_general_gemm_none"]),  # the H100 without TE
+    ("cpu", True, CPU_ONES),  # a CPU job on a machine with TE (an NGC container asked for parallel.device=cpu)
+    ("cpu", False, CPU_ONES + ["te_general_gemm_none"]),
+])
+def test_workarounds_are_keyed_on_what_is_missing(device_type, have_te, expected):
+    assert compat.needed(compat.Environment(device_type, have_te)) == expected
+    assert all(name in compat.WORKAROUNDS for name in expected)  # each names the symptom it prevents
+
+
+def test_cuda_without_te_binds_the_router_gemm_and_leaves_torch_cuda_alone(monkeypatch):
+    """apply() for a CUDA job on a machine without TE (what the H100 had), here with CUDA stood in:
+    megatron's router finds te_general_gemm (None: its plain GEMM), torch.cuda is untouched."""
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
+
+    monkeypatch.setattr(compat, "have_te", lambda: False)
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    original = compat._ORIGINAL.get("torch.cuda.current_device", torch.cuda.current_device)
+    try:
+        assert compat.apply(CUDA) == ["te_general_gemm_none"]
+        assert moe_utils.te_general_gemm is None
+        assert torch.cuda.current_device is original  # a CUDA job gets the real torch.cuda back
+        assert type(mrandom._CUDA_RNG_STATE_TRACKER).__name__ != "InferenceCudaRNGStatesTracker"
+        # and a CPU job after it in the same process gets the CPU workarounds again
+        assert compat.apply(CPU)[:3] == CPU_ONES and torch.cuda.current_device() == "cpu"
+        assert type(mrandom._CUDA_RNG_STATE_TRACKER).__name__ == "InferenceCudaRNGStatesTracker"
+    finally:
+        compat.apply(parallel.resolve_device(ParallelConfig()))
+
+
+def test_one_device_decision(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parallel.resolve_device(ParallelConfig()) == CPU
+    assert parallel.resolve_device(ParallelConfig(device="cpu")) == CPU
+    with pytest.raises(ConfigError, match="parallel.device=cuda but CUDA is not available on this machine"):
+        parallel.resolve_device(ParallelConfig(device="cuda"))
+    # a machine with one GPU, as torch would report it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert parallel.resolve_device(ParallelConfig(), local_rank=0) == CUDA
+    assert parallel.resolve_device(ParallelConfig(device="cpu"), local_rank=3) == CPU
+    with pytest.raises(ConfigError, match=r"local rank 1 has no GPU: this node has 1 visible GPU\(s\).*parallel.device=cpu"):
+        parallel.resolve_device(ParallelConfig(), local_rank=1)
+    with pytest.raises(ConfigError, match=r"parallel.device='gpu' is not one of \['auto', 'cuda', 'cpu'\]"):
+        load_job_config(None, ["parallel.device=gpu"])
+
+
+def test_machine_dependent_choices_follow_the_job_device():
+    from megatron_gspo.model import build_transformer_config, resolve_dispatcher, resolve_impl
+
+    cfg = load_job_config(None, []).model
+    assert resolve_dispatcher(cfg, CPU) == "allgather" and resolve_dispatcher(cfg, CUDA) == "alltoall"
+    assert resolve_impl(cfg, CPU) == "local"
+    tcfg = build_transformer_config(cfg, ParallelConfig(), CPU)
+    assert tcfg.use_cpu_initialization and not tcfg.bias_activation_fusion and not tcfg.deterministic_mode
+    assert build_transformer_config(cfg, ParallelConfig(), CPU, deterministic=True).deterministic_mode
+
+
+def test_the_device_is_decided_in_one_place():
+    """No module but parallel.py asks torch whether CUDA is available (sysinfo.py reports what the
+    machine has): everything else reads ParallelState.device, so a CPU job on a GPU machine builds and
+    feeds the CPU model (benchmarks/run.py --device cpu on the H100 built the model on cuda)."""
+    import ast
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    allowed = {os.path.join("megatron_gspo", "parallel.py"), os.path.join("megatron_gspo", "sysinfo.py")}
+    offenders = []
+    for top in ("megatron_gspo", "checkpoints_tools", "benchmarks", "experiments"):
+        for dirpath, _, files in os.walk(os.path.join(root, top)):
+            for name in files:
+                rel = os.path.relpath(os.path.join(dirpath, name), root)
+                if not name.endswith(".py") or rel in allowed:
+                    continue
+                tree = ast.parse(open(os.path.join(root, rel), encoding="utf-8").read())
+                offenders += [f"{rel}:{n.lineno}" for n in ast.walk(tree)
+                              if isinstance(n, ast.Attribute) and n.attr == "is_available"
+                              and ast.unparse(n.value).endswith("cuda")]
+    assert not offenders, f"device decisions outside parallel.resolve_device: {offenders}"
