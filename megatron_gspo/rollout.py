@@ -197,7 +197,7 @@ class Rollouts:
     the RoutingPolicy; timer: where the sections' wall times go."""
 
     def __init__(self, cfg, state, model, ref_model, sampler, tokenizer, reward_fn, advantage_fn, gen_cfg,
-                 routing, timer, recompute_old_logprobs: bool = True) -> None:
+                 routing, timer, *, recompute_old_logprobs: bool) -> None:
         self.cfg, self.state, self.model, self.ref_model = cfg, state, model, ref_model
         # config.old_logprob_source decided it (the trainer passes the decision)
         self.recompute_old_logprobs = recompute_old_logprobs
