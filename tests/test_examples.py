@@ -1,6 +1,7 @@
 """The shipped real-format example (examples/math): its data, template and reward fit, and its job runs."""
 
 import json
+import math
 import os
 import re
 
@@ -46,8 +47,9 @@ def test_every_reference_is_read_by_the_math_checker(in_root):
 def test_the_chat_template_renders_the_question(in_root):
     cfg = load_job_config(CONFIG)
     tok = build_tokenizer(cfg.tokenizer)
-    prompts = build_eval_prompts(cfg.data, cfg.eval.source, cfg.eval.num_prompts, tok)
-    assert len(prompts) == 10
+    held = build_eval_prompts(cfg.data, cfg.eval.source, cfg.eval.num_prompts, tok)
+    prompts = held.prompts
+    assert len(prompts) == 10 and held.num_dropped == held.num_truncated == 0
     q = PromptDataset.from_jsonl("examples/math/test.jsonl", "question", "answer")[0].prompt
     assert prompts[0].text == ("<|system|>\nSolve the problem. Put the final answer in \\boxed{}.\n"
                                f"<|user|>\n{q}\n<|assistant|>\n")
@@ -63,3 +65,5 @@ def test_the_example_job_runs_and_evaluates(in_root, tmp_path):
     assert row["eval/num_prompts"] == 2.0 and "eval/pass@1" in row
     # a reward of 0 or 1 plus DAPO's penalty in [-1, 0]; 8-token answers are mostly cut
     assert -1.0 <= row["rollout/reward_mean"] <= 1.0 and 0 <= row["rollout/truncated_frac"] <= 1
+    # overlong filtering may leave a minibatch (or the step) with nothing to train: no NaN is logged
+    assert all(math.isfinite(v) for v in row.values()), {k: v for k, v in row.items() if not math.isfinite(v)}
