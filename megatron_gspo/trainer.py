@@ -88,6 +88,7 @@ class Trainer:
         # a held-out split of data.source leaves training (only a file loses records: see split_holdout)
         holdout = e.num_prompts if e.interval > 0 and e.source is None else 0
         self.sampler = build_prompt_sampler(cfg.data, self.tokenizer, t.prompts_per_step, holdout=holdout)
+        check_reference_answers(cfg.reward, self.sampler.dataset.references(), self.sampler.dataset.source)
 
         self.checkpoints = CheckpointManager(cfg.checkpoint, st)
         self.checkpoints.check_config(to_dict(cfg))  # a resume refuses a trajectory-changing config change
@@ -107,7 +108,6 @@ class Trainer:
         gen_cfg = dataclasses.replace(g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
                                       pad_token_id=g.pad_token_id if g.pad_token_id is not None else self.tokenizer.pad_id)
         reward_fn = build_reward_fn(cfg.reward)
-        check_reference_answers(cfg.reward, self.sampler.dataset.references(), self.sampler.dataset.source)
         self.rollouts = Rollouts(cfg, st, self.ddp, self.ref_model, self.sampler, self.tokenizer,
                                  reward_fn, get_advantage_estimator(t.advantage_estimator), gen_cfg,
                                  self.routing, self.timer)
