@@ -262,3 +262,24 @@ def test_pruned_groups_are_the_ones_pick_groups_would_pick():
             assert len(kept) <= needed
             picks, _ = pick_groups([list(f) for f in rounds[:upto]], needed, fill=True)
             assert [x[1] for x in kept] == picks
+
+
+@pytest.mark.parametrize("truncated_on, kept_on, empty", [("0,1", "", True), ("0", "1", False)],
+                         ids=["both-ranks", "one-rank"])
+def test_an_empty_minibatch_is_decided_alike_on_every_data_parallel_rank(tmp_path, run_dist, truncated_on, kept_on,
+                                                                          empty):
+    """DP=2: a minibatch is empty only if it is empty on every rank (a vote); then no rank updates.
+    If one rank still has responses, both update, and the replicas stay bit-identical either way."""
+    import json
+
+    out = tmp_path / "result.json"
+    run_dist("overlong_empty.py", 2, "--out", str(out), "--truncated-on", truncated_on, "--kept-on", kept_on, "--",
+             *JOB, "train.sft_steps=0", "eval.interval=0", f"train.output_dir={tmp_path}/run",
+             "optimizer.lr=1e-2", f"reward.name={PLUGINS}:digit_fraction")
+    r = json.loads(out.read_text())
+    assert r["replica_spread"] == 0.0 and r["finite"], r
+    assert r["moved"] is not empty and r["empty_minibatches"] == (2 if empty else 0), r
+    if empty:
+        assert r["loss"] == 0.0 and r["num_sequences"] == 0
+    else:
+        assert r["num_sequences"] > 0
