@@ -182,14 +182,26 @@ Checks across sections (`JobConfig.__post_init__`), before anything is built:
 * `data.max_prompt_length + generation.max_new_tokens <= model.max_position_embeddings`;
 * `reward.overlong_buffer_len <= generation.max_new_tokens`;
 * `train.dynamic_sampling=true` needs `generation.n_samples_per_prompt >= 2` and `train.routing_replay`
-  `off` or `R2`.
+  `off` or `R2`;
+* `generation.temperature=0` (greedy) needs `generation.n_samples_per_prompt=1` (identical samples
+  give every group zero advantage);
+* `train.overlong_filtering=true` cannot go with `generation.ignore_eos=true` or
+  `generation.min_new_tokens >= generation.max_new_tokens` (every response would be truncated and
+  filtered out);
+* `generation.decode_impl=lean` needs one rank of TP / PP / EP / expert-TP, no sequence parallelism,
+  no FP8 and not `model.transformer_impl=transformer_engine` (`auto` picks it wherever it can run);
+* `checkpoint.allow_config_change` names sections or `section.key`s of the job.
 
 When the trainer starts: the parallel layout is validated against the world size
 (`parallel.validate_layout`, see [troubleshooting](troubleshooting.md#invalid-parallel-layouts)),
-`train.prompts_per_step` must be divisible by the data-parallel size, `train.dynamic_sampling=true`
-needs data-parallel size 1, and the tokenizer's
-vocabulary must fit `model.vocab_size`. A minibatch's rows need not be a multiple of
-`train.micro_batch_size`: the last micro-batch of each minibatch is simply smaller.
+then `JobConfig.check_data_parallel` (also run by `launch/pretrain_gspo.sh --dry-run` with
+`WORLD_SIZE`): the rollout's rows must split evenly into `train.num_minibatches` x the data-parallel
+size, `train.sft_batch_size` must divide by the data-parallel size and `train.dynamic_sampling=true`
+needs data-parallel size 1. The tokenizer's vocabulary must fit `model.vocab_size`, a chat template
+must parse, the `math` reward's reference answers are checked (`reward.max_unreadable_reference_frac`),
+and a resume compares the job with the checkpoint's (`checkpoint.allow_config_change`). A minibatch's
+rows need not be a multiple of `train.micro_batch_size`: the last micro-batch of each minibatch is
+simply smaller.
 """
 
 

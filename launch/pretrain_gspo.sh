@@ -247,14 +247,14 @@ def _run(argv: list) -> int:
         # validate what this rank would run, start nothing; a mistake is one line and exit 2,
         # as in the trainer
         from megatron_gspo import exit_status
-        from megatron_gspo.config import ConfigError, load_job_config
+        from megatron_gspo.config import ConfigError, load_job_config, split_job_args
         from megatron_gspo.parallel import validate_layout
 
-        path = argv[0] if argv and not argv[0].startswith("-") and "=" not in argv[0] else None
         world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         try:
-            cfg = load_job_config(path, argv[1:] if path else argv)
+            cfg = load_job_config(*split_job_args(argv))  # the trainer's reading: no YAML = the demo job
             dp = validate_layout(cfg.model, cfg.parallel, world)
+            cfg.check_data_parallel(dp)  # what the trainer checks with the process groups up
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             exit_status.record(exit_status.EXIT_USER_ERROR, str(e))

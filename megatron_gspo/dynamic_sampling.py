@@ -10,6 +10,9 @@ such groups and generates more prompts, round after round, until the step has P 
 
 then trains on the first P kept groups in generation order; past the cap, the step is filled up with
 the earliest dropped groups (zero advantage: no policy gradient, the batch keeps its shape).
+
+Between rounds only what can still be picked is kept (``prune_groups``): at most P groups, so a step's
+memory does not grow with its rounds.
 """
 
 from __future__ import annotations
@@ -39,3 +42,14 @@ def pick_groups(informative: list[list[bool]], needed: int, fill: bool) -> tuple
     rest = [(r, g) for r, flags in enumerate(informative) for g, ok in enumerate(flags) if not ok]
     extra = rest[: needed - len(kept)]
     return kept + extra, len(extra)
+
+
+def prune_groups(groups: list, needed: int, informative=lambda g: g[0]) -> list:
+    """The groups a step can still pick: the first ``needed`` informative ones and the earliest
+    uninformative ones up to ``needed`` minus those (the fill-up of ``pick_groups``), each part in
+    (round, group) order, informative first; every other group can never be picked and may be freed.
+    At most ``needed`` groups: ``pick_groups``' answer for the same rounds once the step ends.
+    groups: in (round, group) order; ``informative(group)`` says which ones carry signal."""
+    inf = [g for g in groups if informative(g)][:needed]
+    rest = [g for g in groups if not informative(g)][: needed - len(inf)]
+    return inf + rest

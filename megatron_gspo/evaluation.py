@@ -38,11 +38,15 @@ class Evaluator:
     """Runs the held-out evaluation on the training model.
 
     cfg: the JobConfig; prompts: the held-out data.Prompt list; gen_cfg: the generation section with
-    stop / pad ids filled in (its max_new_tokens, top_k, top_p apply)."""
+    stop / pad ids filled in (its max_new_tokens, top_k, top_p apply); length_policy: how many held-out
+    records data.overlong_prompt_policy dropped and cut (data.HeldOutPrompts), reported with every
+    evaluation like the training prompts' data/dropped_prompts."""
 
-    def __init__(self, cfg, state, model, tokenizer, reward_fn, gen_cfg, prompts) -> None:
+    def __init__(self, cfg, state, model, tokenizer, reward_fn, gen_cfg, prompts, length_policy=(0, 0)) -> None:
         self.cfg, self.ecfg, self.state, self.model = cfg, cfg.eval, state, model
         self.tokenizer, self.reward_fn, self.prompts = tokenizer, reward_fn, prompts
+        self.length_metrics = {"eval/dropped_prompts": float(length_policy[0]),
+                               "eval/truncated_prompts": float(length_policy[1])}
         self.greedy_cfg = dataclasses.replace(gen_cfg, temperature=0.0, n_samples_per_prompt=1)
         self.sample_cfg = dataclasses.replace(gen_cfg, temperature=self.ecfg.temperature, n_samples_per_prompt=1)
 
@@ -67,7 +71,7 @@ class Evaluator:
         correct, lengths = self._answer(self.prompts, self.greedy_cfg, seed=0)  # argmax: no noise drawn
         out = {"eval/greedy_accuracy": int(correct.sum()) / P,
                "eval/response_length_mean": int(lengths.sum()) / P,
-               "eval/num_prompts": float(P)}
+               "eval/num_prompts": float(P), **self.length_metrics}
         if e.num_samples > 0:
             n = e.num_samples
             rows = [p for p in self.prompts for _ in range(n)]  # prompt-major: row i*n + j

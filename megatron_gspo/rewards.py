@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import math
 import numbers
 import os
@@ -53,10 +54,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from megatron_gspo.config import RewardConfig
-from megatron_gspo.errors import ConfigError, RewardError
+from megatron_gspo.errors import ConfigError, DataError, RewardError
 from megatron_gspo.errors import clip_repr as _clip
 
 RewardFn = Callable[..., float]
+log = logging.getLogger("megatron_gspo")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,6 +330,20 @@ def _latex_to_sympy_text(s: str) -> Optional[str]:
     return None if "\\" in s or "{" in s else s
 
 
+def _sympy_tokens_ok(t: str) -> bool:
+    """Whether the sympy-ready text ``t`` holds only what ``_sympy_equal`` lets through (numbers,
+    single-letter variables, sqrt, pi, arithmetic) at a size it evaluates."""
+    if len(t) > 80:
+        return False
+    tokens = _SYMPY_TOKEN_RE.findall(t)
+    if "".join(tokens) != re.sub(r"\s+", "", t):
+        return False  # a character outside the whitelist
+    if any(tok.isalpha() and len(tok) > 1 and tok not in _SYMPY_NAMES for tok in tokens):
+        return False
+    return not (any(tok.isdigit() and len(tok) > 12 for tok in tokens) or t.count("^") > 2
+                or re.search(r"\^\s*\(?\d{3,}", t))
+
+
 def _sympy_equal(a: str, b: str) -> bool:
     """Symbolic equality of two small expressions; False whenever sympy is missing or unsure.
 
@@ -344,14 +360,7 @@ def _sympy_equal(a: str, b: str) -> bool:
     exprs = []
     for s in (a, b):
         t = _latex_to_sympy_text(s)
-        if t is None or len(t) > 80:
-            return False
-        tokens = _SYMPY_TOKEN_RE.findall(t)
-        if "".join(tokens) != re.sub(r"\s+", "", t):
-            return False  # a character outside the whitelist
-        if any(tok.isalpha() and len(tok) > 1 and tok not in _SYMPY_NAMES for tok in tokens):
-            return False
-        if any(tok.isdigit() and len(tok) > 12 for tok in tokens) or t.count("^") > 2 or re.search(r"\^\s*\(?\d{3,}", t):
+        if t is None or not _sympy_tokens_ok(t):
             return False
         local = {c: sympy.Symbol(c) for c in string.ascii_letters}
         local.update(sqrt=sympy.sqrt, pi=sympy.pi)
@@ -368,11 +377,7 @@ def _sympy_equal(a: str, b: str) -> bool:
 
 def math_equal(prediction: str, reference: str) -> bool:
     """Whether two final answers are the same value (see the module docstring for the rules)."""
-    ref = reference
-    if "####" in ref:  # GSM8K: "<solution> #### 72"
-        ref = ref.rsplit("####", 1)[1]
-    boxed = last_boxed(ref)
-    ref = boxed if boxed is not None else ref
+    ref, _ = _reference_final_answer(reference)  # GSM8K's "<solution> #### 72", or the last \boxed{}
     p, r = normalize_math(prediction), normalize_math(ref)
     if not p or not r:
         return False
@@ -390,6 +395,46 @@ def math_equal(prediction: str, reference: str) -> bool:
         return (p_brackets == r_brackets and len(p_parts) == len(r_parts)
                 and all(math_equal(x, y) for x, y in zip(p_parts, r_parts)))
     return _sympy_equal(p, r)
+
+
+def _reference_final_answer(reference: str) -> tuple[str, bool]:
+    """(the final answer math_equal compares against, whether the reference marks it: GSM8K's ``####``
+    or a ``\\boxed{}``)."""
+    ref, marked = reference, False
+    if "####" in ref:
+        ref, marked = ref.rsplit("####", 1)[1], True
+    boxed = last_boxed(ref)
+    if boxed is not None:
+        ref, marked = boxed, True
+    return ref, marked
+
+
+def _readable_value(s: str) -> bool:
+    """A normalized final answer a prediction can equal: a number, a tuple / interval of them, a small
+    expression (single-letter variables, sqrt, pi), or LaTeX (compared after normalization)."""
+    if _to_number(s) is not None or "\\" in s:
+        return True
+    brackets, inner = _unbracket(s)
+    parts = _split_top_level(inner)
+    if len(parts) > 1:
+        return all(p and _readable_value(p) for p in parts)
+    t = _latex_to_sympy_text(s)
+    return t is not None and _sympy_tokens_ok(t)
+
+
+def math_reference_problem(answer: Optional[str]) -> Optional[str]:
+    """Why the ``math`` reward cannot read the reference ``answer`` (every response to its prompt would
+    score 0), or None when it can: a ``... #### x`` or ``\\boxed{x}`` reference with a non-empty x, or
+    an unmarked one that is a number, a tuple of numbers, a small math expression or LaTeX."""
+    if answer is None:
+        return "no reference answer"
+    ref, marked = _reference_final_answer(str(answer))
+    value = normalize_math(ref)
+    if not value:
+        return "an empty final answer" + (" after '####' / in '\\boxed{}'" if marked else "")
+    if marked or "\\" in ref or _readable_value(value):  # LaTeX (\\text{Monday}) compares after normalization
+        return None
+    return "neither '... #### <answer>' nor '\\boxed{<answer>}', nor a number or a math expression"
 
 
 @register_reward("math")
@@ -427,6 +472,40 @@ def format_reward(prompt: str, response: str, answer: Optional[str] = None, *, r
     if "boxed" in require and last_boxed(answer_part) is None:
         return 0.0
     return 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference answers a reward cannot read
+# ----------------------------------------------------------------------------------------------
+
+# Rewards that can tell, before training, a reference answer they will never match: name -> problem(answer).
+REFERENCE_CHECKS: dict[str, Callable[[Optional[str]], Optional[str]]] = {"math": math_reference_problem}
+
+
+def check_reference_answers(cfg: RewardConfig, references: Sequence[tuple[str, Optional[str]]], source: str) -> int:
+    """Count the references ``[(where, answer)]`` of ``source`` that ``reward.name`` cannot read
+    (REFERENCE_CHECKS; other rewards are not checked): said with examples when any, refused (DataError)
+    above reward.max_unreadable_reference_frac of them. Returns the count."""
+    problem = REFERENCE_CHECKS.get(cfg.name)
+    if problem is None or not references:
+        return 0
+    bad = [(where, answer, why) for where, answer in references if (why := problem(answer)) is not None]
+    if not bad:
+        return 0
+    share = len(bad) / len(references)
+    reasons: dict[str, list[str]] = {}
+    for where, answer, why in bad[:3]:  # a few examples, grouped by what is wrong with them
+        reasons.setdefault(why, []).append(f"{where} {_clip(answer, 60)}")
+    examples = "; ".join(f"{why}, e.g. {', '.join(found)}" for why, found in reasons.items())
+    what = (f"{source}: the {cfg.name} reward cannot read {len(bad)} of {len(references)} reference answers "
+            f"({share:.1%}): {examples}")
+    if share > cfg.max_unreadable_reference_frac:
+        raise DataError(f"{what}; every response to such a prompt scores 0. Give the references as "
+                        "'... #### <answer>', '\\boxed{<answer>}' or a plain number or expression, or allow "
+                        f"more than reward.max_unreadable_reference_frac={cfg.max_unreadable_reference_frac:g}")
+    log.warning("%s; every response to such a prompt scores 0 (allowed: at most reward.max_unreadable_reference_frac"
+                "=%g of them)", what, cfg.max_unreadable_reference_frac)
+    return len(bad)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from megatron_gspo.generation import generate
 from megatron_gspo.logprobs import vocab_parallel_logprobs
 from megatron_gspo.metrics import Metric, MetricAccumulator
 from megatron_gspo.model import forward_logits, input_padding_mask
-from megatron_gspo.dynamic_sampling import informative_groups, pick_groups
+from megatron_gspo.dynamic_sampling import informative_groups, prune_groups
 from megatron_gspo.overlong import loss_mask, overlong_penalty, truncated
 from megatron_gspo.rewards import compute_rewards
 
@@ -239,35 +239,49 @@ class Rollouts:
 
     def _dynamic_rounds(self, step: int, rows: list[int], R: int, G: int):
         """Dynamic sampling (dynamic_sampling.py; data-parallel size 1, so ``rows`` is every row): rounds
-        of P prompts until P informative groups, or train.dynamic_sampling_max_rounds extra rounds.
+        of P prompts until P informative groups, or train.dynamic_sampling_max_rounds extra rounds (each
+        one logged). Between rounds only the groups that can still be picked are kept (prune_groups: at
+        most P, their rows copied out of the round's output), so memory does not grow with the rounds.
         Returns the kept rows merged like one round's output, and the step's statistics."""
         t = self.cfg.train
         P = t.prompts_per_step
-        rounds, informative = [], []
+        kept: list[_Group] = []  # informative first, each part in (round, group) order
+        rounds = groups = dropped = gen_tokens = 0
+        reward_sum, times = 0.0, dict(elapsed_s=0.0, prefill_s=0.0, num_forwards=0, decode_row_steps=0)
         while True:
-            rounds.append(self._generate_round(step, len(rounds), rows, R))
-            informative.append(informative_groups(rounds[-1][3], G).tolist())
-            picks, filled = pick_groups(informative, P, fill=len(rounds) > t.dynamic_sampling_max_rounds)
-            if len(picks) == P:
+            mine, out, texts, rewards = self._generate_round(step, rounds, rows, R)
+            flags = informative_groups(rewards, G).tolist()
+            groups, dropped = groups + len(flags), dropped + flags.count(False)
+            reward_sum, gen_tokens = reward_sum + float(rewards.double().sum()), gen_tokens + out.num_generated_tokens
+            times = {k: v + getattr(out, k) for k, v in times.items()}
+            new = [_Group(ok, mine[g * G:(g + 1) * G], texts[g * G:(g + 1) * G], rewards[g * G:(g + 1) * G].clone(),
+                          _merge_rows([out], [(0, g * G + j) for j in range(G)], self.gen_cfg.pad_id))
+                   for g, ok in enumerate(flags)]
+            kept = prune_groups(kept + new, P, informative=lambda grp: grp.informative)
+            rounds += 1
+            found = sum(grp.informative for grp in kept)
+            if found == P or rounds > t.dynamic_sampling_max_rounds:
                 break
-        groups = sum(len(f) for f in informative)
-        dropped = groups - sum(sum(f) for f in informative)
+            log.info("step %d: dynamic sampling: %d of %d informative groups after %d generation round(s); round %d "
+                     "of at most %d (train.dynamic_sampling_max_rounds=%d extra)", step + 1, found, P, rounds,
+                     rounds + 1, t.dynamic_sampling_max_rounds + 1, t.dynamic_sampling_max_rounds)
+        filled = P - found
         if filled:
             log.warning("step %d: dynamic sampling found %d of %d informative groups in %d generation rounds "
                         "(train.dynamic_sampling_max_rounds=%d); %d constant groups (zero advantage) fill the step",
-                        step + 1, P - filled, P, len(rounds), t.dynamic_sampling_max_rounds, filled)
-        stats = {"dynamic_sampling/rounds": float(len(rounds)),
+                        step + 1, found, P, rounds, t.dynamic_sampling_max_rounds, filled)
+        stats = {"dynamic_sampling/rounds": float(rounds),
                  "dynamic_sampling/dropped_group_frac": dropped / groups,
                  "dynamic_sampling/filled_groups": float(filled),
-                 "dynamic_sampling/generated_reward_mean": torch.cat([r[3] for r in rounds]).float().mean().item()}
-        # the kept groups' rows, round by round, in pick order
-        take = [(rnd, g * G + j) for rnd, g in picks for j in range(G)]
-        mine = [rounds[rnd][0][i] for rnd, i in take]
-        texts = [rounds[rnd][2][i] for rnd, i in take]
-        rewards = torch.stack([rounds[rnd][3][i] for rnd, i in take])
-        out = _merge_rows([r[1] for r in rounds], take, self.gen_cfg.pad_id)
-        stats["_gen_tokens"] = sum(r[1].num_generated_tokens for r in rounds)  # every round's, kept or not
-        return mine, out, texts, rewards, stats
+                 "dynamic_sampling/generated_reward_mean": reward_sum / (groups * G),
+                 "_gen_tokens": gen_tokens}  # every round's, kept or not
+        # the kept groups' rows, in pick order; the timings are those of every round
+        out = _merge_rows([grp.out for grp in kept], [(k, j) for k in range(len(kept)) for j in range(G)],
+                          self.gen_cfg.pad_id)
+        out = dataclasses.replace(out, **times)
+        mine = [p for grp in kept for p in grp.prompts]
+        texts = [x for grp in kept for x in grp.texts]
+        return mine, out, texts, torch.cat([grp.rewards for grp in kept]), stats
 
     def collect(self, step: int) -> RolloutBatch:
         st, dev, t = self.state, self.state.device, self.cfg.train
@@ -354,6 +368,17 @@ class Rollouts:
             "perf/decode_row_steps": Metric.sum(torch.tensor([float(batch.timings["decode_row_steps"])], device=dev)),
         })
         return {**acc.reduce(self.state.dp_group), **batch.stats}
+
+
+@dataclass
+class _Group:
+    """One generated group that dynamic sampling may still pick: its G rows, copied out of their round."""
+
+    informative: bool
+    prompts: list
+    texts: list
+    rewards: torch.Tensor  # [G]
+    out: object  # GenerationOutput of the G rows
 
 
 def _merge_rows(outs: list, take: list[tuple[int, int]], pad_id: int):

@@ -34,6 +34,17 @@ Tensor = torch.Tensor
 LOG_RATIO_BOUND = 20.0
 
 
+def inactive_reason(mode: str, recompute_old_logprobs: bool) -> Optional[str]:
+    """Why ``rollout_correction.mode`` cannot correct anything in a job, or None. ``recompute_old_logprobs``:
+    the job's resolved old-log-prob source (config.old_logprob_source); without that pass the
+    rollout's log-probs serve as the old policy's, rho == 1 by construction and every weight is 1.0."""
+    if mode == "off" or recompute_old_logprobs:
+        return None
+    return (f"rollout_correction.mode={mode} corrects nothing in this job: the old log-probs are the rollout's "
+            "(train.old_logprobs resolves to rollout), so pi_old / pi_rollout is exactly 1 and every weight 1.0; "
+            "set train.old_logprobs=recompute to measure and correct a mismatch between rollout and training")
+
+
 def log_rho(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, level: str) -> Tensor:
     """log(pi_old / pi_rollout): [B, T] for level "token" (0 off-mask), [B] for "sequence" (the sum
     over the response's tokens, i.e. the log of the product of the token ratios).

@@ -45,6 +45,8 @@ class Tokenizer(ABC):
 
     #: Jinja chat template, or None when the tokenizer has none.
     chat_template: Optional[str] = None
+    #: Where the template came from (a file, or tokenizer.chat_template's inline text), for errors.
+    chat_template_source: Optional[str] = None
 
     @abstractmethod
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -81,6 +83,19 @@ class Tokenizer(ABC):
     def special_tokens(self) -> dict[str, Optional[str]]:
         """Special token strings a chat template may reference (``bos_token``, ``eos_token``, ...)."""
         return {}
+
+    def check_chat_template(self, required: bool = False) -> None:
+        """Compile the chat template now, at start-up: a syntax error names the template's file rather
+        than surfacing at the first prompt rendered, blamed on a data record. ``required``: refuse a
+        tokenizer without a template (the data asks for one)."""
+        if not self.chat_template:
+            if required:
+                self.apply_chat_template([])  # its error says what to do
+            return
+        try:
+            _compile_chat_template(self.chat_template)
+        except TokenizerError as e:
+            raise TokenizerError(f"{self.chat_template_source or 'the chat template'}: {e}") from None
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
@@ -176,6 +191,11 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], add_gene
         raise TokenizerError(f"chat template failed on {len(messages)} message(s): {e}") from None
 
 
+def _chat_template_arg_source(value: str) -> str:
+    """Where ``tokenizer.chat_template`` = ``value`` comes from: its file, or the inline text."""
+    return value if "{" not in value and os.path.isfile(value) else "tokenizer.chat_template (inline template)"
+
+
 def _read_chat_template_arg(value: str) -> str:
     """``tokenizer.chat_template`` is template text, or a path to a file holding it."""
     if "{" not in value and os.path.isfile(value):
@@ -263,8 +283,11 @@ class HFTokenizer(Tokenizer):
                         if self._tokens["pad_token"] is not None else self._eos_ids[0])
         self._bos_id = (self._require_id(self._tokens["bos_token"], "bos_token")
                         if self._tokens["bos_token"] is not None else None)
-        self.chat_template = (_read_chat_template_arg(chat_template) if chat_template
-                              else self._find_chat_template(directory, config))
+        if chat_template:
+            self.chat_template = _read_chat_template_arg(chat_template)
+            self.chat_template_source = _chat_template_arg_source(chat_template)
+        else:
+            self.chat_template, self.chat_template_source = self._find_chat_template(directory, config)
 
     @staticmethod
     def _read_json(path: str) -> dict[str, Any]:
@@ -286,19 +309,21 @@ class HFTokenizer(Tokenizer):
         return i
 
     @classmethod
-    def _find_chat_template(cls, directory: str, config: dict[str, Any]) -> Optional[str]:
+    def _find_chat_template(cls, directory: str, config: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
+        """(the checkpoint's own chat template or None, the file it came from)."""
         jinja_file = os.path.join(directory, "chat_template.jinja")
         if os.path.isfile(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
-                return f.read()
-        template = cls._read_json(os.path.join(directory, "chat_template.json")).get("chat_template")
+                return f.read(), jinja_file
+        source = os.path.join(directory, "chat_template.json")
+        template = cls._read_json(source).get("chat_template")
         if template is None:
-            template = config.get("chat_template")
+            template, source = config.get("chat_template"), os.path.join(directory, "tokenizer_config.json")
         if isinstance(template, list):
             # Several named templates (e.g. "default", "tool_use"): transformers uses "default".
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
-        return template if isinstance(template, str) and template else None
+        return (template, source) if isinstance(template, str) and template else (None, None)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -356,6 +381,7 @@ class SentencePieceTokenizer(Tokenizer):
         if self._sp.eos_id() < 0:
             raise TokenizerError(f"{path}: the SentencePiece model has no eos piece (trained with eos_id=-1)")
         self.chat_template = _read_chat_template_arg(chat_template) if chat_template else None
+        self.chat_template_source = _chat_template_arg_source(chat_template) if chat_template else None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids = list(self._sp.EncodeAsIds(text))
@@ -414,6 +440,7 @@ class CharTokenizer(Tokenizer):
         self._id_to_str = list(self.SPECIALS) + list(self.CHARS)
         self._str_to_id = {s: i for i, s in enumerate(self._id_to_str)}
         self.chat_template = _read_chat_template_arg(chat_template) if chat_template else None
+        self.chat_template_source = _chat_template_arg_source(chat_template) if chat_template else None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids = [self.bos_id] if add_special_tokens else []
@@ -465,14 +492,17 @@ def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     if cfg.type not in TOKENIZER_TYPES:  # cfg may have been mutated after construction
         raise TokenizerError(f"tokenizer.type={cfg.type!r} is not one of {list(TOKENIZER_TYPES)}")
     if cfg.type == "builtin":
-        return CharTokenizer(chat_template=cfg.chat_template)
-    if not cfg.path:
-        raise TokenizerError(f"tokenizer.type={cfg.type!r} needs tokenizer.path")
-    if not os.path.exists(cfg.path):
-        raise FileNotFoundError(f"tokenizer.path={cfg.path!r} does not exist")
-    if cfg.type == "hf":
-        return HFTokenizer(cfg.path, chat_template=cfg.chat_template)
-    return SentencePieceTokenizer(cfg.path, chat_template=cfg.chat_template)
+        tok: Tokenizer = CharTokenizer(chat_template=cfg.chat_template)
+    else:
+        if not cfg.path:
+            raise TokenizerError(f"tokenizer.type={cfg.type!r} needs tokenizer.path")
+        if not os.path.exists(cfg.path):
+            raise FileNotFoundError(f"tokenizer.path={cfg.path!r} does not exist")
+        tok = (HFTokenizer(cfg.path, chat_template=cfg.chat_template) if cfg.type == "hf"
+               else SentencePieceTokenizer(cfg.path, chat_template=cfg.chat_template))
+    if cfg.chat_template:  # asked for by name: it must parse whether or not the data applies it
+        tok.check_chat_template()
+    return tok
 
 
 def check_vocab_fits(tokenizer: Tokenizer, model_vocab_size: int) -> None:

@@ -9,35 +9,34 @@ Launch with torchrun for several ranks (launch/pretrain_gspo.sh).
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Callable, Optional
 
-from megatron_gspo import exit_status, parallel
-from megatron_gspo.config import load_job_config
+from megatron_gspo import comm, exit_status, parallel
+from megatron_gspo.config import DEMO_CONFIG, load_job_config, split_job_args
 from megatron_gspo.errors import USER_ERRORS
 from megatron_gspo.trainer import Trainer, TrainingStopped, summarize
 
 log = logging.getLogger("megatron_gspo")
-DEMO_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "demo_gspo.yaml")
+__all__ = ["DEMO_CONFIG", "Trainer", "main", "run_trainer"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     exit_status.rank_started()  # the launcher waits for this rank and reads its exit code
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = argv.pop(0) if argv and not argv[0].startswith("-") and "=" not in argv[0] else None
-    if path is None:
-        # no YAML: the built-in demo job (tiny MoE, arithmetic task), overrides still apply
-        path = DEMO_CONFIG
+    # no YAML: the built-in demo job (tiny MoE, arithmetic task), overrides still apply
+    path, argv = split_job_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_job_config(path, argv)
         trainer = Trainer(cfg)
     except USER_ERRORS as e:
-        # a wrong config, layout, file or checkpoint: the message names it; no traceback
+        # a wrong config, layout, file or checkpoint: the message names it; no traceback. The process
+        # groups (if any were made) go first: tearing them down imports more of megatron, whose
+        # import-time notices would otherwise follow, and bury, the error line
+        if comm.is_distributed():
+            parallel.destroy()
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         log.error("error: %s", e)
         exit_status.record(exit_status.EXIT_USER_ERROR, str(e))
-        parallel.destroy()
         return exit_status.EXIT_USER_ERROR
     log.info("config: %s %s", path, " ".join(argv))
     return run_trainer(trainer)

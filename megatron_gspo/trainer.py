@@ -34,7 +34,6 @@ from megatron_gspo.advantages import get_advantage_estimator
 from megatron_gspo.checkpoint import CheckpointManager, has_manifest, iter_dir
 from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, JobConfig, old_logprob_source, to_dict
 from megatron_gspo.data import build_eval_prompts, build_prompt_sampler
-from megatron_gspo.errors import ConfigError
 from megatron_gspo.evaluation import Evaluator
 from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
 from megatron_gspo.faults import FaultInjection, PreemptionFlag
@@ -54,9 +53,9 @@ from megatron_gspo.model import (
     wrap_ddp,
 )
 from megatron_gspo.optim import build_optimizer, build_scheduler, optimizer_step
-from megatron_gspo.rewards import build_reward_fn
+from megatron_gspo.rewards import build_reward_fn, check_reference_answers
 from megatron_gspo.rollout import RolloutBatch, Rollouts
-from megatron_gspo.rollout_correction import correction_weights, mismatch_metrics
+from megatron_gspo.rollout_correction import correction_weights, inactive_reason, mismatch_metrics
 from megatron_gspo.routing import RoutingPolicy
 from megatron_gspo.sft import SFTWarmStart
 from megatron_gspo.sysinfo import current_rss
@@ -92,23 +91,17 @@ class Trainer:
         t = cfg.train
         self.state = st = parallel.initialize(cfg.model, cfg.parallel)
         setup_logging(st.rank)
-        rows = t.prompts_per_step * cfg.generation.n_samples_per_prompt
-        if rows % (t.num_minibatches * st.dp):
-            raise ConfigError(f"train.prompts_per_step x generation.n_samples_per_prompt = {rows} rollout rows are "
-                              f"not divisible by train.num_minibatches x the data-parallel size = "
-                              f"{t.num_minibatches} x {st.dp}: every DP rank holds an equal share of every minibatch")
-        if t.sft_steps > 0 and t.sft_batch_size % st.dp:
-            raise ConfigError(f"train.sft_batch_size={t.sft_batch_size} is not divisible by the data-parallel size {st.dp}")
-        if t.dynamic_sampling and st.dp > 1:
-            raise ConfigError(f"train.dynamic_sampling=true needs data-parallel size 1, got {st.dp}: the kept groups "
-                              "would have to move between data-parallel ranks (use TP / EP for more GPUs)")
+        cfg.check_data_parallel(st.dp)  # the same checks as launch/pretrain_gspo.sh --dry-run
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         check_vocab_fits(self.tokenizer, cfg.model.vocab_size)
         e = cfg.eval
         # a held-out split of data.source leaves training (only a file loses records: see split_holdout)
         holdout = e.num_prompts if e.interval > 0 and e.source is None else 0
         self.sampler = build_prompt_sampler(cfg.data, self.tokenizer, t.prompts_per_step, holdout=holdout)
+        check_reference_answers(cfg.reward, self.sampler.dataset.references(), self.sampler.dataset.source)
 
+        self.checkpoints = CheckpointManager(cfg.checkpoint, st)
+        self.checkpoints.check_config(to_dict(cfg))  # a resume refuses a trajectory-changing config change
         self.model = build_model(cfg.model, cfg.parallel, st, routing_replay=t.routing_replay != "off",
                                  deterministic=t.deterministic)
         # The KL reference is the initial policy: a frozen copy taken after checkpoint.load and the
@@ -117,11 +110,12 @@ class Trainer:
         if cfg.loss.kl_coef > 0:
             self.ref_model = build_model(cfg.model, cfg.parallel, st,
                                          deterministic=t.deterministic).eval().requires_grad_(False)
-        self.checkpoints = CheckpointManager(cfg.checkpoint, st)
         self.checkpoints.prepare(self.model)  # refuse a wrong-shape resume, or load checkpoint.load
         self.ddp = wrap_ddp(self.model, st)
         recompute, why = old_logprob_source(cfg, st.device)
         self.routing = RoutingPolicy(t.routing_replay, self.ddp, st, old_pass=recompute)
+        if (inactive := inactive_reason(cfg.rollout_correction.mode, recompute)) and st.is_main:
+            log.warning("%s", inactive)  # legal (a no-op, bit for bit) but not what a run asking for correction expects
         self.timer = Timer(st.device)
         g = cfg.generation
         gen_cfg = dataclasses.replace(g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
@@ -132,15 +126,19 @@ class Trainer:
                                  self.routing, self.timer, recompute_old_logprobs=recompute)
         self.evaluator = None
         if e.interval > 0:
-            prompts = build_eval_prompts(cfg.data, e.source, e.num_prompts, self.tokenizer)
-            self.evaluator = Evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg, prompts)
-            log.info("evaluation: %d held-out prompts from %s every %d steps", len(prompts),
+            held = build_eval_prompts(cfg.data, e.source, e.num_prompts, self.tokenizer)
+            check_reference_answers(cfg.reward, [(f"{held.source} id {p.id}", p.answer) for p in held.prompts],
+                                    held.source)
+            self.evaluator = Evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg, held.prompts,
+                                       length_policy=(held.num_dropped, held.num_truncated))
+            log.info("evaluation: %d held-out prompts from %s every %d steps", len(held.prompts),
                      e.source or f"{cfg.data.source} (held out)", e.interval)
         self.hooks = Hooks([SFTWarmStart(), FaultInjection(rank=st.rank), *hooks])
         self.logger = MetricsLogger(t.output_dir, enabled=st.is_main, tensorboard=t.tensorboard)
         self.preempt = PreemptionFlag()
         self.consecutive_skips = 0
         self.skipped_total = 0
+        self.warned_empty = False  # overlong filtering emptied a minibatch (said once)
         self.step = 0
         self._warned_off_policy = False
         log.info("model: %s", model_summary(cfg.model, st.device))
@@ -202,17 +200,20 @@ class Trainer:
         if self.resumed:
             info = self.checkpoints.restore(self.ddp, self.optimizer, self.scheduler, extra_models=self._extra_models())
             self.step = info["step"]
-            self.sampler.load_state_dict(info["extra"]["data"])
+            self.sampler.load_state_dict(info["extra"]["data"], accept=self.checkpoints.change_allowed)
             log.info("resumed from %s at step %d", info["path"], self.step)
 
     def train_on(self, batch: RolloutBatch) -> dict:
         """num_minibatches optimizer steps over the rollout; returns reduced metrics."""
         st = self.state
         acc = MetricAccumulator()
-        grad_norms, skipped = [], 0
+        grad_norms, skipped, empty = [], 0, 0
         for k, mini in enumerate(batch.minibatches):
             # the first minibatch runs on the sampling weights: its log-probs measure the rollout's gap
             bad_rows = self.accumulate_gradients(batch, mini, acc, measure_rollout_gap=k == 0)
+            if self._empty_minibatch(batch, mini):  # nothing to learn from: no update (not even the aux loss's)
+                empty += 1
+                continue
             # NaN/Inf guard: decided collectively so every rank skips the same update
             local_bad = bool(bad_rows) or not all(
                 torch.isfinite(p.main_grad).all() for p in self.ddp.parameters() if getattr(p, "main_grad", None) is not None)
@@ -237,6 +238,8 @@ class Trainer:
         self._check_on_policy(out["loss/onpolicy/seq_ratio_dev_max"])
         out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         out["train/skipped_updates"] = skipped
+        if self.cfg.train.overlong_filtering:
+            out = self._empty_step_metrics(out, empty, len(batch.minibatches))
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
@@ -296,6 +299,29 @@ class Trainer:
                     "trains on the weights that sampled it: the old log-probs carry another forward's rounding%s",
                     self.step + 1, deviation, ON_POLICY_RATIO_TOLERANCE,
                     "; set train.old_logprobs=recompute" if not self.rollouts.recompute_old_logprobs else "")
+
+    def _empty_minibatch(self, batch: RolloutBatch, mini: list[int]) -> bool:
+        """Overlong filtering masked every response of minibatch ``mini`` out of the loss on every DP
+        rank (each rank holds its share of the minibatch; the vote makes every rank skip alike)."""
+        if not self.cfg.train.overlong_filtering:
+            return False
+        local = all(bool(batch.truncated[batch.micro[i]].all()) for i in mini)
+        return comm.all_ranks(local, self.state.device, what="overlong filtering: empty minibatch vote")
+
+    def _empty_step_metrics(self, out: dict, empty: int, minibatches: int) -> dict:
+        """``out`` with train/empty_minibatches (a warning the first time), and for a step that trained on
+        nothing its loss, 0 (no update), in place of the NaNs of means over no response."""
+        if empty and not self.warned_empty and self.state.is_main:
+            self.warned_empty = True
+            log.warning("step %d: overlong filtering (train.overlong_filtering=true) left %d of %d minibatch(es) "
+                        "without a response to train on: every one was cut at generation.max_new_tokens=%d without "
+                        "a stop token; no update was made for them (counted in train/empty_minibatches, said once)",
+                        self.step + 1, empty, minibatches, self.cfg.generation.max_new_tokens)
+        out = {**out, "train/empty_minibatches": empty}
+        if empty == minibatches:
+            out = {k: v for k, v in out.items() if isinstance(v, torch.Tensor) or math.isfinite(v)}
+            out.update({"loss/loss": 0.0, "loss/pg_loss": 0.0})
+        return out
 
     def _skip_update(self, bad_rows: list[str]) -> None:
         self.consecutive_skips += 1

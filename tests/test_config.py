@@ -200,3 +200,78 @@ def test_config_names_match_the_registries():
     assert tuple(POLICY_LOSSES) == config.LOSS_NAMES
     assert tuple(ADVANTAGE_ESTIMATORS) == config.ADVANTAGE_ESTIMATOR_NAMES
     assert set(config.DEFAULT_CLIP_RATIOS) == set(config.LOSS_NAMES)
+
+
+# ----------------------------------------------------------------------------------------------
+# Combinations that cannot work are refused by key at load time
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["parallel.tensor_model_parallel_size=2"],
+     r"generation\.decode_impl=lean runs on one rank of tensor / pipeline / expert parallelism only, got "
+     r"parallel\.tensor_model_parallel_size=2; use generation\.decode_impl=auto"),
+    (["parallel.expert_model_parallel_size=2"], r"got parallel\.expert_model_parallel_size=2"),
+    (["parallel.tensor_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1"],
+     r"got parallel\.tensor_model_parallel_size=2"),
+    (["model.transformer_impl=transformer_engine"], r"model\.transformer_impl='transformer_engine'"),
+])
+def test_lean_decode_on_a_layout_it_cannot_run_is_refused(overrides, match):
+    from megatron_gspo.config import load_job_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_job_config(None, ["generation.decode_impl=lean"] + overrides)
+    load_job_config(None, ["generation.decode_impl=auto"] + overrides)  # auto picks megatron's path there
+    load_job_config(None, ["generation.decode_impl=lean"])
+
+
+def test_greedy_rollouts_with_several_samples_are_refused():
+    from megatron_gspo.config import load_job_config
+
+    with pytest.raises(ConfigError, match=r"generation\.temperature=0 \(greedy\) with generation\.n_samples_per_prompt=4: "
+                                          r"every sample of a prompt would be the same response"):
+        load_job_config(None, ["generation.temperature=0"])
+    # one sample per prompt (an estimator without groups) may be greedy
+    load_job_config(None, ["generation.temperature=0", "generation.n_samples_per_prompt=1",
+                           "train.advantage_estimator=mean_only", "train.num_minibatches=1"])
+
+
+@pytest.mark.parametrize("dp, overrides, match", [
+    (2, ["train.dynamic_sampling=true"], r"train\.dynamic_sampling=true needs data-parallel size 1, got 2"),
+    (3, [], r"= 64 rollout rows are not divisible by train\.num_minibatches x the data-parallel size = 2 x 3"),
+    (4, ["train.sft_steps=1", "train.sft_batch_size=6", "train.num_minibatches=1"],
+     r"train\.sft_batch_size=6 is not divisible by the data-parallel size 4"),
+])
+def test_data_parallel_checks(dp, overrides, match):
+    from megatron_gspo.config import load_job_config
+
+    cfg = load_job_config(None, overrides)
+    cfg.check_data_parallel(1)
+    with pytest.raises(ConfigError, match=match):
+        cfg.check_data_parallel(dp)
+
+
+def test_an_option_that_is_not_a_setting_is_named():
+    with pytest.raises(ConfigError, match=r"^unknown option --frobnicate; settings are section\.key=value"):
+        parse_overrides(["--frobnicate"])
+    with pytest.raises(ConfigError, match=r"^unknown option --frobnicate"):
+        parse_overrides(["--frobnicate", "--train.num_steps", "3"])
+    assert parse_overrides(["--train.num_steps", "3"]) == [("train.num_steps", "3")]
+
+
+@pytest.mark.parametrize("args", [["train.num_step=3"], ["train.dynamic_sampling_max_rounds=-1"]])
+def test_a_config_error_is_the_last_line_printed(args):
+    """Nothing (megatron's import-time notices included) follows the one-line error of a refused config."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "WORLD_SIZE", "RANK")}
+    env["PYTHONPATH"] = root
+    p = subprocess.run([sys.executable, "-m", "megatron_gspo.train", *args], capture_output=True, text=True,
+                       cwd=root, env=env, timeout=120)
+    assert p.returncode == 2
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("error: "), lines
+    assert len(lines) == 1, lines

@@ -240,3 +240,74 @@ def test_task_knobs_reach_the_task():
 def test_bad_batch_size(jsonl):
     with pytest.raises(DataError, match="positive"):
         PromptSampler(PromptDataset.from_jsonl(jsonl), TOK, DataConfig(source=jsonl), batch_size=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Messages that say what is wrong and what to do; held-out prompts counted like training prompts
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_null_field_is_not_called_missing(tmp_path):
+    path = _write_jsonl(tmp_path / "n.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": None}])
+    with pytest.raises(DataError) as e:
+        PromptDataset.from_jsonl(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:2: field 'answer' (data.answer_key) is null: the record has no reference answer")
+    assert "missing" not in msg
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": None, "answer": "2"}])
+    with pytest.raises(DataError, match=r"p\.jsonl:1: field 'prompt' \(data.prompt_key\) is null"):
+        PromptDataset.from_jsonl(path)
+
+
+def test_eval_source_errors_name_eval_source(tmp_path):
+    from megatron_gspo.data import build_eval_prompts
+
+    cfg = DataConfig(source=_write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 4))
+    with pytest.raises(DataError, match=r"^eval\.source='builtin:nope': unknown built-in task 'nope'; "
+                                        r"available: \['arithmetic', 'sort'\]$"):
+        build_eval_prompts(cfg, "builtin:nope", 4, TOK)
+    with pytest.raises(DataError, match=rf"^eval\.source='{tmp_path}' is a directory"):
+        build_eval_prompts(cfg, str(tmp_path), 4, TOK)
+    (tmp_path / "d.jsonl").mkdir()
+    with pytest.raises(DataError, match=r"^eval\.source='.*d\.jsonl' is a directory, not a data file"):
+        build_eval_prompts(cfg, str(tmp_path / "d.jsonl"), 4, TOK)
+    with pytest.raises(FileNotFoundError, match=r"^eval\.source: data file not found: .*no\.jsonl"):
+        build_eval_prompts(cfg, str(tmp_path / "no.jsonl"), 4, TOK)
+    with pytest.raises(DataError, match=r"^eval\.source='x\.txt': expected builtin:<task>"):
+        build_eval_prompts(cfg, "x.txt", 4, TOK)
+    # data.source's own errors still name data.source
+    with pytest.raises(DataError, match=r"^data\.source='builtin:nope'"):
+        PromptDataset.from_config(DataConfig(source="builtin:nope"))
+
+
+def test_held_out_prompts_dropped_for_length_are_counted_and_said(tmp_path, caplog):
+    import logging
+
+    from megatron_gspo.data import build_eval_prompts
+
+    records = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "12345678+1=", "answer": "12345679"},
+               {"prompt": "2+2=", "answer": "4"}]
+    held_file = _write_jsonl(tmp_path / "test.jsonl", records)
+    cfg = DataConfig(max_prompt_length=6)
+    with caplog.at_level(logging.WARNING, logger="megatron_gspo"):
+        held = build_eval_prompts(cfg, held_file, 8, TOK)
+    assert [p.answer for p in held.prompts] == ["2", "4"]
+    assert (held.num_records, held.num_dropped, held.num_truncated) == (3, 1, 0)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("evaluation: 1 of 3 held-out prompts dropped and 0 left-truncated "
+                                                 "for exceeding data.max_prompt_length=6 tokens"), said
+    cut = build_eval_prompts(DataConfig(max_prompt_length=6, overlong_prompt_policy="truncate_left"), held_file, 8, TOK)
+    assert (len(cut.prompts), cut.num_dropped, cut.num_truncated) == (3, 0, 1)
+    with pytest.raises(DataError, match=r"every one of the 3 held-out prompts is longer than data.max_prompt_length=2"):
+        build_eval_prompts(DataConfig(max_prompt_length=2), held_file, 8, TOK)
+
+
+def test_resume_on_other_data_says_how_to_accept_it(jsonl):
+    s = build_prompt_sampler(DataConfig(source=jsonl, seed=1), TOK, batch_size=2)
+    other = build_prompt_sampler(DataConfig(source=jsonl, seed=2), TOK, batch_size=2)
+    with pytest.raises(DataError) as e:
+        other.load_state_dict(s.state_dict())
+    assert "strict=False" not in str(e.value)
+    assert str(e.value).endswith("accept the change with checkpoint.allow_config_change=[data.seed]")
+    other.load_state_dict(s.state_dict(), accept=lambda key: key == "data.seed")
+    assert other.position == s.position

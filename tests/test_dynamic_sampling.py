@@ -143,13 +143,144 @@ def test_dynamic_sampling_off_is_the_first_round(trainer):
     assert torch.equal(off.row_ids, on.row_ids) and len(set(off.rewards.tolist())) > 4
 
 
-def test_overlong_filtering_and_penalty_in_a_step(tmp_path):
-    """ignore_eos: every response is cut at max_new_tokens: all truncated, penalty -factor, nothing trained."""
+def test_overlong_penalty_in_a_step(tmp_path):
+    """ignore_eos: every response is cut at max_new_tokens: all truncated, penalty -factor."""
     cfg = load_job_config(None, JOB + [
-        f"train.output_dir={tmp_path}", "generation.ignore_eos=true", "train.overlong_filtering=true",
+        f"train.output_dir={tmp_path}", "generation.ignore_eos=true",
         "reward.overlong_buffer_len=2", "reward.overlong_penalty_factor=0.5", "train.num_steps=1",
         f"reward.name={PLUGINS}:always_zero"])
     row = run_job_rows(cfg)[0]
     assert row["rollout/truncated_frac"] == 1.0
     assert row["rollout/reward_mean"] == -0.5  # 0 + DAPO penalty at L_max
-    assert row["loss/num_sequences"] == 0  # every row masked out of the loss
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["generation.ignore_eos=true"], "train.overlong_filtering=true with generation.ignore_eos=true"),
+    (["generation.min_new_tokens=4"], "train.overlong_filtering=true with generation.min_new_tokens=4 >= "
+                                      "generation.max_new_tokens=4"),
+])
+def test_overlong_filtering_where_every_response_is_truncated_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_job_config(None, JOB + ["train.overlong_filtering=true"] + overrides)
+    load_job_config(None, JOB + overrides)  # each alone is fine
+
+
+class _Log(logging.Handler):
+    def __init__(self, level=logging.INFO):
+        super().__init__(level)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append((record.levelno, record.getMessage()))
+
+
+def test_steps_whose_every_response_is_truncated_update_nothing(tmp_path, monkeypatch):
+    """Overlong filtering with every response truncated (forced here: the configs that guarantee it are
+    refused): no update at all (the MoE aux loss and Adam would still move weights), finite metrics,
+    the loss 0 as documented, train/empty_minibatches counts the minibatches, one warning."""
+    import json
+    import math
+
+    from megatron_gspo import parallel, rollout
+    from megatron_gspo.trainer import Trainer
+
+    monkeypatch.setattr(rollout, "truncated", lambda stopped, lengths, max_len: torch.ones_like(stopped))
+    cfg = load_job_config(None, JOB + [f"train.output_dir={tmp_path}", "train.overlong_filtering=true",
+                                       "train.num_steps=2", "optimizer.lr=1e-2", f"reward.name={PLUGINS}:digit_fraction"])
+    trainer = Trainer(cfg)
+    log = _Log(logging.WARNING)
+    logging.getLogger("megatron_gspo").addHandler(log)
+    try:
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.run()
+        moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p.detach())]
+    finally:
+        logging.getLogger("megatron_gspo").removeHandler(log)
+        trainer.close()
+        parallel.destroy()
+    assert not moved, f"an update was applied from an empty batch: {moved}"
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    for row in rows:
+        bad = {k: v for k, v in row.items() if not math.isfinite(v)}
+        assert not bad, bad
+        assert row["loss/loss"] == 0.0 and row["loss/num_sequences"] == 0
+        assert row["train/empty_minibatches"] == 2 and row["train/skipped_updates"] == 0
+        assert row["rollout/truncated_frac"] == 1.0
+    warned = [m for _, m in log.lines if "overlong filtering" in m]
+    assert len(warned) == 1 and "left 2 of 2 minibatch(es) without a response to train on" in warned[0], log.lines
+
+
+def test_dynamic_sampling_rounds_are_capped_at_config_time():
+    from megatron_gspo.config.sections import DYNAMIC_SAMPLING_ROUNDS_LIMIT
+
+    load_job_config(None, [f"train.dynamic_sampling_max_rounds={DYNAMIC_SAMPLING_ROUNDS_LIMIT}"])
+    with pytest.raises(ConfigError, match=r"train\.dynamic_sampling_max_rounds must be an integer in \[0, 32\]"):
+        load_job_config(None, ["train.dynamic_sampling_max_rounds=1000000"])
+
+
+def test_dynamic_sampling_logs_each_round_and_keeps_only_what_it_can_pick(trainer, monkeypatch):
+    """A step without an informative group: every extra round is logged, and a round's generated rows
+    are freed once it is over (only up to P groups that can still be picked are kept, copied out):
+    memory does not grow with train.dynamic_sampling_max_rounds."""
+    import weakref
+
+    t = trainer(["train.dynamic_sampling=true", "train.dynamic_sampling_max_rounds=4",
+                 f"reward.name={PLUGINS}:always_zero"])
+    alive, seen = [], []
+    generate_round = t.rollouts._generate_round
+
+    def counting(*args, **kwargs):
+        seen.append(sum(r() is not None for r in alive))  # earlier rounds' outputs still held
+        result = generate_round(*args, **kwargs)
+        alive.append(weakref.ref(result[1].tokens))
+        return result
+
+    monkeypatch.setattr(t.rollouts, "_generate_round", counting)
+    log = _Log()
+    logging.getLogger("megatron_gspo").addHandler(log)
+    try:
+        batch = t.rollouts.collect(0)
+    finally:
+        logging.getLogger("megatron_gspo").removeHandler(log)
+    assert len(seen) == 5 and batch.num_rows == 16 and batch.stats["dynamic_sampling/rounds"] == 5.0
+    assert max(seen) <= 1, seen  # only the round just finished (the loop's local) while the next one runs
+    rounds = [m for lvl, m in log.lines if lvl == logging.INFO and "dynamic sampling: 0 of 4 informative" in m]
+    assert len(rounds) == 4, log.lines  # before each extra round
+    assert "after 1 generation round(s); round 2 of at most 5" in rounds[0]
+    assert any("dynamic sampling found 0 of 4 informative groups in 5 generation rounds" in m for _, m in log.lines)
+
+
+def test_pruned_groups_are_the_ones_pick_groups_would_pick():
+    from megatron_gspo.dynamic_sampling import prune_groups
+
+    rounds = [[False, True, False, False], [False, False, True, False], [True, True, True, True]]
+    for needed in (1, 2, 3, 4):
+        for upto in range(1, 4):
+            flat = [(ok, (r, g)) for r, flags in enumerate(rounds[:upto]) for g, ok in enumerate(flags)]
+            kept = []
+            for r in range(upto):  # pruned round by round, as the rollout does
+                kept = prune_groups(kept + [x for x in flat if x[1][0] == r], needed)
+            assert len(kept) <= needed
+            picks, _ = pick_groups([list(f) for f in rounds[:upto]], needed, fill=True)
+            assert [x[1] for x in kept] == picks
+
+
+@pytest.mark.parametrize("truncated_on, kept_on, empty", [("0,1", "", True), ("0", "1", False)],
+                         ids=["both-ranks", "one-rank"])
+def test_an_empty_minibatch_is_decided_alike_on_every_data_parallel_rank(tmp_path, run_dist, truncated_on, kept_on,
+                                                                          empty):
+    """DP=2: a minibatch is empty only if it is empty on every rank (a vote); then no rank updates.
+    If one rank still has responses, both update, and the replicas stay bit-identical either way."""
+    import json
+
+    out = tmp_path / "result.json"
+    run_dist("overlong_empty.py", 2, "--out", str(out), "--truncated-on", truncated_on, "--kept-on", kept_on, "--",
+             *JOB, "train.sft_steps=0", "eval.interval=0", f"train.output_dir={tmp_path}/run",
+             "optimizer.lr=1e-2", f"reward.name={PLUGINS}:digit_fraction")
+    r = json.loads(out.read_text())
+    assert r["replica_spread"] == 0.0 and r["finite"], r
+    assert r["moved"] is not empty and r["empty_minibatches"] == (2 if empty else 0), r
+    if empty:
+        assert r["loss"] == 0.0 and r["num_sequences"] == 0
+    else:
+        assert r["num_sequences"] > 0

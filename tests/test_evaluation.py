@@ -99,6 +99,7 @@ def test_evaluation_leaves_training_bit_identical(tmp_path):
     assert ["eval/greedy_accuracy" in r for r in rows] == [False, True, True]
     for r in rows[1:]:
         assert r["eval/num_prompts"] == 6.0 and 1 <= r["eval/response_length_mean"] <= 4
+        assert r["eval/dropped_prompts"] == r["eval/truncated_prompts"] == 0.0  # counted like training prompts
         assert 0 <= r["eval/sample_accuracy"] <= r["eval/pass@2"] <= 1
         assert r["eval/greedy_accuracy"] in {i / 6 for i in range(7)}
 

@@ -1,6 +1,7 @@
 """The shipped real-format example (examples/math): its data, template and reward fit, and its job runs."""
 
 import json
+import math
 import os
 import re
 
@@ -45,8 +46,9 @@ def test_every_reference_is_read_by_the_math_checker(in_root):
 def test_the_chat_template_renders_the_question(in_root):
     cfg = load_job_config(CONFIG)
     tok = build_tokenizer(cfg.tokenizer)
-    prompts = build_eval_prompts(cfg.data, cfg.eval.source, cfg.eval.num_prompts, tok)
-    assert len(prompts) == 10
+    held = build_eval_prompts(cfg.data, cfg.eval.source, cfg.eval.num_prompts, tok)
+    prompts = held.prompts
+    assert len(prompts) == 10 and held.num_dropped == held.num_truncated == 0
     q = PromptDataset.from_jsonl("examples/math/test.jsonl", "question", "answer")[0].prompt
     assert prompts[0].text == ("<|system|>\nSolve the problem. Put the final answer in \\boxed{}.\n"
                                f"<|user|>\n{q}\n<|assistant|>\n")
@@ -87,3 +89,5 @@ def test_the_example_job_runs_and_evaluates(in_root, tmp_path):
     # truncated: the responses cut at 8 tokens (never a shorter one), as the metric counts them
     assert not batch.truncated[lengths < 8].any()
     assert row["rollout/truncated_frac"] == pytest.approx(batch.truncated.double().mean().item())
+    # overlong filtering may leave a minibatch (or the step) with nothing to train: no NaN is logged
+    assert all(math.isfinite(v) for v in row.values()), {k: v for k, v in row.items() if not math.isfinite(v)}

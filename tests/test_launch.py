@@ -345,6 +345,23 @@ def test_python_half_dry_run_validates_a_recipe_layout():
     assert "dry run: 16 ranks" in p.stdout and "TP 1 x PP 1 x DP 16 (EP 8, ETP 1)" in p.stdout
 
 
+@pytest.mark.parametrize("world, args, message", [
+    (2, ["train.dynamic_sampling=true"], "error: train.dynamic_sampling=true needs data-parallel size 1, got 2"),
+    (3, [], "error: train.prompts_per_step x generation.n_samples_per_prompt = 256 rollout rows are not divisible "
+            "by train.num_minibatches x the data-parallel size = 2 x 3"),
+])
+def test_python_half_dry_run_refuses_what_the_run_refuses(world, args, message):
+    """The dry run runs the trainer's data-parallel checks (JobConfig.check_data_parallel) on the job the
+    trainer would load (no YAML: the demo job, 32 prompts x 8 samples), not only the layout's."""
+    p = subprocess.run([sys.executable, str(LAUNCHER), "--dry-run", *args], env=clean_env(WORLD_SIZE=world, RANK=0),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith(message), p.stderr
+    p = subprocess.run([sys.executable, str(LAUNCHER), "--dry-run"], env=clean_env(WORLD_SIZE=2, RANK=0),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "DP 2" in p.stdout and "100 steps -> runs/demo_gspo" in p.stdout, p.stdout + p.stderr
+
+
 def test_bash_launcher_propagates_a_worker_failure(probe):
     env, out = probe
     p = subprocess.run([BASH, str(LAUNCHER), "x=1"],

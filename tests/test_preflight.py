@@ -78,6 +78,46 @@ def test_main_exits_1_when_a_check_raises(monkeypatch, tmp_path, capsys):
     assert "boom" in capsys.readouterr().out
 
 
+class _Errors:
+    def __init__(self):
+        import logging
+
+        self.lines = []
+        outer = self
+
+        class H(logging.Handler):
+            def emit(self, record):
+                outer.lines.append(record.getMessage())
+
+        self.handler = H(logging.ERROR)
+
+
+@pytest.fixture
+def errors():
+    import logging
+
+    e = _Errors()
+    logging.getLogger("megatron_gspo").addHandler(e.handler)
+    yield e
+    logging.getLogger("megatron_gspo").removeHandler(e.handler)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--frobnicate"], "error: unknown option --frobnicate; the preflight's options are --quick, --json PATH and "
+                       "--keep, and settings are section.key=value"),
+    (["--quick", "--json", "{tmp}/no/such/folder/out.json"], "error: --json {tmp}/no/such/folder/out.json: folder "
+                                                             "{tmp}/no/such/folder does not exist"),
+    (["--quick", "--json", "{tmp}"], "error: --json {tmp} is a directory; give the path of a file to write"),
+], ids=["unknown-option", "json-folder-missing", "json-is-a-directory"])
+def test_bad_command_line_exits_2_before_any_check_runs(monkeypatch, tmp_path, errors, args, message):
+    ran = []
+    monkeypatch.setattr(cli, "CHECKS", [Check("env.ok", lambda ctx: ran.append(1) or ("fine", {}))])
+    args = [a.format(tmp=tmp_path) for a in args]
+    assert cli.main(args) == 2
+    assert not ran, "checks ran although their results could not be kept"
+    assert len(errors.lines) == 1 and errors.lines[0].startswith(message.format(tmp=tmp_path)), errors.lines
+
+
 # ----------------------------------------------------------------------------------------------
 # The command
 # ----------------------------------------------------------------------------------------------

@@ -133,7 +133,8 @@ def test_sigterm_checkpoints_and_resumes(tmp_path, straight):
     assert rc == EXIT_PREEMPTED, out[-2000:]
     assert "preempted by signal SIGTERM" in out
     saved = latest_complete(root)
-    rc, out = train(tmp_path, "d", "checkpoint.resume=true")
+    # resumed with the fast twin of the reward (same values): a change the resume must be told to accept
+    rc, out = train(tmp_path, "d", "checkpoint.resume=true", "checkpoint.allow_config_change=[reward.name]")
     assert rc == 0 and f"iter_{saved:07d}" in out, out[-2000:]
     assert_same(straight, final_weights(root, 4))
 
@@ -170,7 +171,11 @@ def test_checkpoint_of_other_shape_is_refused_and_kept(tmp_path):
     root = f"{tmp_path}/g/ckpt"
     before = {f: os.path.getsize(os.path.join(iter_dir(root, 1), f)) for f in os.listdir(iter_dir(root, 1))}
     rc, out = train(tmp_path, "g", "model.hidden_size=128", "checkpoint.resume=true", steps=2)
-    assert rc != 0
+    assert rc != 0  # the checkpoint's job says it first: another model is a trajectory change
+    assert "with a changed config: model.hidden_size 64 -> 128" in out, out[-2000:]
+    rc, out = train(tmp_path, "g", "model.hidden_size=128", "checkpoint.resume=true",
+                    "checkpoint.allow_config_change=[model.hidden_size]", steps=2)
+    assert rc != 0  # accepted by name, the weights still cannot fit
     assert "has shape (128, 64) in the checkpoint but the model expects (128, 128)" in out
     assert "different model config" in out
     after = {f: os.path.getsize(os.path.join(iter_dir(root, 1), f)) for f in os.listdir(iter_dir(root, 1))}

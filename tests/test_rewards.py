@@ -206,3 +206,47 @@ def test_reward_error_names_configured_function():
 def test_length_mismatch():
     with pytest.raises(ValueError, match="same number"):
         compute_rewards(exact_match, ["p"], ["a", "b"], ["1", "2"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference answers the math reward cannot read: counted before training, refused above a share
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("answer, readable", [
+    ("Kofi has 40 stamps.\n#### 40", True), ("The answer is $\\boxed{40}$.", True), ("42", True),
+    ("1,234", True), ("-3.5", True), ("50%", True), ("\\frac{1}{2}", True), ("2\\sqrt{2}", True),
+    ("x+1", True), ("(1, 2)", True), ("\\text{Monday}", True),
+    ("forty-two", False), ("The answer is 42.", False), ("Monday", False), ("#### ", False),
+    ("\\boxed{}", False), (None, False),
+])
+def test_math_reference_problem(answer, readable):
+    from megatron_gspo.rewards import math_reference_problem
+
+    problem = math_reference_problem(answer)
+    assert (problem is None) == readable, problem
+    if readable:  # a response saying the reference's final answer scores 1
+        final = answer.rsplit("####", 1)[-1] if "####" in answer else (last_boxed(answer) or answer)
+        assert math_reward("", f"\\boxed{{{final.strip()}}}", answer) == 1.0
+
+
+def test_unreadable_references_are_counted_said_and_refused_above_the_share(caplog):
+    import logging
+
+    from megatron_gspo.config import RewardConfig
+    from megatron_gspo.errors import DataError
+    from megatron_gspo.rewards import check_reference_answers
+
+    refs = [(f"f.jsonl:{i}", f"... #### {i}") for i in range(1, 39)] + [("f.jsonl:39", "forty-two"),
+                                                                           ("f.jsonl:40", None)]
+    with caplog.at_level(logging.WARNING, logger="megatron_gspo"):
+        assert check_reference_answers(RewardConfig(name="math"), refs, "f.jsonl") == 2  # 5% is allowed
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "the math reward cannot read 2 of 40 reference answers (5.0%)" in said[0]
+    assert ("(5.0%): neither '... #### <answer>' nor '\\boxed{<answer>}', nor a number or a math expression, "
+            "e.g. f.jsonl:39 'forty-two'; no reference answer, e.g. f.jsonl:40 None; every response") in said[0]
+    with pytest.raises(DataError, match=r"f.jsonl: the math reward cannot read 2 of 40 reference answers \(5.0%\): "
+                                        r".* or allow more than reward.max_unreadable_reference_frac=0.04"):
+        check_reference_answers(RewardConfig(name="math", max_unreadable_reference_frac=0.04), refs, "f.jsonl")
+    # rewards without a reference check (exact_match, plug-ins) are not judged
+    assert check_reference_answers(RewardConfig(name="exact_match"), [("x", "forty-two")], "x") == 0

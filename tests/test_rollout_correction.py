@@ -179,3 +179,44 @@ def test_mismatch_is_float_noise_when_generation_runs_the_training_weights(tmp_p
         assert r["rollout/mismatch_ratio_out_frac"] == 0.0
         assert r["rollout_correction/truncated_frac"] == 0.0
         assert abs(r["rollout_correction/weight_mean"] - 1) < 1e-4
+
+
+def test_a_correction_that_cannot_correct_anything_says_so(tmp_path):
+    """rollout_correction.mode=tis / mis without the old-log-prob pass (train.old_logprobs=auto resolving
+    to the rollout's, or rollout): legal, a no-op bit for bit, and said once when the trainer starts. The
+    decision is the job's resolved old-log-prob source (config.old_logprob_source)."""
+    import logging
+
+    from megatron_gspo import parallel
+    from megatron_gspo.train import Trainer
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    said = {}
+    # the rollout's log-probs asked for by name: "auto" resolves to them only for fp32 on the CPU
+    for name, overrides in (("rollout", ["train.old_logprobs=rollout"]), ("recompute", ["train.old_logprobs=recompute"]),
+                            ("off", ["rollout_correction.mode=off"])):
+        cfg = load_job_config(None, JOB + [f"train.output_dir={tmp_path}/{name}", "rollout_correction.mode=tis"]
+                              + overrides)
+        lines = Lines()
+        logging.getLogger("megatron_gspo").addHandler(lines)
+        try:
+            Trainer(cfg).close()
+        finally:
+            logging.getLogger("megatron_gspo").removeHandler(lines)
+            parallel.destroy()
+        said[name] = [m for m in lines.lines if "rollout_correction.mode" in m]
+    assert len(said["rollout"]) == 1 and said["rollout"][0].startswith(
+        "rollout_correction.mode=tis corrects nothing in this job: the old log-probs are the rollout's"), said
+    assert "train.old_logprobs=recompute" in said["rollout"][0]
+    assert said["recompute"] == [] and said["off"] == []
+    from megatron_gspo.rollout_correction import inactive_reason
+
+    assert inactive_reason("off", False) is None and inactive_reason("tis", True) is None
+    assert inactive_reason("mis", False).startswith("rollout_correction.mode=mis corrects nothing in this job")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -270,3 +271,27 @@ def test_check_vocab_fits():
     check_vocab_fits(tok, tok.vocab_size)
     with pytest.raises(ValueError, match=rf"vocab {tok.vocab_size}\).*model.vocab_size=64"):
         check_vocab_fits(tok, 64)
+
+
+def test_a_chat_template_that_does_not_parse_is_refused_at_start_up_naming_its_file(tmp_path):
+    """Compiled when the tokenizer is built (tokenizer.chat_template given) or the data is set up
+    (data.apply_chat_template): the error names the template's file, not the first prompt's record."""
+    pytest.importorskip("jinja2")
+    from megatron_gspo.config import DataConfig
+    from megatron_gspo.data import build_prompt_sampler
+
+    bad = tmp_path / "broken.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }}\n{% endfo %}")
+    with pytest.raises(TokenizerError, match=rf"^{re.escape(str(bad))}: chat template does not parse \(line 2\)"):
+        build_tokenizer(TokenizerConfig(chat_template=str(bad)))
+    with pytest.raises(TokenizerError, match=r"^tokenizer.chat_template \(inline template\): chat template does not parse"):
+        build_tokenizer(TokenizerConfig(chat_template="{{ messages[0].content"))
+    # a checkpoint's own template: found when the data first needs it, at set-up
+    d = tmp_path / "tok"
+    _write_hf_tokenizer(d, template="{% if messages %}x{% endiff %}")
+    tok = build_tokenizer(TokenizerConfig(type="hf", path=str(d)))  # unused so far: no error
+    with pytest.raises(TokenizerError, match=rf"^{re.escape(str(d / 'tokenizer_config.json'))}: chat template does not parse"):
+        build_prompt_sampler(DataConfig(apply_chat_template=True), tok, batch_size=2)
+    # and a data set that needs a template the tokenizer lacks is refused there too
+    with pytest.raises(TokenizerError, match="CharTokenizer has no chat template"):
+        build_prompt_sampler(DataConfig(apply_chat_template=True), CharTokenizer(), batch_size=2)

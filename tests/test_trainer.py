@@ -94,6 +94,61 @@ def test_resume_is_exact(tmp_path):
     assert os.path.isdir(tmp_path / "cb" / "iter_0000004")
 
 
+class _Info(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_resume_with_a_changed_config_names_the_change(tmp_path):
+    """The checkpoint's job is compared with the resumed one: a key that changes the trajectory
+    (dynamic sampling switched on, the learning rate) is refused by name, with the opt-in to accept it;
+    keys that may change (the run's length, logging) are accepted and logged; so is an allowed one."""
+    from megatron_gspo.config import ConfigError
+    from megatron_gspo.trainer import Trainer
+
+    common = [f"checkpoint.save={tmp_path}/ck", "checkpoint.save_interval=1", "train.tensorboard=false"]
+    run_job(["train.num_steps=1", f"train.output_dir={tmp_path}/a"] + common)
+    resume = TINY_JOB + common + ["checkpoint.resume=true", "train.num_steps=2", "train.log_interval=2",
+                                  f"train.output_dir={tmp_path}/b"]
+    with pytest.raises(ConfigError) as e:
+        Trainer(load_job_config(None, resume + ["train.dynamic_sampling=true", "optimizer.lr=2e-3"]))
+    parallel.destroy()
+    msg = str(e.value)
+    assert "train.dynamic_sampling False -> True" in msg and "optimizer.lr 0.001 -> 0.002" in msg, msg
+    assert "checkpoint.allow_config_change=[optimizer.lr,train.dynamic_sampling]" in msg, msg
+    assert "train.num_steps" not in msg and "\n" not in msg
+    # accepted by name (a key, or its whole section): the run goes on from step 1, and says what changed
+    lines = _Info()
+    logging.getLogger("megatron_gspo").addHandler(lines)
+    try:
+        _, _, result = run_job(resume + ["train.dynamic_sampling=true", "optimizer.lr=2e-3",
+                                         "checkpoint.allow_config_change=[train.dynamic_sampling,optimizer]"])
+    finally:
+        logging.getLogger("megatron_gspo").removeHandler(lines)
+    assert len(result["history"]) == 1  # step 2 only
+    said = [m for m in lines.lines if m.startswith("resume: config changed since")]
+    assert len(said) == 1, lines.lines
+    for change in ("train.num_steps 1 -> 2", "train.log_interval 1 -> 2",
+                   "train.dynamic_sampling False -> True (checkpoint.allow_config_change)",
+                   "optimizer.lr 0.001 -> 0.002 (checkpoint.allow_config_change)"):
+        assert change in said[0], said[0]
+
+
+def test_allow_config_change_names_real_keys():
+    from megatron_gspo.config import ConfigError
+
+    load_job_config(None, ["checkpoint.allow_config_change=[loss,optimizer.lr]"])
+    with pytest.raises(ConfigError, match=r"checkpoint.allow_config_change: unknown config key optimizer.lrr; "
+                                          r"did you mean \['optimizer.lr'"):
+        load_job_config(None, ["checkpoint.allow_config_change=optimizer.lrr"])
+    with pytest.raises(ConfigError, match="checkpoint.allow_config_change: 'optimiser' names no config section"):
+        load_job_config(None, ["checkpoint.allow_config_change=optimiser"])
+
+
 # ----------------------------------------------------------------------------------------------
 # Prompts the length policy drops or truncates: counted, logged, in the metrics
 # ----------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Every entry (a table row whose first cell is a message) carries in the page's source either the
 command that produces it, ``<!-- check: COMMAND -->``, or why it cannot run here,
 ``<!-- no-check: REASON -->``. Each command runs in this process through the entry point the
-command line uses (``megatron_gspo.train.main``, or the launcher's Python half for ``--dry-run``),
+command line uses (``megatron_gspo.train.main``, ``megatron_gspo.preflight.cli.main``, or the launcher's
+Python half for ``--dry-run``),
 and must end with exit status 2 and the documented message as its ``error: ...`` line (``...`` and
 ``<placeholder>`` stand for job-specific values), without an exception escaping, i.e. without a
 traceback. A message changed in the code, or an entry added to the page without a command, fails
@@ -103,6 +104,11 @@ def test_catalogue_entry(line, message, command, isolated, monkeypatch, capsys):
         monkeypatch.setenv(key, value)
     if words[:3] == ["python", "-m", "megatron_gspo.train"]:
         from megatron_gspo.train import main
+
+        code = main(words[3:])
+        errors = [ln for ln in isolated.lines if ln.startswith("error: ")]
+    elif words[:3] == ["python", "-m", "megatron_gspo.preflight"]:
+        from megatron_gspo.preflight.cli import main
 
         code = main(words[3:])
         errors = [ln for ln in isolated.lines if ln.startswith("error: ")]

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_gspo import comm
+from megatron_gspo.checkpoint.config_change import allowed, check_resume_config
 from megatron_gspo.checkpoint.directory import TRACKER, iter_dir, iter_steps, latest_complete
 from megatron_gspo.checkpoint.storage import check_compatible, load_model
 from megatron_gspo.checkpoint.training import load_checkpoint, save_checkpoint
@@ -64,6 +65,30 @@ class CheckpointManager:
                 raise CheckpointError(f"{path}: no complete checkpoint (every iter_* directory failed verification)")
             return None
         return iter_dir(path, code)
+
+    def check_config(self, current: dict) -> None:
+        """When resuming: compare the job (``config.to_dict``) with the one the checkpoint was written
+        with (config_change.py). A difference that changes the training trajectory is refused by key
+        (ConfigError) unless checkpoint.allow_config_change lists it; the accepted ones are logged."""
+        if self.resume_dir is None:
+            return
+        from megatron.core import dist_checkpointing
+
+        saved = (dist_checkpointing.load_common_state_dict(self.resume_dir).get("extra") or {}).get("config")
+        if saved is None:
+            log.warning("%s holds no job config (an older checkpoint): the resumed job cannot be compared with "
+                        "the one that wrote it", self.resume_dir)
+            return
+        accepted = check_resume_config(self.resume_dir, saved, current, self.cfg.allow_config_change)
+        changed = [c for c in accepted if c.why != "not in the checkpoint's config"]  # not new keys of the code
+        if changed and self.state.is_main:
+            log.info("resume: config changed since %s (accepted): %s", self.resume_dir,
+                     "; ".join(f"{c}{' (checkpoint.allow_config_change)' if c.why.startswith('checkpoint') else ''}"
+                               for c in changed))
+
+    def change_allowed(self, key: str) -> bool:
+        """checkpoint.allow_config_change names ``key`` ("section.key") or its section."""
+        return allowed(key, self.cfg.allow_config_change)
 
     def prepare(self, model) -> None:
         """Before DDP wraps the model: refuse a resume checkpoint of another shape before any work,

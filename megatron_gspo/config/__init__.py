@@ -15,7 +15,14 @@ its section from here (tests/test_imports.py imports each module alone in a fres
     checks.py    the validation helpers
 """
 
-from megatron_gspo.config.job import ON_POLICY_RATIO_TOLERANCE, JobConfig, load_job_config, old_logprob_source
+from megatron_gspo.config.job import (
+    DEMO_CONFIG,
+    ON_POLICY_RATIO_TOLERANCE,
+    JobConfig,
+    load_job_config,
+    old_logprob_source,
+    split_job_args,
+)
 from megatron_gspo.config.loader import apply_overrides, from_dict, load_yaml, parse_overrides, to_dict
 from megatron_gspo.config.model import MODEL_PRESETS, ModelConfig, model_config_from_hf, model_config_from_preset
 from megatron_gspo.config.sections import (
@@ -44,11 +51,12 @@ from megatron_gspo.config.sections import (
 from megatron_gspo.errors import ConfigError
 
 __all__ = [
-    "ADVANTAGE_ESTIMATOR_NAMES", "DEFAULT_CLIP_RATIOS", "ON_POLICY_RATIO_TOLERANCE", "old_logprob_source", "LOSS_AGG_MODES", "LOSS_NAMES", "MODEL_PRESETS",
+    "ADVANTAGE_ESTIMATOR_NAMES", "DEFAULT_CLIP_RATIOS", "DEMO_CONFIG", "LOSS_AGG_MODES", "LOSS_NAMES", "MODEL_PRESETS",
+    "ON_POLICY_RATIO_TOLERANCE", "old_logprob_source",
     "OLD_LOGPROB_SOURCES", "OVERLONG_POLICIES", "ROLLOUT_CORRECTION_LEVELS", "ROLLOUT_CORRECTION_MODES",
     "ROUTING_REPLAY_MODES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
     "DataConfig", "EvalConfig", "GenerationConfig", "JobConfig", "LossConfig", "ModelConfig", "OptimizerConfig",
     "ParallelConfig", "RewardConfig", "RolloutCorrectionConfig", "TokenizerConfig", "TrainConfig", "apply_overrides", "from_dict",
     "load_job_config", "load_yaml", "model_config_from_hf", "model_config_from_preset", "parse_overrides",
-    "to_dict",
+    "split_job_args", "to_dict",
 ]

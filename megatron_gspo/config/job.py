@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import os
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from megatron_gspo.config.checks import check
@@ -71,6 +73,25 @@ class JobConfig:
         check(not (t.dynamic_sampling and g.n_samples_per_prompt < 2),
               "train.dynamic_sampling=true needs generation.n_samples_per_prompt >= 2: a group of one response "
               "always has equal rewards and would always be dropped")
+        # greedy decoding gives every sample of a prompt the same response: every group's rewards are
+        # equal and its advantages 0 (evaluation refuses eval.temperature=0 with pass@k likewise)
+        check(not (g.temperature == 0 and g.n_samples_per_prompt > 1),
+              f"generation.temperature=0 (greedy) with generation.n_samples_per_prompt={g.n_samples_per_prompt}: "
+              "every sample of a prompt would be the same response, so every group has equal rewards and zero "
+              "advantage and nothing trains; use a temperature > 0 (e.g. 1.0)")
+        # overlong filtering masks out responses that reach max_new_tokens without a stop token; these
+        # settings make every response one of them, and then no step ever trains anything
+        check(not (t.overlong_filtering and g.ignore_eos),
+              "train.overlong_filtering=true with generation.ignore_eos=true: every response runs to "
+              "generation.max_new_tokens without a stop token, so overlong filtering would mask every response "
+              "out of the loss and nothing would train; turn one of them off")
+        check(not (t.overlong_filtering and g.min_new_tokens >= g.max_new_tokens),
+              f"train.overlong_filtering=true with generation.min_new_tokens={g.min_new_tokens} >= "
+              f"generation.max_new_tokens={g.max_new_tokens}: no response can end with a stop token, so overlong "
+              "filtering would mask every response out of the loss; lower generation.min_new_tokens")
+        if g.decode_impl == "lean":
+            self._check_lean_decode()
+        self._check_allow_config_change()
         budget = t.max_tokens_per_micro_batch
         if budget is not None:
             check(budget >= need, f"train.max_tokens_per_micro_batch={budget} cannot hold one row of up to "
@@ -80,6 +101,73 @@ class JobConfig:
             check(self.parallel.expert_model_parallel_size == 1,
                   "train.max_tokens_per_micro_batch needs parallel.expert_model_parallel_size=1 (every expert-"
                   "parallel rank must run the same micro-batch shapes); use train.micro_batch_size with EP")
+
+    def _check_lean_decode(self) -> None:
+        """generation.decode_impl=lean runs on one rank of model parallelism with megatron's local
+        layers (decode.lean_decode_unsupported); what the config alone shows is refused here, by key,
+        rather than on every rank after the model is built."""
+        p, m = self.parallel, self.model
+        for key, bad in (
+            ("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size),
+            ("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size),
+            ("parallel.expert_model_parallel_size", p.expert_model_parallel_size),
+            ("parallel.expert_tensor_parallel_size", p.etp),
+        ):
+            check(bad == 1, f"generation.decode_impl=lean runs on one rank of tensor / pipeline / expert "
+                            f"parallelism only, got {key}={bad}; use generation.decode_impl=auto (lean where it "
+                            "can run, megatron's forward elsewhere) or megatron")
+        check(not p.sp, "generation.decode_impl=lean does not support sequence parallelism "
+                        "(parallel.sequence_parallel=true); use generation.decode_impl=auto or megatron")
+        check(m.fp8 is None, f"generation.decode_impl=lean does not support FP8 (model.fp8={m.fp8!r}); "
+                             "use generation.decode_impl=auto or megatron")
+        check(m.transformer_impl != "transformer_engine",
+              "generation.decode_impl=lean computes attention itself and does not replace Transformer Engine's "
+              "(model.transformer_impl='transformer_engine'); use generation.decode_impl=auto or megatron")
+
+    def _check_allow_config_change(self) -> None:
+        """checkpoint.allow_config_change names sections or section.key of this job (a typo would
+        silently accept nothing)."""
+        sections = [f.name for f in fields(self)]
+        for entry in self.checkpoint.allow_config_change:
+            section, _, key = entry.partition(".")
+            if section not in sections:
+                raise ConfigError(f"checkpoint.allow_config_change: {entry!r} names no config section; sections: "
+                                  f"{sections}")
+            if key:
+                names = [f.name for f in fields(getattr(self, section))]
+                if key not in names:
+                    close = difflib.get_close_matches(key, names, n=3)
+                    raise ConfigError(f"checkpoint.allow_config_change: unknown config key {entry}"
+                                      + (f"; did you mean {[f'{section}.{c}' for c in close]}?" if close else ""))
+
+    def check_data_parallel(self, dp: int) -> None:
+        """The checks that need the data-parallel size (world / (TP x PP), after parallel.validate_layout):
+        the trainer runs them once the process groups exist, and the launcher's --dry-run with
+        WORLD_SIZE, so a dry run refuses exactly what the run would."""
+        t = self.train
+        rows = t.prompts_per_step * self.generation.n_samples_per_prompt
+        check(rows % (t.num_minibatches * dp) == 0,
+              f"train.prompts_per_step x generation.n_samples_per_prompt = {rows} rollout rows are not divisible "
+              f"by train.num_minibatches x the data-parallel size = {t.num_minibatches} x {dp}: every DP rank "
+              "holds an equal share of every minibatch")
+        check(not (t.sft_steps > 0 and t.sft_batch_size % dp),
+              f"train.sft_batch_size={t.sft_batch_size} is not divisible by the data-parallel size {dp}")
+        check(not (t.dynamic_sampling and dp > 1),
+              f"train.dynamic_sampling=true needs data-parallel size 1, got {dp}: the kept groups would have to "
+              "move between data-parallel ranks (use TP / EP for more GPUs)")
+
+
+# The packaged demo job (GSPO on the tiny MoE and the built-in arithmetic task): what the trainer
+# and the launcher's --dry-run load when the command line names no YAML file.
+DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo_gspo.yaml")
+
+
+def split_job_args(argv: list[str]) -> tuple[str, list[str]]:
+    """A trainer command line -> (YAML path, overrides): the first argument is the YAML file when it
+    does not start with ``-`` and holds no ``=``; without one, the demo job (DEMO_CONFIG)."""
+    argv = list(argv)
+    path = argv.pop(0) if argv and not argv[0].startswith("-") and "=" not in argv[0] else None
+    return (path or DEMO_CONFIG), argv
 
 
 # Largest |sequence ratio - 1| the first (on-policy) minibatch may show: 30x inside GSPO's 3e-4 clip

@@ -131,6 +131,9 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
         if tok.startswith("--"):
             tok = tok[2:]
             if "=" not in tok:
+                if "." not in tok and (i + 1 >= len(argv) or argv[i + 1].startswith("-")):
+                    raise ConfigError(f"unknown option --{tok}; settings are section.key=value, --section.key=value "
+                                      "or --section.key value (e.g. train.num_steps=10)")
                 if i + 1 >= len(argv):
                     raise ConfigError(f"flag --{tok} needs a value")
                 out.append((tok.replace("-", "_") if "." not in tok else tok, argv[i + 1]))

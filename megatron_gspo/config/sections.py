@@ -24,6 +24,11 @@ ROLLOUT_CORRECTION_MODES = ("off", "tis", "mis")  # rollout_correction.correctio
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 DEVICES = ("auto", "cuda", "cpu")  # parallel.resolve_device
 
+# The most extra generation rounds train.dynamic_sampling_max_rounds may allow in one step. DAPO's
+# runs need about 1-3 (verl's recipe caps them at 10); past a few dozen a step that finds no signal
+# would only repeat itself for hours (the cap's fill-up then trains on constant groups anyway).
+DYNAMIC_SAMPLING_ROUNDS_LIMIT = 32
+
 # Paper defaults: GSPO §5.1 uses 3e-4 / 4e-4 (sequence ratios live very close to 1 because they
 # are geometric means); GRPO/PPO use 0.2 / 0.2 (DAPO's clip-higher is 0.2 / 0.28).
 DEFAULT_CLIP_RATIOS: dict[str, tuple[float, float]] = {
@@ -181,7 +186,8 @@ class GenerationConfig:
     # The forward of prefill and decode steps: "lean" (megatron_gspo/decode.py: the model's own
     # modules and weights, a KV cache of roped keys, last-position logits only), "megatron"
     # (GPTModel.forward with megatron's StaticInferenceContext), "auto" (lean where it supports
-    # the layout, i.e. one rank of TP/EP/PP and RoPE, and no routing recorder; else megatron).
+    # the model, i.e. one rank of TP/EP/PP, RoPE and the local attention; else megatron). Routing
+    # replay's recorders (R2/R3) run on either path. "lean" on a layout it cannot run is refused.
     decode_impl: str = "auto"
 
     def __post_init__(self) -> None:
@@ -348,6 +354,11 @@ class RewardConfig:
         gets ``overlong_penalty_factor * min(0, (max_new_tokens - overlong_buffer_len - |y|) /
         overlong_buffer_len)`` added to its reward (-factor for a response cut at the limit). 0 = off.
     overlong_penalty_factor: the largest penalty (reached at ``generation.max_new_tokens`` tokens).
+    max_unreadable_reference_frac: for a reward that checks reference answers (``math``: a
+        ``... #### x`` or ``\\boxed{x}`` answer, a number or a math expression), the largest share of the
+        training data's references it cannot read before the run is refused at start-up (a prompt with
+        such a reference always scores 0). Any unreadable one is counted and reported before training;
+        1 only reports.
     """
 
     name: str = "exact_match"
@@ -356,8 +367,11 @@ class RewardConfig:
     format_kwargs: dict = field(default_factory=dict)
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
+    max_unreadable_reference_frac: float = 0.05
 
     def __post_init__(self) -> None:
+        check(finite(self.max_unreadable_reference_frac) and 0 <= self.max_unreadable_reference_frac <= 1,
+              f"reward.max_unreadable_reference_frac must be in [0, 1], got {self.max_unreadable_reference_frac!r}")
         if not self.name:
             raise ConfigError("reward.name is empty; name a registered reward (exact_match, digit_match, math, "
                               "format, ...) or your own as 'package.module:function'")
@@ -403,8 +417,9 @@ class TrainConfig:
     # informative groups. Needs data-parallel size 1, routing_replay off or R2, and the old-log-prob
     # pass (old_logprobs auto or recompute: the pass gives the kept rows' routing references).
     dynamic_sampling: bool = False
-    # The most extra generation rounds a step may run for dynamic sampling; past it the step trains on
-    # the informative groups it has, filled up with constant (zero-advantage) groups, and says so.
+    # The most extra generation rounds a step may run for dynamic sampling (at most 32:
+    # DYNAMIC_SAMPLING_ROUNDS_LIMIT); past it the step trains on the informative groups it has, filled
+    # up with constant (zero-advantage) groups, and says so. Each extra round is logged.
     dynamic_sampling_max_rounds: int = 4
     # Overlong filtering (DAPO §3.4): responses cut at generation.max_new_tokens (no stop token) are
     # masked out of the loss: a truncated answer is not evidence that its reasoning was wrong.
@@ -432,8 +447,11 @@ class TrainConfig:
         check(self.sft_steps >= 0, f"train.sft_steps must be >= 0, got {self.sft_steps}")
         for name in ("dynamic_sampling", "overlong_filtering", "deterministic"):
             check(isinstance(getattr(self, name), bool), f"train.{name} must be true or false, got {getattr(self, name)!r}")
-        check(is_int(self.dynamic_sampling_max_rounds) and self.dynamic_sampling_max_rounds >= 0,
-              f"train.dynamic_sampling_max_rounds must be an integer >= 0, got {self.dynamic_sampling_max_rounds!r}")
+        check(is_int(self.dynamic_sampling_max_rounds)
+              and 0 <= self.dynamic_sampling_max_rounds <= DYNAMIC_SAMPLING_ROUNDS_LIMIT,
+              f"train.dynamic_sampling_max_rounds must be an integer in [0, {DYNAMIC_SAMPLING_ROUNDS_LIMIT}] (every "
+              "round generates train.prompts_per_step x generation.n_samples_per_prompt more responses within one "
+              f"step), got {self.dynamic_sampling_max_rounds!r}")
         check(not (self.dynamic_sampling and self.old_logprobs == "rollout"),
               "train.dynamic_sampling=true with train.old_logprobs=rollout: the kept rows come from several "
               "generation rounds, whose routes are not recorded per row; use train.old_logprobs=auto or recompute")
@@ -461,8 +479,19 @@ class CheckpointConfig:
     load: Optional[str] = None
     resume: bool = False
     keep_last: int = 0
+    # Keys ("section.key") or whole sections whose change since the checkpoint was written a resume
+    # accepts although it changes the training trajectory (e.g. [optimizer.lr]). A resume compares
+    # the job with the checkpoint's config (checkpoint/config_change.py): keys that only steer
+    # logging, saving, evaluation, the layout or speed may change and are logged; any other change
+    # is refused by name unless listed here.
+    allow_config_change: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        check(isinstance(self.allow_config_change, (list, tuple))
+              and all(isinstance(k, str) and k for k in self.allow_config_change),
+              f"checkpoint.allow_config_change must be a list of config keys (section.key) or sections, "
+              f"got {self.allow_config_change!r}")
+        self.allow_config_change = list(self.allow_config_change)
         check(self.save_interval >= 0, f"checkpoint.save_interval must be >= 0, got {self.save_interval}")
         check(self.keep_last >= 0, f"checkpoint.keep_last must be >= 0, got {self.keep_last}")
         check(not (self.resume and not (self.save or self.load)),

@@ -11,8 +11,7 @@ import sys
 import tempfile
 from typing import Optional
 
-
-from megatron_gspo.errors import USER_ERRORS
+from megatron_gspo.errors import USER_ERRORS, ConfigError
 from megatron_gspo.preflight import collectives, environment, memory, numerics, training
 from megatron_gspo.preflight.context import Context, validate_overrides
 from megatron_gspo.preflight.runner import (
@@ -67,6 +66,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """What the command line got wrong, before any check runs (ConfigError, exit 2): an option the
+    preflight does not have (a ``--name`` without a dot is not a ``--section.key`` override either),
+    or a --json path it could not write after minutes of checks."""
+    for word in args.overrides:
+        name = word[2:].split("=", 1)[0] if word.startswith("--") else None
+        if word.startswith("-") and (name is None or "." not in name):
+            raise ConfigError(f"unknown option {word.split('=', 1)[0]}; the preflight's options are --quick, "
+                              "--json PATH and --keep, and settings are section.key=value (e.g. train.num_steps=2)")
+    if args.json:
+        path = os.path.abspath(args.json)
+        folder = os.path.dirname(path)
+        if os.path.isdir(path):
+            raise ConfigError(f"--json {args.json} is a directory; give the path of a file to write")
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--json {args.json}: folder {folder} does not exist; create it or give another path")
+        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            raise ConfigError(f"--json {args.json}: cannot write there (permission denied)")
+
+
 def _workdir() -> str:
     """The same path on every rank of a node (torchrun's run id), so no rank writes elsewhere."""
     run = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -85,6 +104,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     setup_logging(rank)
     try:
+        check_args(args)
         # the device every job of the preflight will run on: the jobs' own decision (parallel.device)
         device = parallel.resolve_device(validate_overrides(args.overrides).parallel)
     except USER_ERRORS as e:

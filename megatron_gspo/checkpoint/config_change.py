@@ -1,0 +1,102 @@
+"""A resume under a changed config: which differences from the checkpoint's job are fine, which are not.
+
+Every training checkpoint stores the job that wrote it (``extra["config"]``, trainer.save). A resume
+compares it key by key with the job now running (``compare``):
+
+* keys that only steer *how* or *how long* the same run goes on may change: the run's length, logging,
+  saving, evaluation (it never moves training), the parallel layout (resuming under another TP / EP /
+  DP is supported), micro-batching and implementation choices that change speed and float rounding
+  only, and the warm start (it does not run when resuming). They are accepted and logged;
+* any other key changes the training trajectory (the loss, the data, the sampling, the optimizer,
+  dynamic sampling, the model's numerics, ...): the resume is refused naming each such key, unless
+  ``checkpoint.allow_config_change`` lists it (or its section), which accepts it, logged.
+
+Pure functions on the nested dicts of ``config.to_dict``; the CheckpointManager reads the saved one.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from megatron_gspo.errors import ConfigError
+
+# "section.key" patterns that may differ between a checkpoint and the job resuming from it.
+MAY_CHANGE: tuple[str, ...] = (
+    # how long, where to, and what is written
+    "train.num_steps", "train.output_dir", "train.tensorboard", "train.log_interval", "train.max_consecutive_skips",
+    "checkpoint.*",
+    # evaluation: its own noise (eval.seed), no routing capture, training bit-identical with it on or off
+    # (a held-out split of a data file changes the training set: the data sampler refuses that itself)
+    "eval.*",
+    # the layout: a checkpoint resumes under any TP / EP / DP; the timeout and the initial seed
+    "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+    "parallel.expert_model_parallel_size", "parallel.expert_tensor_parallel_size", "parallel.sequence_parallel",
+    "parallel.use_distributed_optimizer", "parallel.distributed_timeout_minutes", "parallel.seed",
+    # the same gradient computed in other pieces or with other kernels (float rounding only)
+    "train.micro_batch_size", "train.max_tokens_per_micro_batch", "generation.compact_finished_rows",
+    "generation.decode_impl", "model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers",
+    "model.attention_impl", "model.transformer_impl", "model.moe_token_dispatcher_type", "model.moe_expert_impl",
+    "model.moe_router_fusion", "model.preset",
+    # the supervised warm start runs before step 1 only, never when resuming
+    "train.sft_steps", "train.sft_lr", "train.sft_batch_size",
+)
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    old: Any
+    new: Any
+    why: str  # "may change at resume" | "checkpoint.allow_config_change" | "not in the checkpoint's config"
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.old!r} -> {self.new!r}"
+
+
+def flatten(config: dict) -> dict[str, Any]:
+    """{"section.key": value} of a job's nested dict (mapping-valued keys stay whole values)."""
+    return {f"{section}.{key}": value for section, fields in config.items() if isinstance(fields, dict)
+            for key, value in fields.items()}
+
+
+def allowed(key: str, allow: Iterable[str]) -> bool:
+    """``key`` ("section.key") is named by checkpoint.allow_config_change, itself or by its section."""
+    return any(key == a or key.split(".", 1)[0] == a for a in allow)
+
+
+def compare(saved: dict, current: dict, allow: Iterable[str] = ()) -> tuple[list[Change], list[Change]]:
+    """(accepted, refused) differences between the checkpoint's job ``saved`` and ``current``, both
+    config.to_dict() forms. A key the checkpoint does not have (written by an older version) is
+    accepted; one the current job no longer has is ignored."""
+    allow = list(allow)
+    old, new = flatten(saved), flatten(current)
+    accepted, refused = [], []
+    for key, value in new.items():
+        if key not in old:
+            accepted.append(Change(key, None, value, "not in the checkpoint's config"))
+            continue
+        if old[key] == value:
+            continue
+        if any(fnmatch.fnmatchcase(key, p) for p in MAY_CHANGE):
+            accepted.append(Change(key, old[key], value, "may change at resume"))
+        elif allowed(key, allow):
+            accepted.append(Change(key, old[key], value, "checkpoint.allow_config_change"))
+        else:
+            refused.append(Change(key, old[key], value, "changes the training trajectory"))
+    return accepted, refused
+
+
+def check_resume_config(path: str, saved: dict, current: dict, allow: Iterable[str] = ()) -> list[Change]:
+    """Raise ConfigError naming every difference that changes the trajectory and is not allowed;
+    return the accepted ones (for the log)."""
+    accepted, refused = compare(saved, current, allow)
+    if refused:
+        keys = ",".join(c.key for c in refused)
+        raise ConfigError(
+            f"resuming {path} with a changed config: {'; '.join(map(str, refused))}: "
+            f"{'this changes' if len(refused) == 1 else 'these change'} the training trajectory, so the resumed run "
+            f"would not continue the checkpoint's; resume with the checkpoint's value{'s' if len(refused) > 1 else ''}, "
+            f"or accept the change with checkpoint.allow_config_change=[{keys}]")
+    return accepted
