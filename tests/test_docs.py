@@ -128,6 +128,9 @@ def _known_metrics() -> set[str]:
     from megatron_gspo.rollout_correction import correction_weights, mismatch_metrics
 
     keys |= set(mismatch_metrics(logp, old, mask, 0.5, 2.0))
+    from megatron_gspo.losses import on_policy_metrics
+
+    keys |= {f"loss/{k}" for k in on_policy_metrics(logp, old, mask, metrics)}
     for mode in ("tis", "mis"):
         keys |= set(correction_weights(old, logp, mask, mode, "token", 0.5, 2.0)[1])
     keys.add("eval/pass@k")  # named by eval.k (evaluation.py)
