@@ -35,9 +35,8 @@ import torch
 
 from megatron_gspo import comm
 from megatron_gspo.generation import generate
-from megatron_gspo.logprobs import vocab_parallel_logprobs
 from megatron_gspo.metrics import Metric, MetricAccumulator
-from megatron_gspo.model import forward_logits, input_padding_mask
+from megatron_gspo.model import forward_logprobs, input_padding_mask
 from megatron_gspo.dynamic_sampling import informative_groups, pick_groups
 from megatron_gspo.overlong import loss_mask, overlong_penalty, truncated
 from megatron_gspo.rewards import compute_rewards
@@ -328,10 +327,9 @@ class Rollouts:
             w = batch.widths[i]
             ctx = on_micro_batch(i) if on_micro_batch is not None else contextlib.nullcontext()
             with ctx:
-                logits = forward_logits(model, batch.tokens[sl, : w - 1], padding_mask=pads[i])
-            out[sl, : w - 1], _ = vocab_parallel_logprobs(logits, batch.tokens[sl, 1:w], self.cfg.model.vocab_size,
-                                                          self.state.tp_group, temperature=self.temperature,
-                                                          with_entropy=False)
+                out[sl, : w - 1], _ = forward_logprobs(model, batch.tokens[sl, : w - 1], batch.tokens[sl, 1:w],
+                                                       self.cfg.model.vocab_size, temperature=self.temperature,
+                                                       with_entropy=False, padding_mask=pads[i])
         return out
 
     def metrics(self, batch: RolloutBatch) -> dict:

@@ -40,14 +40,13 @@ from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
 from megatron_gspo.faults import FaultInjection, PreemptionFlag
 from megatron_gspo.hooks import Hooks, TrainerHook
 from megatron_gspo.logger import MetricsLogger, Timer, progress_line, setup_logging
-from megatron_gspo.logprobs import vocab_parallel_logprobs
 from megatron_gspo.losses import batch_normalizer, compute_policy_loss
 from megatron_gspo.metrics import MetricAccumulator
 from megatron_gspo.model import (
     aux_loss_scales,
     build_model,
     finalize_grads,
-    forward_logits,
+    forward_logprobs,
     model_summary,
     set_aux_loss_scale,
     wrap_ddp,
@@ -245,9 +244,9 @@ class Trainer:
         bad_rows: list[str] = []
         for j, micro in enumerate(micros):
             with self.routing.train_pass(mini[j]):
-                logits = forward_logits(self.ddp, micro.tokens[:, :-1], padding_mask=pad_masks[j])
-                logp, ent = vocab_parallel_logprobs(logits, micro.tokens[:, 1:], cfg.model.vocab_size,
-                                                    st.tp_group, temperature=self.rollouts.temperature)
+                # log-probs from the final hidden states, output layer fused in: no [b, s, V] logits
+                logp, ent = forward_logprobs(self.ddp, micro.tokens[:, :-1], micro.tokens[:, 1:], cfg.model.vocab_size,
+                                             temperature=self.rollouts.temperature, padding_mask=pad_masks[j])
                 ratio = torch.where(micro.mask, logp.detach() - micro.old_logprobs, 0.0)
                 bad_rows += [micro.sample_ids[r] for r in torch.nonzero(~ratio.isfinite().all(-1)).flatten().tolist()]
                 # rollout correction: pi_old / pi_rollout weights (None when off; all 1.0 when the old
