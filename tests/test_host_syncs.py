@@ -53,3 +53,49 @@ def test_trainer_minibatch_makes_one_guard_sync(tmp_path, minibatches):
             trainer.train_on(batch)
     assert syncs.total("megatron_gspo/trainer.py") == 0, syncs.by_site("megatron_gspo/trainer.py")
     assert syncs.total("megatron_gspo/comm.py") == minibatches, syncs.by_site("megatron_gspo/comm.py")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from megatron_gspo import parallel
+    from megatron_gspo.config import ParallelConfig, model_config_from_preset
+    from megatron_gspo.model import build_model
+
+    cfg = model_config_from_preset("tiny", vocab_size=100)
+    par = ParallelConfig(seed=5)
+    st = parallel.initialize(cfg, par)
+    yield build_model(cfg, par, st), st
+    parallel.destroy()
+
+
+@pytest.mark.parametrize("stops", [False, True], ids=["full-length", "stop-tokens-compaction"])
+def test_decode_loop_syncs_every_few_tokens_only(tiny_model, stops):
+    """generate() on the lean decoder with an R3 route recorder: the marginal host syncs per decode
+    step (2 x 4 + ... tokens vs 4) are the finished-row check every 4 tokens and nothing else; the
+    decode step (MoE layers included), the sampler and the recorder make none."""
+    from megatron_gspo.generation import GenerationConfig, generate
+    from megatron_gspo.routing.rollout_routes import RolloutRecorder
+
+    model, st = tiny_model
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    rec = RolloutRecorder(model)
+    counts, forwards = {}, {}
+    try:
+        for n in (4, 20):
+            cfg = GenerationConfig(max_new_tokens=n, n_samples_per_prompt=4, finished_check_interval=4,
+                                   ignore_eos=not stops, stop_token_ids=[3, 5, 7, 11, 13] if stops else [],
+                                   compact_finished_rows=0.25, seed=2)
+            with rec.recording(), HostSyncCounter() as syncs:
+                out = generate(model, prompts, cfg, vocab_size=100, state=st, on_forward=rec.on_forward)
+            rec.finish(out)  # the routes are complete and consistent (checked there)
+            counts[n], forwards[n] = syncs, out.num_forwards
+    finally:
+        rec.close()
+    if stops:
+        assert out.response_lengths.min() < 8 and out.decode_row_steps < 16 * 19  # rows left the batch
+    steps = forwards[20] - forwards[4]
+    assert steps >= 8
+    per_step = (counts[20].total() - counts[4].total()) / steps
+    assert per_step <= 1 / 4, counts[20].by_site()
+    for f in ("decode.py", "decode_backends.py", "sampling.py", "rollout_routes.py"):
+        assert counts[20].total(f"megatron_gspo/{f}") == counts[4].total(f"megatron_gspo/{f}"), (f, counts[20].by_site(f))
