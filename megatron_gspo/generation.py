@@ -4,7 +4,14 @@ Rollouts are sampled by the very ``GPTModel`` that is trained (same weights, sam
 TP/EP sharding), so the sampling log-probs are the training policy's log-probs up to the
 floating-point noise of a KV-cache forward versus a full forward (tested below 1e-5 in fp32).
 
-KV cache
+The loop and its forward back-ends
+    ``generate`` is the sampling loop: prefill, then per step record the sampled tokens, check the
+    finished rows every few tokens, feed the rows still generating. The model forwards sit behind
+    one interface (decode_backends.py): the lean decoder (decode.py: the model's own modules, a KV
+    cache of roped keys, device-side MoE dispatch, a graph-ready step that ``generation.cuda_graphs``
+    captures with CUDA graphs) where it supports the layout, else megatron's own path below.
+
+KV cache (megatron's path)
     megatron-core's own ``StaticInferenceContext`` is passed as ``inference_context=`` to
     ``GPTModel.forward``: every attention layer allocates its [max_len, batch, kv_heads, head_dim]
     key/value buffers in ``key_value_memory_dict`` on the first (prefill) forward and appends at
@@ -65,16 +72,19 @@ Tensor parallelism
 Expert parallelism / lockstep
     With the allgather dispatcher each MoE forward is a collective over TP x EP ranks that needs
     the same [b, s] on every rank. Under EP>1 the batch size and prompt block are all-reduced
-    (MAX) over the world first, short batches get dummy rows (never returned), and after every
-    step a "some row is still generating" flag is all-reduced, so a rank whose rows all finished
-    keeps stepping (feeding pad tokens) until every rank is done. Without EP the flag is
+    (MAX) over the world first, short batches get dummy rows (never returned), and at every check of
+    the finished rows a "rows still generating" count is all-reduced, so a rank whose rows all
+    finished keeps stepping (feeding pad tokens) until every rank is done. Without EP the count is
     all-reduced over the TP group only (on one rank there is no collective at all).
 
 Cost
     Runs under ``torch.no_grad`` (not ``inference_mode``: megatron's global memory buffers created
     here are reused by training, where inference tensors would be refused). Per decode step: one
-    forward of one token per row, one [b, V] logits gather under TP, a [2, b] broadcast under TP and
-    a one-element flag all-reduce under TP/EP. The explicit prefill mask is [b, 1, P, P] bool,
+    forward of one token per row, one [b, V] logits gather under TP, a [2, b] broadcast under TP; every
+    ``generation.finished_check_interval`` tokens (auto: 1 on the CPU, 4 on CUDA) the one host sync
+    of the loop, the finished-row count (a one-element all-reduce under TP/EP): the rows that finish
+    in between are fed pad tokens until it (at most interval - 1 wasted forwards at the end, results
+    unchanged). The lean step itself makes no host sync. The explicit prefill mask is [b, 1, P, P] bool,
     small next to the local attention's own [b, heads, P, P] scores. megatron's static path
     re-rotates the cached keys each step (it caches keys before RoPE).
 
@@ -89,7 +99,10 @@ Routing replay (R3) and routing metrics
     is fed its last token once, then ``pad_token_id``) and, under EP, dummy rows, which are the
     last rows of the batch (rows >= B = len(prompts) x n_samples_per_prompt). ``rows`` names the
     batch positions of that forward: None for all B rows in order, else (after finished rows left the
-    decode batch) the original row index of each position.
+    decode batch) the original row index of each position. A callback that accepts a ``routes``
+    keyword gets the forward's top-k expert ids [L, b, t, k] from back-ends that compute them (the
+    lean decoder: no router hook runs in a replayed graph), ``routes=None`` otherwise (megatron's
+    path: the routers' forward hooks saw them).
 
 Finished rows (``generation.compact_finished_rows``)
     A static batch decodes every row until its longest one ends: with long-tailed response lengths
