@@ -36,6 +36,7 @@ import torch
 from megatron_gspo import comm
 from megatron_gspo.generation import generate
 from megatron_gspo.metrics import Metric, MetricAccumulator
+from megatron_gspo.oom import explain_oom
 from megatron_gspo.model import forward_logprobs, input_padding_mask
 from megatron_gspo.dynamic_sampling import informative_groups, pick_groups
 from megatron_gspo.overlong import loss_mask, overlong_penalty, truncated
@@ -220,7 +221,9 @@ class Rollouts:
         prompts = self.sampler.next_batch()  # 1. the same P prompts on every rank
         G = self.gen_cfg.n_samples_per_prompt
         mine = [prompts[g // G] for g in rows]
-        with self.timer("generate"), self.routing.generating():  # 3.
+        shapes = (f"{len(mine)} rows, prompts up to {max(len(p.ids) for p in mine)} tokens + "
+                  f"{self.gen_cfg.max_new_tokens} new")
+        with self.timer("generate"), self.routing.generating(), explain_oom("generation", cfg, st, shapes):  # 3.
             out = generate(self.model, [p.ids for p in mine], self.row_gen_cfg, vocab_size=cfg.model.vocab_size,
                            state=st, seed=self.sampling_seed(step), row_keys=[rnd * R + g for g in rows],
                            on_forward=self.routing.on_generation_forward)
@@ -326,7 +329,8 @@ class Rollouts:
         for i, sl in enumerate(batch.micro):
             w = batch.widths[i]
             ctx = on_micro_batch(i) if on_micro_batch is not None else contextlib.nullcontext()
-            with ctx:
+            shapes = f"micro-batch of {sl.stop - sl.start} rows x {w - 1} tokens"
+            with ctx, explain_oom("old_logprobs", self.cfg, self.state, shapes):
                 out[sl, : w - 1], _ = forward_logprobs(model, batch.tokens[sl, : w - 1], batch.tokens[sl, 1:w],
                                                        self.cfg.model.vocab_size, temperature=self.temperature,
                                                        with_entropy=False, padding_mask=pads[i])

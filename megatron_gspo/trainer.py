@@ -42,6 +42,7 @@ from megatron_gspo.hooks import Hooks, TrainerHook
 from megatron_gspo.logger import MetricsLogger, Timer, progress_line, setup_logging
 from megatron_gspo.losses import batch_normalizer, compute_policy_loss
 from megatron_gspo.metrics import MetricAccumulator
+from megatron_gspo.oom import explain_oom
 from megatron_gspo.model import (
     aux_loss_scales,
     build_model,
@@ -245,7 +246,8 @@ class Trainer:
         self.optimizer.zero_grad()
         bad_rows: list[tuple[list, torch.Tensor]] = []
         for j, micro in enumerate(micros):
-            with self.routing.train_pass(mini[j]):
+            shape = f"micro-batch of {micro.tokens.shape[0]} rows x {micro.tokens.shape[1] - 1} tokens"
+            with explain_oom("training", cfg, st, shape), self.routing.train_pass(mini[j]):
                 # log-probs from the final hidden states, output layer fused in: no [b, s, V] logits
                 logp, ent = forward_logprobs(self.ddp, micro.tokens[:, :-1], micro.tokens[:, 1:], cfg.model.vocab_size,
                                              temperature=self.rollouts.temperature, padding_mask=pad_masks[j])
@@ -262,7 +264,7 @@ class Trainer:
                 if measure_rollout_gap:  # generation ran on these weights: float noise, or a real mismatch
                     metrics.update(mismatch_metrics(logp, micro.sample_logprobs, micro.mask, *rc.bounds))
             set_aux_loss_scale(scales[j], st.device)
-            with self.routing.backward():
+            with explain_oom("training", cfg, st, "backward of the " + shape), self.routing.backward():
                 loss.backward()
             acc.add(metrics)
         finalize_grads(self.ddp, st)
