@@ -178,6 +178,21 @@ def plan_micro_batches(seq_lengths: list[int], num_minibatches: int, micro_batch
     return perm, plan, widths
 
 
+def agreed_length_profile(seq_lengths: list[int], num_minibatches: int, device: torch.device, group=None) -> list[int]:
+    """The micro-batch plan's lengths under expert parallelism, the same on every rank.
+
+    Every MoE forward is a collective over the TP x EP ranks and needs the same [rows, width] on each,
+    but a token budget cuts each rank's rows by their own lengths. Each rank sorts every minibatch's
+    rows longest first (as plan_micro_batches does); the profile is, at each position of that order,
+    the longest length any rank has there (one MAX all-reduce). Planned on the profile, every rank
+    gets the same micro-batches of the same widths, its own row at each position fits (it is no
+    longer than the profile's), and rows x width stays within the budget."""
+    per = len(seq_lengths) // num_minibatches
+    local = [x for k in range(num_minibatches) for x in sorted(seq_lengths[k * per:(k + 1) * per], reverse=True)]
+    t = torch.tensor(local, dtype=torch.long, device=device)
+    return comm.all_reduce(t, "max", group, what="micro-batch plan: sorted lengths (EP lockstep)").tolist()
+
+
 def micro_batch_slices(num_rows: int, num_minibatches: int, micro_batch_size: int) -> list[list[slice]]:
     """Rows of each minibatch, split into micro-batches of at most ``micro_batch_size``.
 
@@ -288,7 +303,13 @@ class Rollouts:
         sp = st.tp if st.sequence_parallel else 1
         perm, plan, widths = plan_micro_batches(seq_lengths.tolist(), t.num_minibatches, t.micro_batch_size,
                                                 t.max_tokens_per_micro_batch, sp)
-        if st.ep > 1:
+        if st.ep > 1 and t.max_tokens_per_micro_batch is not None:
+            # a token budget cuts each rank's rows its own way: plan once, on the longest length at
+            # each rank of the sorted order over every rank, so all ranks run the same shapes
+            _, plan, widths = plan_micro_batches(agreed_length_profile(seq_lengths.tolist(), t.num_minibatches, dev),
+                                                 t.num_minibatches, t.micro_batch_size,
+                                                 t.max_tokens_per_micro_batch, sp)
+        elif st.ep > 1:
             agreed = torch.tensor(widths, dtype=torch.long, device=dev)
             widths = comm.all_reduce(agreed, "max", None, what="micro-batch widths (EP lockstep)").tolist()
         T = max(max(widths), out.tokens.shape[1])

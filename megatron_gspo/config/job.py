@@ -73,13 +73,9 @@ class JobConfig:
               "always has equal rewards and would always be dropped")
         budget = t.max_tokens_per_micro_batch
         if budget is not None:
+            # (under expert parallelism the ranks agree one plan: rollout.agreed_length_profile)
             check(budget >= need, f"train.max_tokens_per_micro_batch={budget} cannot hold one row of up to "
                                   f"data.max_prompt_length + generation.max_new_tokens = {need} tokens")
-            # each rank then cuts its rows into its own number of micro-batches, but under expert
-            # parallelism every MoE forward is a collective that needs the same shapes on every rank
-            check(self.parallel.expert_model_parallel_size == 1,
-                  "train.max_tokens_per_micro_batch needs parallel.expert_model_parallel_size=1 (every expert-"
-                  "parallel rank must run the same micro-batch shapes); use train.micro_batch_size with EP")
 
 
 def load_job_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> JobConfig:
