@@ -310,7 +310,7 @@ def parse_args(argv=None):
     for v in (args.json, args.baseline_repo):
         if v and v in args.passthrough:
             args.passthrough.remove(v)
-    if ("baseline" in args.sides) != bool(args.baseline_repo):
+    if not args.worker and ("baseline" in args.sides) != bool(args.baseline_repo):
         p.error("--sides ...,baseline and --baseline-repo go together")
     return args
 
