@@ -6,6 +6,8 @@ From the repository root, with the package installed (``pip install -e .``), as 
     python benchmarks/run.py                          # the issue's CPU config, fp32 (a few minutes)
     python benchmarks/run.py --smoke --json out.json  # tiny config, 1 iteration (the test)
     python benchmarks/run.py --device cuda --precision bf16 [--impl transformer_engine] [--fp8 e4m3]
+    python benchmarks/run.py --device cuda --shape 2b-proxy --no-hf --expert-impls auto   # GPU-sized
+    python benchmarks/run.py --device cuda --shape 30b-cut --layers 2 --expert-impls auto  # 30B at full width
 
 Measured, for our model (megatron-core GPTModel, local spec; every --expert-impls variant, default
 "batched" = megatron_gspo.experts and megatron's "sequential") and for transformers (its defaults:
@@ -24,6 +26,16 @@ sdpa attention, grouped_mm experts), interleaved iteration by iteration so both 
 * generation     KV-cache greedy generation, same prompts: megatron_gspo.generation.generate vs
                  transformers generate(use_cache=True, min_new_tokens=max_new_tokens); both produce
                  batch x gen_new tokens; tokens/s counts generated tokens (prefill time included).
+
+* decode step     our sampled generation at a rollout-sized batch (--decode-rows x --decode-new, no stop
+                 token), per decode step without the prefill, against its weight-read floor: the bytes a
+                 step must read (flops.decode_bytes_per_step) at the device's measured copy bandwidth;
+                 --cuda-graphs captures the step (generation.cuda_graphs).
+
+Shapes (--shape): "cpu" (the default, the issue's CPU benchmark model), "2b-proxy" (qwen3-moe-2b-proxy,
+vocabulary 151936) and "30b-cut" (Qwen3-30B-A3B at full width, --layers layers); the GPU shapes
+default to 16 x 576-token training rows and 256 decode rows x 64 new tokens (the H100 run of issue
+23), no sweep, no profile; --no-hf measures ours alone (the two models may not fit one device).
 
 Plus (full runs): the log-prob memory benchmark (chunked vocab-parallel log-probs vs the naive fp32
 log_softmax of bf16 logits, vocab 151936 x 8192 tokens, peak RSS in subprocesses) and a scaling
@@ -68,6 +80,9 @@ DEFAULT_MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_q
 SMOKE_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                    kv_channels=16, vocab_size=128, num_moe_experts=4, moe_router_topk=2,
                    moe_ffn_hidden_size=32, max_position_embeddings=128, rotary_base=10_000.0)
+# GPU-sized shapes (--shape): the 2B proxy of Qwen3-30B-A3B, or the 30B itself at full width cut to
+# --layers layers (its output layer and vocabulary 151936 included)
+GPU_SHAPES = {"2b-proxy": ("qwen3-moe-2b-proxy", {}), "30b-cut": ("qwen3-30b-a3b", {})}
 SWEEP_BATCH = [1, 2, 4, 8]      # at the default sequence length
 SWEEP_SEQ = [64, 128, 256, 512]  # at the default batch size
 LPMEM_VOCAB, LPMEM_TOKENS = 151936, 8192
@@ -108,12 +123,20 @@ def time_interleaved(fns: dict[str, Callable[[], object]], warmup: int, iters: i
 
 
 def model_config(args):
-    from megatron_gspo.config import ModelConfig
+    from megatron_gspo.config import ModelConfig, model_config_from_preset
 
+    longest = max([args.seq + 1, args.gen_prompt + max(args.gen_new, args.decode_new)]
+                  + ([max(SWEEP_SEQ) + 1] if args.scaling else []))
+    if args.shape != "cpu":
+        preset, extra = GPU_SHAPES[args.shape]
+        kw = dict(extra, precision=args.precision, transformer_impl=args.impl, fp8=args.fp8)
+        if args.layers:
+            kw["num_layers"] = args.layers
+        cfg = model_config_from_preset(preset, **kw)
+        return dataclasses.replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, longest))
     base = SMOKE_MODEL if args.smoke else DEFAULT_MODEL
     kw = dict(base, precision=args.precision, transformer_impl=args.impl, fp8=args.fp8)
-    kw["max_position_embeddings"] = max(kw["max_position_embeddings"], max(
-        [args.seq + 1, args.gen_prompt + args.gen_new] + ([max(SWEEP_SEQ) + 1] if args.scaling else [])))
+    kw["max_position_embeddings"] = max(kw["max_position_embeddings"], longest)
     return ModelConfig(**kw)
 
 
@@ -173,14 +196,13 @@ def _parallel_config(device: str):
 
 
 def ours_logprob_fn(model, tokens, vocab_size: int):
-    """The trainer's old-policy pass on one micro-batch (what rollout.compute_logprobs runs)."""
-    from megatron_gspo.logprobs import vocab_parallel_logprobs
-    from megatron_gspo.model import forward_logits
+    """The trainer's old-policy pass on one micro-batch (what Rollouts.logprobs runs: the log-probs
+    from the final hidden states, output layer fused in)."""
+    from megatron_gspo.model import forward_logprobs
 
     @torch.no_grad()
     def fn():
-        logits = forward_logits(model, tokens[:, :-1])
-        return vocab_parallel_logprobs(logits, tokens[:, 1:], vocab_size, None, with_entropy=False)[0]
+        return forward_logprobs(model, tokens[:, :-1], tokens[:, 1:], vocab_size, with_entropy=False)[0]
 
     return fn
 
@@ -203,8 +225,7 @@ def _autocast(device_type: str, on: bool):
 
 def ours_trainer(model, state, cfg):
     """A step function tokens -> None over one DDP wrapper and one megatron optimizer."""
-    from megatron_gspo.logprobs import vocab_parallel_logprobs
-    from megatron_gspo.model import finalize_grads, forward_logits, wrap_ddp
+    from megatron_gspo.model import finalize_grads, forward_logprobs, wrap_ddp
     from megatron_gspo.optim import OptimizerConfig, build_optimizer, optimizer_step
 
     ddp = wrap_ddp(model, state)
@@ -213,8 +234,7 @@ def ours_trainer(model, state, cfg):
     def step(tokens):
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        logits = forward_logits(ddp, tokens[:, :-1])
-        lp, _ = vocab_parallel_logprobs(logits, tokens[:, 1:], cfg.vocab_size, None, with_entropy=False)
+        lp, _ = forward_logprobs(ddp, tokens[:, :-1], tokens[:, 1:], cfg.vocab_size, with_entropy=False)
         (-lp.mean()).backward()
         finalize_grads(ddp, state)
         return optimizer_step(opt, state.device)
@@ -416,8 +436,9 @@ def run_benchmark(args) -> dict:
         "machine": machine_info(device),
         "torch_threads": torch.get_num_threads(),
         "load_avg_start": load_avg(),
-        "config": {"model": dataclasses.asdict(cfg), "batch": args.batch, "seq": args.seq,
-                   "gen_prompt": args.gen_prompt, "gen_new": args.gen_new, "warmup": args.warmup,
+        "config": {"model": dataclasses.asdict(cfg), "shape": args.shape, "batch": args.batch, "seq": args.seq,
+                   "gen_prompt": args.gen_prompt, "gen_new": args.gen_new, "decode_rows": args.decode_rows,
+                   "decode_new": args.decode_new, "warmup": args.warmup,
                    "iters": args.iters, "smoke": args.smoke, "expert_impls": impls,
                    "transformer_impl": resolve_impl(cfg, torch.device(device)), "precision": cfg.precision,
                    "fp8": cfg.fp8},
@@ -425,15 +446,19 @@ def run_benchmark(args) -> dict:
         "peak_flops": peak,
     }
     state = parallel.initialize(cfg, _parallel_config(device))
-    with tempfile.TemporaryDirectory() as work:
-        hf = build_hf(cfg, args.seed)
-        ckpt = convert_weights(hf, cfg, work)
-        ours = {i: build_ours(cfg, state, ckpt, i) for i in impls}
-    hf = hf.to(device)
-    hf_infer = hf if cfg.precision == "fp32" else _bf16_copy(hf)
-    result["hf_impl"] = {"attn_implementation": hf.config._attn_implementation,
-                         "experts_implementation": getattr(hf.config, "_experts_implementation", None),
-                         "training": "fp32 params + autocast bf16" if autocast else "fp32"}
+    hf = hf_infer = None
+    if args.no_hf:  # ours alone, weights drawn from the seed (GPU-sized shapes: both sides may not fit)
+        ours = {i: build_ours(cfg, state, None, i) for i in impls}
+    else:
+        with tempfile.TemporaryDirectory() as work:
+            hf = build_hf(cfg, args.seed)
+            ckpt = convert_weights(hf, cfg, work)
+            ours = {i: build_ours(cfg, state, ckpt, i) for i in impls}
+        hf = hf.to(device)
+        hf_infer = hf if cfg.precision == "fp32" else _bf16_copy(hf)
+        result["hf_impl"] = {"attn_implementation": hf.config._attn_implementation,
+                             "experts_implementation": getattr(hf.config, "_experts_implementation", None),
+                             "training": "fp32 params + autocast bf16" if autocast else "fp32"}
 
     g = torch.Generator().manual_seed(args.seed + 1)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g).to(device)
@@ -441,10 +466,11 @@ def run_benchmark(args) -> dict:
     n_tok = args.batch * args.seq
 
     # same weights: compare the log-probs of the two implementations
-    lp_ref = hf_logprob_fn(hf_infer, tokens, autocast=False)()
-    result["weights_check"] = {
-        f"logprob_max_abs_diff_{i}_vs_hf": float((ours_logprob_fn(m, tokens, cfg.vocab_size)() - lp_ref).abs().max())
-        for i, m in ours.items()}
+    if hf is not None:
+        lp_ref = hf_logprob_fn(hf_infer, tokens, autocast=False)()
+        result["weights_check"] = {
+            f"logprob_max_abs_diff_{i}_vs_hf": float((ours_logprob_fn(m, tokens, cfg.vocab_size)() - lp_ref).abs().max())
+            for i, m in ours.items()}
 
     sections = {}
     # 0. the expert layer alone (the implementations of megatron_gspo.experts)
@@ -452,7 +478,8 @@ def run_benchmark(args) -> dict:
 
     # 1. log-prob pass
     fns = {f"ours_{i}": ours_logprob_fn(m, tokens, cfg.vocab_size) for i, m in ours.items()}
-    fns["hf"] = hf_logprob_fn(hf_infer, tokens, autocast=False)
+    if hf is not None:
+        fns["hf"] = hf_logprob_fn(hf_infer, tokens, autocast=False)
     t = time_interleaved(fns, args.warmup, args.iters, device)
     f_lp = flops_per_token(cfg, args.seq, training=False) * n_tok
     sections["logprob_pass"] = {k: summarize(v, n_tok, f_lp, peak) for k, v in t.items()}
@@ -470,7 +497,8 @@ def run_benchmark(args) -> dict:
         for i in ours:
             sections["logprob_pass"][f"ours_{i}"]["peak_memory"] = run_probe(
                 common + ["--probe-side", "ours", "--probe-expert-impl", i], args.threads)
-        sections["logprob_pass"]["hf"]["peak_memory"] = run_probe(common + ["--probe-side", "hf"], args.threads)
+        if hf is not None:
+            sections["logprob_pass"]["hf"]["peak_memory"] = run_probe(common + ["--probe-side", "hf"], args.threads)
 
     # 2. generation
     gen_out: dict[str, dict] = {}
@@ -478,19 +506,25 @@ def run_benchmark(args) -> dict:
     for i, m in ours.items():
         gen_out[f"ours_{i}"] = {}
         fns[f"ours_{i}"] = ours_generate_fn(m, prompts, args.gen_new, cfg.vocab_size, gen_out[f"ours_{i}"])
-    gen_out["hf"] = {}
-    fns["hf"] = hf_generate_fn(hf_infer, prompts, args.gen_new, gen_out["hf"], autocast=False)
+    if hf is not None:
+        gen_out["hf"] = {}
+        fns["hf"] = hf_generate_fn(hf_infer, prompts, args.gen_new, gen_out["hf"], autocast=False)
     t = time_interleaved(fns, args.warmup, args.iters, device)
     n_gen = args.batch * args.gen_new
     f_gen = generation_flops(cfg, args.gen_prompt, args.gen_new, args.batch)
     sections["generation"] = {k: summarize(v, n_gen, f_gen, peak) for k, v in t.items()}
     for k, o in gen_out.items():
         assert o["generated"] == n_gen, f"{k} generated {o['generated']} tokens, expected {n_gen}"
-        sections["generation"][k]["greedy_token_match_vs_hf"] = float((o["tokens"] == gen_out["hf"]["tokens"]).float().mean())
+        if hf is not None:
+            sections["generation"][k]["greedy_token_match_vs_hf"] = float((o["tokens"] == gen_out["hf"]["tokens"]).float().mean())
+
+    # 2b. the decode step at a rollout-sized batch against the weight-read floor (ours, sampling)
+    result["decode_step"] = decode_step_bench(args, cfg, ours[impls[0]], device)
 
     # 3. training step (last: it updates the weights)
     steps = {f"ours_{i}": ours_trainer(m, state, cfg) for i, m in ours.items()}
-    steps["hf"] = hf_trainer(hf, autocast)
+    if hf is not None:
+        steps["hf"] = hf_trainer(hf, autocast)
     fns = {k: (lambda st=st: st(tokens)) for k, st in steps.items()}
     t = time_interleaved(fns, args.warmup, args.iters, device)
     f_tr = flops_per_token(cfg, args.seq) * n_tok
@@ -499,15 +533,20 @@ def run_benchmark(args) -> dict:
     if args.profile:
         first = f"ours_{impls[0]}"
         prof_fns = {
-            f"train_step/{first}": lambda: steps[first](tokens), "train_step/hf": lambda: steps["hf"](tokens),
+            f"train_step/{first}": lambda: steps[first](tokens),
             f"logprob_pass/{first}": ours_logprob_fn(ours[impls[0]], tokens, cfg.vocab_size),
-            "logprob_pass/hf": hf_logprob_fn(hf_infer, tokens, autocast=False),
             f"generation/{first}": ours_generate_fn(ours[impls[0]], prompts, args.gen_new, cfg.vocab_size, {}),
-            "generation/hf": hf_generate_fn(hf_infer, prompts, args.gen_new, {}, autocast=False),
         }
+        if hf is not None:
+            prof_fns.update({
+                "train_step/hf": lambda: steps["hf"](tokens),
+                "logprob_pass/hf": hf_logprob_fn(hf_infer, tokens, autocast=False),
+                "generation/hf": hf_generate_fn(hf_infer, prompts, args.gen_new, {}, autocast=False)})
         result["profile"] = profile_passes(prof_fns)
 
     for sec in sections.values():
+        if "hf" not in sec:
+            continue
         hf_tps = sec["hf"]["tokens_per_s"]
         sec["ratio_vs_hf"] = {k: v["tokens_per_s"] / hf_tps for k, v in sec.items() if k.startswith("ours_")}
         sec["ratio_vs_hf_cpu_time"] = {k: v["tokens_per_cpu_s"] / sec["hf"]["tokens_per_cpu_s"]
@@ -531,6 +570,53 @@ def run_benchmark(args) -> dict:
     result["load_avg_end"] = load_avg()
     parallel.destroy()
     return result
+
+
+def copy_bandwidth(device: str, nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Measured memory bandwidth of this device, bytes/s: a large tensor copy (read + write)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    return 2 * nbytes * reps / (time.perf_counter() - t0)
+
+
+def decode_step_bench(args, cfg, model, device: str) -> dict:
+    """Our decode step at --decode-rows rows x --decode-new sampled tokens (temperature 1, no stop
+    token, the default decode path; --cuda-graphs captures it), per step excluding the prefill,
+    against the weight-read floor: the bytes a step must read (flops.decode_bytes_per_step: every dense
+    weight, the experts any row routes to, the KV cache) at the device's measured copy bandwidth."""
+    from megatron_gspo.flops import decode_bytes_per_step
+    from megatron_gspo.generation import GenerationConfig, generate
+
+    g = torch.Generator().manual_seed(args.seed + 2)
+    prompts = torch.randint(0, cfg.vocab_size, (args.decode_rows, args.gen_prompt), generator=g).tolist()
+    gcfg = GenerationConfig(max_new_tokens=args.decode_new, temperature=1.0, n_samples_per_prompt=1, ignore_eos=True,
+                            stop_token_ids=[], pad_token_id=0, seed=1, cuda_graphs=args.cuda_graphs)
+    steps, wall, cpu = [], [], []
+    for i in range(args.warmup + args.iters):
+        sync(device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = generate(model, prompts, gcfg, vocab_size=cfg.vocab_size)
+        sync(device)
+        if i >= args.warmup:
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+            steps.append((out.elapsed_s - out.prefill_s) / max(1, out.num_forwards - 1))
+    step_s = statistics.median(steps)
+    bpp = 2 if cfg.precision == "bf16" else 4
+    need = decode_bytes_per_step(cfg, args.decode_rows, args.gen_prompt + args.decode_new / 2, bpp)
+    bw = copy_bandwidth(device)
+    floor_s = need["total"] / bw
+    return {"rows": args.decode_rows, "prompt": args.gen_prompt, "new_tokens": args.decode_new,
+            "cuda_graphs": args.cuda_graphs, "step_ms_median": 1e3 * step_s, "step_ms_all": [1e3 * x for x in steps],
+            "call_s_median": statistics.median(wall), "call_cpu_s_median": statistics.median(cpu),
+            "tokens_per_s": args.decode_rows / step_s, "bytes_per_step": need, "copy_bandwidth_gb_s": bw / 1e9,
+            "floor_ms": 1e3 * floor_s, "step_over_floor": step_s / floor_s}
 
 
 def expert_layer_bench(args, cfg, ours: dict, device: str) -> dict:
@@ -680,7 +766,8 @@ def _fmt_bytes(n: Optional[float]) -> str:
 
 def format_table(res: dict) -> str:
     secs = res["results"]
-    sides = [k for k in secs["train_step"] if k.startswith("ours_")] + ["hf"]
+    has_hf = "hf" in secs["train_step"]
+    sides = [k for k in secs["train_step"] if k.startswith("ours_")] + (["hf"] if has_hf else [])
     names = {k: (k.replace("ours_", "ours (") + ")" if k.startswith("ours_") else "transformers") for k in sides}
     rate = "TFLOP/s per GPU" if res["machine"]["device"] == "cuda" else "GFLOP/s"
     scale = 1.0 if res["machine"]["device"] == "cuda" else 1e3
@@ -689,19 +776,27 @@ def format_table(res: dict) -> str:
     for sec, label in (("train_step", "train step"), ("logprob_pass", "log-prob pass"), ("generation", "generation")):
         d = secs[sec]
         lines.append(f"{label + ' tokens/s':<28}" + "".join(f"{d[s]['tokens_per_s']:>22.1f}" for s in sides))
-        lines.append(f"{'  ratio vs transformers':<28}" + "".join(
-            f"{(d['ratio_vs_hf'][s] if s != 'hf' else 1.0):>21.2f}x" for s in sides))
-        lines.append(f"{'  ratio, by CPU time':<28}" + "".join(
-            f"{(d['ratio_vs_hf_cpu_time'][s] if s != 'hf' else 1.0):>21.2f}x" for s in sides))
+        if has_hf:
+            lines.append(f"{'  ratio vs transformers':<28}" + "".join(
+                f"{(d['ratio_vs_hf'][s] if s != 'hf' else 1.0):>21.2f}x" for s in sides))
+            lines.append(f"{'  ratio, by CPU time':<28}" + "".join(
+                f"{(d['ratio_vs_hf_cpu_time'][s] if s != 'hf' else 1.0):>21.2f}x" for s in sides))
         lines.append(f"{'  ' + rate:<28}" + "".join(f"{d[s]['tflops_per_device'] * scale:>22.2f}" for s in sides))
-        if d["hf"].get("mfu") is not None:
+        if d[sides[0]].get("mfu") is not None:
             lines.append(f"{'  MFU':<28}" + "".join(f"{100 * d[s]['mfu']:>21.1f}%" for s in sides))
-        if "peak_memory" in d["hf"]:
+        if "peak_memory" in d[sides[0]]:
             lines.append(f"{'  peak memory (above model)':<28}" + "".join(
                 f"{_fmt_bytes(d[s]['peak_memory']['peak_bytes']):>22}" for s in sides))
-        if sec == "generation":
+        if sec == "generation" and has_hf:
             lines.append(f"{'  greedy tokens = HF':<28}" + "".join(
                 f"{100 * d[s]['greedy_token_match_vs_hf']:>21.1f}%" for s in sides))
+    if res.get("decode_step"):
+        d = res["decode_step"]
+        lines.append("")
+        lines.append(f"decode step, {d['rows']} rows (prompt {d['prompt']}, {d['new_tokens']} sampled tokens, cuda graphs "
+                     f"{'on' if d['cuda_graphs'] else 'off'}): {d['step_ms_median']:.2f} ms/step, {d['tokens_per_s']:.0f} "
+                     f"tok/s; weight-read floor {d['floor_ms']:.3f} ms ({_fmt_bytes(d['bytes_per_step']['total'])} at "
+                     f"{d['copy_bandwidth_gb_s']:.1f} GB/s measured copy bandwidth): {d['step_over_floor']:.1f}x the floor")
     if res.get("expert_layer"):
         lines.append("")
         for shape, d in res["expert_layer"].items():
@@ -721,7 +816,8 @@ def format_table(res: dict) -> str:
                      f"{_fmt_bytes(m['chunked']['peak_bytes'])} ({m['chunked']['seconds']:.2f} s), naive fp32 log_softmax "
                      f"{_fmt_bytes(m['naive']['peak_bytes'])} ({m['naive']['seconds']:.2f} s): ratio {m['ratio_chunked_vs_naive']:.4f}")
     lines.append("")
-    lines.append(f"weights check (max |logp ours - logp HF|): " + ", ".join(f"{k}: {v:.2e}" for k, v in res["weights_check"].items()))
+    if "weights_check" in res:
+        lines.append(f"weights check (max |logp ours - logp HF|): " + ", ".join(f"{k}: {v:.2e}" for k, v in res["weights_check"].items()))
     lines.append(f"threads {res['torch_threads']}, load average start {res['load_avg_start']} end {res['load_avg_end']}")
     return "\n".join(lines)
 
@@ -729,7 +825,8 @@ def format_table(res: dict) -> str:
 def format_markdown(res: dict) -> str:
     """The result as the Markdown tables of docs/performance.md."""
     secs = res["results"]
-    sides = [k for k in secs["train_step"] if k.startswith("ours_")] + ["hf"]
+    has_hf = "hf" in secs["train_step"]
+    sides = [k for k in secs["train_step"] if k.startswith("ours_")] + (["hf"] if has_hf else [])
     names = {k: (f"ours, {k[5:]} experts" if k.startswith("ours_") else "transformers") for k in sides}
     cuda = res["machine"]["device"] == "cuda"
     out = ["| pass | " + " | ".join(names[s] for s in sides) + " |", "|---" * (len(sides) + 1) + "|"]
@@ -739,7 +836,7 @@ def format_markdown(res: dict) -> str:
         cells = []
         for s in sides:
             c = f"{d[s]['tokens_per_s']:.0f} tok/s"
-            if s != "hf":
+            if s != "hf" and has_hf:
                 c += f" (**{d['ratio_vs_hf'][s]:.2f}x**; CPU time {d['ratio_vs_hf_cpu_time'][s]:.2f}x)" if not cuda else \
                      f" (**{d['ratio_vs_hf'][s]:.2f}x**)"
             if cuda:
@@ -749,7 +846,7 @@ def format_markdown(res: dict) -> str:
             cells.append(c)
         out.append(f"| {labels[sec]} | " + " | ".join(cells) + " |")
     d = secs["logprob_pass"]
-    if "peak_memory" in d["hf"]:
+    if "peak_memory" in d[sides[0]]:
         out.append("| log-prob pass peak memory | " + " | ".join(_fmt_bytes(d[s]["peak_memory"]["peak_bytes"]) for s in sides) + " |")
     return "\n".join(out)
 
@@ -783,6 +880,15 @@ def parse_args(argv=None):
                          "use a fresh subprocess per side)")
     ap.add_argument("--lpmem-tokens", type=int, default=LPMEM_TOKENS)
     ap.add_argument("--lpmem-vocab", type=int, default=LPMEM_VOCAB)
+    ap.add_argument("--shape", choices=["cpu", *GPU_SHAPES], default="cpu",
+                    help="model shape: the CPU benchmark model (default), the 2B proxy, or Qwen3-30B-A3B at full width "
+                         "cut to --layers layers")
+    ap.add_argument("--layers", type=int, default=None, help="--shape 30b-cut / 2b-proxy: number of layers (30b-cut default 2)")
+    ap.add_argument("--no-hf", action="store_true",
+                    help="ours alone (weights from the seed): for shapes where both models do not fit on one device")
+    ap.add_argument("--decode-rows", type=int, default=None, help="rows of the decode-step measurement")
+    ap.add_argument("--decode-new", type=int, default=None, help="sampled tokens of the decode-step measurement")
+    ap.add_argument("--cuda-graphs", action="store_true", help="generation.cuda_graphs for the decode-step measurement")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--markdown", default=None, metavar="RESULT_JSON",
                     help="print the Markdown tables of an earlier run's JSON and exit")
@@ -795,22 +901,30 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     if a.precision is None:
         a.precision = "bf16" if a.device == "cuda" else "fp32"
+    if a.smoke and a.shape != "cpu":
+        ap.error("--smoke runs the tiny CPU shape; drop --shape")
     if a.fp8 and a.impl == "local":
         a.impl = "transformer_engine"
-    d = dict(batch=2, seq=16, gen_prompt=8, gen_new=4, warmup=0, iters=1) if a.smoke else \
-        dict(batch=4, seq=256, gen_prompt=128, gen_new=128, warmup=1, iters=5)
+    if a.smoke:
+        d = dict(batch=2, seq=16, gen_prompt=8, gen_new=4, warmup=0, iters=1, decode_rows=4, decode_new=4)
+    elif a.shape == "cpu":
+        d = dict(batch=4, seq=256, gen_prompt=128, gen_new=128, warmup=1, iters=5, decode_rows=64, decode_new=32)
+    else:  # the H100 run of issue 23: 256 rollout rows x 64 new tokens; 576-token training rows
+        d = dict(batch=16, seq=576, gen_prompt=64, gen_new=64, warmup=1, iters=3, decode_rows=256, decode_new=64)
     for k, v in d.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.profile is None:
-        a.profile = not a.smoke
+        a.profile = not a.smoke and a.shape == "cpu"
     if a.memory_in_process is None:
         a.memory_in_process = a.smoke
     if a.scaling is None:
-        a.scaling = not a.smoke
+        a.scaling = not a.smoke and a.shape == "cpu"
     if a.lpmem is None:
         a.lpmem = not a.smoke and a.device == "cpu"
     a.expert_impls = [s.strip() for s in a.expert_impls.split(",") if s.strip()]
+    if a.shape == "30b-cut" and a.layers is None:
+        a.layers = 2
     if a.threads is None:
         a.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return a

@@ -252,11 +252,14 @@ def summarize(records: list[dict]) -> dict:
 
 
 def run_side(side: str, args, paths: dict, run_idx: int) -> list[dict]:
+    """One run of a side in a fresh process. "baseline" is our side from the checkout --baseline-repo
+    (another commit of this repository: before / after a change in the same run)."""
     out = os.path.join(paths["work"], f"{side}_{run_idx}.json")
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "benchmarks.trl_side_by_side", "--worker", side, "--workdir", paths["work"],
-           "--result", out] + args.passthrough
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    repo = os.path.abspath(args.baseline_repo) if side == "baseline" else REPO
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "benchmarks.trl_side_by_side", "--worker", "ours" if side == "baseline" else side,
+           "--workdir", paths["work"], "--result", out] + args.passthrough
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"{side} run {run_idx} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     with open(out, encoding="utf-8") as f:
@@ -292,6 +295,8 @@ def parse_args(argv=None):
     p.add_argument("--ours-override", nargs="*", default=[], help="extra key=value overrides for our trainer")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--json", default=None, help="write the result here")
+    p.add_argument("--baseline-repo", default=None,
+                   help="a checkout of another commit: its trainer runs as side 'baseline' (add it to --sides)")
     p.add_argument("--worker", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -301,9 +306,12 @@ def parse_args(argv=None):
     if args.prompts * args.samples % 2:
         p.error("--prompts x --samples must be even (two minibatches)")
     raw = list(sys.argv[1:] if argv is None else argv)
-    args.passthrough = [a for a in raw if a not in ("--json",)]
-    if args.json and args.json in args.passthrough:
-        args.passthrough.remove(args.json)
+    args.passthrough = [a for a in raw if a not in ("--json", "--baseline-repo")]
+    for v in (args.json, args.baseline_repo):
+        if v and v in args.passthrough:
+            args.passthrough.remove(v)
+    if not args.worker and ("baseline" in args.sides) != bool(args.baseline_repo):
+        p.error("--sides ...,baseline and --baseline-repo go together")
     return args
 
 
@@ -341,9 +349,15 @@ def main(argv=None) -> int:
         res["load_avg_end"] = load_avg()
         for s in sides:
             res[s] = summarize([rec for run in res["runs"][s] for rec in run])
-    if set(sides) == {"ours", "trl"}:
+    if {"ours", "trl"} <= set(sides):
         res["speedup"] = round(res["trl"]["wall_s"] / res["ours"]["wall_s"], 3)
+        res["speedup_cpu"] = round(res["trl"]["cpu_s"] / res["ours"]["cpu_s"], 3)
         print(format_markdown(res))
+    if "baseline" in sides:
+        res["baseline_repo"] = os.path.abspath(args.baseline_repo)
+        res["ours_vs_baseline"] = {k: round(res["baseline"][k] / res["ours"][k], 3)
+                                   for k in ("wall_s", "cpu_s", "rollout_cpu_s", "update_cpu_s")}
+        print(f"ours vs baseline ({res['baseline_repo']}): {res['ours_vs_baseline']}")
     print(json.dumps({s: res[s] for s in sides}, indent=1))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

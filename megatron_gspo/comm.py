@@ -117,6 +117,13 @@ def any_rank(flag: bool, device: torch.device, group=None, *, what: str) -> bool
     return bool(all_reduce(t, "max", group, what=what).item())
 
 
+def any_true(flag: torch.Tensor, group=None, *, what: str) -> bool:
+    """``any_rank`` for a flag already on the device (a 0-dim or one-element bool/number tensor, True
+    when non-zero): the reduction stays on the device and the answer costs one host sync."""
+    t = flag.reshape(1).to(torch.float32)
+    return bool(all_reduce(t, "max", group, what=what).item())
+
+
 def all_ranks(flag: bool, device: torch.device, group=None, *, what: str) -> bool:
     """True on every rank of ``group`` if ``flag`` is True on all of them (a collective decision)."""
     return not any_rank(not flag, device, group, what=what)

@@ -1,20 +1,39 @@
-"""A lean incremental forward for generation, on the GPTModel's own modules and weights.
+"""A lean, graph-ready incremental forward for generation, on the GPTModel's own modules and weights.
 
 Why: a decode step of megatron-core's ``GPTModel`` with its ``StaticInferenceContext`` does work
 that a one-token step does not need. Its KV cache stores keys *before* RoPE, so every step
 re-applies RoPE to every cached key of every layer (O(sequence) per step, growing with the
-response); the cache is sequence-first, so each step's attention reads strided K/V; and every layer
+response); the cache is sequence-first, so each step's attention reads strided K/V; every layer
 goes through the inference context's bookkeeping, the bias-dropout-add closures and the
-[s, b] <-> [b, s] layout copies of the output layer. On the benchmark model (4 layers, hidden 256)
-this overhead was about half of a decode step on CPU (docs/performance.md).
+[s, b] <-> [b, s] layout copies of the output layer; and its MoE layers move the expert token
+counts to the host (``tokens_per_expert.cpu()``, ``.tolist()``, ``masked_select``) in every layer of
+every step, which on a GPU makes each step wait for the previous one.
 
 ``LeanDecoder`` runs the same computation with the same parameters: the embedding, each layer's
 own norm modules (``input_layernorm``, ``q_layernorm``/``k_layernorm``, ``pre_mlp_layernorm``,
-``final_layernorm``) and its whole MLP/MoE module (router, dispatcher and experts untouched, so
-routing is megatron's and router hooks such as the R3 recorder see the same [s, b, h] input), with the attention projections, RoPE and a KV cache of *roped* keys
-([b, groups, slots, head dim], batch-first, contiguous per row) done here; only the last
-position's logits are computed. Logits equal the megatron path's to float rounding
-(tests/test_decode.py: per step, prefill and decode, left-padded prompts, compaction).
+``final_layernorm``), its router module (megatron's routing, forward hooks included in eager
+steps), with the attention projections, RoPE, a KV cache of *roped* keys ([b, groups, slots, head
+dim], batch-first) and the experts (``DeviceMoE``: the one-rank dispatch with the expert counts kept
+on the device, megatron's grouped-GEMM expert module) done here; only the last position's logits are
+computed. Logits equal the megatron path's to float rounding (tests/test_decode.py).
+
+Graph-ready decode step
+    A decode step reads everything from buffers that live as long as the decoder: the fed tokens
+    (``tok_in``), each row's left padding (``left_pad``), the slot being written (``cur``, a device
+    scalar), the KV caches; positions, the attention mask and the KV write slot are computed from
+    them on the device. Weights are read in place (never copied), so a captured step stays valid
+    across optimizer steps, which update parameters in place. With ``static=True`` every step
+    attends over all KV slots (later slots masked) so its shapes depend on the batch size only;
+    with ``graphs=True`` (CUDA) the step of each batch-size bucket (1, 2, 4, ..., the batch) is
+    captured once with ``torch.cuda.CUDAGraph`` and replayed, rows past the live ones being fillers
+    whose outputs are ignored. Eager (the default, and the only mode the CPU tests can run) passes
+    the exact batch size and attends over the written slots only, the same code otherwise. A step
+    makes no host synchronisation (no ``.item()``, ``.cpu()`` or data-dependent shape) with
+    ``DeviceMoE`` in every layer (tests/test_host_syncs.py).
+
+Routes (R3 and the routing metrics): with ``record_routes`` each forward also writes every layer's
+top-k expert ids ([b, s, k], the router's own routing map) into a buffer, so a replayed graph
+records them too; ``last_routes()`` hands them to generation's ``on_forward`` callback.
 
 It covers the layouts generation uses on one rank of model parallelism: TP = PP = CP = EP = 1,
 RoPE, the local spec's core attention (megatron's DotProductAttention or our SDPAttention; the
@@ -26,13 +45,13 @@ megatron's path (``generation.decode_impl=auto``) or raises (``decode_impl=lean`
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-__all__ = ["LeanDecoder", "lean_decode_unsupported"]
+__all__ = ["DeviceMoE", "LeanDecoder", "device_moe_unsupported", "lean_decode_unsupported"]
 
 
 def lean_decode_unsupported(m) -> Optional[str]:
@@ -72,6 +91,113 @@ def lean_decode_unsupported(m) -> Optional[str]:
     return None
 
 
+# ----------------------------------------------------------------------------------------------
+# MoE layer on one rank, expert counts on the device
+# ----------------------------------------------------------------------------------------------
+
+
+def device_moe_unsupported(mlp) -> Optional[str]:
+    """Why ``DeviceMoE`` cannot stand in for this MLP module (megatron's MoE layer then runs)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import (
+        MoEAllGatherTokenDispatcher,
+        MoEAlltoAllTokenDispatcher,
+    )
+
+    from megatron_gspo.experts import BatchedSequentialMLP, _aligned_for_grouped_mm, grouped_mm_available
+
+    if not isinstance(mlp, MoELayer):
+        return f"{type(mlp).__name__} is not an MoE layer"
+    c = mlp.config
+    if not isinstance(mlp.token_dispatcher, (MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher)):
+        return f"token dispatcher {type(mlp.token_dispatcher).__name__}"
+    if mlp.use_shared_expert or getattr(c, "moe_latent_size", None):
+        return "shared experts / latent MoE"
+    if c.moe_expert_capacity_factor is not None:
+        return "expert capacity (token dropping)"
+    ex = mlp.experts
+    if type(ex) is not BatchedSequentialMLP or not ex._batchable():
+        return f"expert module {type(ex).__name__} (not the batched grouped-GEMM path)"
+    if ex.gemm_impl not in ("auto", "grouped_mm"):
+        return f"BatchedSequentialMLP.gemm_impl={ex.gemm_impl!r}"
+    w1 = [e.linear_fc1.weight for e in ex.local_experts]
+    w2 = [e.linear_fc2.weight for e in ex.local_experts]
+    if not grouped_mm_available(w1[0].device, w1[0].dtype):
+        return f"no torch._grouped_mm for {w1[0].device.type} {w1[0].dtype}"
+    probe = torch.empty(0, w1[0].shape[1], dtype=w1[0].dtype, device=w1[0].device)
+    if not _aligned_for_grouped_mm(probe, w1, w2):
+        return "expert shapes not 16-byte aligned for grouped_mm"
+    return None
+
+
+class DeviceMoE:
+    """megatron's MoE layer forward on one rank (TP = EP = 1) without host synchronisation.
+
+    megatron's dispatchers find each expert's tokens with ``masked_select`` and move the per-expert
+    token counts to the host (the grouped GEMM's splits). Here the same permutation (expert-major,
+    tokens in order: a stable sort of the routing map) and the grouped GEMM's offsets are computed on
+    the device, with static shapes (every token has exactly top-k experts: no token dropping). The
+    router, the experts' weights and their activation are the layer's own modules and functions
+    (BatchedSequentialMLP's), and the un-permutation is megatron's scatter-add: outputs equal the
+    megatron layer's (bitwise on the CPU, tests/test_decode.py)."""
+
+    def __init__(self, mlp) -> None:
+        reason = device_moe_unsupported(mlp)
+        if reason is not None:
+            raise ValueError(f"DeviceMoE: {reason}")
+        self.mlp = mlp
+        self.topk = mlp.config.moe_router_topk
+        self.num_experts = mlp.config.num_moe_experts
+
+    def __call__(self, h: torch.Tensor, hooks: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [s, b, H] -> (output [s, b, H], routing map [s*b, E] bool). ``hooks=False`` calls the
+        router's forward directly (forward hooks are Python: they cannot run in a replayed graph)."""
+        from megatron_gspo.experts import grouped_linear
+
+        mlp = self.mlp
+        probs, rmap = mlp.router(h) if hooks else mlp.router.forward(h)
+        x = h.reshape(-1, h.shape[-1])  # [t, H], the dispatcher's token order (sequence-major)
+        t, E = rmap.shape
+        # megatron's permute: for each expert in order, its tokens in order (masked_select of the
+        # transposed map); a stable sort puts the selected entries first, in that order
+        flat = rmap.t().reshape(-1)
+        sel = torch.argsort(flat.logical_not().to(torch.uint8), stable=True)[: t * self.topk]
+        tok = sel % t
+        permuted_probs = probs.t().reshape(-1).index_select(0, sel)
+        offs = rmap.sum(dim=0).cumsum(0).to(torch.int32)  # grouped GEMM offsets, on the device
+        xp = x.index_select(0, tok)
+        ex = mlp.experts
+        if ex.config.moe_apply_probs_on_input:
+            xp = (permuted_probs.unsqueeze(-1) * xp).to(x.dtype)
+            permuted_probs = torch.ones_like(permuted_probs)
+        w1 = [e.linear_fc1.weight for e in ex.local_experts]
+        w2 = [e.linear_fc2.weight for e in ex.local_experts]
+        y = grouped_linear(xp, w1, (), "grouped_mm", offs)
+        y = ex._activation(y, permuted_probs)
+        y = grouped_linear(y, w2, (), "grouped_mm", offs)
+        # megatron's unpermute (no probs: they were applied in the experts)
+        out = torch.zeros((t, y.shape[-1]), dtype=y.dtype, device=y.device)
+        if torch.are_deterministic_algorithms_enabled():
+            out.index_add_(0, tok, y)
+        else:
+            out.scatter_add_(0, tok.unsqueeze(1).expand(-1, y.shape[-1]), y)
+        return out.to(y.dtype).view(h.shape), rmap
+
+
+# ----------------------------------------------------------------------------------------------
+# The decoder
+# ----------------------------------------------------------------------------------------------
+
+
+def bucket_sizes(batch: int) -> list[int]:
+    """Batch sizes whose decode step is captured: powers of two below ``batch``, and ``batch``."""
+    out, n = [], 1
+    while n < batch:
+        out.append(n)
+        n *= 2
+    return out + [batch]
+
+
 class LeanDecoder:
     """Prefill and decode steps over a GPTModel with a KV cache of roped keys (see the module doc).
 
@@ -79,14 +205,24 @@ class LeanDecoder:
         m: the unwrapped GPTModel (eval mode, no grad: the caller's context).
         batch: rows of the cache; max_slots: KV slots per row (prompt block + new tokens - 1).
         max_position: the largest position id any row will use (sizes the RoPE table).
+        static: every decode step attends over all ``max_slots`` slots (shapes depend on the batch
+            size only: what a captured graph needs); False attends over the written slots.
+        graphs: capture each batch-size bucket's decode step with ``torch.cuda.CUDAGraph`` and replay
+            it (CUDA only; implies ``static``; needs ``DeviceMoE`` in every layer).
+        record_routes: write every forward's top-k expert ids (``last_routes``).
+        graph_factory: the capture mechanism (default ``torch.cuda.CUDAGraph``; tests pass a CPU
+            stand-in with the same capture / replay contract).
     """
 
-    def __init__(self, m, batch: int, max_slots: int, max_position: int) -> None:
+    def __init__(self, m, batch: int, max_slots: int, max_position: int, *, static: bool = False,
+                 graphs: bool = False, record_routes: bool = False,
+                 graph_factory: Optional[Callable[[], object]] = None) -> None:
         reason = lean_decode_unsupported(m)
         if reason is not None:
             raise ValueError(f"generation.decode_impl=lean does not support {reason}")
         self.m = m
         cfg = m.config
+        self.cfg = cfg
         self.layers = list(m.decoder.layers)
         att = self.layers[0].self_attention
         self.hn = att.hidden_size_per_attention_head
@@ -94,16 +230,46 @@ class LeanDecoder:
         self.ng = att.num_query_groups_per_partition
         self.scale = getattr(att.core_attention, "softmax_scale", None) or self.hn ** -0.5
         p = next(m.parameters())
+        dev = p.device
         # the RoPE table of megatron's own RotaryEmbedding (same frequencies, same cos/sin values)
-        freqs = m.rotary_pos_emb.get_freqs_non_repeated(max_position + 1)  # [positions, rot/2]
+        freqs = m.rotary_pos_emb.get_freqs_non_repeated(max(max_position, max_slots) + 1)  # [positions, rot/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # non-interleaved layout, as megatron's get_emb
-        self.cos = torch.cos(emb).to(device=p.device, dtype=p.dtype)  # [positions, rot]
-        self.sin = torch.sin(emb).to(device=p.device, dtype=p.dtype)
-        self.k = [torch.zeros(batch, self.ng, max_slots, self.hn, dtype=p.dtype, device=p.device) for _ in self.layers]
+        self.cos = torch.cos(emb).to(device=dev, dtype=p.dtype)  # [positions, rot]
+        self.sin = torch.sin(emb).to(device=dev, dtype=p.dtype)
+        self.k = [torch.zeros(batch, self.ng, max_slots, self.hn, dtype=p.dtype, device=dev) for _ in self.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.shared = m.share_embeddings_and_output_weights
-        self.cfg = cfg
+        self.batch, self.max_slots = batch, max_slots
+        # the decode step's inputs: fed tokens, left padding per cache row, the slot written
+        self.tok_in = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.left_pad = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.cur = torch.zeros(1, dtype=torch.long, device=dev)
+        self.slot_ids = torch.arange(max_slots, device=dev)
+        self.moe = []
+        for layer in self.layers:
+            self.moe.append(DeviceMoE(layer.mlp) if device_moe_unsupported(layer.mlp) is None else None)
+        self.graphs = graphs
+        self.static = static or graphs
+        if graphs:
+            missing = [i for i, d in enumerate(self.moe) if d is None]
+            if missing:
+                raise ValueError(f"generation.cuda_graphs=true: layer {missing[0]}'s MLP cannot run without host "
+                                 f"synchronisation ({device_moe_unsupported(self.layers[missing[0]].mlp)})")
+            if graph_factory is None and dev.type != "cuda":
+                raise ValueError(f"generation.cuda_graphs=true needs a CUDA device, the model is on {dev}")
+        self._graph_factory = graph_factory
+        self._graphs: dict[int, tuple[object, torch.Tensor]] = {}
+        self._capturing = False
+        self.record_routes = record_routes
+        topk, L = cfg.moe_router_topk, len(self.layers)
+        if record_routes:
+            from megatron_gspo.routing.common import index_dtype
 
+            self._idx_dtype = index_dtype(cfg.num_moe_experts)
+            self.routes = torch.zeros(L, batch, topk, dtype=self._idx_dtype, device=dev)  # decode steps
+        self._prefill_routes: list[torch.Tensor] = []
+
+    # -- pieces ------------------------------------------------------------------------------------
     def _rope(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """t [b, heads, s, hn], cos/sin [b, 1, s, rot] -> t with RoPE on the first rot dims."""
         rot = cos.shape[-1]
@@ -127,31 +293,36 @@ class LeanDecoder:
         scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(self.scale).add_(bias)  # [b, ng, np/ng, L]
         return torch.matmul(scores.softmax(dim=-1), v).reshape(b, self.np, 1, hn)
 
-    def compact(self, order: torch.Tensor, keep: int) -> None:
-        """Move cache rows ``order[:keep]`` to the front (generation's finished-row compaction)."""
-        for k, v in zip(self.k, self.v):
-            k[:keep] = k[order[:keep]]
-            v[:keep] = v[order[:keep]]
+    def _mlp(self, i: int, layer, x: torch.Tensor, routes_out: Optional[torch.Tensor]) -> torch.Tensor:
+        """The layer's MLP on x [s, b, h]; its top-k expert ids [b, s, k] go to ``routes_out`` (a
+        buffer view, decode) or the prefill list (``routes_out`` None) when routes are recorded."""
+        h = layer.pre_mlp_layernorm(x)
+        moe = self.moe[i]
+        if moe is not None:
+            out, rmap = moe(h, hooks=not self._capturing)
+            bias = None
+        else:
+            out, bias = layer.mlp(h)
+            rmap = None
+        if self.record_routes:
+            if rmap is None:
+                raise ValueError(f"route recording in the lean decoder needs DeviceMoE in layer {i} "
+                                 f"({device_moe_unsupported(layer.mlp)})")
+            from megatron_gspo.routing.metrics import routing_map_to_indices
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, masked: torch.Tensor, lo: int) -> torch.Tensor:
-        """One prefill or decode step.
+            idx = routing_map_to_indices(rmap, self.cfg.moe_router_topk).to(self._idx_dtype)
+            idx = idx.view(x.shape[0], x.shape[1], -1).transpose(0, 1)  # [b, s, k]
+            if routes_out is None:
+                self._prefill_routes.append(idx)
+            else:
+                routes_out.copy_(idx[:, 0])
+        return x + out if bias is None else x + out + bias
 
-        Args:
-            tokens, positions: [b, s] ids and position ids of cache slots ``lo .. lo+s-1``.
-            masked: bool broadcastable to [b, 1, s, lo+s], True = key slot not attended.
-            lo: first slot written.
-        Returns:
-            [b, V] logits (padded vocabulary) of the last position, fp32 if the model computes in it.
-        """
-        m, b, s = self.m, tokens.shape[0], tokens.shape[1]
-        hi = lo + s
-        # [s, b, h]: megatron's layout, so the MoE layers see tokens in the order the megatron path
-        # gives them (routing statistics and any recorder agree); s = 1 makes the transposes views
-        x = m.embedding(input_ids=tokens, position_ids=positions)
-        cos = self.cos[positions][:, None]  # [b, 1, s, rot]
-        sin = self.sin[positions][:, None]
-        bias = torch.zeros(masked.shape, dtype=x.dtype, device=x.device)
-        bias.masked_fill_(masked, torch.finfo(x.dtype).min / 2)  # finite: see attention.py's module doc
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,
+                write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None], kv_len: int,
+                routes: Optional[torch.Tensor]) -> torch.Tensor:
+        """The decoder layers on x [s, b, h]; ``write(cache, i, t)`` stores this forward's keys/values."""
+        s, b = x.shape[0], x.shape[1]
         hn, np_, ng = self.hn, self.np, self.ng
         for i, layer in enumerate(self.layers):
             att = layer.self_attention
@@ -165,18 +336,120 @@ class LeanDecoder:
             if att.k_layernorm is not None:
                 k = att.k_layernorm(k)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hn]
-            self.k[i][:b, :, lo:hi] = self._rope(k, cos, sin)
-            self.v[i][:b, :, lo:hi] = v
-            ctx = self._attend(self._rope(q, cos, sin), self.k[i][:b, :, :hi], self.v[i][:b, :, :hi], bias)
+            write(self.k[i], self._rope(k, cos, sin))
+            write(self.v[i], v)
+            ctx = self._attend(self._rope(q, cos, sin), self.k[i][:b, :, :kv_len], self.v[i][:b, :, :kv_len], bias)
             ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
             out = F.linear(ctx, att.linear_proj.weight)
             if att.linear_proj.bias is not None:
                 out = out + att.linear_proj.bias
-            x = x + out
-            mlp_out, mlp_bias = layer.mlp(layer.pre_mlp_layernorm(x))
-            x = x + mlp_out if mlp_bias is None else x + mlp_out + mlp_bias
+            x = self._mlp(i, layer, x + out, None if routes is None else routes[i])
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.m
         last = x[-1]  # [b, h]: only the last position's logits are used
         if getattr(m.decoder, "final_layernorm", None) is not None:
             last = m.decoder.final_layernorm(last)
         weight = m.shared_embedding_or_output_weight() if self.shared else m.output_layer.weight
         return F.linear(last, weight)
+
+    def _bias(self, masked: torch.Tensor, dtype) -> torch.Tensor:
+        bias = torch.zeros(masked.shape, dtype=dtype, device=masked.device)
+        return bias.masked_fill_(masked, torch.finfo(dtype).min / 2)  # finite: see attention.py's module doc
+
+    # -- public steps ----------------------------------------------------------------------------
+    def set_left_pad(self, left_pad: torch.Tensor) -> None:
+        """Each cache row's left padding [batch] (slots < it are never attended; positions = slot - it)."""
+        self.left_pad[: left_pad.shape[0]].copy_(left_pad)
+
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """Slots 0 .. s-1 of every row: tokens, positions [b, s]; masked [b, 1, s, s] (True = not
+        attended). Returns [b, V] logits (padded vocabulary) of the last position."""
+        m, b, s = self.m, tokens.shape[0], tokens.shape[1]
+        # [s, b, h]: megatron's layout, so the MoE layers see tokens in the order the megatron path
+        # gives them (routing statistics and any recorder agree)
+        x = m.embedding(input_ids=tokens, position_ids=positions)
+        cos = self.cos[positions][:, None]  # [b, 1, s, rot]
+        sin = self.sin[positions][:, None]
+        self._prefill_routes = []
+
+        def write(cache, t):
+            cache[:b, :, :s] = t
+
+        x = self._layers(x, cos, sin, self._bias(masked, x.dtype), write, s, None)
+        return self._logits(x)
+
+    def _decode_step(self, n: int, kv_len: int) -> torch.Tensor:
+        """One token for cache rows 0 .. n-1, read from the decoder's buffers (tok_in, left_pad, cur):
+        the graph-ready step. Returns [n, V] logits."""
+        tok, lp, cur = self.tok_in[:n], self.left_pad[:n], self.cur
+        pos = (cur - lp).clamp(min=0)  # [n] true position of the slot written
+        x = self.m.embedding(input_ids=tok[:, None], position_ids=pos[:, None])  # [1, n, h]
+        cos = self.cos[pos][:, None, None]  # [n, 1, 1, rot]
+        sin = self.sin[pos][:, None, None]
+        slots = self.slot_ids[:kv_len]
+        masked = (slots[None, :] < lp[:, None]) | (slots[None, :] > cur)  # [n, kv_len]: padding and unwritten
+        bias = self._bias(masked[:, None, None, :], x.dtype)
+
+        def write(cache, t):  # [n, heads, 1, hn] at slot cur
+            cache[:n].index_copy_(2, cur, t)
+
+        routes = self.routes[:, :n] if self.record_routes else None
+        x = self._layers(x, cos, sin, bias, write, kv_len, routes)
+        return self._logits(x)
+
+    def decode(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
+        """Feed tokens [b] (cache rows 0 .. b-1, in the cache's row order) at KV slot ``slot``.
+        Returns [b, V] logits (padded vocabulary)."""
+        b = tokens.shape[0]
+        self.tok_in[:b].copy_(tokens)
+        self.cur.fill_(slot)
+        if not self.graphs:
+            return self._decode_step(b, self.max_slots if self.static else slot + 1)
+        n = next(s for s in bucket_sizes(self.batch) if s >= b)  # rows b .. n-1: fillers
+        return self._replay(n)[:b]
+
+    def _replay(self, n: int) -> torch.Tensor:
+        if n not in self._graphs:
+            self._graphs[n] = self._capture(n)
+        graph, out = self._graphs[n]
+        graph.replay()
+        return out
+
+    def _capture(self, n: int):
+        """Capture bucket n's decode step (warm-up on a side stream first, as torch.cuda.graphs asks).
+        The captured step reads the current buffers; replaying it at any later step is that step."""
+        factory = self._graph_factory or torch.cuda.CUDAGraph
+        self._capturing = True
+        try:
+            if factory is torch.cuda.CUDAGraph:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._decode_step(n, self.max_slots)  # lazy initialisations; rewrites the same slot
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=getattr(self, "_pool", None)):
+                    out = self._decode_step(n, self.max_slots)
+                self._pool = graph.pool()
+                return graph, out
+            graph = factory()
+            out = graph.capture(lambda: self._decode_step(n, self.max_slots))
+            return graph, out
+        finally:
+            self._capturing = False
+
+    def last_routes(self, b: int, prefill: bool = False) -> torch.Tensor:
+        """Top-k expert ids of the last forward: [L, b, s, k] (a copy; needs ``record_routes``)."""
+        if prefill:
+            return torch.stack(self._prefill_routes)[:, :b]
+        return self.routes[:, :b, None, :].clone()
+
+    def compact(self, order: torch.Tensor, keep: int) -> None:
+        """Move cache rows ``order[:keep]`` to the front (generation's finished-row compaction)."""
+        idx = order[:keep]
+        for k, v in zip(self.k, self.v):
+            k[:keep] = k[idx]
+            v[:keep] = v[idx]
+        self.left_pad[:keep] = self.left_pad[idx]

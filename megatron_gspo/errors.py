@@ -44,6 +44,11 @@ class RewardError(RuntimeError):
         )
 
 
+class MemoryBudgetError(RuntimeError):
+    """The device ran out of memory in a phase of the step; the message names the phase, the shapes it
+    ran, the config knobs that set them and the memory estimate of the config (oom.py)."""
+
+
 # What the entry points report as "error: <message>" with exit code 2 (exit_status.EXIT_USER_ERROR).
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, CheckpointError, DataError, RewardError, TokenizerError, FileNotFoundError)
+    ConfigError, CheckpointError, DataError, RewardError, TokenizerError, FileNotFoundError, MemoryBudgetError)

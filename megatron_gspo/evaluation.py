@@ -21,6 +21,7 @@ import math
 import torch
 
 from megatron_gspo.generation import generate
+from megatron_gspo.oom import explain_oom
 from megatron_gspo.rewards import compute_rewards
 
 
@@ -57,8 +58,9 @@ class Evaluator:
 
     def _answer(self, prompts, gen_cfg, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(correct [N] bool, response lengths [N]) of one response per prompt."""
-        out = generate(self.model, [p.ids for p in prompts], gen_cfg, vocab_size=self.cfg.model.vocab_size,
-                       state=self.state, seed=seed, row_keys=list(range(len(prompts))))
+        with explain_oom("generation", self.cfg, self.state, f"evaluation: {len(prompts)} rows"):
+            out = generate(self.model, [p.ids for p in prompts], gen_cfg, vocab_size=self.cfg.model.vocab_size,
+                           state=self.state, seed=seed, row_keys=list(range(len(prompts))))
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
         rewards = compute_rewards(self.reward_fn, [p.text for p in prompts], texts, [p.answer for p in prompts],
                                   device=self.state.device)

@@ -22,6 +22,10 @@ pass (the RL log-prob pass) is a third of F_train. A decode step (KV cache, cont
 
 For Qwen3-30B-A3B (48 layers, h 2048, 128 experts top-8 of 768, 32 q / 4 kv heads of 128, vocab
 151936) at 4096-token sequences F_train is 23.0 GFLOP/token.
+
+A decode step's floor is memory, not FLOPs: ``decode_bytes_per_step`` counts the bytes it must read
+(the weights any row needs, the KV cache); benchmarks/run.py divides them by the device's measured
+copy bandwidth.
 """
 
 from __future__ import annotations
@@ -72,6 +76,28 @@ def generation_flops(cfg: ModelConfig, prompt_len: int, new_tokens: int, batch: 
     prefill = batch * prompt_len * flops_per_token(cfg, prompt_len, training=False)
     decode = sum(batch * decode_flops_per_token(cfg, prompt_len + j + 1) for j in range(new_tokens - 1))
     return prefill + decode
+
+
+def decode_bytes_per_step(cfg: ModelConfig, rows: int, context_len: float, bytes_per_param: int) -> dict:
+    """The bytes one decode step of ``rows`` rows must read at least (its floor on a memory-bound
+    device is this over the memory bandwidth):
+
+        weights  every dense weight once (attention projections, norms, router, LM head; the embedding
+                 rows of the fed tokens are negligible), and each routed expert's three matrices once if
+                 any row routes to it: E (1 - (1 - k/E)^rows) distinct experts per layer, the expected
+                 count for routes spread uniformly (a skewed router touches fewer);
+        kv_cache the cached keys and values of every row: rows x context x L x 2 x n_kv x d.
+
+    Returns {"weights", "kv_cache", "total"} in bytes (``bytes_per_param``: 2 for bf16)."""
+    h, L, d, E, k = cfg.hidden_size, cfg.num_layers, cfg.kv_channels, cfg.num_moe_experts, cfg.moe_router_topk
+    nq, nkv = cfg.num_attention_heads, cfg.num_query_groups
+    attn = h * (nq * d + 2 * nkv * d) + nq * d * h
+    dense = L * (attn + E * h + 2 * h) + h * cfg.vocab_size + h
+    touched = E * (1.0 - (1.0 - k / E) ** rows)
+    experts = L * touched * 3 * h * cfg.moe_ffn_hidden_size
+    weights = (dense + experts) * bytes_per_param
+    kv = rows * context_len * L * 2 * nkv * d * bytes_per_param
+    return {"weights": weights, "kv_cache": kv, "total": weights + kv}
 
 
 # Peak dense (no sparsity) tensor-core FLOP/s per GPU, by compute dtype. bf16 / fp8 from NVIDIA's

@@ -4,7 +4,14 @@ Rollouts are sampled by the very ``GPTModel`` that is trained (same weights, sam
 TP/EP sharding), so the sampling log-probs are the training policy's log-probs up to the
 floating-point noise of a KV-cache forward versus a full forward (tested below 1e-5 in fp32).
 
-KV cache
+The loop and its forward back-ends
+    ``generate`` is the sampling loop: prefill, then per step record the sampled tokens, check the
+    finished rows every few tokens, feed the rows still generating. The model forwards sit behind
+    one interface (decode_backends.py): the lean decoder (decode.py: the model's own modules, a KV
+    cache of roped keys, device-side MoE dispatch, a graph-ready step that ``generation.cuda_graphs``
+    captures with CUDA graphs) where it supports the layout, else megatron's own path below.
+
+KV cache (megatron's path)
     megatron-core's own ``StaticInferenceContext`` is passed as ``inference_context=`` to
     ``GPTModel.forward``: every attention layer allocates its [max_len, batch, kv_heads, head_dim]
     key/value buffers in ``key_value_memory_dict`` on the first (prefill) forward and appends at
@@ -65,16 +72,19 @@ Tensor parallelism
 Expert parallelism / lockstep
     With the allgather dispatcher each MoE forward is a collective over TP x EP ranks that needs
     the same [b, s] on every rank. Under EP>1 the batch size and prompt block are all-reduced
-    (MAX) over the world first, short batches get dummy rows (never returned), and after every
-    step a "some row is still generating" flag is all-reduced, so a rank whose rows all finished
-    keeps stepping (feeding pad tokens) until every rank is done. Without EP the flag is
+    (MAX) over the world first, short batches get dummy rows (never returned), and at every check of
+    the finished rows a "rows still generating" count is all-reduced, so a rank whose rows all
+    finished keeps stepping (feeding pad tokens) until every rank is done. Without EP the count is
     all-reduced over the TP group only (on one rank there is no collective at all).
 
 Cost
     Runs under ``torch.no_grad`` (not ``inference_mode``: megatron's global memory buffers created
     here are reused by training, where inference tensors would be refused). Per decode step: one
-    forward of one token per row, one [b, V] logits gather under TP, a [2, b] broadcast under TP and
-    a one-element flag all-reduce under TP/EP. The explicit prefill mask is [b, 1, P, P] bool,
+    forward of one token per row, one [b, V] logits gather under TP, a [2, b] broadcast under TP; every
+    ``generation.finished_check_interval`` tokens (auto: 1 on the CPU, 4 on CUDA) the one host sync
+    of the loop, the finished-row count (a one-element all-reduce under TP/EP): the rows that finish
+    in between are fed pad tokens until it (at most interval - 1 wasted forwards at the end, results
+    unchanged). The lean step itself makes no host sync. The explicit prefill mask is [b, 1, P, P] bool,
     small next to the local attention's own [b, heads, P, P] scores. megatron's static path
     re-rotates the cached keys each step (it caches keys before RoPE).
 
@@ -89,7 +99,10 @@ Routing replay (R3) and routing metrics
     is fed its last token once, then ``pad_token_id``) and, under EP, dummy rows, which are the
     last rows of the batch (rows >= B = len(prompts) x n_samples_per_prompt). ``rows`` names the
     batch positions of that forward: None for all B rows in order, else (after finished rows left the
-    decode batch) the original row index of each position.
+    decode batch) the original row index of each position. A callback that accepts a ``routes``
+    keyword gets the forward's top-k expert ids [L, b, t, k] from back-ends that compute them (the
+    lean decoder: no router hook runs in a replayed graph), ``routes=None`` otherwise (megatron's
+    path: the routers' forward hooks saw them).
 
 Finished rows (``generation.compact_finished_rows``)
     A static batch decodes every row until its longest one ends: with long-tailed response lengths
@@ -102,6 +115,7 @@ Finished rows (``generation.compact_finished_rows``)
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
@@ -111,6 +125,7 @@ import torch.distributed as dist
 
 from megatron_gspo import comm
 from megatron_gspo.config import GenerationConfig
+from megatron_gspo.decode_backends import make_backend
 from megatron_gspo.sampling import counter_uniform, sample_tokens
 
 OnForward = Callable[[int, str, Optional[torch.Tensor]], None]
@@ -219,78 +234,6 @@ def _without_sequence_parallel(model) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _per_row_rope(model, positions: torch.Tensor, rows: Callable[[], Optional[torch.Tensor]]) -> Iterator[None]:
-    """Make the model's RoPE return per-row angles [L, b, 1, d] for positions [B, L].
-
-    megatron takes rotary angles from the KV slot index (``q_pos_emb[offset:offset+s]``); with
-    left padding a row's true position is slot - pad. Rows of the same angle table a training
-    forward uses are selected, so a token's rotation is bitwise the one of an unpadded forward.
-    ``rows()`` names the rows of the current forward (None: all B), in the KV cache's order.
-    """
-    rope = getattr(model, "rotary_pos_emb", None)
-    if rope is None or getattr(model, "position_embedding_type", "rope") != "rope":
-        raise NotImplementedError("generation supports RoPE GPT models only "
-                                  f"(position_embedding_type={getattr(model, 'position_embedding_type', None)!r})")
-    L = positions.shape[1]
-    table = rope.get_emb(L)[:, 0, 0, :]  # [L, d]
-    emb = table[positions.t()].unsqueeze(2)  # [L, B, 1, d]
-
-    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
-        assert max_seq_len == L and offset == 0 and not packed_seq, (max_seq_len, L, offset, packed_seq)
-        r = rows()
-        return emb if r is None else emb[:, r]
-
-    rope.forward = forward  # instance attribute shadows the (lru-cached) class method
-    try:
-        yield
-    finally:
-        del rope.forward
-
-
-@contextlib.contextmanager
-def _padding_mask_honored(model) -> Iterator[None]:
-    """Make every core attention apply the explicit padding mask of a left-padded batch.
-
-    megatron's local ``DotProductAttention`` applies the boolean mask whatever the mask type.
-    Transformer Engine's attention follows the mask *type* instead: megatron passes "causal" in the
-    prefill and "no_mask" in decode steps, and TE then ignores the mask and would attend the
-    left-padding slots. For the duration of the call TE attentions are told the mask is
-    "arbitrary" (TE's name for an explicit [b, 1, sq, sk] boolean mask, True = masked); TE then
-    picks a backend that supports explicit masks (flash attention does not; TE's unfused attention
-    always does). Any other attention class is refused rather than trusted.
-    """
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    cores = [mod.core_attention for mod in model.modules() if hasattr(mod, "core_attention")]
-    remap = [c for c in cores if not isinstance(c, DotProductAttention)]
-    for c in remap:
-        if type(c).__name__ != "TEDotProductAttention":
-            raise NotImplementedError(
-                f"generate(): prompts of different lengths need an attention that applies an explicit "
-                f"padding mask; {type(c).__module__}.{type(c).__name__} is not known to apply it; use "
-                f"model.transformer_impl='local' or prompts of one length")
-    for c in remap:
-        c.forward = _arbitrary_mask_forward(c.forward)  # instance attribute shadows the method
-    try:
-        yield
-    finally:
-        for c in remap:
-            del c.forward
-
-
-def _arbitrary_mask_forward(forward: Callable) -> Callable:
-    """Wrap a megatron core-attention forward so that a given mask is applied as an arbitrary one."""
-    from megatron.core.transformer.enums import AttnMaskType
-
-    def wrapped(query, key, value, attention_mask, attn_mask_type=None, **kwargs):
-        if attention_mask is not None:
-            attn_mask_type = AttnMaskType.arbitrary
-        return forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type, **kwargs)
-
-    return wrapped
-
-
-@contextlib.contextmanager
 def _eval_mode(model) -> Iterator[None]:
     was_training = model.training
     model.eval()  # GPTModel takes its inference paths only when not training
@@ -346,20 +289,13 @@ class _Lockstep:
 # ----------------------------------------------------------------------------------------------
 
 
-def _lean_decoder(m, cfg: GenerationConfig, batch: int, slots: int, max_position: int):
-    """The lean decode path (megatron_gspo/decode.py) when ``cfg.decode_impl`` allows and supports it, else None."""
-    from megatron_gspo.decode import LeanDecoder, lean_decode_unsupported
-
-    if cfg.decode_impl == "megatron":
-        return None
-    # Routing recorders (on_forward) work on either path: the lean step calls each layer's own MoE
-    # module, router hooks included, on [s, b, h] hidden states as megatron's forward does.
-    reason = lean_decode_unsupported(m)
-    if reason is not None:
-        if cfg.decode_impl == "lean":
-            raise ValueError(f"generation.decode_impl=lean does not support {reason}; use auto or megatron")
-        return None
-    return LeanDecoder(m, batch, slots, max_position)
+def _takes_routes(fn: Callable) -> bool:
+    """Whether an on_forward callback accepts the forward's routes (a ``routes`` keyword)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "routes" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _as_list(p: Union[Sequence[int], torch.Tensor]) -> list[int]:
@@ -449,84 +385,66 @@ def generate(
     lp_grid = torch.zeros(B, cfg.max_new_tokens, dtype=torch.float32, device=device)
 
     noise_seed = cfg.seed if seed is None else seed
-
-    from megatron.core.inference.contexts import StaticInferenceContext
-
-    lean = _lean_decoder(m, cfg, B, S - 1, int(positions.max()))
-    ctx = None if lean is not None else StaticInferenceContext(max_batch_size=B, max_sequence_length=S - 1)
+    # the per-step checks of finished rows (and the lockstep vote) cost a host sync each: every
+    # ``every`` tokens (rows that finish in between are fed pad tokens; results do not change)
+    every = cfg.finished_check_interval or (4 if device.type == "cuda" else 1)
+    no_stop = None
+    if cfg.min_new_tokens > 0 and stop.numel():  # the draw only: log-probs stay unrestricted
+        no_stop = torch.ones(vocab_size, dtype=torch.bool, device=device)
+        no_stop[stop] = False
+    all_rows = torch.arange(B, device=device)
+    wants_routes = on_forward is not None and _takes_routes(on_forward)
     n_fwd, prefill_s, row_steps = 0, 0.0, 0
     # The rows in the decode batch, in the KV cache's row order (None: all B, in order). Finished rows
     # leave it (compaction, below); every per-row tensor stays indexed by the original row.
     live: Optional[torch.Tensor] = None
     compact_at = cfg.compact_finished_rows
 
-    def forward(lo: int, hi: int, mask: torch.Tensor) -> torch.Tensor:
-        rows = slice(None) if live is None else live
-        if lean is not None:
-            return lean.forward(grid[rows, lo:hi], positions[rows, lo:hi], mask, lo)[:, :vocab_size]
-        logits = m(input_ids=grid[rows, lo:hi], position_ids=positions[rows, lo:hi], attention_mask=mask,
-                   inference_context=ctx, runtime_gather_output=True)
-        ctx.increment_sequence_len_offset(hi - lo)
-        return logits[:, -1, :vocab_size]  # [b, V]: full vocabulary, last position only
-
     def pick(logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         row_keys = keys if live is None else keys[live]
         noise = None if cfg.greedy else counter_uniform(noise_seed, row_keys, position)
-        allowed = None
-        if position < cfg.min_new_tokens and stop.numel():  # the draw only: log-probs stay unrestricted
-            allowed = torch.ones(logits.shape[-1], dtype=torch.bool, device=device)
-            allowed[stop] = False
+        allowed = no_stop if position < cfg.min_new_tokens else None
         tok, lp = sample_tokens(logits, cfg.temperature, cfg.top_k, cfg.top_p, noise, allowed=allowed)
         if sync.tp_group is not None:  # one sample per TP group, bitwise (logits may differ in the last bit)
             packed = sync.broadcast_tp(torch.stack([tok.double(), lp.double()]))
             tok, lp = packed[0].long(), packed[1].float()
         return tok, lp
 
-    def compact(keep: int) -> None:
-        """Move ``keep`` rows (this rank's unfinished ones first, then finished fillers so every rank of
-        the lockstep group has the same batch) to the front of every layer's KV cache."""
-        nonlocal live
-        cur = torch.arange(B, device=device) if live is None else live
-        order = torch.argsort(done[cur].long(), stable=True)[:keep]  # unfinished first, cache order kept
-        if lean is not None:
-            lean.compact(order, keep)
-            live = cur[order]
+    def notify(step: int, kind: str) -> None:
+        if on_forward is None:
             return
-        for layer, (k_mem, v_mem) in ctx.key_value_memory_dict.items():  # [S-1, B, heads, dim] each
-            k_mem[:, :keep] = k_mem[:, order]
-            v_mem[:, :keep] = v_mem[:, order]
-        live = cur[order]
+        if wants_routes:
+            on_forward(step, kind, live, routes=backend.last_routes(B if live is None else live.numel(),
+                                                                    prefill=kind == "prefill"))
+        else:
+            on_forward(step, kind, live)
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
         stack.enter_context(_eval_mode(m))
         stack.enter_context(_without_sequence_parallel(m))
-        # Equal-length real prompts: slot index = position and no padding to mask (the padding of
-        # EP shape-filler rows is harmless: their outputs are dropped).
-        if lean is None and bool((left_pad[:n_real] > 0).any()):
-            stack.enter_context(_per_row_rope(m, positions, lambda: live))
-            stack.enter_context(_padding_mask_honored(m))
+        backend = make_backend(m, cfg, B, S - 1, positions, key_pad, left_pad,
+                               ragged=bool((left_pad[:n_real] > 0).any()), record_routes=wants_routes)
+        stack.enter_context(backend.context())
 
         causal = torch.triu(torch.ones(P, P, dtype=torch.bool, device=device), diagonal=1)
         prefill_mask = (causal[None] | key_pad[:, None, :P])[:, None]  # [B, 1, P, P]
         t0 = time.perf_counter()
-        logits = forward(0, P, prefill_mask)
-        if ctx is not None:
-            ctx.enable_decode_mode()
+        logits = backend.prefill(grid[:, :P], positions[:, :P], prefill_mask)[:, :vocab_size]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         prefill_s = time.perf_counter() - t0
         n_fwd += 1
-        if on_forward is not None:
-            on_forward(0, "prefill", None)
+        notify(0, "prefill")
         tok, lp = pick(logits, 0)
 
         for step in range(cfg.max_new_tokens):
-            rows = torch.arange(B, device=device) if live is None else live
+            rows = all_rows if live is None else live
+            # the sampled tokens of the rows still generating (device-side bookkeeping, no sync)
             active = ~done[rows]
             col = P + step
-            grid[rows, col] = torch.where(active, tok, torch.full_like(tok, pad))
-            lp_grid[rows, step] = torch.where(active, lp, torch.zeros_like(lp))
+            grid[rows, col] = torch.where(active, tok, pad)
+            lp_grid[rows, step] = torch.where(active, lp, 0.0)
             resp_len[rows] += active.long()
             if stop.numel() and not cfg.ignore_eos:
                 hit = active & torch.isin(tok, stop)
@@ -534,21 +452,24 @@ def generate(
                 done[rows] |= hit
             if step == cfg.max_new_tokens - 1:
                 break  # the last sampled token is never fed to the model
-            # the most unfinished rows any rank of the lockstep group still has (0: every row is done)
-            n_live = int(sync.all_reduce_max((~done[rows]).sum().reshape(1), what="generate(): rows still generating").item())
-            if n_live == 0:
-                break
-            if compact_at > 0 and n_live <= (1 - compact_at) * rows.numel():
-                compact(n_live)
-                rows = live
-            k = col + 1  # keys: slots [0, col]
-            logits = forward(col, col + 1, key_pad[rows, None, None, :k])
+            if (step + 1) % every == 0:
+                # The loop's per-step decision point (one host sync): the most unfinished rows any rank
+                # of the lockstep group still has (0: every row is done), and compaction.
+                n_live = int(sync.all_reduce_max((~done[rows]).sum().reshape(1), what="generate(): rows still generating").item())
+                if n_live == 0:
+                    break
+                if compact_at > 0 and n_live <= (1 - compact_at) * rows.numel():
+                    # this rank's unfinished rows first, then finished fillers so every rank of the
+                    # lockstep group has the same batch; the KV cache's row order is kept
+                    order = torch.argsort(done[rows].long(), stable=True)[:n_live]
+                    backend.compact(order, n_live)
+                    live = rows = rows[order]
+            logits = backend.decode(grid[rows, col], col, live)[:, :vocab_size]
             n_fwd += 1
             row_steps += rows.numel()
-            if on_forward is not None:
-                on_forward(step + 1, "decode", live)
+            notify(step + 1, "decode")
             tok, lp = pick(logits, step + 1)
-    ctx = lean = None  # frees the KV cache (the step closures above hold the names, not the caches)
+    backend = None  # frees the KV cache
 
     # left-padded internal grid -> right-padded training grid (real rows only)
     lens, resp_len = lens[:n_real], resp_len[:n_real]

@@ -33,8 +33,10 @@ What is counted, and how megatron_gspo actually holds it (model.py / optim.py / 
                recompute: none = all L layers; selective (core_attn, moe_act) drops the SwiGLU
                output; full/uniform(n) keeps the L/n chunk inputs (h / TP each) plus n layers
                being recomputed; full/block(n) keeps n inputs and L-n full layers (+1 recomputed).
-               Plus the logits: bf16 [T, V/TP] kept for the log-prob backward and its gradient,
-               plus the chunked fp32 log-prob temporaries (logprobs.py, 4 x 64 MiB).
+               Plus the output layer + log-probs (fused_logprobs.py: no [T, V] logits): the final
+               hidden states gathered over the sequence [T, h] and their fp32 gradient accumulator,
+               the output weight's gradient [V/TP, h] before DDP adds it to the main grads, and the
+               vocabulary-chunk temporaries (4 x 64 MiB, plus kept chunk logits up to 256 MiB).
   generation   rollouts run on the training model (weights, grads and optimizer stay resident):
                megatron's static KV cache for the whole local batch (prompts_per_step / DP x G
                rows, max_prompt_length + max_new_tokens slots, kv_heads / TP) plus one layer of
@@ -155,7 +157,10 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     else:
         act = layers * per_layer
     v_local = m.padded_vocab_size / tp
-    logits = tokens * v_local * 2 * 2 + 4 * (64 << 20)  # bf16 logits + their grad, fp32 chunks
+    # fused output layer + log-probs: hidden [T, h] (gathered, batch-first copy) + fp32 gradient
+    # accumulator, the output weight's gradient, the vocabulary-chunk temporaries and kept logits
+    logits = tokens * m.hidden_size * (2 * w_bytes + 4) + v_local * m.hidden_size * w_bytes \
+        + 4 * (64 << 20) + (256 << 20)
     out["train_act"] = (tokens * act + logits) / GIB
 
     # generation: KV cache of the local batch + one prefill layer

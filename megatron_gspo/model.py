@@ -322,6 +322,30 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Ten
     return logits[:, :s] if extra else logits
 
 
+def forward_logprobs(model, tokens: torch.Tensor, target: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+                     with_entropy: bool = True, padding_mask: Optional[torch.Tensor] = None,
+                     position_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """tokens [b, s] -> (log-probs [b, s] fp32 of ``target`` [b, s], entropy [b, s] fp32 or None).
+
+    What ``vocab_parallel_logprobs(forward_logits(model, tokens, ...), target, ...)`` computes, without
+    the [b, s, V/tp] logits: the model's forward returns its final hidden states and the output layer
+    runs inside the chunked log-prob function (fused_logprobs.py), so the memory of the output layer,
+    the log-probs and their backward does not grow with tokens x vocabulary. Padding mask, sequence-
+    parallel padding and routing hooks are those of forward_logits (the decoder runs unchanged); the
+    vocabulary shards and their statistics are reduced over the output layer's TP group."""
+    from megatron_gspo.fused_logprobs import output_layer_logprobs
+    from megatron_gspo.output_layer import returning_hidden
+
+    m = unwrap(model)
+    with returning_hidden(m):
+        hidden = forward_logits(model, tokens, position_ids=position_ids, padding_mask=padding_mask)  # [b, s, h]
+    weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
+    group = m.output_layer.tp_group
+    group = group if group is not None and group.size() > 1 else None
+    return output_layer_logprobs(hidden, weight, target, vocab_size, group, temperature=temperature,
+                                 with_entropy=with_entropy)
+
+
 def input_padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     """Padding mask [b, width] of a forward's input ``tokens[:, :width]`` for rows of ``lengths`` real
     tokens: True at positions >= length - 1. A row's last token predicts nothing, and it is an input

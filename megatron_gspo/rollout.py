@@ -35,9 +35,9 @@ import torch
 
 from megatron_gspo import comm
 from megatron_gspo.generation import generate
-from megatron_gspo.logprobs import vocab_parallel_logprobs
 from megatron_gspo.metrics import Metric, MetricAccumulator
-from megatron_gspo.model import forward_logits, input_padding_mask
+from megatron_gspo.oom import explain_oom
+from megatron_gspo.model import forward_logprobs, input_padding_mask
 from megatron_gspo.dynamic_sampling import informative_groups, prune_groups
 from megatron_gspo.overlong import loss_mask, overlong_penalty, truncated
 from megatron_gspo.rewards import compute_rewards
@@ -178,6 +178,21 @@ def plan_micro_batches(seq_lengths: list[int], num_minibatches: int, micro_batch
     return perm, plan, widths
 
 
+def agreed_length_profile(seq_lengths: list[int], num_minibatches: int, device: torch.device, group=None) -> list[int]:
+    """The micro-batch plan's lengths under expert parallelism, the same on every rank.
+
+    Every MoE forward is a collective over the TP x EP ranks and needs the same [rows, width] on each,
+    but a token budget cuts each rank's rows by their own lengths. Each rank sorts every minibatch's
+    rows longest first (as plan_micro_batches does); the profile is, at each position of that order,
+    the longest length any rank has there (one MAX all-reduce). Planned on the profile, every rank
+    gets the same micro-batches of the same widths, its own row at each position fits (it is no
+    longer than the profile's), and rows x width stays within the budget."""
+    per = len(seq_lengths) // num_minibatches
+    local = [x for k in range(num_minibatches) for x in sorted(seq_lengths[k * per:(k + 1) * per], reverse=True)]
+    t = torch.tensor(local, dtype=torch.long, device=device)
+    return comm.all_reduce(t, "max", group, what="micro-batch plan: sorted lengths (EP lockstep)").tolist()
+
+
 def micro_batch_slices(num_rows: int, num_minibatches: int, micro_batch_size: int) -> list[list[slice]]:
     """Rows of each minibatch, split into micro-batches of at most ``micro_batch_size``.
 
@@ -223,7 +238,9 @@ class Rollouts:
         prompts = self.sampler.next_batch()  # 1. the same P prompts on every rank
         G = self.gen_cfg.n_samples_per_prompt
         mine = [prompts[g // G] for g in rows]
-        with self.timer("generate"), self.routing.generating():  # 3.
+        shapes = (f"{len(mine)} rows, prompts up to {max(len(p.ids) for p in mine)} tokens + "
+                  f"{self.gen_cfg.max_new_tokens} new")
+        with self.timer("generate"), self.routing.generating(), explain_oom("generation", cfg, st, shapes):  # 3.
             out = generate(self.model, [p.ids for p in mine], self.row_gen_cfg, vocab_size=cfg.model.vocab_size,
                            state=st, seed=self.sampling_seed(step), row_keys=[rnd * R + g for g in rows],
                            on_forward=self.routing.on_generation_forward)
@@ -302,7 +319,13 @@ class Rollouts:
         sp = st.tp if st.sequence_parallel else 1
         perm, plan, widths = plan_micro_batches(seq_lengths.tolist(), t.num_minibatches, t.micro_batch_size,
                                                 t.max_tokens_per_micro_batch, sp)
-        if st.ep > 1:
+        if st.ep > 1 and t.max_tokens_per_micro_batch is not None:
+            # a token budget cuts each rank's rows its own way: plan once, on the longest length at
+            # each rank of the sorted order over every rank, so all ranks run the same shapes
+            _, plan, widths = plan_micro_batches(agreed_length_profile(seq_lengths.tolist(), t.num_minibatches, dev),
+                                                 t.num_minibatches, t.micro_batch_size,
+                                                 t.max_tokens_per_micro_batch, sp)
+        elif st.ep > 1:
             agreed = torch.tensor(widths, dtype=torch.long, device=dev)
             widths = comm.all_reduce(agreed, "max", None, what="micro-batch widths (EP lockstep)").tolist()
         T = max(max(widths), out.tokens.shape[1])
@@ -344,11 +367,11 @@ class Rollouts:
         for i, sl in enumerate(batch.micro):
             w = batch.widths[i]
             ctx = on_micro_batch(i) if on_micro_batch is not None else contextlib.nullcontext()
-            with ctx:
-                logits = forward_logits(model, batch.tokens[sl, : w - 1], padding_mask=pads[i])
-            out[sl, : w - 1], _ = vocab_parallel_logprobs(logits, batch.tokens[sl, 1:w], self.cfg.model.vocab_size,
-                                                          self.state.tp_group, temperature=self.temperature,
-                                                          with_entropy=False)
+            shapes = f"micro-batch of {sl.stop - sl.start} rows x {w - 1} tokens"
+            with ctx, explain_oom("old_logprobs", self.cfg, self.state, shapes):
+                out[sl, : w - 1], _ = forward_logprobs(model, batch.tokens[sl, : w - 1], batch.tokens[sl, 1:w],
+                                                       self.cfg.model.vocab_size, temperature=self.temperature,
+                                                       with_entropy=False, padding_mask=pads[i])
         return out
 
     def metrics(self, batch: RolloutBatch) -> dict:

@@ -16,6 +16,13 @@ Counter-based noise
     logits (megatron gathers them for inference), so every rank draws the same token from the same
     number.
 
+Work per draw (b rows, vocabulary V)
+    one fp32 copy of the logits (scaled in place by the temperature), one logsumexp reduction for the
+    recorded log-prob, the softmax of the (filtered) draw distribution, its float64 cumulative sum and
+    a binary search per row. Until issue 23 the log-prob came from a materialized [b, V] log-softmax
+    (one more [b, V] write and a separate temperature copy); the drawn tokens are unchanged
+    (tests/test_sampling.py compares them with that implementation, draw for draw).
+
 Drawing
     Inverse-CDF sampling: the token is the first ``v`` whose cumulative probability (float64 cumsum)
     exceeds ``U * total``. One number per row, not one per vocabulary entry: the noise costs O(b)
@@ -99,21 +106,26 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
     log-softmax(logits / T) of the drawn token, *unrestricted* (top-k / top-p / ``allowed`` restrict
     the draw only; temperature 1 when greedy), i.e. what the trainer recomputes at that temperature."""
     x = logits.float()
+    if temperature != 0:
+        # a copy of bf16 logits is ours to scale in place; fp32 logits are the caller's
+        x = x / temperature if x is logits else x.div_(temperature)
+    # the drawn token's log-prob, x[tok] - logsumexp(x): one reduction over the vocabulary instead
+    # of a materialized [b, V] log-softmax (and closer to float64: 1e-6 vs 3e-5 at vocabulary 151936)
+    lse = torch.logsumexp(x, dim=-1)
     if temperature == 0:
-        logp = torch.log_softmax(x, dim=-1)
         tok = (x if allowed is None else x.masked_fill(~allowed, float("-inf"))).argmax(dim=-1)
     else:
-        x = x / temperature
-        logp = torch.log_softmax(x, dim=-1)
-        if allowed is not None:
-            x = x.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(filter_top_k_top_p(x, top_k, top_p), dim=-1)
+        xf = x if allowed is None else x.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(filter_top_k_top_p(xf, top_k, top_p), dim=-1)
         b, v = probs.shape
         if uniform is not None and uniform.shape != (b,):
             raise ValueError(f"sample_tokens: noise of shape {tuple(uniform.shape)} for logits {tuple(probs.shape)} "
                              f"(one number per row)")
         u = torch.rand(b, dtype=torch.float64, device=probs.device) if uniform is None else uniform.double()
-        cdf = probs.double().cumsum(dim=-1)  # [b, V]; float64: no token's interval lost to rounding
+        # [b, V] float64 in vocabulary order: no token's interval lost to rounding. Kept as is on purpose:
+        # any other summation order (blocks, a fixed-point sum) moves interval boundaries by float64
+        # rounding and can change the drawn token for the same noise.
+        cdf = probs.double().cumsum(dim=-1)
         # first v with cdf[v] > u * total (right=True): a zero-probability token's interval is empty
         tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=v - 1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    return tok, x.gather(-1, tok[:, None]).squeeze(-1) - lse

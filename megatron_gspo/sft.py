@@ -22,14 +22,14 @@ from megatron_gspo import comm
 from megatron_gspo.data import PromptSampler
 from megatron_gspo.errors import DataError
 from megatron_gspo.hooks import TrainerHook
-from megatron_gspo.logprobs import vocab_parallel_logprobs
 from megatron_gspo.model import (
     aux_loss_scales,
     finalize_grads,
-    forward_logits,
+    forward_logprobs,
     input_padding_mask,
     set_aux_loss_scale,
 )
+from megatron_gspo.oom import explain_oom
 from megatron_gspo.optim import build_optimizer, optimizer_step
 from megatron_gspo.rollout import common_length, micro_batch_slices, pad_columns
 
@@ -93,11 +93,12 @@ def sft_warm_start(model, state, cfg, dataset, tokenizer, pad: int) -> None:
         optimizer.zero_grad()
         nll = torch.zeros(1, device=st.device)
         for j, sl in enumerate(micro):
-            logits = forward_logits(model, tokens[sl, :-1], padding_mask=pad_masks[j])
-            lp, _ = vocab_parallel_logprobs(logits, tokens[sl, 1:], cfg.model.vocab_size, st.tp_group, with_entropy=False)
-            loss = -(lp * mask[sl]).sum() / n[0]
-            set_aux_loss_scale(scales[j], st.device)
-            loss.backward()
+            with explain_oom("sft", cfg, st, f"micro-batch of {sl.stop - sl.start} rows x {T - 1} tokens"):
+                lp, _ = forward_logprobs(model, tokens[sl, :-1], tokens[sl, 1:], cfg.model.vocab_size,
+                                         with_entropy=False, padding_mask=pad_masks[j])
+                loss = -(lp * mask[sl]).sum() / n[0]
+                set_aux_loss_scale(scales[j], st.device)
+                loss.backward()
             nll += loss.detach()  # this rank's share of the global mean
         finalize_grads(model, st)
         optimizer_step(optimizer, st.device)

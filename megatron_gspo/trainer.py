@@ -39,15 +39,15 @@ from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
 from megatron_gspo.faults import FaultInjection, PreemptionFlag
 from megatron_gspo.hooks import Hooks, TrainerHook
 from megatron_gspo.logger import MetricsLogger, Timer, progress_line, setup_logging
-from megatron_gspo.logprobs import vocab_parallel_logprobs
 from megatron_gspo.losses import batch_normalizer, compute_policy_loss, on_policy_metrics
 from megatron_gspo.metrics import MetricAccumulator
+from megatron_gspo.oom import explain_oom
 from megatron_gspo.model import (
     aux_loss_scales,
     clear_aux_losses_tracker,
     build_model,
     finalize_grads,
-    forward_logits,
+    forward_logprobs,
     model_summary,
     set_aux_loss_scale,
     wrap_ddp,
@@ -214,11 +214,12 @@ class Trainer:
             if self._empty_minibatch(batch, mini):  # nothing to learn from: no update (not even the aux loss's)
                 empty += 1
                 continue
-            # NaN/Inf guard: decided collectively so every rank skips the same update
-            local_bad = bool(bad_rows) or not all(
-                torch.isfinite(p.main_grad).all() for p in self.ddp.parameters() if getattr(p, "main_grad", None) is not None)
-            if comm.any_rank(local_bad, st.device, what="non-finite gradient vote"):
-                self._skip_update(bad_rows)
+            # NaN/Inf guard: decided collectively so every rank skips the same update. The local
+            # flag stays on the device (one reduction per gradient buffer); the vote is the only
+            # host sync of the guard, and sequence ids are looked up only when it fails.
+            local_bad = torch.stack([nonfinite_grads(self.ddp)] + [m.any() for _, m in bad_rows]).any()
+            if comm.any_true(local_bad, what="non-finite gradient vote"):
+                self._skip_update(bad_sample_ids(bad_rows))
                 skipped += 1
                 continue
             ok, gnorm = optimizer_step(self.optimizer, st.device)
@@ -244,14 +245,15 @@ class Trainer:
         return out
 
     def accumulate_gradients(self, batch: RolloutBatch, mini: list[int], acc: MetricAccumulator,
-                             measure_rollout_gap: bool = False) -> list[str]:
+                             measure_rollout_gap: bool = False) -> list[tuple[list, torch.Tensor]]:
         """Forward + backward of one minibatch (its flat micro-batch indices ``mini`` in the batch's plan),
         gradients reduced over DP (finalize_grads). The loss divides by the unit count of the whole
         minibatch over every DP rank and DDP sums gradients (calculate_per_token_loss), so the gradient is
         the DP=1, one-micro-batch gradient whatever the split; the MoE aux loss gets the same weight too
         (model.aux_loss_scales). ``measure_rollout_gap``: log rollout/logprob_diff_* from these forwards
-        (on the sampling weights: the first minibatch). Returns the sample ids whose (current or old)
-        log-probs were not finite."""
+        (on the sampling weights: the first minibatch). Returns, per micro-batch, its sample ids and a
+        [b] bool device tensor marking the rows whose (current or old) log-probs were not finite
+        (``bad_sample_ids`` turns them into ids; kept on the device so that no micro-batch waits)."""
         cfg, st = self.cfg, self.state
         rc = cfg.rollout_correction
         micros = [batch.micro_batch(i) for i in mini]
@@ -264,14 +266,15 @@ class Trainer:
         scales = aux_loss_scales(pad_masks, st, cfg.model.moe_router_load_balancing_type, cfg.model.moe_aux_loss_coeff)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        bad_rows: list[str] = []
+        bad_rows: list[tuple[list, torch.Tensor]] = []
         for j, micro in enumerate(micros):
-            with self.routing.train_pass(mini[j]):
-                logits = forward_logits(self.ddp, micro.tokens[:, :-1], padding_mask=pad_masks[j])
-                logp, ent = vocab_parallel_logprobs(logits, micro.tokens[:, 1:], cfg.model.vocab_size,
-                                                    st.tp_group, temperature=self.rollouts.temperature)
+            shape = f"micro-batch of {micro.tokens.shape[0]} rows x {micro.tokens.shape[1] - 1} tokens"
+            with explain_oom("training", cfg, st, shape), self.routing.train_pass(mini[j]):
+                # log-probs from the final hidden states, output layer fused in: no [b, s, V] logits
+                logp, ent = forward_logprobs(self.ddp, micro.tokens[:, :-1], micro.tokens[:, 1:], cfg.model.vocab_size,
+                                             temperature=self.rollouts.temperature, padding_mask=pad_masks[j])
                 ratio = torch.where(micro.mask, logp.detach() - micro.old_logprobs, 0.0)
-                bad_rows += [micro.sample_ids[r] for r in torch.nonzero(~ratio.isfinite().all(-1)).flatten().tolist()]
+                bad_rows.append((micro.sample_ids, ~ratio.isfinite().all(-1)))
                 # rollout correction: pi_old / pi_rollout weights (None when off; all 1.0 when the old
                 # log-probs are the rollout's)
                 weights, rc_metrics = correction_weights(micro.old_logprobs, micro.sample_logprobs, masks[j],
@@ -284,7 +287,7 @@ class Trainer:
                     metrics.update(mismatch_metrics(logp, micro.sample_logprobs, micro.mask, *rc.bounds))
                     metrics.update(on_policy_metrics(logp, micro.old_logprobs, masks[j], metrics))
             set_aux_loss_scale(scales[j], st.device)
-            with self.routing.backward():
+            with explain_oom("training", cfg, st, "backward of the " + shape), self.routing.backward():
                 loss.backward()
             acc.add(metrics)
         finalize_grads(self.ddp, st)
@@ -384,6 +387,23 @@ class Trainer:
         if self._restore_determinism is not None:
             self._restore_determinism()
             self._restore_determinism = None
+
+
+def nonfinite_grads(ddp) -> torch.Tensor:
+    """A 0-dim bool on the gradients' device: some gradient is NaN or Inf. One min/max reduction per
+    DDP gradient buffer (the main grads are views into them; NaN propagates through min and max), so
+    no per-parameter host sync and no temporary the size of the gradients."""
+    bufs = [b.grad_data for b in getattr(ddp, "buffers", []) + getattr(ddp, "expert_parallel_buffers", [])]
+    if not bufs:
+        bufs = [p.main_grad for p in ddp.parameters() if getattr(p, "main_grad", None) is not None]
+    if not bufs:
+        return torch.zeros((), dtype=torch.bool, device=next(ddp.parameters()).device)
+    return torch.stack([torch.stack(torch.aminmax(g)) for g in bufs]).isfinite().all().logical_not()
+
+
+def bad_sample_ids(bad_rows: list[tuple[list, torch.Tensor]]) -> list[str]:
+    """The sample ids of the rows flagged by accumulate_gradients (host syncs: the failure path only)."""
+    return [ids[r] for ids, mask in bad_rows for r in torch.nonzero(mask).flatten().tolist()]
 
 
 def _data_metrics(before: dict, after: dict, step: int, data_cfg, log_it: bool) -> dict:

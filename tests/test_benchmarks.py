@@ -67,6 +67,27 @@ def test_smoke_json_fields(smoke):
         assert all(v["ms_median"] > 0 for k, v in d.items() if k != "rows")
     # smoke runs skip the sweep and the 2.5 GB log-prob memory benchmark
     assert "scaling" not in smoke and "logprob_memory" not in smoke
+    # the decode step against its weight-read floor
+    d = smoke["decode_step"]
+    assert d["rows"] == cfg["decode_rows"] and d["step_ms_median"] > 0 and d["copy_bandwidth_gb_s"] > 0
+    assert d["floor_ms"] > 0 and d["step_over_floor"] == pytest.approx(d["step_ms_median"] / d["floor_ms"], rel=1e-6)
+    assert d["bytes_per_step"]["total"] == d["bytes_per_step"]["weights"] + d["bytes_per_step"]["kv_cache"]
+
+
+def test_gpu_shapes_parse_to_the_presets():
+    """--shape 2b-proxy / 30b-cut: the presets' widths and vocabulary (no run: they do not fit here),
+    with the GPU defaults (256 decode rows x 64 tokens, 576-token training rows)."""
+    from benchmarks.run import model_config, parse_args
+
+    a = parse_args(["--device", "cpu", "--shape", "2b-proxy", "--no-hf"])
+    cfg = model_config(a)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_moe_experts, cfg.vocab_size) == (2048, 8, 32, 151936)
+    assert (a.decode_rows, a.decode_new, a.seq, a.no_hf, a.scaling, a.profile) == (256, 64, 576, True, False, False)
+    a = parse_args(["--shape", "30b-cut"])
+    cfg = model_config(a)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_moe_experts, cfg.moe_router_topk) == (2048, 2, 128, 8)
+    assert model_config(parse_args(["--shape", "30b-cut", "--layers", "1"])).num_layers == 1
+    assert model_config(parse_args([])).hidden_size == 256  # the CPU default is unchanged
 
 
 def test_plot_writes_png(tmp_path):

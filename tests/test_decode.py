@@ -109,3 +109,123 @@ def test_auto_falls_back_and_lean_refuses_what_it_does_not_support(model):
         m.config.sequence_parallel = saved
     with pytest.raises(ConfigError, match="generation.decode_impl"):
         GenerationConfig(decode_impl="vllm")
+
+
+# ----------------------------------------------------------------------------------------------
+# Device-side MoE dispatch and the graph-ready decode step
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [(1, 5), (7, 3)], ids=["decode", "prefill"])
+def test_device_moe_equals_megatron_moe_layer_bitwise(model, tokens):
+    """DeviceMoE (permutation and grouped-GEMM offsets on the device) gives the megatron MoE layer's
+    output bit for bit, and the router's own routing map."""
+    from megatron_gspo.decode import DeviceMoE, device_moe_unsupported
+
+    m, _ = model
+    g = torch.Generator().manual_seed(3)
+    for layer in m.decoder.layers:
+        assert device_moe_unsupported(layer.mlp) is None
+        h = torch.randn(*tokens, m.config.hidden_size, generator=g).to(next(m.parameters()).device)
+        with torch.no_grad():
+            want, _ = layer.mlp(h)
+            got, rmap = DeviceMoE(layer.mlp)(h)
+            _, want_map = layer.mlp.router(h)
+        assert torch.equal(got, want) and torch.equal(rmap, want_map)
+        assert (rmap.sum(-1) == m.config.moe_router_topk).all()
+
+
+class StandInGraph:
+    """torch.cuda.CUDAGraph's contract on the CPU: ``capture(fn)`` runs the step once, where CUDA would
+    record it (a host sync there fails the capture: counted here and refused), and returns its output
+    tensor; ``replay()`` re-runs the recorded step and writes into that same output tensor, as a
+    replayed graph does. The step takes no arguments: all it may read are the decoder's buffers."""
+
+    captures = []
+
+    def capture(self, fn):
+        from host_syncs import HostSyncCounter
+
+        with HostSyncCounter() as syncs:
+            out = fn()
+        assert syncs.total() == 0, f"host syncs in a captured decode step: {syncs.by_site()}"
+        self.fn, self.out = fn, out
+        StandInGraph.captures.append(out.shape[0])
+        return out
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+def _graph_mode(mp):
+    """Every LeanDecoder built inside the monkeypatch context ``mp`` runs in graph mode, with
+    StandInGraph in place of CUDA graphs."""
+    import megatron_gspo.decode as decode
+
+    init = decode.LeanDecoder.__init__
+
+    def graph_init(self, *a, **kw):
+        init(self, *a, **{**kw, "graphs": True, "graph_factory": StandInGraph})
+
+    StandInGraph.captures = []
+    mp.setattr(decode.LeanDecoder, "__init__", graph_init)
+
+
+def _gen_routes(model, **kw):
+    """(GenerationOutput, the R3 routes recorded while generating it [L, B, S, k])."""
+    from megatron_gspo.routing.rollout_routes import RolloutRecorder
+
+    m, st = model
+    rec = RolloutRecorder(m)
+    try:
+        with rec.recording():
+            base = dict(max_new_tokens=12, temperature=1.0, n_samples_per_prompt=3, seed=7, decode_impl="lean")
+            out = generate(m, _prompts() * 2, GenerationConfig(**{**base, **kw}), vocab_size=VOCAB, state=st,
+                           on_forward=rec.on_forward)
+        routes = rec.finish(out).routes
+    finally:
+        rec.close()
+    return out, routes
+
+
+CASES = {
+    "sample": dict(),
+    "greedy": dict(temperature=0.0),
+    "topk-topp": dict(top_k=5, top_p=0.8, temperature=0.7),
+    "min-new-tokens": dict(min_new_tokens=6),
+    "check-every-3": dict(finished_check_interval=3),
+    "no-compaction": dict(compact_finished_rows=0.0),
+}
+
+
+@pytest.mark.parametrize("kw", list(CASES.values()), ids=list(CASES))
+def test_graph_ready_step_is_token_identical_to_the_eager_step(model, monkeypatch, kw):
+    """The decode step captured once per batch-size bucket (KV length static, filler rows past the
+    live ones, every input read from the decoder's buffers, no host sync inside) and replayed, against
+    the eager lean step, with stop tokens that make rows finish at different steps (compaction shrinks
+    the batch through the buckets): same tokens, lengths and stop flags, log-probs equal, and the same
+    R3 routes recorded (the replayed step writes them; no router hook runs in it)."""
+    free = _gen(model, "lean", **kw)
+    stops = torch.bincount(free.tokens[free.response_mask], minlength=VOCAB).topk(3).indices.tolist()
+    run = dict(kw, stop_token_ids=stops)
+    want, want_routes = _gen_routes(model, **run)  # eager (today's lean step)
+    with monkeypatch.context() as mp:
+        _graph_mode(mp)
+        got, got_routes = _gen_routes(model, **run)
+        captured = list(StandInGraph.captures)
+    assert want.response_lengths.min() < want.response_lengths.max()  # ragged: rows finish apart
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.response_lengths, want.response_lengths)
+    assert torch.equal(got.stopped, want.stopped)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=2e-6)
+    assert torch.equal(got_routes, want_routes)
+    assert captured and len(captured) == len(set(captured)) and set(captured) <= {1, 2, 4, 8, 16, 24}
+    if not kw:
+        assert len(captured) > 1  # compaction took the batch through several buckets
+
+
+def test_graph_mode_refuses_what_it_cannot_capture(model):
+    m, st = model
+    with pytest.raises(ValueError, match="generation.cuda_graphs=true needs a CUDA device"):
+        generate(m, _prompts(), GenerationConfig(max_new_tokens=3, cuda_graphs=True), vocab_size=VOCAB, state=st)
+    with pytest.raises(ConfigError, match="generation.cuda_graphs=true captures the lean decode step"):
+        GenerationConfig(cuda_graphs=True, decode_impl="megatron")

@@ -148,6 +148,26 @@ def test_logprobs_forward_backward_and_tp_collectives_on_cuda(nccl):
     assert nccl.calls and all(dev == "cuda" for _, dev in nccl.calls), nccl.calls
 
 
+def test_fused_output_layer_logprobs_forward_backward_and_tp_collectives_on_cuda(nccl):
+    from megatron_gspo.fused_logprobs import output_layer_logprobs
+
+    g = torch.Generator().manual_seed(2)
+    with cuda_on_cpu():
+        hidden = torch.randn(2, 5, 8, generator=g).to("cuda").requires_grad_(True)
+        weight = torch.randn(16, 8, generator=g).to("cuda").requires_grad_(True)
+        target = torch.randint(0, 12, (2, 5), generator=g).to("cuda")
+        for keep in (1 << 30, 0):  # chunk logits kept for the backward, or recomputed
+            lp, ent = output_layer_logprobs(hidden, weight, target, vocab_size=12, temperature=0.7,
+                                            chunk_bytes=16 * 4 * 10, keep_logits_bytes=keep)
+            assert lp.device.type == "cuda" and ent.device.type == "cuda"
+            (lp.sum() + ent.sum()).backward()  # the custom backward's own tensors are checked too
+        assert hidden.grad is not None and weight.grad is not None
+        lp, _ = output_layer_logprobs(hidden.detach(), weight.detach(), target, vocab_size=24, tp_group=object(),
+                                      with_entropy=False)
+        assert lp.device.type == "cuda"
+    assert nccl.calls and all(dev == "cuda" for _, dev in nccl.calls), nccl.calls
+
+
 def test_sampling_noise_and_draw_on_cuda():
     from megatron_gspo.sampling import counter_uniform, sample_tokens
 

@@ -47,3 +47,23 @@ def test_peak_and_mfu():
     assert peak_flops("AMD EPYC", "fp32") is None
     assert mfu(1000.0, 1e9, None) is None
     assert mfu(10_000.0, 23e9, 989e12) == pytest.approx(10_000 * 23e9 / 989e12)
+
+
+def test_decode_bytes_per_step_by_hand():
+    """The 2B proxy at 256 rows: every one of its 32 experts is hit (1 - (24/32)^256 ~ 1), so a step
+    reads all ~2.0B parameters in bf16 (the issue's 'reading the 2B weights once per step'); one row
+    touches top-8 experts only; the KV cache is rows x context x L x 2 x n_kv x d."""
+    from megatron_gspo.config import model_config_from_preset
+    from megatron_gspo.flops import decode_bytes_per_step
+
+    cfg = model_config_from_preset("qwen3-moe-2b-proxy")
+    h, L, V, E, f = 2048, 8, 151936, 32, 768
+    attn = h * (32 * 128 + 2 * 4 * 128) + 32 * 128 * h
+    full = decode_bytes_per_step(cfg, 256, 96, 2)
+    dense = L * (attn + E * h + 2 * h) + h * V + h
+    assert full["weights"] == pytest.approx((dense + L * E * 3 * h * f) * 2, rel=1e-9)
+    assert full["weights"] == pytest.approx(cfg.num_parameters() * 2 - h * V * 2, rel=0.01)  # all but the embedding
+    assert full["kv_cache"] == 256 * 96 * L * 2 * 4 * 128 * 2
+    one = decode_bytes_per_step(cfg, 1, 96, 2)
+    assert one["weights"] == pytest.approx((dense + L * 8 * 3 * h * f) * 2, rel=1e-9)
+    assert one["total"] == one["weights"] + one["kv_cache"]

@@ -163,13 +163,13 @@ def test_te_attention_gets_the_padding_mask_of_ragged_prompts(tiny, monkeypatch,
     mask for megatron's causal / no_mask inference types). With TE's contract in place of local
     attention, ragged greedy generation equals the local spec's, and it does not without the
     remapping (the check can fail)."""
-    import megatron_gspo.generation as generation
+    import megatron_gspo.decode_backends as decode_backends
 
     model, st = tiny
     cfg = GenerationConfig(max_new_tokens=6, temperature=0.0)
     want = generate(model, _prompts(), cfg, vocab_size=VOCAB, state=st)
     if not remap:
-        monkeypatch.setattr(generation, "_padding_mask_honored", lambda m: contextlib.nullcontext())
+        monkeypatch.setattr(decode_backends, "_padding_mask_honored", lambda m: contextlib.nullcontext())
     owners = [mod for mod in model.modules() if hasattr(mod, "core_attention")]
     originals = [mod.core_attention for mod in owners]
     try:

@@ -1,6 +1,6 @@
 """Initial weights drawn from one seed are the same numbers under TP=2, EP=2 and TP=2 x EP=2
 (bit for bit through dist_checkpointing's global keys). Weights saved once (torch_dist) and loaded under TP=2, EP=2 and TP=2 x EP=2
-give the single-rank logits, log-probs, entropy (checked inside the ranks, fp32, 1e-5; also for an
+give the single-rank logits, log-probs, entropy (also from the fused output-layer log-probs under TP=2) (checked inside the ranks, fp32, 1e-5; also for an
 odd sequence length, which sequence parallel under TP=2 pads) and the single-rank gradients of a
 scalar loss (checked here, tensor by tensor on global keys)."""
 
@@ -15,6 +15,9 @@ LAYOUTS = {
     "tp2": (2, ["--tp", "2"]),
     "ep2": (2, ["--ep", "2"]),
     "tp2ep2": (4, ["--tp", "2", "--ep", "2"]),
+    # log-probs from the hidden states with the output layer fused in (vocabulary chunks, sequence
+    # parallel), against the one-rank logits path
+    "tp2_fused": (2, ["--tp", "2", "--logprobs", "fused"]),
 }
 
 

@@ -107,3 +107,53 @@ def test_inverse_cdf_draw_by_hand():
 def test_counter_noise_refuses_negative_keys(bad):
     with pytest.raises(ValueError, match="must be >= 0"):
         counter_uniform(bad[0], torch.arange(2), bad[1])
+
+
+def _sample_tokens_before_issue_23(logits, temperature, top_k=0, top_p=1.0, uniform=None, allowed=None):
+    """The sampler as it was (a materialized log-softmax, a separate temperature copy): the reference
+    the current one must draw the same tokens as, for the same noise."""
+    from megatron_gspo.sampling import filter_top_k_top_p
+
+    x = logits.float()
+    if temperature == 0:
+        logp = torch.log_softmax(x, dim=-1)
+        tok = (x if allowed is None else x.masked_fill(~allowed, float("-inf"))).argmax(dim=-1)
+    else:
+        x = x / temperature
+        logp = torch.log_softmax(x, dim=-1)
+        if allowed is not None:
+            x = x.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(filter_top_k_top_p(x, top_k, top_p), dim=-1)
+        cdf = probs.double().cumsum(dim=-1)
+        tok = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("V", [100, 151936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=0.0),
+                                     dict(temperature=0.9, top_k=40), dict(temperature=1.0, top_p=0.9),
+                                     dict(temperature=0.8, top_k=50, top_p=0.95), dict(temperature=1.0, allowed=True)],
+                         ids=["T1", "T0.7", "greedy", "topk", "topp", "topk-topp", "allowed"])
+def test_same_tokens_as_before_for_the_same_noise(V, dtype, setting):
+    """Draw for draw, the current sampler picks the tokens the pre-issue-23 one picks (same noise, same
+    logits, fp32 and bf16 logits, every filter), and records the same log-probs to fp32 rounding;
+    the caller's logits are left untouched."""
+    b = 16 if V > 1000 else 512
+    kw = dict(setting)
+    g = torch.Generator().manual_seed(V + len(kw))
+    logits = (torch.randn(b, V, generator=g) * 3).to(dtype)
+    before = logits.clone()
+    if kw.pop("allowed", False):
+        kw["allowed"] = torch.rand(V, generator=g) > 0.3
+    for pos in range(3):
+        u = counter_uniform(9, torch.arange(b), pos)
+        want_tok, want_lp = _sample_tokens_before_issue_23(logits, uniform=u, **kw)
+        tok, lp = sample_tokens(logits, uniform=u, **kw)
+        assert torch.equal(tok, want_tok)
+        torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-4 if V > 1000 else 2e-6)
+        # the old log-softmax drifted up to ~5e-5 from float64 at V=151936; x[tok] - logsumexp stays close
+        x = logits.double() / (kw["temperature"] or 1.0)
+        exact = torch.log_softmax(x, -1).gather(-1, tok[:, None]).squeeze(-1)
+        assert (lp.double() - exact).abs().max() < 1e-5
+    assert torch.equal(logits, before)

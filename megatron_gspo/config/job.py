@@ -94,13 +94,9 @@ class JobConfig:
         self._check_allow_config_change()
         budget = t.max_tokens_per_micro_batch
         if budget is not None:
+            # (under expert parallelism the ranks agree one plan: rollout.agreed_length_profile)
             check(budget >= need, f"train.max_tokens_per_micro_batch={budget} cannot hold one row of up to "
                                   f"data.max_prompt_length + generation.max_new_tokens = {need} tokens")
-            # each rank then cuts its rows into its own number of micro-batches, but under expert
-            # parallelism every MoE forward is a collective that needs the same shapes on every rank
-            check(self.parallel.expert_model_parallel_size == 1,
-                  "train.max_tokens_per_micro_batch needs parallel.expert_model_parallel_size=1 (every expert-"
-                  "parallel rank must run the same micro-batch shapes); use train.micro_batch_size with EP")
 
     def _check_lean_decode(self) -> None:
         """generation.decode_impl=lean runs on one rank of model parallelism with megatron's local

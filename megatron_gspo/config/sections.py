@@ -189,6 +189,15 @@ class GenerationConfig:
     # the model, i.e. one rank of TP/EP/PP, RoPE and the local attention; else megatron). Routing
     # replay's recorders (R2/R3) run on either path. "lean" on a layout it cannot run is refused.
     decode_impl: str = "auto"
+    # Check which rows finished (a host sync, and under EP / TP a lockstep all-reduce) every this many
+    # generated tokens; rows that finish in between are fed pad tokens until the check (results do not
+    # change, at most this many - 1 forwards more). 0 = auto: every token on the CPU (a sync costs
+    # nothing there), every 4 on CUDA (a guess, not yet measured on a GPU).
+    finished_check_interval: int = 0
+    # Capture the lean decode step once per batch-size bucket with CUDA graphs and replay it (CUDA,
+    # decode_impl lean or auto on one rank of TP/EP). Off by default: the eager step runs until this
+    # is measured on a GPU (docs/performance.md).
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
@@ -217,6 +226,11 @@ class GenerationConfig:
               f"generation.compact_finished_rows must be in [0, 1) (0 = off), got {self.compact_finished_rows!r}")
         check(self.decode_impl in ("auto", "lean", "megatron"),
               f"generation.decode_impl must be one of auto, lean, megatron, got {self.decode_impl!r}")
+        check(is_int(self.finished_check_interval) and self.finished_check_interval >= 0,
+              f"generation.finished_check_interval must be an integer >= 0 (0 = auto), got {self.finished_check_interval!r}")
+        check(isinstance(self.cuda_graphs, bool), f"generation.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        check(not (self.cuda_graphs and self.decode_impl == "megatron"),
+              "generation.cuda_graphs=true captures the lean decode step; use generation.decode_impl=auto or lean")
 
     @property
     def greedy(self) -> bool:

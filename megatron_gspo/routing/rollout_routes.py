@@ -139,14 +139,29 @@ class RolloutRoutes:
                                      f"prompts up to {int(plen.max())} tokens")
         rr = cls(L, n, P + len(steps) - 1, topk, num_experts)
         rr.add_step(pre[:, :n].cpu(), valid=torch.arange(P)[None, :] >= (P - plen)[:, None])
-        for j, d in enumerate(steps[1:], start=1):
-            fed = torch.arange(B) if rows is None or rows[j] is None else torch.as_tensor(rows[j]).long().cpu()
-            if d.shape[1:3] != (fed.numel(), 1):
+        # every decode step's routes (and fed rows) to the host in one copy each, then filed on the CPU
+        dec = steps[1:]
+        for j, d in enumerate(dec, start=1):
+            if d.dim() != 4 or d.shape[2] != 1:
+                raise RoutingReplayError(f"from_generation: decode step {j} routes {tuple(d.shape)}; expected [L, b, 1, k]")
+        flat = torch.cat([d.reshape(L, -1, d.shape[-1]) for d in dec], dim=1).cpu() if dec else None
+        given = [r for r in (rows or [])[1:] if r is not None]
+        fed_all = torch.cat([torch.as_tensor(r).reshape(-1) for r in given]).long().cpu() if given else None
+        at, at_rows = 0, 0
+        for j, d in enumerate(dec, start=1):
+            b = d.shape[1]
+            if rows is None or rows[j] is None:
+                fed = torch.arange(B)
+            else:
+                fed = fed_all[at_rows:at_rows + torch.as_tensor(rows[j]).numel()]
+                at_rows += fed.numel()
+            if b != fed.numel():
                 raise RoutingReplayError(f"from_generation: decode step {j} routes {tuple(d.shape)}; expected "
                                          f"[L, {fed.numel()}, 1, k]")
             real = fed < n
             idx = fed[real]
-            rr.add_step(d[:, real].cpu(), valid=(rlen[idx] > j)[:, None], rows=idx)
+            rr.add_step(flat[:, at:at + b][:, real][:, :, None], valid=(rlen[idx] > j)[:, None], rows=idx)
+            at += b
         rr.check(plen + rlen)
         return rr
 
@@ -174,7 +189,11 @@ class RolloutRecorder:
 
     Forward hooks on the routers read each forward's routing map, whose router input [t, B, H] gives
     the step's shape; the generator runs the MoE layers on full sequences (no sequence split), so every
-    TP rank records all of its rows' tokens and ``RoutingReplay.load`` takes this rank's chunk.
+    TP rank records all of its rows' tokens and ``RoutingReplay.load`` takes this rank's chunk. A
+    decode back-end that produces the routes itself (the lean decoder, whose captured steps run no
+    Python hooks) hands them to ``on_forward(..., routes=...)`` instead; the hooks then only keep a
+    reference that is dropped. Either way nothing waits for the device during generation: the ids
+    stay where they were computed until ``finish`` moves them in one copy.
     """
 
     def __init__(self, model):
@@ -209,24 +228,31 @@ class RolloutRecorder:
         if not self._active:
             return
         x = args[0] if args else kwargs["input"]
-        t, b = x.shape[0], x.shape[1]
         if self._cur[l] is not None:
             raise RoutingReplayError(f"RolloutRecorder: router of layer {l} ran twice before on_forward() was called")
-        idx = routing_map_to_indices(out[1].reshape(-1, self.num_experts), self.topk)
-        self._cur[l] = idx.to(index_dtype(self.num_experts)).reshape(t, b, self.topk).transpose(0, 1)
+        self._cur[l] = (out[1], x.shape[0], x.shape[1])  # the routing map, ids computed in on_forward if needed
 
-    def on_forward(self, step: int, kind: str, rows: Optional[torch.Tensor] = None) -> None:
+    def on_forward(self, step: int, kind: str, rows: Optional[torch.Tensor] = None,
+                   routes: Optional[torch.Tensor] = None) -> None:
         """The generator's callback: files the routes of the forward that just ran as step ``step``
-        (``rows``: the original row of each batch position, None for all rows in order)."""
+        (``rows``: the original row of each batch position, None for all rows in order; ``routes``:
+        [L, b, t, k] expert ids when the decode back-end produced them, else the routers' hooks')."""
         if not self._active:
             raise RoutingReplayError("RolloutRecorder.on_forward outside recording()")
         if step != len(self.steps) or (kind == "prefill") != (step == 0):
             raise RoutingReplayError(f"RolloutRecorder: got step {step} ({kind}) after {len(self.steps)} recorded forwards")
-        missing = [l for l, c in enumerate(self._cur) if c is None]
-        if missing:
-            raise RoutingReplayError(f"RolloutRecorder: step {step}: MoE layers {missing} did not run")
-        self.steps.append(torch.stack(self._cur))  # [L, b, t, k]
-        self.rows.append(None if rows is None else rows.detach().cpu())
+        if routes is None:
+            missing = [l for l, c in enumerate(self._cur) if c is None]
+            if missing:
+                raise RoutingReplayError(f"RolloutRecorder: step {step}: MoE layers {missing} did not run")
+            dtype = index_dtype(self.num_experts)
+            routes = torch.stack([routing_map_to_indices(rmap.reshape(-1, self.num_experts), self.topk).to(dtype)
+                                  .reshape(t, b, self.topk).transpose(0, 1) for rmap, t, b in self._cur])
+        elif routes.dim() != 4 or routes.shape[0] != len(self.routers) or routes.shape[3] != self.topk:
+            raise RoutingReplayError(f"RolloutRecorder: step {step}: routes {tuple(routes.shape)}, expected "
+                                     f"[L={len(self.routers)}, b, t, k={self.topk}]")
+        self.steps.append(routes)  # [L, b, t, k], on the device
+        self.rows.append(None if rows is None else rows.detach().clone())
         self._cur = [None] * len(self.routers)
 
     def finish(self, out) -> RolloutRoutes:

@@ -1,7 +1,10 @@
 """Layout parity: run under torchrun. `ref` (1 rank) builds the tiny model, saves its weights and
 reference outputs/gradients; `check` (N ranks, any TP/EP) loads the same weights, compares logits,
 log-probs and entropy with the reference, and saves its gradients as a torch_dist checkpoint that
-the test compares tensor by tensor with the reference gradients (global keys, any layout)."""
+the test compares tensor by tensor with the reference gradients (global keys, any layout).
+``--logprobs fused``: the log-probs and entropy come from the final hidden states with the output
+layer fused in (model.forward_logprobs) instead of from the logits; the reference stays the logits
+path on one rank."""
 
 import argparse
 import os
@@ -14,7 +17,7 @@ from megatron_gspo import parallel
 from megatron_gspo.checkpoint import load_model, save_model
 from megatron_gspo.config import ParallelConfig, model_config_from_preset
 from megatron_gspo.logprobs import vocab_parallel_logprobs
-from megatron_gspo.model import build_model, finalize_grads, forward_logits, wrap_ddp
+from megatron_gspo.model import build_model, finalize_grads, forward_logits, forward_logprobs, wrap_ddp
 
 
 def batch(vocab):
@@ -42,6 +45,7 @@ def main():
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--etp", type=int, default=None)
     ap.add_argument("--tag", default="ref")
+    ap.add_argument("--logprobs", choices=["logits", "fused"], default="logits")
     a = ap.parse_args()
 
     # the aux loss depends on how tokens are grouped per rank; parity is about the policy math
@@ -67,8 +71,13 @@ def main():
     sl = slice(st.dp_rank * per, (st.dp_rank + 1) * per)
     tok = tokens[sl]
     ddp.zero_grad_buffer()
-    logits = forward_logits(ddp, tok)
-    lp, ent = vocab_parallel_logprobs(logits[:, :-1], tok[:, 1:], cfg.vocab_size, st.tp_group, chunk_tokens=16)
+    if a.logprobs == "fused":  # 23 input tokens: odd, so sequence parallel (TP=2) pads them too
+        lp, ent = forward_logprobs(ddp, tok[:, :-1], tok[:, 1:], cfg.vocab_size)
+        with torch.no_grad():
+            logits = forward_logits(ddp, tok)
+    else:
+        logits = forward_logits(ddp, tok)
+        lp, ent = vocab_parallel_logprobs(logits[:, :-1], tok[:, 1:], cfg.vocab_size, st.tp_group, chunk_tokens=16)
     # a global-sum loss: DDP sums gradients over DP ranks (calculate_per_token_loss)
     loss = (lp * w_lp[sl]).sum() + (ent * w_h[sl]).sum()
     loss.backward()

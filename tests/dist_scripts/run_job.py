@@ -132,6 +132,28 @@ def save_gradients(trainer, out_dir, micro_batch_sizes):
                 p.data.copy_(w)
 
 
+def save_planned_gradient(trainer, out_dir):
+    """grads_policy_planned: the first minibatch's policy gradient (aux loss off) with the micro-batch
+    plan the rollout made itself (train.micro_batch_size / max_tokens_per_micro_batch, agreed over the
+    ranks under EP). Prints this rank's own plan next to the agreed one."""
+    from megatron_gspo.model import unwrap
+    from megatron_gspo.rollout import plan_micro_batches
+
+    trainer.setup_optimizer()
+    unwrap(trainer.ddp).config.moe_aux_loss_coeff = trainer.cfg.model.moe_aux_loss_coeff = 0.0
+    t = trainer.cfg.train
+    batch = trainer.rollouts.collect(trainer.step)
+    own = plan_micro_batches(batch.seq_lengths.tolist(), t.num_minibatches, t.micro_batch_size,
+                             t.max_tokens_per_micro_batch, trainer.state.tp if trainer.state.sequence_parallel else 1)
+    print(f"[rank {trainer.state.rank}] plan: own {[len(m) for m in own[1]]} widths {own[2]}; "
+          f"agreed {[len(m) for m in batch.minibatches]} widths {batch.widths}", flush=True)
+    trainer.accumulate_gradients(batch, batch.minibatches[0], MetricAccumulator())
+    model = trainer.model
+    for p in model.parameters():
+        p.data.copy_(p.main_grad)
+    save_model(model, os.path.join(out_dir, "grads_policy_planned"))
+
+
 def main():
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
@@ -139,6 +161,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--check-replicas", action="store_true")
     ap.add_argument("--grads", default="", help="comma-separated micro-batch sizes: save gradients instead of training")
+    ap.add_argument("--planned-grad", action="store_true", help="save the first minibatch's gradient on the rollout's own plan")
     a = ap.parse_args(argv[:split])
     overrides = argv[split + 1:] + [f"train.output_dir={a.out}", "train.tensorboard=false"]
     cfg = load_job_config(DEMO_CONFIG, overrides)
@@ -147,6 +170,9 @@ def main():
     try:
         if a.grads:
             save_gradients(trainer, a.out, [int(x) for x in a.grads.split(",")])
+            return
+        if a.planned_grad:
+            save_planned_gradient(trainer, a.out)
             return
         trainer.run()
         if a.check_replicas:

@@ -1,0 +1,239 @@
+"""The model forwards of one ``generation.generate`` call, behind one small interface.
+
+A ``DecodeBackend`` runs a prefill forward over the left-padded prompt block and then one-token
+decode forwards against its KV cache, for the rows still in the decode batch; ``generate()`` owns
+everything else (sampling, stop tokens, lockstep, which rows finished). Two back-ends:
+
+``LeanBackend``      megatron_gspo/decode.py's ``LeanDecoder``: the model's own modules and weights,
+                     a KV cache of roped keys, device-side MoE dispatch, a graph-ready decode step
+                     (optionally captured with CUDA graphs: ``generation.cuda_graphs``); one rank of
+                     model parallelism (TP = EP = PP = 1).
+``MegatronBackend``  ``GPTModel.forward`` with megatron's ``StaticInferenceContext`` (any layout: TP
+                     gathers the last position's logits, the allgather / alltoall dispatchers run
+                     the MoE layers over TP x EP), with per-row RoPE angles and an explicit padding
+                     mask for left-padded (ragged) prompts.
+
+``make_backend`` picks one from ``generation.decode_impl`` ("lean" refuses what it cannot run, by
+name; "auto" falls back to megatron's path; "megatron" always takes it).
+
+The interface (shapes: B rows of the cache, P prompt-block columns, V the padded vocabulary):
+
+    prefill(tokens [B, P], positions [B, P], masked [B, 1, P, P]) -> logits [B, V] of the last column
+    decode(tokens [b], slot, rows) -> logits [b, V]: feeds cache rows 0 .. b-1 at KV slot ``slot``;
+                                     rows [b] = the original row of each cache row (None: all, in order)
+    compact(order, keep)           cache rows order[:keep] move to the front (finished rows leave)
+    last_routes(b, prefill)        [L, b, s, k] top-k expert ids of the last forward, or None when
+                                   the back-end does not record them (routers' forward hooks do)
+    context()                      model patches for the duration of the call
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional
+
+import torch
+
+__all__ = ["DecodeBackend", "LeanBackend", "MegatronBackend", "make_backend"]
+
+
+class DecodeBackend:
+    """See the module docstring."""
+
+    name = "?"
+    records_routes = False
+
+    def context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, tokens: torch.Tensor, slot: int, rows: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compact(self, order: torch.Tensor, keep: int) -> None:
+        raise NotImplementedError
+
+    def last_routes(self, b: int, prefill: bool = False) -> Optional[torch.Tensor]:
+        return None
+
+
+class LeanBackend(DecodeBackend):
+    """decode.LeanDecoder behind the interface (its left padding is a buffer of the decoder)."""
+
+    name = "lean"
+
+    def __init__(self, m, batch: int, slots: int, max_position: int, left_pad: torch.Tensor, *,
+                 static: bool = False, graphs: bool = False, record_routes: bool = False) -> None:
+        from megatron_gspo.decode import LeanDecoder
+
+        self.dec = LeanDecoder(m, batch, slots, max_position, static=static, graphs=graphs,
+                               record_routes=record_routes and all(d is not None for d in _device_moes(m)))
+        self.dec.set_left_pad(left_pad)
+        self.records_routes = self.dec.record_routes
+
+    def prefill(self, tokens, positions, masked):
+        return self.dec.prefill(tokens, positions, masked)
+
+    def decode(self, tokens, slot, rows):
+        return self.dec.decode(tokens, slot)
+
+    def compact(self, order, keep):
+        self.dec.compact(order, keep)
+
+    def last_routes(self, b, prefill=False):
+        return self.dec.last_routes(b, prefill) if self.records_routes else None
+
+
+def _device_moes(m) -> list:
+    from megatron_gspo.decode import device_moe_unsupported
+
+    return [True if device_moe_unsupported(layer.mlp) is None else None for layer in m.decoder.layers]
+
+
+class MegatronBackend(DecodeBackend):
+    """GPTModel.forward with megatron's StaticInferenceContext (see generation.py's module doc)."""
+
+    name = "megatron"
+
+    def __init__(self, m, batch: int, slots: int, positions: torch.Tensor, key_pad: torch.Tensor, ragged: bool) -> None:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.m, self.positions, self.key_pad, self.ragged = m, positions, key_pad, ragged
+        self.ctx = StaticInferenceContext(max_batch_size=batch, max_sequence_length=slots)
+        self.rows: Optional[torch.Tensor] = None  # the original row of each cache row (None: all)
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        # Equal-length real prompts: slot index = position and no padding to mask (the padding of
+        # EP shape-filler rows is harmless: their outputs are dropped).
+        with contextlib.ExitStack() as stack:
+            if self.ragged:
+                stack.enter_context(_per_row_rope(self.m, self.positions, lambda: self.rows))
+                stack.enter_context(_padding_mask_honored(self.m))
+            yield
+
+    def prefill(self, tokens, positions, masked):
+        logits = self.m(input_ids=tokens, position_ids=positions, attention_mask=masked,
+                        inference_context=self.ctx, runtime_gather_output=True)
+        self.ctx.increment_sequence_len_offset(tokens.shape[1])
+        self.ctx.enable_decode_mode()
+        return logits[:, -1, :]  # [B, V]: full vocabulary, last position only
+
+    def decode(self, tokens, slot, rows):
+        self.rows = rows
+        r = slice(None) if rows is None else rows
+        logits = self.m(input_ids=tokens[:, None], position_ids=self.positions[r, slot:slot + 1],
+                        attention_mask=self.key_pad[r, None, None, :slot + 1], inference_context=self.ctx,
+                        runtime_gather_output=True)
+        self.ctx.increment_sequence_len_offset(1)
+        return logits[:, -1, :]
+
+    def compact(self, order, keep):
+        for k_mem, v_mem in self.ctx.key_value_memory_dict.values():  # [S-1, B, heads, dim] each
+            k_mem[:, :keep] = k_mem[:, order[:keep]]
+            v_mem[:, :keep] = v_mem[:, order[:keep]]
+
+
+def make_backend(m, cfg, batch: int, slots: int, positions: torch.Tensor, key_pad: torch.Tensor,
+                 left_pad: torch.Tensor, ragged: bool, record_routes: bool) -> DecodeBackend:
+    """The back-end ``cfg.decode_impl`` asks for on this model (see the module docstring).
+
+    cfg: the GenerationConfig; positions / key_pad [B, slots] per slot; left_pad [B]; ragged: some
+    real prompts are left-padded; record_routes: the caller wants each forward's routes."""
+    from megatron_gspo.decode import lean_decode_unsupported
+
+    graphs = getattr(cfg, "cuda_graphs", False)
+    if cfg.decode_impl != "megatron":
+        # Routing recorders work on either path: the lean step hands its routes over explicitly and
+        # calls each layer's router module (forward hooks included) in eager steps.
+        reason = lean_decode_unsupported(m)
+        if reason is None:
+            return LeanBackend(m, batch, slots, int(positions.max()), left_pad, graphs=graphs,
+                               record_routes=record_routes)
+        if cfg.decode_impl == "lean" or graphs:
+            knob = "generation.cuda_graphs=true (the lean decode path)" if graphs else "generation.decode_impl=lean"
+            raise ValueError(f"{knob} does not support {reason}; use decode_impl=auto or megatron"
+                             + (" with cuda_graphs=false" if graphs else ""))
+    elif graphs:
+        raise ValueError("generation.cuda_graphs=true captures the lean decode step; it cannot be combined "
+                         "with generation.decode_impl=megatron")
+    return MegatronBackend(m, batch, slots, positions, key_pad, ragged)
+
+
+# ----------------------------------------------------------------------------------------------
+# megatron's forward with left-padded prompts
+# ----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _per_row_rope(model, positions: torch.Tensor, rows: Callable[[], Optional[torch.Tensor]]) -> Iterator[None]:
+    """Make the model's RoPE return per-row angles [L, b, 1, d] for positions [B, L].
+
+    megatron takes rotary angles from the KV slot index (``q_pos_emb[offset:offset+s]``); with
+    left padding a row's true position is slot - pad. Rows of the same angle table a training
+    forward uses are selected, so a token's rotation is bitwise the one of an unpadded forward.
+    ``rows()`` names the rows of the current forward (None: all B), in the KV cache's order.
+    """
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is None or getattr(model, "position_embedding_type", "rope") != "rope":
+        raise NotImplementedError("generation supports RoPE GPT models only "
+                                  f"(position_embedding_type={getattr(model, 'position_embedding_type', None)!r})")
+    L = positions.shape[1]
+    table = rope.get_emb(L)[:, 0, 0, :]  # [L, d]
+    emb = table[positions.t()].unsqueeze(2)  # [L, B, 1, d]
+
+    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        assert max_seq_len == L and offset == 0 and not packed_seq, (max_seq_len, L, offset, packed_seq)
+        r = rows()
+        return emb if r is None else emb[:, r]
+
+    rope.forward = forward  # instance attribute shadows the (lru-cached) class method
+    try:
+        yield
+    finally:
+        del rope.forward
+
+
+@contextlib.contextmanager
+def _padding_mask_honored(model) -> Iterator[None]:
+    """Make every core attention apply the explicit padding mask of a left-padded batch.
+
+    megatron's local ``DotProductAttention`` applies the boolean mask whatever the mask type.
+    Transformer Engine's attention follows the mask *type* instead: megatron passes "causal" in the
+    prefill and "no_mask" in decode steps, and TE then ignores the mask and would attend the
+    left-padding slots. For the duration of the call TE attentions are told the mask is
+    "arbitrary" (TE's name for an explicit [b, 1, sq, sk] boolean mask, True = masked); TE then
+    picks a backend that supports explicit masks (flash attention does not; TE's unfused attention
+    always does). Any other attention class is refused rather than trusted.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    cores = [mod.core_attention for mod in model.modules() if hasattr(mod, "core_attention")]
+    remap = [c for c in cores if not isinstance(c, DotProductAttention)]
+    for c in remap:
+        if type(c).__name__ != "TEDotProductAttention":
+            raise NotImplementedError(
+                f"generate(): prompts of different lengths need an attention that applies an explicit "
+                f"padding mask; {type(c).__module__}.{type(c).__name__} is not known to apply it; use "
+                f"model.transformer_impl='local' or prompts of one length")
+    for c in remap:
+        c.forward = _arbitrary_mask_forward(c.forward)  # instance attribute shadows the method
+    try:
+        yield
+    finally:
+        for c in remap:
+            del c.forward
+
+
+def _arbitrary_mask_forward(forward: Callable) -> Callable:
+    """Wrap a megatron core-attention forward so that a given mask is applied as an arbitrary one."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    def wrapped(query, key, value, attention_mask, attn_mask_type=None, **kwargs):
+        if attention_mask is not None:
+            attn_mask_type = AttnMaskType.arbitrary
+        return forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type, **kwargs)
+
+    return wrapped
