@@ -8,6 +8,7 @@ from typing import Optional
 from megatron_gspo.config.checks import check
 from megatron_gspo.config.loader import apply_overrides, from_dict, load_yaml, parse_overrides
 from megatron_gspo.config.model import ModelConfig, model_config_from_preset
+from megatron_gspo.config.rollout import RolloutConfig, check_rollout
 from megatron_gspo.config.sections import (
     CheckpointConfig,
     DataConfig,
@@ -38,6 +39,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:
         # Cross-section checks: fail before anything is built (TRL-style).
@@ -80,6 +82,7 @@ class JobConfig:
             check(self.parallel.expert_model_parallel_size == 1,
                   "train.max_tokens_per_micro_batch needs parallel.expert_model_parallel_size=1 (every expert-"
                   "parallel rank must run the same micro-batch shapes); use train.micro_batch_size with EP")
+        check_rollout(self)  # rollout.mode=async against the other sections
 
 
 # Largest |sequence ratio - 1| the first (on-policy) minibatch may show: 30x inside GSPO's 3e-4 clip
@@ -99,6 +102,9 @@ def old_logprob_source(cfg: JobConfig, device) -> tuple[bool, str]:
     t, m = cfg.train, cfg.model
     if t.old_logprobs != "auto":
         return t.old_logprobs == "recompute", f"train.old_logprobs={t.old_logprobs}"
+    if cfg.rollout.is_async:
+        return True, ("auto: asynchronous rollouts (rollout.mode=async): the rollout ranks' log-probs are the "
+                      "behaviour policy's and they record no routes")
     if t.routing_replay == "R2":
         return True, "auto: routing replay R2 records its routes in the old-log-prob pass"
     if t.dynamic_sampling:
