@@ -14,6 +14,8 @@ import sys
 from typing import Callable, Optional
 
 from megatron_gspo import exit_status, parallel
+from megatron_gspo.async_rollout.layout import ROLLOUT, role_of
+from megatron_gspo.async_rollout.worker import run_rollout_rank
 from megatron_gspo.config import load_job_config
 from megatron_gspo.errors import USER_ERRORS
 from megatron_gspo.trainer import Trainer, TrainingStopped, summarize
@@ -31,6 +33,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         path = DEMO_CONFIG
     try:
         cfg = load_job_config(path, argv)
+        if role_of(cfg) == ROLLOUT:  # rollout.mode=async: this rank generates (async_rollout/worker.py)
+            return run_rollout_rank(cfg)
         trainer = Trainer(cfg)
     except USER_ERRORS as e:
         # a wrong config, layout, file or checkpoint: the message names it; no traceback

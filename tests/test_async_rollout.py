@@ -138,3 +138,106 @@ def test_rollout_weights_bit_identical_after_sync(run_dist, tmp_path, one_rank_w
             assert rollout[k].dtype == want[k].dtype, (pair, k)
             assert torch.equal(trainer[k], want[k]), (pair, k)  # the trainer holds the one-rank model's numbers
             assert torch.equal(rollout[k], want[k]), (pair, k)  # and so, bit for bit, does the rollout copy
+
+
+# ----------------------------------------------------------------------------------------------
+# training (slow): staleness 0 = colocated, the staleness bound, kill and resume
+# ----------------------------------------------------------------------------------------------
+
+JOB = [
+    "train.sft_steps=0", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generation.max_new_tokens=6",
+    "train.micro_batch_size=8", "train.num_minibatches=2", "optimizer.lr=1e-3", "eval.interval=0",
+    f"reward.name={HERE}/reward_plugins.py:digit_fraction", "train.old_logprobs=recompute",
+]
+K1 = ["rollout.mode=async", "rollout.world_size=2", "rollout.max_staleness=1", "rollout_correction.mode=tis"]
+
+
+def job(run_dist, out, nproc, *overrides, check=True):
+    return run_dist("run_job.py", nproc, "--out", str(out), "--", *JOB, *overrides, timeout=600, check=check)
+
+
+def metrics(out):
+    return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def records(out):
+    """(step, global row) -> (sample id, tokens) of every row the trainer trained on."""
+    got = {}
+    for name in sorted(os.listdir(out)):
+        if name.startswith("rollouts.dp"):
+            for line in open(os.path.join(out, name)):
+                r = json.loads(line)
+                key = (r["step"], r["row"])
+                assert key not in got, f"row {key} trained twice"
+                got[key] = (r["sample"], r["tokens"])
+    return got
+
+
+def test_staleness_zero_trains_the_colocated_trajectory(run_dist, tmp_path):
+    """One trainer rank + one rollout rank with rollout.max_staleness=0 against one colocated rank: the same
+    samples, the same metrics (loss, ratios, grad norm ... every logged number but timings) and the same
+    final weights, bit for bit."""
+    steps = ["train.num_steps=3"]
+    job(run_dist, tmp_path / "colocated", 1, *steps)
+    job(run_dist, tmp_path / "async", 2, *steps, "rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0")
+    a, c = records(tmp_path / "async"), records(tmp_path / "colocated")
+    assert len(c) == 3 * 16 and a == c
+    ma, mc = metrics(tmp_path / "async"), metrics(tmp_path / "colocated")
+    assert [m["async/staleness_max"] for m in ma] == [0, 0, 0]
+    for x, y in zip(ma, mc):
+        same = {k: (x[k], y[k]) for k in y if not k.startswith("perf/") and x[k] != y[k]}
+        assert not same, same
+    wa, wc = tensors(tmp_path / "async" / "weights"), tensors(tmp_path / "colocated" / "weights")
+    assert wa.keys() == wc.keys() and all(torch.equal(wa[k], wc[k]) for k in wc)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_k1(run_dist, tmp_path_factory):
+    """A 4-step async job, staleness 1, 1 trainer rank + 2 rollout ranks (rollout DP 2)."""
+    out = tmp_path_factory.mktemp("k1")
+    job(run_dist, out, 3, "train.num_steps=4", *K1)
+    return out
+
+
+def test_staleness_never_exceeds_the_bound(uninterrupted_k1):
+    rows = metrics(uninterrupted_k1)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # step 1 starts on the initial weights; from then on the rollout ranks generate step s+1 while the trainer
+    # trains step s, with version s: exactly one version old (the finish policy keeps a row's start version)
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1]
+    assert all(r["async/staleness_frac_0"] + r["async/staleness_frac_1"] == 1 for r in rows)
+    for r in rows:
+        assert r["async/weight_sync_bytes"] > 0 and r["async/weight_sync_s"] > 0
+        assert 0 <= r["async/rollout_idle_frac"] <= 1 and 0 <= r["async/trainer_idle_frac"] <= 1
+        # finish: the rows a mid-generation update touched are exactly those of two versions
+        assert r["async/mixed_version_rows"] == r["async/partial_finished_rows"]
+        assert r["async/partial_dropped_rows"] == 0
+        assert "rollout/logprob_diff_max" in r and "rollout_correction/weight_mean" in r
+    assert len(records(uninterrupted_k1)) == 4 * 16
+
+
+def test_dead_rollout_rank_checkpoints_stops_and_resumes(run_dist, tmp_path, uninterrupted_k1, monkeypatch):
+    """A rollout rank is SIGKILLed as it starts step 3: the job stops (no hang) with a message naming the
+    rollout rank and a checkpoint of the last trained step; the resumed job drops what was in flight,
+    regenerates it from the checkpoint's data position and trains every step's rows exactly once."""
+    import time
+
+    ck = ["checkpoint.save_interval=100", f"checkpoint.save={tmp_path}/ckpt"]  # only the stop saves mid-run
+    monkeypatch.setenv("MEGATRON_GSPO_FAULTS", "kill@3:1")
+    t0 = time.time()
+    p = job(run_dist, tmp_path / "run", 3, "train.num_steps=4", *K1, *ck, check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and time.time() - t0 < 240, out[-3000:]
+    assert "STOPPED exit 75: stopping before step" in out and "rollout" in out, out[-3000:]
+    assert f"checkpoint saved to {tmp_path}/ckpt" in out
+    saved = latest_complete(f"{tmp_path}/ckpt")
+    assert saved in (1, 2), saved  # step 2's rows may have died with the rank before the trainer read them
+    monkeypatch.delenv("MEGATRON_GSPO_FAULTS")
+    job(run_dist, tmp_path / "run", 3, "train.num_steps=4", *K1, *ck, "checkpoint.resume=true")
+    got, want = records(tmp_path / "run"), records(uninterrupted_k1)
+    assert got.keys() == want.keys()  # every step's every row trained exactly once (records() refuses twice)
+    assert all(got[k][0] == want[k][0] for k in want)  # the same prompts and samples at every step
+    for k in want:
+        if k[0] <= saved:  # trained before the kill: bit-identical tokens
+            assert got[k] == want[k], k
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -94,7 +95,13 @@ class Side:
         self.data_pg = _backend(device, dist.PrefixStore(f"{PREFIX}bridge/data/", self.store), self.bridge_rank,
                                 size, self.timeout, "gspo_bridge_data")
 
-    def close(self) -> None:
+    def close(self, stop: Optional[str] = None) -> None:
+        """Stop the heartbeat and drop the bridge; ``stop``: trainer rank 0 tells the rollout ranks to end."""
+        if stop is not None and self.role == TRAINER and self.rank == 0 and self.control is not None:
+            try:
+                self.control.announce_stop(stop, 0)
+            except Exception:  # the store went away with the launcher: the rollout ranks go with it
+                pass
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
@@ -109,6 +116,21 @@ def _backend(device: torch.device, store, rank: int, size: int, timeout: datetim
         opts.group_name = name
         return dist.ProcessGroupNCCL(store, rank, size, opts)
     return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def short_error(e: BaseException) -> str:
+    """The first line of a c10d error without gloo's source location ("[.../pair.cc:553] ")."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    line = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])
+    return line.split(". ")[0].rstrip(".")  # gloo goes on with generic advice
+
+
+def is_peer_loss(e: BaseException) -> bool:
+    """A c10d error that means a peer of the bridge is gone (its connection closed or reset, or a timeout)."""
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in (
+        "Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe"))
 
 
 def join(cfg: JobConfig, expect: Optional[str] = None) -> Side:

@@ -219,13 +219,14 @@ class WeightSender:
         self.state, self.pg = state, bridge_pg
         self.buckets = self.plan.buckets(bucket_bytes)
 
-    def push(self, version: int) -> tuple[SyncStats, Optional[str]]:
+    def push(self, version: int, bridge: bool = True) -> tuple[SyncStats, Optional[str]]:
         """Stream the current parameters as policy ``version``; (stats, None) or (stats, why the bridge failed:
-        on trainer rank 0 only)."""
+        on trainer rank 0 only). ``bridge=False``: the trainer's collectives only (the rollout ranks are
+        known to be gone; the other trainer ranks still take part)."""
         dev = self.state.device
         t0 = time.perf_counter()
-        sent, error = 0, None
-        if self.pg is not None:
+        sent, error = 0, None if bridge else "not streamed"
+        if self.pg is not None and bridge:
             header = torch.tensor([version, self.plan.digest(), len(self.buckets), self.plan.total_bytes],
                                   dtype=torch.long, device=dev)
             error = self._bridge(lambda: comm.bridge_broadcast(header, 0, self.pg, what="weight sync: header"))
@@ -246,7 +247,9 @@ class WeightSender:
             op()
             return None
         except RuntimeError as e:  # gloo: connection closed by a dead peer, or the group's timeout
-            return str(e).strip().splitlines()[0]
+            from megatron_gspo.async_rollout.side import short_error
+
+            return short_error(e)
 
 
 class WeightReceiver:
