@@ -254,7 +254,12 @@ def _run(argv: list) -> int:
         world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         try:
             cfg = load_job_config(path, argv[1:] if path else argv)
-            dp = validate_layout(cfg.model, cfg.parallel, world)
+            if cfg.rollout.is_async:  # the trainer gets world - rollout.world_size ranks, the rest generate
+                from megatron_gspo.async_rollout.layout import check_world
+
+                dp = check_world(cfg, world).trainer_dp
+            else:
+                dp = validate_layout(cfg.model, cfg.parallel, world)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             exit_status.record(exit_status.EXIT_USER_ERROR, str(e))

@@ -241,3 +241,117 @@ def test_dead_rollout_rank_checkpoints_stops_and_resumes(run_dist, tmp_path, uni
         if k[0] <= saved:  # trained before the kill: bit-identical tokens
             assert got[k] == want[k], k
     assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4]
+
+
+# ----------------------------------------------------------------------------------------------
+# weight updates between decode steps (fast, one process)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_versions(single_rank):
+    """The tiny model with version-0 weights (seed 1234) and a state dict of version 1 (seed 777)."""
+    from megatron_gspo.init_weights import init_weights
+    from megatron_gspo.model import build_model
+
+    cfg = load_job_config(None, [])
+    st = single_rank(cfg.model)
+    model = build_model(cfg.model, ParallelConfig(), st)
+    other = build_model(cfg.model, ParallelConfig(), st)
+    init_weights(other, 777, st, init_method_std=cfg.model.init_method_std, num_layers=cfg.model.num_layers)
+    weights = lambda m: {k: v.detach().clone() for k, v in m.named_parameters()}  # noqa: E731
+    return cfg, st, _Loadable(model), weights(model), weights(other)
+
+
+class _Loadable:
+    """The model, with ``load_state_dict`` taking a {parameter name: tensor} dict (a weight version)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def load_state_dict(self, params):
+        with torch.no_grad():
+            for k, p in self.model.named_parameters():
+                p.copy_(params[k])
+
+
+def _gen(cfg, st, model, **kw):
+    import dataclasses
+
+    from megatron_gspo.async_rollout.worker import generate_with_updates
+    from megatron_gspo.generation import generate
+
+    g = dataclasses.replace(cfg.generation, n_samples_per_prompt=1, max_new_tokens=8, ignore_eos=True,
+                            stop_token_ids=[1], pad_token_id=0)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    args = dict(vocab_size=cfg.model.vocab_size, state=st, seed=99, row_keys=[0, 1, 2])
+    if not kw:
+        return generate(model.model, prompts, g, **args)
+    return generate_with_updates(model.model, prompts, g, **args, **kw)
+
+
+def _updates_at(call, model, new_state, stop=False):
+    calls = {"n": 0}
+
+    def poll():
+        calls["n"] += 1
+        return (calls["n"] == call + 1 and not stop), (calls["n"] == call + 1 and stop)
+
+    def apply():
+        model.load_state_dict(new_state)
+        return 1
+
+    return poll, apply
+
+
+def test_finish_policy_draws_the_rest_of_each_response_with_the_new_weights(two_versions):
+    cfg, st, model, v0, v1 = two_versions
+    ref0 = _gen(cfg, st, model)
+    model.load_state_dict(v1)
+    ref1 = _gen(cfg, st, model)
+    model.load_state_dict(v0)
+    poll, apply = _updates_at(2, model, v1)  # after forward 2: response tokens 0..2 from v0, 3.. from v1
+    got = _gen(cfg, st, model, version=0, poll=poll, apply=apply, policy="finish")
+    out = got.out
+    assert got.version_start == 0 and got.updates == 1 and got.dropped_rows == 0
+    assert got.version_end.tolist() == [1, 1, 1] and got.finished_partial == 3
+    for r in range(3):
+        p = int(out.prompt_lengths[r])
+        assert torch.equal(out.tokens[r, : p + 3], ref0.tokens[r, : p + 3])  # before the update: v0's draws
+        assert torch.equal(out.logprobs[r, : p + 3], ref0.logprobs[r, : p + 3])
+    assert not torch.equal(out.tokens, ref0.tokens) and not torch.equal(out.tokens, ref1.tokens)
+    model.load_state_dict(v0)
+    # the log-probs recorded are those of the distribution each token was drawn from: before the update
+    # v0's (a v0 forward gives them to float noise), after it the new weights' (over the prefix's KV cache,
+    # kept from v0: no re-prefill), which a v0 forward does not give
+    from megatron_gspo.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.model import forward_logits
+
+    with torch.no_grad():
+        lp, _ = vocab_parallel_logprobs(forward_logits(model.model, out.tokens[:, :-1]), out.tokens[:, 1:],
+                                        cfg.model.vocab_size, None, with_entropy=False)
+    for r in range(3):
+        p = int(out.prompt_lengths[r])
+        assert torch.allclose(lp[r, p - 1: p + 2], out.logprobs[r, p: p + 3], atol=1e-5), r
+        assert (lp[r, p + 2: p + 7] - out.logprobs[r, p + 3: p + 8]).abs().max() > 1e-3, r
+
+
+def test_drop_policy_generates_again_under_the_new_weights(two_versions):
+    cfg, st, model, v0, v1 = two_versions
+    model.load_state_dict(v1)
+    ref1 = _gen(cfg, st, model)
+    model.load_state_dict(v0)
+    poll, apply = _updates_at(2, model, v1)
+    got = _gen(cfg, st, model, version=0, poll=poll, apply=apply, policy="drop")
+    assert got.version_start == 1 and got.version_end.tolist() == [1, 1, 1]
+    assert got.dropped_rows == 3 and got.finished_partial == 0 and got.updates == 0
+    assert torch.equal(got.out.tokens, ref1.tokens) and torch.equal(got.out.logprobs, ref1.logprobs)
+
+
+def test_stop_leaves_generation(two_versions):
+    from megatron_gspo.async_rollout.worker import Stopped
+
+    cfg, st, model, v0, v1 = two_versions
+    poll, apply = _updates_at(1, model, v1, stop=True)
+    with pytest.raises(Stopped):
+        _gen(cfg, st, model, version=0, poll=poll, apply=apply, policy="finish")

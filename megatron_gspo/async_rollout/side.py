@@ -97,9 +97,9 @@ class Side:
 
     def close(self, stop: Optional[str] = None) -> None:
         """Stop the heartbeat and drop the bridge; ``stop``: trainer rank 0 tells the rollout ranks to end."""
-        if stop is not None and self.role == TRAINER and self.rank == 0 and self.control is not None:
-            try:
-                self.control.announce_stop(stop, 0)
+        if stop is not None and self.role == TRAINER and self.rank == 0:
+            try:  # (a trainer that failed before opening the bridge has no Control yet)
+                (self.control or Control(self.store, self.split, self.global_rank)).announce_stop(stop, 0)
             except Exception:  # the store went away with the launcher: the rollout ranks go with it
                 pass
         if self._heartbeat is not None:

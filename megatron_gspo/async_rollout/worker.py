@@ -7,7 +7,9 @@ The loop (every rollout rank; ``s0`` is the step the trainer starts or resumes a
         draw step s's P prompts (the data position goes with the batch), sample this rank's rows:
             noise keyed by (generation.seed, s, global row, position), as in a colocated job
             a weight push announced mid-generation is applied between two decode steps: the responses in
-            flight finish under the new weights, or (partial_rollouts=drop) the generation starts over
+            flight finish under the new weights (attending to their prefix's KV cache from the old ones: no
+            re-prefill; the log-prob recorded per token is the one of the distribution it was drawn from),
+            or (partial_rollouts=drop) the generation starts over
         score them; each data-parallel leader (TP rank 0) sends its rows to the trainer over the bridge
     serve weight pushes until the trainer says stop
 
@@ -155,7 +157,7 @@ class RolloutWorker:
         self.lockstep = dist.group.WORLD if st.ep > 1 else (st.tp_group if st.tp > 1 else None)
         self.version = -1
         self.pending: list[tuple[int, list, tuple]] = []  # (step, send works, buffers kept alive)
-        self._last_poll, self._last_pushed = 0.0, -1
+        self._last_poll, self._last_pushed, self._stopped = 0.0, -1, False
         self._clock = {"idle": 0.0, "sync": 0.0}
         self._since = time.perf_counter()
         self.timeout_s = r.heartbeat_timeout_s
@@ -221,10 +223,11 @@ class RolloutWorker:
         metab = torch.tensor(list(raw), dtype=torch.uint8, device=dev)
         header = torch.tensor([MAGIC, step, n, T, ints.numel(), floats.numel(), metab.numel(), 0], dtype=torch.long,
                               device=dev)
+        # "ready" first: with NCCL the first send creates the pair's communicator, which waits for the receiver
+        self.control.mark_ready(step, self.state.dp_rank)
         works = [comm.bridge_send(x, 0, self.side.data_pg, what=f"rollout rows of step {step + 1}")
                  for x in (header, ints, floats, metab)]
         self.pending.append((step, works, (header, ints, floats, metab)))
-        self.control.mark_ready(step, self.state.dp_rank)
 
     def _release_sent(self) -> None:
         """Sends of batches the trainer has consumed (it pushes version v after training step v-1)."""
@@ -245,7 +248,7 @@ class RolloutWorker:
             self._last_poll = now
             self._last_pushed = self.control.pushed_version()
             self._stopped = self.control.stopped() is not None or self._trainer_gone() is not None
-        return self._last_pushed > self.version, getattr(self, "_stopped", False)
+        return self._last_pushed > self.version, self._stopped
 
     def _poll_agreed(self) -> tuple[bool, bool]:
         """``_poll`` agreed over the generation lockstep group (every member calls it once per forward)."""

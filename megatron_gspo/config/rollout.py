@@ -37,9 +37,9 @@ class RolloutConfig:
     # take turns); 1 lets step s+1's generation overlap step s's training.
     max_staleness: int = 1
     # A weight update that reaches the rollout ranks while they generate (async): "finish" the responses in
-    # flight under the new weights (every token's log-prob is the one of the weights that drew it) or
-    # "drop" the generation in flight and draw it again under the new weights (same noise). Counted in
-    # async/partial_finished_rows and async/partial_dropped_rows.
+    # flight under the new weights (over their prefix's KV cache from the old ones; each token's log-prob
+    # is that of the distribution it was drawn from) or "drop" the generation in flight and draw it again
+    # under the new weights (same noise). Counted in async/partial_finished_rows and async/partial_dropped_rows.
     partial_rollouts: str = "finish"
     # Bucket of the weight stream (async), MiB of full (unsharded) tensors: the most a trainer rank and a
     # rollout rank hold at once beyond their own shards while weights stream.
