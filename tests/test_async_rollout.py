@@ -355,3 +355,15 @@ def test_stop_leaves_generation(two_versions):
     poll, apply = _updates_at(1, model, v1, stop=True)
     with pytest.raises(Stopped):
         _gen(cfg, st, model, version=0, poll=poll, apply=apply, policy="finish")
+
+
+def test_rollout_rank_that_raises_stops_the_trainer_with_its_message(run_dist, tmp_path, monkeypatch):
+    """The rollout rank's exception reaches the trainer's last line (exit 1), after a checkpoint."""
+    monkeypatch.setenv("MEGATRON_GSPO_FAULTS", "raise@2:1")
+    p = job(run_dist, tmp_path / "run", 2, "train.num_steps=3", "rollout.mode=async", "rollout.world_size=1",
+            "rollout.max_staleness=0", f"checkpoint.save={tmp_path}/ckpt", check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert ("STOPPED exit 1: stopping before step 2: rollout rank 1 failed: RuntimeError: injected fault: rank 1 "
+            "raises at step 2") in out, out[-3000:]
+    assert latest_complete(f"{tmp_path}/ckpt") == 1

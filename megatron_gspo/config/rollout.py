@@ -33,8 +33,8 @@ class RolloutConfig:
     # Expert tensor parallelism of the rollout ranks (async); null = rollout.tensor_model_parallel_size.
     expert_tensor_parallel_size: Optional[int] = None
     # Rollouts of policy version v (the weights after v steps) are trained at step <= v + max_staleness
-    # (async). 0 is on-policy, the same samples and updates as colocated (generation and training then
-    # take turns); 1 lets step s+1's generation overlap step s's training.
+    # (async). 0 is on-policy, the same samples and updates as colocated with train.old_logprobs=recompute
+    # (generation and training then take turns); 1 lets step s+1's generation overlap step s's training.
     max_staleness: int = 1
     # A weight update that reaches the rollout ranks while they generate (async): "finish" the responses in
     # flight under the new weights (over their prefix's KV cache from the old ones; each token's log-prob
