@@ -253,7 +253,12 @@ def _run(argv: list) -> int:
         world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         try:
             cfg = load_job_config(*split_job_args(argv))  # the trainer's reading: no YAML = the demo job
-            dp = validate_layout(cfg.model, cfg.parallel, world)
+            if cfg.rollout.is_async:  # the trainer gets world - rollout.world_size ranks, the rest generate
+                from megatron_gspo.async_rollout.layout import check_world
+
+                dp = check_world(cfg, world).trainer_dp
+            else:
+                dp = validate_layout(cfg.model, cfg.parallel, world)
             cfg.check_data_parallel(dp)  # what the trainer checks with the process groups up
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -146,3 +146,51 @@ def rank(group=None) -> int:
 
 def first_rank(group) -> Optional[int]:
     return ranks(group)[0] if group is not None else None
+
+
+# ----------------------------------------------------------------------------------------------
+# The bridge of an asynchronous job (async_rollout/side.py): a process group outside the default
+# world (each side of the job has a world of its own), so torch.distributed's module-level functions,
+# which translate ranks through the default world, cannot drive it; its backend's methods are called
+# directly. Ranks here are bridge ranks. Same device check as above.
+# ----------------------------------------------------------------------------------------------
+
+
+def bridge_backend(pg) -> str:
+    """"gloo" or "nccl": the backend of a bridge process group."""
+    name = pg._get_backend_name() if hasattr(pg, "_get_backend_name") else pg.name()
+    return str(name).lower()
+
+
+def _check_bridge(t: torch.Tensor, pg, what: str) -> None:
+    backend = bridge_backend(pg)
+    want = "cuda" if "nccl" in backend else "cpu"
+    if t.device.type != want:
+        raise CollectiveDeviceError(
+            f"{what}: a {t.device} tensor {tuple(t.shape)} was sent over the {backend} bridge, which moves {want} "
+            f"tensors only; create it on the parallel state's device")
+
+
+def bridge_broadcast(t: torch.Tensor, root: int, pg, *, what: str) -> torch.Tensor:
+    """In-place broadcast of ``t`` from bridge rank ``root`` to every member of ``pg``; returns ``t``."""
+    _check_bridge(t, pg, what)
+    opts = _transport.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = root, 0
+    pg.broadcast([t], opts).wait()
+    return t
+
+
+def bridge_send(t: torch.Tensor, dst: int, pg, *, what: str):
+    """Start sending ``t`` to bridge rank ``dst``; returns the work handle (``t`` must stay alive and
+    unchanged until ``wait()`` on it returns, which happens once the receiver has posted its receive)."""
+    _check_bridge(t, pg, what)
+    if not t.is_contiguous():  # a contiguous copy made here could be freed while the send is in flight
+        raise ValueError(f"{what}: bridge_send needs a contiguous tensor")
+    return pg.send([t], dst, 0)
+
+
+def bridge_recv(t: torch.Tensor, src: int, pg, *, what: str) -> torch.Tensor:
+    """Receive into ``t`` from bridge rank ``src`` (blocking, up to the group's timeout); returns ``t``."""
+    _check_bridge(t, pg, what)
+    pg.recv([t], src, 0).wait()
+    return t

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -75,7 +76,7 @@ def _generator(seed: int, unit: str, device: torch.device) -> torch.Generator:
     return g
 
 
-def _shard(full: torch.Tensor, dim: int, size: int, rank: int, glu: bool) -> torch.Tensor:
+def shard(full: torch.Tensor, dim: int, size: int, rank: int, glu: bool) -> torch.Tensor:
     """This TP rank's cut of the full unit tensor, as megatron lays it out."""
     if size == 1:
         return full
@@ -85,42 +86,71 @@ def _shard(full: torch.Tensor, dim: int, size: int, rank: int, glu: bool) -> tor
     return full.chunk(size, dim=dim)[rank]
 
 
+def unshard(parts: list[torch.Tensor], dim: int, glu: bool) -> torch.Tensor:
+    """The full unit tensor from every TP rank's cut (``shard``'s inverse; parts in TP-rank order)."""
+    if len(parts) == 1:
+        return parts[0]
+    if glu:
+        gates, ups = zip(*(p.chunk(2, dim=dim) for p in parts))
+        return torch.cat([torch.cat(gates, dim=dim), torch.cat(ups, dim=dim)], dim=dim)
+    return torch.cat(parts, dim=dim)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How megatron cuts one parameter: over ``group`` (``size`` ranks, this one ``rank``) along ``dim``,
+    the SwiGLU gate and up halves separately when ``glu``. ``size == 1``: every rank holds it whole."""
+
+    size: int
+    rank: int
+    dim: int
+    glu: bool
+    group: object
+
+
+def shard_spec(name: str, p: torch.Tensor, state, gated_linear_unit: bool = True) -> ShardSpec:
+    """The cut of local parameter ``name``: routed experts over the expert-tensor-parallel group, everything
+    else over TP, only where megatron marked the parameter ``tensor_model_parallel``."""
+    import torch.distributed as dist
+
+    if ".mlp.experts." in name:
+        group = state.pg.expt_tp
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+    else:
+        group, size, rank = state.tp_group, state.tp, state.tp_rank
+    if not getattr(p, "tensor_model_parallel", False) or size == 1:
+        return ShardSpec(1, 0, 0, False, group)
+    glu = gated_linear_unit and re.search(r"linear_fc1\.weight\d*$", name) is not None
+    return ShardSpec(size, rank, int(getattr(p, "partition_dim", 0)), glu, group)
+
+
+def unit_names(model, state) -> dict[str, str]:
+    """{local parameter name: layout-free unit name} of this rank's GPTModel shard."""
+    layers = getattr(getattr(model, "decoder", None), "layers", [])
+    layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+    cfg = getattr(model, "config", None)
+    per_rank = cfg.num_moe_experts // state.ep if cfg is not None and cfg.num_moe_experts else 0
+    return {name: unit_name(name, layer_numbers, state.ep_rank * per_rank) for name, _ in model.named_parameters()}
+
+
 @torch.no_grad()
 def init_weights(model, seed: int, state, *, init_method_std: float, num_layers: int,
                  gated_linear_unit: bool = True) -> None:
     """Re-draw every parameter of this rank's GPTModel shard from ``seed`` (see the module doc).
 
     state: the ParallelState (TP / expert-TP / EP ranks and sizes)."""
-    import torch.distributed as dist
-
-    layers = getattr(getattr(model, "decoder", None), "layers", [])
-    layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
-    experts_per_rank = None
-    cfg = getattr(model, "config", None)
-    if cfg is not None and cfg.num_moe_experts:
-        experts_per_rank = cfg.num_moe_experts // state.ep
-    expert_offset = state.ep_rank * experts_per_rank if experts_per_rank else 0
-    tp_size, tp_rank = state.tp, state.tp_rank
-    etp_group = state.pg.expt_tp
-    etp_size, etp_rank = dist.get_world_size(etp_group), dist.get_rank(etp_group)
-
+    units = unit_names(model, state)
     for name, p in model.named_parameters():
-        unit = unit_name(name, layer_numbers, expert_offset)
+        unit = units[name]
         std = init_std(unit, init_method_std, num_layers)
         if std is None:
             p.fill_(1.0)
             continue
         if p.dim() < 2:
             raise ValueError(f"init_weights: no initialization rule for the {p.dim()}-D parameter {name!r}")
-        sharded = bool(getattr(p, "tensor_model_parallel", False))
-        # routed experts are cut over the expert-tensor-parallel group, everything else over TP
-        size, rank = (etp_size, etp_rank) if ".mlp.experts." in name else (tp_size, tp_rank)
-        dim = int(getattr(p, "partition_dim", 0)) if sharded else 0
-        if not sharded:
-            size, rank = 1, 0
+        spec = shard_spec(name, p, state, gated_linear_unit)
         shape = list(p.shape)
-        shape[dim] *= size
+        shape[spec.dim] *= spec.size
         full = torch.empty(shape, dtype=torch.float32, device=p.device)
         full.normal_(0.0, std, generator=_generator(seed, unit, p.device))
-        glu = gated_linear_unit and re.search(r"linear_fc1\.weight\d*$", name) is not None
-        p.copy_(_shard(full, dim, size, rank, glu).to(p.dtype))
+        p.copy_(shard(full, spec.dim, spec.size, spec.rank, spec.glu).to(p.dtype))

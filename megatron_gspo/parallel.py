@@ -177,12 +177,13 @@ def resolve_device(par: ParallelConfig, local_rank: Optional[int] = None) -> tor
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(device: torch.device, timeout_minutes: float = 10.0) -> None:
+def init_distributed(device: torch.device, timeout_minutes: float = 10.0, side=None) -> None:
     """Initialize torch.distributed from torchrun's env vars (RANK, WORLD_SIZE, MASTER_ADDR, ...) with
     the backend ``device`` needs: NCCL for a CUDA device, gloo for the CPU.
 
     Without torchrun a single-process group is created, since megatron-core needs one even for
-    one rank.
+    one rank. ``side`` (async_rollout.side.Side): the default world is that side's ranks only (an
+    asynchronous job's trainer or rollout ranks), on torchrun's store under the side's prefix.
     """
     if dist.is_initialized():
         backend = dist.get_backend()
@@ -194,6 +195,10 @@ def init_distributed(device: torch.device, timeout_minutes: float = 10.0) -> Non
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if side is not None:
+        dist.init_process_group(backend=backend, store=side.world_store(), rank=side.rank, world_size=side.size,
+                                timeout=timeout)
+        return
     if "RANK" not in os.environ:
         # One process, no torchrun: an in-process store and no TCP port at all. os.environ stays
         # untouched: exported RANK/MASTER_PORT would be inherited by child processes (a test's
@@ -204,19 +209,22 @@ def init_distributed(device: torch.device, timeout_minutes: float = 10.0) -> Non
     dist.init_process_group(backend=backend, timeout=timeout)
 
 
-def initialize(model: ModelConfig, par: ParallelConfig) -> ParallelState:
-    """Set up torch.distributed and megatron-core's parallel groups for this layout."""
+def initialize(model: ModelConfig, par: ParallelConfig, side=None) -> ParallelState:
+    """Set up torch.distributed and megatron-core's parallel groups for this layout. ``side``: one side of
+    an asynchronous job (async_rollout.side.join), whose ranks alone are then the world."""
     from megatron.core import parallel_state as mps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     # Validate against the environment first: a bad layout must fail before any collective.
     world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    if side is not None:
+        world = side.size
     validate_layout(model, par, world)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(par, local_rank)
     use_distributed_optimizer = resolve_distributed_optimizer(par, device)
     compat.apply(device)
-    init_distributed(device, par.distributed_timeout_minutes)
+    init_distributed(device, par.distributed_timeout_minutes, side=side)
     world = dist.get_world_size()
     dp = validate_layout(model, par, world)
     reset_megatron_globals()

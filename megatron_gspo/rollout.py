@@ -309,6 +309,16 @@ class Rollouts:
             mine, out, texts, rewards, stats = self._dynamic_rounds(step, rows, R, G)
         else:
             (mine, out, texts, rewards), stats = self._generate_round(step, 0, rows, R), {}
+        return self.assemble(rows, [p.id for p in mine], out, texts, rewards, stats)
+
+    def assemble(self, rows: list[int], prompt_ids: list[str], out, texts: list[str], rewards: torch.Tensor,
+                 stats: dict) -> RolloutBatch:
+        """Steps 4-5 for this rank's sampled rows ``rows`` (global row ids; ``out`` their GenerationOutput,
+        ``rewards`` [B]): advantages, the micro-batch plan, old and reference log-probs. The asynchronous
+        trainer (async_rollout/source.py) calls it with rows the rollout ranks generated."""
+        st, dev, t = self.state, self.state.device, self.cfg.train
+        G = self.gen_cfg.n_samples_per_prompt
+        R = t.prompts_per_step * G
         row_ids = torch.tensor(rows, dtype=torch.long, device=dev)
         advantages = global_advantages(rewards, row_ids, R, G, self.advantage_fn, st.dp, t.num_minibatches,
                                        st.dp_group)
@@ -336,7 +346,7 @@ class Rollouts:
         batch = RolloutBatch(tokens=tokens, mask=mask[:, 1:], seq_lengths=seq_lengths[order], row_ids=row_ids[order],
                              rewards=rewards[order], advantages=advantages[order], truncated=cut[order],
                              sample_logprobs=sample_lp[:, 1:], response_texts=[texts[i] for i in perm],
-                             sample_ids=[f"{mine[i].id}#{rows[i] % G}" for i in perm],
+                             sample_ids=[f"{prompt_ids[i]}#{rows[i] % G}" for i in perm],
                              micro=[sl for mini in plan for sl in mini], widths=widths)
         batch.minibatches, n = [], 0
         for mini in plan:

@@ -13,6 +13,7 @@ import sys
 from typing import Callable, Optional
 
 from megatron_gspo import comm, exit_status, parallel
+from megatron_gspo.async_rollout.layout import ROLLOUT, role_of
 from megatron_gspo.config import DEMO_CONFIG, load_job_config, split_job_args
 from megatron_gspo.errors import USER_ERRORS
 from megatron_gspo.trainer import Trainer, TrainingStopped, summarize
@@ -27,6 +28,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     path, argv = split_job_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_job_config(path, argv)
+        if role_of(cfg) == ROLLOUT:  # rollout.mode=async: this rank generates (async_rollout/worker.py)
+            from megatron_gspo.async_rollout.worker import run_rollout_rank
+
+            return run_rollout_rank(cfg)
         trainer = Trainer(cfg)
     except USER_ERRORS as e:
         # a wrong config, layout, file or checkpoint: the message names it; no traceback. The process

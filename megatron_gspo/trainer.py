@@ -31,6 +31,8 @@ import torch
 
 from megatron_gspo import comm, determinism, parallel
 from megatron_gspo.advantages import get_advantage_estimator
+from megatron_gspo.async_rollout.side import join as join_async_job
+from megatron_gspo.async_rollout.source import AsyncRollouts, RolloutRanksLost
 from megatron_gspo.checkpoint import CheckpointManager, has_manifest, iter_dir
 from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, JobConfig, old_logprob_source, to_dict
 from megatron_gspo.data import build_eval_prompts, build_prompt_sampler
@@ -81,6 +83,7 @@ class Trainer:
         self.cfg = cfg
         # process-wide numerics settings first: NCCL and cuBLAS read them when they start
         self._restore_determinism = determinism.enable() if cfg.train.deterministic else None
+        self.side = None  # rollout.mode=async: this rank's side of the job (async_rollout.side)
         try:
             self._build(cfg, hooks)
         except BaseException:
@@ -89,8 +92,12 @@ class Trainer:
 
     def _build(self, cfg: JobConfig, hooks: Iterable[TrainerHook]) -> None:
         t = cfg.train
-        self.state = st = parallel.initialize(cfg.model, cfg.parallel)
+        if cfg.rollout.is_async:  # the trainer's ranks are a world of their own; the rollout ranks generate
+            self.side = join_async_job(cfg, "trainer")
+        self.state = st = parallel.initialize(cfg.model, cfg.parallel, side=self.side)
         setup_logging(st.rank)
+        if self.side is not None:
+            self.side.open_bridge(st.device)
         cfg.check_data_parallel(st.dp)  # the same checks as launch/pretrain_gspo.sh --dry-run
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         check_vocab_fits(self.tokenizer, cfg.model.vocab_size)
@@ -121,9 +128,11 @@ class Trainer:
         gen_cfg = dataclasses.replace(g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
                                       pad_token_id=g.pad_token_id if g.pad_token_id is not None else self.tokenizer.pad_id)
         reward_fn = build_reward_fn(cfg.reward)
-        self.rollouts = Rollouts(cfg, st, self.ddp, self.ref_model, self.sampler, self.tokenizer,
-                                 reward_fn, get_advantage_estimator(t.advantage_estimator), gen_cfg,
-                                 self.routing, self.timer, recompute_old_logprobs=recompute)
+        self.preempt = PreemptionFlag()
+        source, extra = (Rollouts, {}) if self.side is None else (AsyncRollouts, {"side": self.side, "preempt": self.preempt})
+        self.rollouts = source(cfg, st, self.ddp, self.ref_model, self.sampler, self.tokenizer,
+                               reward_fn, get_advantage_estimator(t.advantage_estimator), gen_cfg,
+                               self.routing, self.timer, recompute_old_logprobs=recompute, **extra)
         self.evaluator = None
         if e.interval > 0:
             held = build_eval_prompts(cfg.data, e.source, e.num_prompts, self.tokenizer)
@@ -133,9 +142,9 @@ class Trainer:
                                        length_policy=(held.num_dropped, held.num_truncated))
             log.info("evaluation: %d held-out prompts from %s every %d steps", len(held.prompts),
                      e.source or f"{cfg.data.source} (held out)", e.interval)
-        self.hooks = Hooks([SFTWarmStart(), FaultInjection(rank=st.rank), *hooks])
+        async_hooks = [self.rollouts.hook] if self.side is not None else []
+        self.hooks = Hooks([SFTWarmStart(), FaultInjection(rank=st.rank), *async_hooks, *hooks])
         self.logger = MetricsLogger(t.output_dir, enabled=st.is_main, tensorboard=t.tensorboard)
-        self.preempt = PreemptionFlag()
         self.consecutive_skips = 0
         self.skipped_total = 0
         self.warned_empty = False  # overlong filtering emptied a minibatch (said once)
@@ -144,6 +153,11 @@ class Trainer:
         log.info("model: %s", model_summary(cfg.model, st.device))
         log.info("layout: world %d = TP %d x PP %d x DP %d (EP %d, ETP %d, SP %s) on %s", st.world_size, st.tp, st.pp,
                  st.dp, st.ep, st.etp, st.sequence_parallel, st.device)
+        if self.side is not None:
+            r = cfg.rollout
+            log.info("asynchronous rollouts: %d more rank(s) generate (TP %d, EP %d), max staleness %d, partial "
+                     "rollouts: %s", r.world_size, r.tensor_model_parallel_size, r.expert_model_parallel_size,
+                     r.max_staleness, r.partial_rollouts)
         log.info("optimizer: %s", st.optimizer_layout())
         log.info("old log-probs: %s (%s)%s", "recomputed by the training model" if recompute else "the rollout's",
                  why, "; deterministic mode on" if t.deterministic else "")
@@ -167,7 +181,10 @@ class Trainer:
             parallel.set_seed(t.seed + self.step, self.state)  # every draw of a step depends on (seed, step)
             clear_aux_losses_tracker()  # megatron's per-step aux-loss log (nobody reads it; it must not grow)
             data_before = self.sampler.counters()
-            batch = self.rollouts.collect(self.step)
+            try:
+                batch = self.rollouts.collect(self.step)
+            except RolloutRanksLost as e:  # rollout.mode=async: checkpoint and stop, never hang
+                self._stop_without_rollouts(e)
             self.hooks.after_rollout(self, batch)
             with self.timer("train"):
                 metrics = self.train_on(batch)
@@ -366,6 +383,14 @@ class Trainer:
         raise TrainingStopped(f"preempted by signal {sig} before step {self.step + 1}: {saved}; exiting with "
                               f"{EXIT_PREEMPTED} (resume with checkpoint.resume=true)", EXIT_PREEMPTED)
 
+    def _stop_without_rollouts(self, e: RolloutRanksLost) -> None:
+        ck = self.cfg.checkpoint
+        if not (ck.save and self.step and self.checkpoints.due(self.step) and has_manifest(iter_dir(ck.save, self.step))):
+            self.save()  # the weights of version self.step and the position after the last consumed batch
+        saved = f"checkpoint saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
+        raise TrainingStopped(f"stopping before step {self.step + 1}: {e}; {saved} (resume with "
+                              "checkpoint.resume=true: the rollouts in flight are generated again)", e.exit_code)
+
     def _extra_models(self) -> dict:
         return {"ref_model": self.ref_model} if self.ref_model is not None else {}
 
@@ -383,6 +408,9 @@ class Trainer:
         self._release_process_state()
 
     def _release_process_state(self) -> None:
+        if self.side is not None:  # the rollout ranks follow the trainer out
+            self.side.close(stop="the trainer ended")
+            self.side = None
         parallel.reset_megatron_globals()
         if self._restore_determinism is not None:
             self._restore_determinism()

@@ -101,12 +101,12 @@ def test_overrides_in_docs_exist():
 
 # Quoted log text that looks like a metric name ("non-finite loss/gradients, update skipped").
 NOT_METRICS = {"loss/gradients"}
-_PREFIXES = "loss|rollout|routing|perf|train|data|rollout_correction|dynamic_sampling|eval"
+_PREFIXES = "loss|rollout|routing|perf|train|data|rollout_correction|dynamic_sampling|eval|async"
 _METRIC = re.compile(r"(?<![\w/.-])((?:" + _PREFIXES + r")/[A-Za-z0-9_/@]*[A-Za-z0-9_])")
 
 
 def _known_metrics() -> set[str]:
-    from megatron_gspo.losses import LossConfig, compute_policy_loss
+    from megatron_gspo.losses import LossConfig, compute_policy_loss, on_policy_metrics
     from megatron_gspo.routing import RoutingStats
 
     g = torch.Generator().manual_seed(0)
@@ -120,6 +120,7 @@ def _known_metrics() -> set[str]:
                 LossConfig(name="grpo", dual_clip_c=3.0, kl_coef=0.1)):
         _, metrics = compute_policy_loss(cfg, logp, old, adv, mask, ref_logp=ref, entropy=ent)
         keys |= {f"loss/{k}" for k in metrics}
+        keys |= {f"loss/{k}" for k in on_policy_metrics(logp, old, mask, metrics)}  # the trainer's first minibatch
     stats = RoutingStats.zeros(2, 4, 2)
     stats.num_tokens += 1
     stats.tokens_per_expert += 1
@@ -134,9 +135,10 @@ def _known_metrics() -> set[str]:
     for mode in ("tis", "mis"):
         keys |= set(correction_weights(old, logp, mask, mode, "token", 0.5, 2.0)[1])
     keys.add("eval/pass@k")  # named by eval.k (evaluation.py)
+    keys |= {f"async/staleness_frac_{j}" for j in range(2)}  # named by the staleness (async_rollout/source.py)
     src = ""
     # where the trainer's, the rollout's and the evaluation's metrics are named
-    for module in ("trainer.py", "rollout.py", "evaluation.py"):
+    for module in ("trainer.py", "rollout.py", "evaluation.py", os.path.join("async_rollout", "source.py")):
         with open(os.path.join(ROOT, "megatron_gspo", module), encoding="utf-8") as f:
             src += f.read()
     keys |= set(re.findall(r"\"((?:" + _PREFIXES + r")/[A-Za-z0-9_/]+)\"", src))

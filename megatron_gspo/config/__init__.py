@@ -10,6 +10,7 @@ its section from here (tests/test_imports.py imports each module alone in a fres
     model.py     ModelConfig, the presets, a Hugging Face config.json -> ModelConfig
     sections.py  parallel, loss, generation, optimizer, data, tokenizer, reward, train, checkpoint,
                  rollout_correction, eval
+    rollout.py   the rollout section (colocated / async rollouts) and its cross-section checks
     job.py       JobConfig (the sections + cross-section checks) and load_job_config
     loader.py    YAML / CLI plumbing: from_dict, overrides, coercion to the annotated types
     checks.py    the validation helpers
@@ -24,6 +25,7 @@ from megatron_gspo.config.job import (
     split_job_args,
 )
 from megatron_gspo.config.loader import apply_overrides, from_dict, load_yaml, parse_overrides, to_dict
+from megatron_gspo.config.rollout import PARTIAL_ROLLOUT_POLICIES, ROLLOUT_MODES, RolloutConfig
 from megatron_gspo.config.model import MODEL_PRESETS, ModelConfig, model_config_from_hf, model_config_from_preset
 from megatron_gspo.config.sections import (
     ADVANTAGE_ESTIMATOR_NAMES,
@@ -56,7 +58,7 @@ __all__ = [
     "OLD_LOGPROB_SOURCES", "OVERLONG_POLICIES", "ROLLOUT_CORRECTION_LEVELS", "ROLLOUT_CORRECTION_MODES",
     "ROUTING_REPLAY_MODES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
     "DataConfig", "EvalConfig", "GenerationConfig", "JobConfig", "LossConfig", "ModelConfig", "OptimizerConfig",
-    "ParallelConfig", "RewardConfig", "RolloutCorrectionConfig", "TokenizerConfig", "TrainConfig", "apply_overrides", "from_dict",
+    "ParallelConfig", "PARTIAL_ROLLOUT_POLICIES", "ROLLOUT_MODES", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "TokenizerConfig", "TrainConfig", "apply_overrides", "from_dict",
     "load_job_config", "load_yaml", "model_config_from_hf", "model_config_from_preset", "parse_overrides",
     "split_job_args", "to_dict",
 ]

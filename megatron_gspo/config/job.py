@@ -10,6 +10,7 @@ from typing import Optional
 from megatron_gspo.config.checks import check
 from megatron_gspo.config.loader import apply_overrides, from_dict, load_yaml, parse_overrides
 from megatron_gspo.config.model import ModelConfig, model_config_from_preset
+from megatron_gspo.config.rollout import RolloutConfig, check_rollout
 from megatron_gspo.config.sections import (
     CheckpointConfig,
     DataConfig,
@@ -40,6 +41,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:
         # Cross-section checks: fail before anything is built (TRL-style).
@@ -97,6 +99,7 @@ class JobConfig:
             # (under expert parallelism the ranks agree one plan: rollout.agreed_length_profile)
             check(budget >= need, f"train.max_tokens_per_micro_batch={budget} cannot hold one row of up to "
                                   f"data.max_prompt_length + generation.max_new_tokens = {need} tokens")
+        check_rollout(self)  # rollout.mode=async against the other sections
 
     def _check_lean_decode(self) -> None:
         """generation.decode_impl=lean runs on one rank of model parallelism with megatron's local
@@ -183,6 +186,9 @@ def old_logprob_source(cfg: JobConfig, device) -> tuple[bool, str]:
     t, m = cfg.train, cfg.model
     if t.old_logprobs != "auto":
         return t.old_logprobs == "recompute", f"train.old_logprobs={t.old_logprobs}"
+    if cfg.rollout.is_async:
+        return True, ("auto: asynchronous rollouts (rollout.mode=async): the rollout ranks' log-probs are the "
+                      "behaviour policy's and they record no routes")
     if t.routing_replay == "R2":
         return True, "auto: routing replay R2 records its routes in the old-log-prob pass"
     if t.dynamic_sampling:

@@ -4,7 +4,7 @@
 
 Writes to DIR (rank 0 unless said otherwise):
   metrics.jsonl              the trainer's per-step metrics (train.output_dir=DIR)
-  rollouts.dp<r>.jsonl       every step's sampled rows of DP rank r (TP rank 0): global row id, response tokens
+  rollouts.dp<r>.jsonl       every step's sampled rows of DP rank r (TP rank 0): global row id, sample id, tokens
   weights/                   final weights, torch_dist (global keys: comparable across layouts)
   grads_<kind>_mb<N>/        (--grads N,M,..) gradients of a first minibatch instead of training (save_gradients)
   replicas.json              (--check-replicas) the largest difference of any replicated parameter and of
@@ -22,12 +22,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo import parallel
+from megatron_gspo.async_rollout.layout import ROLLOUT, role_of
+from megatron_gspo.async_rollout.worker import run_rollout_rank
 from megatron_gspo.checkpoint import save_model
 from megatron_gspo.config import load_job_config
 from megatron_gspo.metrics import MetricAccumulator
 from megatron_gspo.rollout import micro_batch_slices
 from megatron_gspo.hooks import TrainerHook
 from megatron_gspo.train import DEMO_CONFIG, Trainer
+from megatron_gspo.trainer import TrainingStopped
 
 
 class RecordRollouts(TrainerHook):
@@ -43,7 +46,8 @@ class RecordRollouts(TrainerHook):
         with open(os.path.join(self.out_dir, f"rollouts.dp{st.dp_rank}.jsonl"), "a") as f:
             for i in range(batch.num_rows):
                 keep = batch.tokens[i, : int(batch.seq_lengths[i])].tolist()
-                f.write(json.dumps({"step": trainer.step + 1, "row": int(batch.row_ids[i]), "tokens": keep,
+                f.write(json.dumps({"step": trainer.step + 1, "row": int(batch.row_ids[i]), "sample": batch.sample_ids[i],
+                                    "tokens": keep,
                                     "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i])}) + "\n")
 
 
@@ -166,6 +170,8 @@ def main():
     overrides = argv[split + 1:] + [f"train.output_dir={a.out}", "train.tensorboard=false"]
     cfg = load_job_config(DEMO_CONFIG, overrides)
     os.makedirs(a.out, exist_ok=True)
+    if role_of(cfg) == ROLLOUT:  # rollout.mode=async: this rank generates for the trainer's ranks
+        sys.exit(run_rollout_rank(cfg))
     trainer = Trainer(cfg, hooks=[RecordRollouts(a.out)])
     try:
         if a.grads:
@@ -174,7 +180,11 @@ def main():
         if a.planned_grad:
             save_planned_gradient(trainer, a.out)
             return
-        trainer.run()
+        try:
+            trainer.run()
+        except TrainingStopped as e:  # preempted, too many skips, rollout ranks lost: the code, for the test
+            print(f"STOPPED exit {e.exit_code}: {e}", flush=True)
+            sys.exit(e.exit_code)
         if a.check_replicas:
             worst = check_replicas(trainer)
             if trainer.state.is_main:

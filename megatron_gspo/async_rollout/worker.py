@@ -1,0 +1,337 @@
+"""A rollout rank of an asynchronous job: generate step after step with the newest weights it was sent.
+
+The loop (every rollout rank; ``s0`` is the step the trainer starts or resumes at)::
+
+    for step s = s0, s0+1, ...:
+        wait until holding policy version >= max(s0, s - rollout.max_staleness)   (serving weight pushes)
+        draw step s's P prompts (the data position goes with the batch), sample this rank's rows:
+            noise keyed by (generation.seed, s, global row, position), as in a colocated job
+            a weight push announced mid-generation is applied between two decode steps: the responses in
+            flight finish under the new weights (attending to their prefix's KV cache from the old ones: no
+            re-prefill; the log-prob recorded per token is the one of the distribution it was drawn from),
+            or (partial_rollouts=drop) the generation starts over
+        score them; each data-parallel leader (TP rank 0) sends its rows to the trainer over the bridge
+    serve weight pushes until the trainer says stop
+
+Staleness is counted from the version a row *started* with: a row of step s began with weights of
+version >= s - max_staleness, and the trainer, which trains step s with version s, checks it.
+
+Never blocking in a collective the trainer did not announce: a rank with permission to generate goes
+on generating (a push reaches it between decode steps); ranks in generation lockstep (TP, or the whole
+rollout world under EP) agree on "apply the push now" with one tiny all-reduce per decode step; waits
+poll the control plane (side.Control) and check the trainer's heartbeat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo import comm, parallel
+from megatron_gspo.async_rollout.layout import ROLLOUT, rollout_parallel_config
+from megatron_gspo.async_rollout.side import Side, is_peer_loss, short_error
+from megatron_gspo.async_rollout.weight_sync import WeightReceiver
+from megatron_gspo.config import JobConfig
+from megatron_gspo.faults import Faults, PreemptionFlag
+from megatron_gspo.generation import generate
+from megatron_gspo.logger import setup_logging
+from megatron_gspo.overlong import overlong_penalty
+from megatron_gspo.rewards import build_reward_fn, compute_rewards
+from megatron_gspo.rollout import local_rows
+
+log = logging.getLogger("megatron_gspo")
+
+MAGIC = 0x6A5E
+HEADER = 8  # [MAGIC, step, rows, width, ints, floats, meta bytes, 0]
+
+
+class Stopped(Exception):
+    """The trainer announced the end (or went silent): the rollout rank leaves its loop."""
+
+
+class _Restart(Exception):
+    """partial_rollouts=drop: a weight update arrived mid-generation; generate again under it."""
+
+
+@dataclasses.dataclass
+class Generated:
+    """One step's rows of this rank: GenerationOutput plus the policy versions behind them."""
+
+    out: object
+    version_start: int  # every row began with this version
+    version_end: torch.Tensor  # [B] long: the newest version that drew a token of the row
+    finished_partial: int  # rows in flight at a mid-generation update, finished under the new weights
+    dropped_rows: int  # rows thrown away by partial_rollouts=drop
+    updates: int  # weight updates applied while generating
+
+
+def generate_with_updates(model, prompts, gen_cfg, *, vocab_size: int, state, seed: int, row_keys: list[int],
+                          version: int, poll, apply, policy: str) -> Generated:
+    """``generate`` that takes weight updates between decode steps.
+
+    poll(): (update pending, stop pending), already agreed over the generation lockstep group; apply():
+    receives the update into ``model`` and returns the new version. policy "finish": the rows go on under
+    the new weights; "drop": the generation restarts under them (same noise: the samples are those of a
+    generation that began with the new weights)."""
+    dropped = 0
+    while True:
+        v_start = version
+        updates: list[tuple[int, int]] = []  # (forward index, version after it)
+
+        def on_forward(idx: int, kind: str, rows) -> None:
+            nonlocal version
+            update, stop = poll()
+            if stop:
+                raise Stopped("the trainer stopped")
+            if update:
+                version = apply()
+                if policy == "drop":
+                    raise _Restart()
+                updates.append((idx, version))
+
+        try:
+            out = generate(model, prompts, gen_cfg, vocab_size=vocab_size, state=state, seed=seed,
+                           row_keys=row_keys, on_forward=on_forward)
+        except _Restart:
+            dropped += len(row_keys)
+            continue
+        break
+    # forward idx computed the logits of response token idx: tokens idx+1.. came from the new weights
+    lengths = out.response_lengths.to(torch.long)
+    v_end = torch.full_like(lengths, v_start)
+    partial = torch.zeros_like(lengths, dtype=torch.bool)
+    for idx, v in updates:
+        touched = lengths > idx + 1
+        v_end = torch.where(touched, torch.full_like(v_end, v), v_end)
+        partial |= touched
+    return Generated(out, v_start, v_end, int(partial.sum()), dropped, len(updates))
+
+
+class RolloutWorker:
+    """A rollout rank: built from the job's config and its ``Side`` (async_rollout.side.join)."""
+
+    def __init__(self, cfg: JobConfig, side: Side) -> None:
+        from megatron_gspo.data import build_prompt_sampler
+        from megatron_gspo.model import build_model
+        from megatron_gspo.tokenizer import build_tokenizer, check_vocab_fits
+
+        assert side.role == ROLLOUT
+        self.cfg, self.side = cfg, side
+        par = rollout_parallel_config(cfg)
+        self.state = st = parallel.initialize(cfg.model, par, side=side)
+        setup_logging(st.rank)
+        for h in logging.getLogger().handlers:  # say which side speaks
+            h.setFormatter(logging.Formatter(f"%(asctime)s [rollout rank {side.global_rank}] %(message)s", "%H:%M:%S"))
+        side.open_bridge(st.device)
+        self.control = side.control
+        self.preempt = PreemptionFlag()  # SIGTERM / SIGUSR1: the trainer checkpoints and announces the stop
+        r, t, g = cfg.rollout, cfg.train, cfg.generation
+        self.tokenizer = build_tokenizer(cfg.tokenizer)
+        check_vocab_fits(self.tokenizer, cfg.model.vocab_size)
+        e = cfg.eval
+        holdout = e.num_prompts if e.interval > 0 and e.source is None else 0  # as the trainer's sampler
+        self.sampler = build_prompt_sampler(cfg.data, self.tokenizer, t.prompts_per_step, holdout=holdout)
+        self.model = build_model(cfg.model, par, st, deterministic=t.deterministic)
+        self.model.requires_grad_(False)
+        self.gen_cfg = dataclasses.replace(
+            g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
+            pad_token_id=g.pad_token_id if g.pad_token_id is not None else self.tokenizer.pad_id)
+        self.row_gen_cfg = dataclasses.replace(self.gen_cfg, n_samples_per_prompt=1)
+        self.reward_fn = build_reward_fn(cfg.reward)
+        self.receiver = WeightReceiver(self.model, st, side.sync_pg, int(r.weight_sync_bucket_mb * 2**20))
+        self.faults = Faults(rank=side.global_rank)
+        self.G = g.n_samples_per_prompt
+        self.R = t.prompts_per_step * self.G
+        self.rows = local_rows(self.R, 1, st.dp, st.dp_rank)
+        self.leader = st.tp_rank == 0
+        if self.leader and side.split.rollout_leaders[st.dp_rank] != st.rank:
+            raise RuntimeError(f"rollout rank {st.rank} is TP rank 0 of data-parallel rank {st.dp_rank}, but the "
+                               f"trainer expects that rank's rows from rollout rank {side.split.rollout_leaders[st.dp_rank]}")
+        # generation lockstep: the TP group, or this side's whole world under EP (generation.py)
+        self.lockstep = dist.group.WORLD if st.ep > 1 else (st.tp_group if st.tp > 1 else None)
+        self.version = -1
+        self.pending: list[tuple[int, list, tuple]] = []  # (step, send works, buffers kept alive)
+        self._last_poll, self._last_pushed, self._stopped = 0.0, -1, False
+        self._clock = {"idle": 0.0, "sync": 0.0}
+        self._since = time.perf_counter()
+        self.timeout_s = r.heartbeat_timeout_s
+
+    # ------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """The loop (module doc); returns when the trainer stops."""
+        cfg, k = self.cfg, self.cfg.rollout.max_staleness
+        start = self._idle_until(self.control.start)
+        s0 = int(start["step"])
+        if start.get("data"):
+            self.sampler.load_state_dict(start["data"])
+        log.info("rollout ranks: %d (TP %d, EP %d, DP %d), starting at step %d, max staleness %d, partial rollouts: %s",
+                 self.state.world_size, self.state.tp, self.state.ep, self.state.dp, s0 + 1, k,
+                 cfg.rollout.partial_rollouts)
+        try:
+            for s in range(s0, cfg.train.num_steps):
+                need = max(s0, s - k)
+                self._idle_until(lambda: self.version >= need)
+                self.faults.at_step_start(s + 1)  # tests: die (or raise) as step s+1's generation starts
+                self._one_step(s)
+            self._idle_until(lambda: False)  # serve pushes until the stop
+        except Stopped as e:
+            log.info("%s: rollout rank %d ends", e, self.side.global_rank)
+
+    def _one_step(self, step: int) -> None:
+        st, dev = self.state, self.state.device
+        prompts = self.sampler.next_batch()
+        data_state = self.sampler.state_dict()
+        mine = [prompts[g // self.G] for g in self.rows]
+        gen = generate_with_updates(
+            self.model, [p.ids for p in mine], self.row_gen_cfg, vocab_size=self.cfg.model.vocab_size, state=st,
+            seed=(self.gen_cfg.seed << 32) + step, row_keys=self.rows, version=self.version,
+            poll=self._poll_agreed, apply=self._apply_push, policy=self.cfg.rollout.partial_rollouts)
+        out = gen.out
+        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
+        rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine], device=dev)
+        rc = self.cfg.reward
+        if rc.overlong_buffer_len > 0:  # as Rollouts._generate_round
+            rewards = rewards + overlong_penalty(out.response_lengths.to(dev), self.gen_cfg.max_new_tokens,
+                                                 rc.overlong_buffer_len, rc.overlong_penalty_factor)
+        if self.leader:
+            self._send(step, gen, mine, texts, rewards, data_state)
+
+    # ------------------------------------------------------------------------------------------
+    def _send(self, step: int, gen: Generated, mine, texts, rewards, data_state) -> None:
+        """This data-parallel rank's rows of ``step`` to trainer rank 0 (bridge rank 0), without waiting."""
+        out, dev = gen.out, self.state.device
+        n, T = out.tokens.shape
+        now = time.perf_counter()
+        wall, self._since = now - self._since, now
+        clock, self._clock = self._clock, {"idle": 0.0, "sync": 0.0}
+        meta = {"prompt_ids": [p.id for p in mine], "texts": texts, "data": data_state,
+                "stats": {"gen_s": out.elapsed_s, "decode_row_steps": out.decode_row_steps, "idle_s": clock["idle"],
+                          "sync_s": clock["sync"], "wall_s": wall, "partial_finished": gen.finished_partial,
+                          "dropped": gen.dropped_rows, "updates": gen.updates}}
+        v_start = torch.full((n,), gen.version_start, dtype=torch.long, device=dev)
+        ints = torch.cat([out.tokens.reshape(-1), out.prompt_lengths, out.response_lengths,
+                          torch.tensor(self.rows, dtype=torch.long, device=dev), out.stopped.long(), v_start,
+                          gen.version_end]).to(device=dev, dtype=torch.long).contiguous()
+        floats = torch.cat([out.logprobs.reshape(-1).float(), rewards.float()]).to(dev).contiguous()
+        raw = json.dumps(meta).encode()
+        metab = torch.tensor(list(raw), dtype=torch.uint8, device=dev)
+        header = torch.tensor([MAGIC, step, n, T, ints.numel(), floats.numel(), metab.numel(), 0], dtype=torch.long,
+                              device=dev)
+        # "ready" first: with NCCL the first send creates the pair's communicator, which waits for the receiver
+        self.control.mark_ready(step, self.state.dp_rank)
+        works = [comm.bridge_send(x, 0, self.side.data_pg, what=f"rollout rows of step {step + 1}")
+                 for x in (header, ints, floats, metab)]
+        self.pending.append((step, works, (header, ints, floats, metab)))
+
+    def _release_sent(self) -> None:
+        """Sends of batches the trainer has consumed (it pushes version v after training step v-1)."""
+        keep = []
+        for step, works, bufs in self.pending:
+            if step < self.version:
+                for w in works:
+                    w.wait()
+            else:
+                keep.append((step, works, bufs))
+        self.pending = keep
+
+    # ------------------------------------------------------------------------------------------
+    def _poll(self) -> tuple[bool, bool]:
+        """(a push is announced, the trainer stopped), from the control plane, at most every 10 ms."""
+        now = time.monotonic()
+        if now - self._last_poll >= 0.01:
+            self._last_poll = now
+            self._last_pushed = self.control.pushed_version()
+            self._stopped = self.control.stopped() is not None or self._trainer_gone() is not None
+        return self._last_pushed > self.version, self._stopped
+
+    def _poll_agreed(self) -> tuple[bool, bool]:
+        """``_poll`` agreed over the generation lockstep group (every member calls it once per forward)."""
+        update, stop = self._poll()
+        if self.lockstep is not None:
+            flags = torch.tensor([float(update), float(stop)], device=self.state.device)
+            flags = comm.all_reduce(flags, "max", self.lockstep, what="async rollout: apply a weight push now?")
+            update, stop = bool(flags[0]), bool(flags[1])
+        return update, stop
+
+    def _apply_push(self) -> int:
+        t0 = time.perf_counter()
+        stats = self.receiver.receive()
+        self._clock["sync"] += time.perf_counter() - t0
+        if stats.version <= self.version:
+            raise RuntimeError(f"weight sync: received version {stats.version} after {self.version}")
+        self.version = stats.version
+        self._release_sent()
+        return self.version
+
+    def _trainer_gone(self) -> Optional[str]:
+        return self.control.check_peers([0], self.timeout_s, "trainer")
+
+    def _idle_until(self, ready):
+        """Wait (serving pushes, watching for the stop and the trainer's heartbeat) until ``ready()`` is truthy;
+        returns its value."""
+        t0 = time.perf_counter()
+        try:
+            while True:
+                value = ready()
+                if value:
+                    return value
+                update, stop = self._poll()
+                if stop:
+                    info = self.control.stopped()
+                    raise Stopped(f"the trainer stopped ({info['reason']})" if info else
+                                  f"the trainer is gone: {self._trainer_gone()}")
+                if update:
+                    t1 = time.perf_counter()
+                    self._apply_push()
+                    t0 += time.perf_counter() - t1  # the sync is counted as sync, not idle
+                    continue
+                time.sleep(0.005)
+        finally:
+            self._clock["idle"] += time.perf_counter() - t0
+
+    def close(self, message: str, error: bool) -> None:
+        self.control.record_exit(message, error)
+        self.side.close()
+
+
+def run_rollout_rank(cfg: JobConfig) -> int:
+    """A rollout rank's whole life (train.main calls it); returns the process exit code. Why it ended goes
+    to the control plane, where the trainer reads it (a failure here stops the trainer with this message)."""
+    from megatron_gspo import exit_status
+    from megatron_gspo.async_rollout.side import join
+    from megatron_gspo.errors import USER_ERRORS
+
+    side = join(cfg, ROLLOUT)
+    worker = None
+    try:
+        worker = RolloutWorker(cfg, side)
+        worker.run()
+    except BaseException as e:
+        msg = f"{type(e).__name__}: {e}".strip()
+        if side.control is None:
+            from megatron_gspo.async_rollout.side import Control
+
+            side.control = Control(side.store, side.split, side.global_rank)
+        side.control.record_exit(msg, error=True)
+        side.close()
+        parallel.destroy()
+        if isinstance(e, USER_ERRORS):
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
+            log.error("error: %s", e)
+            exit_status.record(exit_status.EXIT_USER_ERROR, str(e))
+            return exit_status.EXIT_USER_ERROR
+        if is_peer_loss(e):  # another rank of the job died: its failure is the story, not this traceback
+            log.error("rollout rank %d: lost a peer of the bridge (%s); the trainer checkpoints and stops",
+                      side.global_rank, short_error(e))
+            return 1
+        raise
+    worker.close("finished", error=False)
+    parallel.destroy()
+    exit_status.record(0, "finished")
+    return 0

@@ -1,0 +1,369 @@
+"""Asynchronous rollouts (megatron_gspo/async_rollout/): generation and training on separate ranks of one
+torchrun world, weights streamed after every step, bounded staleness, faults.
+
+Multi-rank tests run torchrun on the CPU with gloo (tests/conftest.py run_dist, slow tier); the config
+checks and the generation-with-updates logic run in one process (fast tier)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_gspo.checkpoint import dist_checkpoint_to_tensors, iter_dir, latest_complete
+from megatron_gspo.config import ConfigError, ParallelConfig, load_job_config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ASYNC = ["rollout.mode=async", "rollout.world_size=1"]
+
+
+def tensors(path):
+    return {k: v for k, v in dist_checkpoint_to_tensors(path).items() if isinstance(v, torch.Tensor)}
+
+
+# ----------------------------------------------------------------------------------------------
+# config (fast)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.world_size=2"], "rollout.world_size=2 is only used with rollout.mode=async"),
+    (["rollout.mode=async"], "rollout.mode=async needs rollout.world_size >= 1"),
+    (["rollout.mode=sync"], "rollout.mode='sync' is not one of ['colocated', 'async']"),
+    (ASYNC + ["rollout.partial_rollouts=keep"], "rollout.partial_rollouts='keep' is not one of ['finish', 'drop']"),
+    (ASYNC + ["rollout.max_staleness=-1"], "rollout.max_staleness must be an integer >= 0"),
+    (ASYNC, "rollout.max_staleness=1 trains on rollouts of older weights"),
+    (ASYNC + ["rollout.max_staleness=0", "train.old_logprobs=rollout"], "train.old_logprobs=rollout with rollout.mode=async"),
+    (ASYNC + ["rollout.max_staleness=0", "loss.name=grpo", "train.routing_replay=R3"],
+     "train.routing_replay=R3 with rollout.mode=async"),
+    (ASYNC + ["rollout.max_staleness=0", "train.dynamic_sampling=true"], "train.dynamic_sampling=true with rollout.mode=async"),
+])
+def test_config_refuses_what_async_cannot_do(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_job_config(None, overrides)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("world, overrides, message", [
+    (1, [], "needs more ranks than that (the trainer gets the rest), but the job has 1"),
+    (4, ["parallel.tensor_model_parallel_size=2"], "world size 3 is not a multiple of tensor_model_parallel_size"),
+    (3, ["rollout.tensor_model_parallel_size=2"], "rollout.tensor_model_parallel_size"),
+    (4, ["rollout.world_size=2", "rollout.expert_model_parallel_size=3"], "rollout.expert_model_parallel_size"),
+    (5, ["rollout.world_size=3", "train.prompts_per_step=4", "generation.n_samples_per_prompt=2"],
+     "8 rollout rows are not divisible by the rollout ranks' data-parallel size 3"),
+])
+def test_world_size_checks_name_the_keys(world, overrides, message):
+    from megatron_gspo.async_rollout.layout import check_world
+
+    cfg = load_job_config(None, ASYNC + ["rollout.max_staleness=0"] + overrides)
+    with pytest.raises(ConfigError) as e:
+        check_world(cfg, world)
+    assert message in str(e.value)
+
+
+def test_split_of_a_world():
+    from megatron_gspo.async_rollout.layout import check_world
+
+    cfg = load_job_config(None, ["rollout.mode=async", "rollout.world_size=4", "rollout.max_staleness=0",
+                                 "rollout.tensor_model_parallel_size=2", "parallel.tensor_model_parallel_size=2"])
+    s = check_world(cfg, 8)
+    assert (s.trainer_size, s.rollout_size, s.trainer_dp, s.rollout_dp) == (4, 4, 2, 2)
+    assert [s.role(r) for r in range(8)] == ["trainer"] * 4 + ["rollout"] * 4
+    assert [s.side_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert s.rollout_leaders == [0, 2]
+
+
+def test_colocated_is_the_default_and_keeps_the_old_logprob_decision():
+    from megatron_gspo.config import old_logprob_source
+
+    cfg = load_job_config(None, [])
+    assert cfg.rollout.mode == "colocated" and cfg.rollout.world_size == 0
+    assert old_logprob_source(cfg, "cpu")[0] is False  # fp32 on the CPU: the rollout's, as before
+    cfg = load_job_config(None, ASYNC + ["rollout.max_staleness=0"])
+    assert old_logprob_source(cfg, "cpu")[0] is True
+
+
+# ----------------------------------------------------------------------------------------------
+# weight sync (slow)
+# ----------------------------------------------------------------------------------------------
+
+TP2 = "parallel.tensor_model_parallel_size=2"
+EP2 = "parallel.expert_model_parallel_size=2"
+
+
+@pytest.fixture(scope="module")
+def one_rank_weights(tmp_path_factory):
+    """The trained weights of the sync test (seed 777) on one rank, fp32 and bf16."""
+    from megatron_gspo import parallel
+    from megatron_gspo.checkpoint import save_model
+    from megatron_gspo.init_weights import init_weights
+    from megatron_gspo.model import build_model
+
+    out = {}
+    for precision in ("fp32", "bf16"):
+        cfg = load_job_config(None, [f"model.precision={precision}"])
+        st = parallel.initialize(cfg.model, ParallelConfig())
+        m = build_model(cfg.model, ParallelConfig(), st)
+        init_weights(m, 777, st, init_method_std=cfg.model.init_method_std, num_layers=cfg.model.num_layers)
+        path = str(tmp_path_factory.mktemp("one_rank") / precision)
+        save_model(m, path)
+        out[precision] = tensors(path)
+        parallel.destroy()
+    return out
+
+
+@pytest.mark.parametrize("nproc, rollout_ranks, pairs", [
+    # trainer TP2 -> rollout TP1, EP2 -> 1, DP2 -> 1 (1 rollout rank)
+    (3, 1, [f"{TP2}|", f"{EP2}|", "|"]),
+    # 2 + 2 ranks: TP2 -> DP2, EP2 -> TP2, TP2 x EP2 (expert-TP 1) -> EP2, DP2 -> TP2 x EP2, and bf16 TP2 -> TP2
+    (4, 2, [f"{TP2}|", f"{EP2}|tensor_model_parallel_size=2",
+            f"{TP2},{EP2},parallel.expert_tensor_parallel_size=1|expert_model_parallel_size=2",
+            "|tensor_model_parallel_size=2,expert_model_parallel_size=2,expert_tensor_parallel_size=1",
+            f"model.precision=bf16,{TP2}|tensor_model_parallel_size=2"]),
+])
+def test_rollout_weights_bit_identical_after_sync(run_dist, tmp_path, one_rank_weights, nproc, rollout_ranks, pairs):
+    args = ["--out", str(tmp_path), "--rollout-ranks", str(rollout_ranks)]
+    for p in pairs:
+        args += ["--pair", p]
+    out = run_dist("weight_sync.py", nproc, *args, timeout=600).stdout
+    assert out.count("SYNCED") == nproc * len(pairs), out
+    for i, pair in enumerate(pairs):
+        want = one_rank_weights["bf16" if "bf16" in pair else "fp32"]
+        trainer, rollout = tensors(tmp_path / str(i) / "trainer"), tensors(tmp_path / str(i) / "rollout")
+        assert trainer.keys() == rollout.keys() == want.keys(), pair
+        assert len(want) >= 10
+        for k in want:
+            assert rollout[k].dtype == want[k].dtype, (pair, k)
+            assert torch.equal(trainer[k], want[k]), (pair, k)  # the trainer holds the one-rank model's numbers
+            assert torch.equal(rollout[k], want[k]), (pair, k)  # and so, bit for bit, does the rollout copy
+
+
+# ----------------------------------------------------------------------------------------------
+# training (slow): staleness 0 = colocated, the staleness bound, kill and resume
+# ----------------------------------------------------------------------------------------------
+
+JOB = [
+    "train.sft_steps=0", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generation.max_new_tokens=6",
+    "train.micro_batch_size=8", "train.num_minibatches=2", "optimizer.lr=1e-3", "eval.interval=0",
+    f"reward.name={HERE}/reward_plugins.py:digit_fraction", "train.old_logprobs=recompute",
+]
+K1 = ["rollout.mode=async", "rollout.world_size=2", "rollout.max_staleness=1", "rollout_correction.mode=tis"]
+
+
+def job(run_dist, out, nproc, *overrides, check=True):
+    return run_dist("run_job.py", nproc, "--out", str(out), "--", *JOB, *overrides, timeout=600, check=check)
+
+
+def metrics(out):
+    return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def records(out):
+    """(step, global row) -> (sample id, tokens) of every row the trainer trained on."""
+    got = {}
+    for name in sorted(os.listdir(out)):
+        if name.startswith("rollouts.dp"):
+            for line in open(os.path.join(out, name)):
+                r = json.loads(line)
+                key = (r["step"], r["row"])
+                assert key not in got, f"row {key} trained twice"
+                got[key] = (r["sample"], r["tokens"])
+    return got
+
+
+def test_staleness_zero_trains_the_colocated_trajectory(run_dist, tmp_path):
+    """One trainer rank + one rollout rank with rollout.max_staleness=0 against one colocated rank: the same
+    samples, the same metrics (loss, ratios, grad norm ... every logged number but timings) and the same
+    final weights, bit for bit."""
+    steps = ["train.num_steps=3"]
+    job(run_dist, tmp_path / "colocated", 1, *steps)
+    job(run_dist, tmp_path / "async", 2, *steps, "rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0")
+    a, c = records(tmp_path / "async"), records(tmp_path / "colocated")
+    assert len(c) == 3 * 16 and a == c
+    ma, mc = metrics(tmp_path / "async"), metrics(tmp_path / "colocated")
+    assert [m["async/staleness_max"] for m in ma] == [0, 0, 0]
+    for x, y in zip(ma, mc):
+        same = {k: (x[k], y[k]) for k in y if not k.startswith("perf/") and x[k] != y[k]}
+        assert not same, same
+    wa, wc = tensors(tmp_path / "async" / "weights"), tensors(tmp_path / "colocated" / "weights")
+    assert wa.keys() == wc.keys() and all(torch.equal(wa[k], wc[k]) for k in wc)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_k1(run_dist, tmp_path_factory):
+    """A 4-step async job, staleness 1, 1 trainer rank + 2 rollout ranks (rollout DP 2)."""
+    out = tmp_path_factory.mktemp("k1")
+    job(run_dist, out, 3, "train.num_steps=4", *K1)
+    return out
+
+
+def test_staleness_never_exceeds_the_bound(uninterrupted_k1):
+    rows = metrics(uninterrupted_k1)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # step 1 starts on the initial weights; from then on the rollout ranks generate step s+1 while the trainer
+    # trains step s, with version s: exactly one version old (the finish policy keeps a row's start version)
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1]
+    assert all(r["async/staleness_frac_0"] + r["async/staleness_frac_1"] == 1 for r in rows)
+    for r in rows:
+        assert r["async/weight_sync_bytes"] > 0 and r["async/weight_sync_s"] > 0
+        assert 0 <= r["async/rollout_idle_frac"] <= 1 and 0 <= r["async/trainer_idle_frac"] <= 1
+        # finish: the rows a mid-generation update touched are exactly those of two versions
+        assert r["async/mixed_version_rows"] == r["async/partial_finished_rows"]
+        assert r["async/partial_dropped_rows"] == 0
+        assert "rollout/logprob_diff_max" in r and "rollout_correction/weight_mean" in r
+    assert len(records(uninterrupted_k1)) == 4 * 16
+
+
+def test_dead_rollout_rank_checkpoints_stops_and_resumes(run_dist, tmp_path, uninterrupted_k1, monkeypatch):
+    """A rollout rank is SIGKILLed as it starts step 3: the job stops (no hang) with a message naming the
+    rollout rank and a checkpoint of the last trained step; the resumed job drops what was in flight,
+    regenerates it from the checkpoint's data position and trains every step's rows exactly once."""
+    import time
+
+    ck = ["checkpoint.save_interval=100", f"checkpoint.save={tmp_path}/ckpt"]  # only the stop saves mid-run
+    monkeypatch.setenv("MEGATRON_GSPO_FAULTS", "kill@3:1")
+    t0 = time.time()
+    p = job(run_dist, tmp_path / "run", 3, "train.num_steps=4", *K1, *ck, check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and time.time() - t0 < 240, out[-3000:]
+    assert "STOPPED exit 75: stopping before step" in out and "rollout" in out, out[-3000:]
+    assert f"checkpoint saved to {tmp_path}/ckpt" in out
+    saved = latest_complete(f"{tmp_path}/ckpt")
+    assert saved in (1, 2), saved  # step 2's rows may have died with the rank before the trainer read them
+    monkeypatch.delenv("MEGATRON_GSPO_FAULTS")
+    job(run_dist, tmp_path / "run", 3, "train.num_steps=4", *K1, *ck, "checkpoint.resume=true")
+    got, want = records(tmp_path / "run"), records(uninterrupted_k1)
+    assert got.keys() == want.keys()  # every step's every row trained exactly once (records() refuses twice)
+    assert all(got[k][0] == want[k][0] for k in want)  # the same prompts and samples at every step
+    for k in want:
+        if k[0] <= saved:  # trained before the kill: bit-identical tokens
+            assert got[k] == want[k], k
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4]
+
+
+# ----------------------------------------------------------------------------------------------
+# weight updates between decode steps (fast, one process)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_versions(single_rank):
+    """The tiny model with version-0 weights (seed 1234) and a state dict of version 1 (seed 777)."""
+    from megatron_gspo.init_weights import init_weights
+    from megatron_gspo.model import build_model
+
+    cfg = load_job_config(None, [])
+    st = single_rank(cfg.model)
+    model = build_model(cfg.model, ParallelConfig(), st)
+    other = build_model(cfg.model, ParallelConfig(), st)
+    init_weights(other, 777, st, init_method_std=cfg.model.init_method_std, num_layers=cfg.model.num_layers)
+    weights = lambda m: {k: v.detach().clone() for k, v in m.named_parameters()}  # noqa: E731
+    return cfg, st, _Loadable(model), weights(model), weights(other)
+
+
+class _Loadable:
+    """The model, with ``load_state_dict`` taking a {parameter name: tensor} dict (a weight version)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def load_state_dict(self, params):
+        with torch.no_grad():
+            for k, p in self.model.named_parameters():
+                p.copy_(params[k])
+
+
+def _gen(cfg, st, model, **kw):
+    import dataclasses
+
+    from megatron_gspo.async_rollout.worker import generate_with_updates
+    from megatron_gspo.generation import generate
+
+    g = dataclasses.replace(cfg.generation, n_samples_per_prompt=1, max_new_tokens=8, ignore_eos=True,
+                            stop_token_ids=[1], pad_token_id=0)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    args = dict(vocab_size=cfg.model.vocab_size, state=st, seed=99, row_keys=[0, 1, 2])
+    if not kw:
+        return generate(model.model, prompts, g, **args)
+    return generate_with_updates(model.model, prompts, g, **args, **kw)
+
+
+def _updates_at(call, model, new_state, stop=False):
+    calls = {"n": 0}
+
+    def poll():
+        calls["n"] += 1
+        return (calls["n"] == call + 1 and not stop), (calls["n"] == call + 1 and stop)
+
+    def apply():
+        model.load_state_dict(new_state)
+        return 1
+
+    return poll, apply
+
+
+def test_finish_policy_draws_the_rest_of_each_response_with_the_new_weights(two_versions):
+    cfg, st, model, v0, v1 = two_versions
+    ref0 = _gen(cfg, st, model)
+    model.load_state_dict(v1)
+    ref1 = _gen(cfg, st, model)
+    model.load_state_dict(v0)
+    poll, apply = _updates_at(2, model, v1)  # after forward 2: response tokens 0..2 from v0, 3.. from v1
+    got = _gen(cfg, st, model, version=0, poll=poll, apply=apply, policy="finish")
+    out = got.out
+    assert got.version_start == 0 and got.updates == 1 and got.dropped_rows == 0
+    assert got.version_end.tolist() == [1, 1, 1] and got.finished_partial == 3
+    for r in range(3):
+        p = int(out.prompt_lengths[r])
+        assert torch.equal(out.tokens[r, : p + 3], ref0.tokens[r, : p + 3])  # before the update: v0's draws
+        assert torch.equal(out.logprobs[r, : p + 3], ref0.logprobs[r, : p + 3])
+    assert not torch.equal(out.tokens, ref0.tokens) and not torch.equal(out.tokens, ref1.tokens)
+    model.load_state_dict(v0)
+    # the log-probs recorded are those of the distribution each token was drawn from: before the update
+    # v0's (a v0 forward gives them to float noise), after it the new weights' (over the prefix's KV cache,
+    # kept from v0: no re-prefill), which a v0 forward does not give
+    from megatron_gspo.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.model import forward_logits
+
+    with torch.no_grad():
+        lp, _ = vocab_parallel_logprobs(forward_logits(model.model, out.tokens[:, :-1]), out.tokens[:, 1:],
+                                        cfg.model.vocab_size, None, with_entropy=False)
+    for r in range(3):
+        p = int(out.prompt_lengths[r])
+        assert torch.allclose(lp[r, p - 1: p + 2], out.logprobs[r, p: p + 3], atol=1e-5), r
+        assert (lp[r, p + 2: p + 7] - out.logprobs[r, p + 3: p + 8]).abs().max() > 1e-3, r
+
+
+def test_drop_policy_generates_again_under_the_new_weights(two_versions):
+    cfg, st, model, v0, v1 = two_versions
+    model.load_state_dict(v1)
+    ref1 = _gen(cfg, st, model)
+    model.load_state_dict(v0)
+    poll, apply = _updates_at(2, model, v1)
+    got = _gen(cfg, st, model, version=0, poll=poll, apply=apply, policy="drop")
+    assert got.version_start == 1 and got.version_end.tolist() == [1, 1, 1]
+    assert got.dropped_rows == 3 and got.finished_partial == 0 and got.updates == 0
+    assert torch.equal(got.out.tokens, ref1.tokens) and torch.equal(got.out.logprobs, ref1.logprobs)
+
+
+def test_stop_leaves_generation(two_versions):
+    from megatron_gspo.async_rollout.worker import Stopped
+
+    cfg, st, model, v0, v1 = two_versions
+    poll, apply = _updates_at(1, model, v1, stop=True)
+    with pytest.raises(Stopped):
+        _gen(cfg, st, model, version=0, poll=poll, apply=apply, policy="finish")
+
+
+def test_rollout_rank_that_raises_stops_the_trainer_with_its_message(run_dist, tmp_path, monkeypatch):
+    """The rollout rank's exception reaches the trainer's last line (exit 1), after a checkpoint."""
+    monkeypatch.setenv("MEGATRON_GSPO_FAULTS", "raise@2:1")
+    p = job(run_dist, tmp_path / "run", 2, "train.num_steps=3", "rollout.mode=async", "rollout.world_size=1",
+            "rollout.max_staleness=0", f"checkpoint.save={tmp_path}/ckpt", check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert ("STOPPED exit 1: stopping before step 2: rollout rank 1 failed: RuntimeError: injected fault: rank 1 "
+            "raises at step 2") in out, out[-3000:]
+    assert latest_complete(f"{tmp_path}/ckpt") == 1
