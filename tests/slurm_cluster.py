@@ -11,7 +11,7 @@ this machine (all its CPUs, proctrack/linuxproc, no cgroups), in three partition
 
 with PreemptType=preempt/partition_prio, KillWait 30 s (SLURM's default), MinJobAge 3600 s (finished
 jobs stay visible to ``scontrol show job``: there is no accounting database, so no ``sacct``),
-``cred_expire=5`` (a requeued job may start again after ~6 s instead of SLURM's 20 minutes) and a
+``cred_expire=5`` (a requeued job may start again after ~6 s instead of SLURM's default 121 s) and a
 scheduler pass every 2 s. SlurmctldDebug=debug2 logs the time-limit pass ("Testing job time limits"),
 which runs every 30 s: :meth:`SlurmCluster.next_time_limit_pass` predicts the next one.
 

@@ -147,6 +147,7 @@ def test_a_signal_in_a_long_generation_abandons_the_step_and_the_resume_is_exact
     assert latest_complete(f"{tmp_path}/cut/ckpt") == 1
     assert [r["step"] for r in metrics(tmp_path / "cut")] == [1]
     # the step's generation alone takes gen_s; the stop (decode loop, vote, exit) a fraction of it
+    print(f"signal -> stop {took * 1000:.0f} ms; a full step's generation {gen_s:.2f} s")
     assert took < gen_s / 2, (took, gen_s, msg)
     PreemptionFlag._process = None  # the resumed run is a new process
     run_job(tmp_path, "cut", [*job, "checkpoint.resume=true"])
@@ -170,6 +171,7 @@ def test_a_signal_in_endless_dynamic_sampling_rounds_stops_the_first_step(fresh_
                           "no checkpoint yet"), msg
     rounds = int(msg.split("abandoned in generation round ")[1].split()[0].rstrip(","))
     assert rounds >= 2, msg  # it was in the rounds loop, past the first round
+    print(f"signal -> stop {took * 1000:.0f} ms, in round {rounds}")
     assert took < 1.0, (took, msg)
     assert not os.path.isdir(f"{tmp_path}/ds/ckpt")
 
