@@ -379,6 +379,40 @@ def test_sigusr1_reaches_every_worker(probe):
             proc.wait()
 
 
+def test_the_exit_directory_of_a_sigkilled_launcher_is_removed_by_the_next(probe, tmp_path):
+    """SIGKILL gives the launcher's supervisor no chance to remove its exit directory
+    (gspo-exit-<pid>-*): the next launcher removes the directories of launchers that no longer run."""
+    env, out = probe
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([BASH, str(LAUNCHER), "x=1"], env=clean_env(**env, NPROC=1, PROBE_MODE="signal", TMPDIR=tmp),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while not (out / "ready.0").exists():
+            assert proc.poll() is None and time.time() < deadline, "the worker never started"
+            time.sleep(0.1)
+        (left,) = list(tmp.glob("gspo-exit-*"))
+        assert left.name.startswith(f"gspo-exit-{proc.pid}-")
+        proc.kill()
+        proc.wait()
+    finally:
+        for pidfile in tmp.glob("gspo-exit-*/rank-*.pid"):  # the orphaned worker and its torchrun
+            pid = int(pidfile.read_text())
+            with open(f"/proc/{pid}/stat") as f:
+                torchrun = int(f.read().rsplit(")", 1)[1].split()[1])
+            for p in (pid, torchrun):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    assert left.exists()  # what SIGKILL left behind
+    p = subprocess.run([BASH, str(LAUNCHER), "x=1"], env=clean_env(**env, NPROC=1, TMPDIR=tmp),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert list(tmp.glob("gspo-exit-*")) == []  # the stale one swept, its own removed
+
+
 # ----------------------------------------------------------------------------------------------
 # End to end: a few training steps through the launcher
 # ----------------------------------------------------------------------------------------------

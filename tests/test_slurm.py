@@ -68,6 +68,17 @@ def cluster():
     shutil.rmtree(c.root, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def no_job_left(cluster):
+    """Whatever a test ends with (a failed assertion too), its jobs are gone before the next one."""
+    yield
+    if cluster.squeue():
+        cluster.cmd("scancel", "--user", "root", check=False)
+        deadline = time.time() + 90
+        while cluster.squeue() and time.time() < deadline:
+            time.sleep(0.5)
+
+
 class Job:
     """One submission of launch/slurm/gspo_qwen3_30b_a3b.sbatch; its run directory and log under tmp."""
 
@@ -206,14 +217,17 @@ def test_a_config_error_is_one_line_exit_2_and_no_requeue(cluster, tmp_path):
 
 def test_time_limit_warning_checkpoints_requeues_and_resumes_then_scancel(cluster, tmp_path):
     """--signal=B:USR1@60 and a time limit that comes into reach once the run has made progress
-    (`scontrol update TimeLimit=2` after the first checkpoint: slurmctld's next time-limit pass, at most
-    30 s later, sends the warning, whatever the start-up took): the step saves and exits 75, the batch
-    script requeues. The requeued job gets 10 minutes (with 2 its warning would come during start-up:
-    exit 79 and no requeue, which the short-time-limit test covers) and resumes at that step. Then a
-    plain `scancel`: a checkpoint, CANCELLED, not requeued."""
+    (`scontrol update TimeLimit=<elapsed + 1-2 min>` after the first checkpoint: slurmctld's next
+    time-limit pass, at most 30 s later, sends the warning, whatever the start-up took): the step
+    saves and exits 75, the batch script requeues. The requeued job gets 10 minutes (with a short
+    limit its warning could come during start-up: exit 79 and no requeue, which the short-time-limit
+    test covers) and resumes at that step. Then a plain `scancel`: a checkpoint, CANCELLED, not
+    requeued."""
     job = Job(cluster, tmp_path, "timelimit", "--time=10", "--signal=B:USR1@60")
     job.wait("first checkpoint", lambda: job.latest() >= EVERY)
-    cluster.cmd("scontrol", "update", f"JobId={job.id}", "TimeLimit=2")
+    # the limit at least 60 s away (30 s after the warning at the latest), the warning due at once
+    started = datetime.datetime.fromisoformat(job.record()["StartTime"]).timestamp()
+    cluster.cmd("scontrol", "update", f"JobId={job.id}", f"TimeLimit={int((time.time() - started) // 60) + 2}")
     job.wait("the requeue", lambda: f"requeueing job {job.id}" in job.log(), timeout=120)
     cluster.cmd("scontrol", "update", f"JobId={job.id}", "TimeLimit=10")
     k1 = job.wait_resumed(1)

@@ -107,7 +107,7 @@ class SignalAtStep(TrainerHook):
     """SIGTERM to this process ``delay`` s after step ``step`` starts (in its generation)."""
 
     def __init__(self, step: int, delay: float):
-        self.step, self.delay, self.sent_at = step, delay, None
+        self.step, self.delay, self.sent_at, self.timer = step, delay, None, None
 
     def at_step_start(self, trainer) -> None:
         if trainer.step + 1 == self.step:
@@ -115,7 +115,12 @@ class SignalAtStep(TrainerHook):
                 self.sent_at = time.perf_counter()
                 os.kill(os.getpid(), signal.SIGTERM)
 
-            threading.Timer(self.delay, send).start()
+            self.timer = threading.Timer(self.delay, send)
+            self.timer.start()
+
+    def close(self, trainer) -> None:  # never a stray SIGTERM to the test process after the run
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 def run_job(tmp_path, name, overrides, hooks=()):
