@@ -46,27 +46,35 @@
 #   TORCHRUN_ARGS    extra torchrun flags, word-split (e.g. "--max-restarts 0 --log-dir logs")
 #   PYTHON           interpreter of the supervisor below (default python3; standard library only)
 #   MASTER_ADDR / MASTER_PORT   rendezvous host / port under SLURM (defaults above)
-#   GSPO_SHUTDOWN_TIMEOUT   seconds torchrun waits for workers after forwarding a signal before
-#                    SIGKILL (default 240: below the 300 s of the sbatch's --signal=B:USR1@300)
+#   GSPO_SHUTDOWN_TIMEOUT   seconds torchrun gives the other workers after one failed (or after a
+#                    SIGQUIT) before SIGKILL (default 240)
 #   GSPO_ENTRY_MODULE  module run on every rank (default megatron_gspo.train)
 #   GSPO_IGNORE_SLURM=1  single-node mode even inside a SLURM allocation
 #
 # Signals and exit codes (ways 2 and 3): the last step is `exec python3 <this file>
 # --gspo-supervise <the torchrun command>`: this shell becomes a small supervisor
-# (megatron_gspo/exit_status.py) that runs torchrun in a session of its own and passes it every
-# signal it gets (Ctrl-C, scancel, srun forwarding the sbatch trap's SIGUSR1); torchrun passes
-# SIGTERM/SIGINT/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 on to its workers (the trainer checkpoints and exits
-# 75 on SIGUSR1 / SIGTERM). The exit status is the ranks' own, which torchrun would turn into 1:
+# (megatron_gspo/exit_status.py) that runs torchrun in a session of its own and delivers every stop
+# signal it gets (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2: Ctrl-C, scancel, srun passing on the sbatch
+# trap's SIGUSR1) to each rank itself, once, also to ranks still starting up. torchrun runs with those
+# signals ignored (SLURM signals every process of a job step: torchrun's own handling logged
+# tracebacks and, on a second delivery, cut the ranks' save short); SIGQUIT is passed to torchrun, a
+# hard stop. The trainer abandons the step in flight, saves the last completed step and exits 75
+# (79 when no step of this run completed yet). The exit status is the ranks' own, which torchrun
+# would turn into 1:
 #   0 finished, 2 user error (bad config, layout, file or checkpoint), 75 preempted (checkpoint
-#   written: requeue and resume), 76 too many consecutive non-finite updates; anything else is
-#   torchrun's status after a crash. Each rank records its code in a node-local temporary
-#   directory ($GSPO_EXIT_DIR); when the ranks end on purpose the supervisor prints one line,
+#   written: requeue and resume), 79 preempted before a step completed (nothing new to save),
+#   76 too many consecutive non-finite updates; anything else is torchrun's status after a crash.
+#   Each rank records its code in a node-local temporary directory ($GSPO_EXIT_DIR); when the ranks
+#   end on purpose the supervisor prints one line,
 #   `pretrain_gspo.sh: exit 75 (preempted: ...): rank 0: <the rank's message>`, in place of
 #   torchrun's ChildFailedError report (shown as usual after a crash). The ranks' stderr is joined
 #   to their stdout. If torchrun dies before its workers, the supervisor sends them SIGTERM (they
 #   checkpoint) and returns once they are gone. Nothing here SIGKILLs a process.
 ''':'
 set -euo pipefail
+# A stop signal in the instant before the supervisor's handlers exist is ignored, not fatal (the
+# supervisor gets it again: SLURM and the sbatch script repeat it)
+trap '' TERM INT HUP USR1 USR2
 
 die() { echo "pretrain_gspo.sh: $*" >&2; exit 2; }
 
@@ -161,9 +169,10 @@ fi
 EXTRA=()
 [ -n "${TORCHRUN_ARGS:-}" ] && read -r -a EXTRA <<< "$TORCHRUN_ARGS"
 
-# torchrun forwards these to its workers (SIGUSR1: SLURM's pre-emption warning; the trainer
-# checkpoints). Both names: PET_* is torchrun's flag default, the other older torch's.
-SIGNALS="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
+# torchrun handles SIGQUIT only (a hard stop, passed to its workers): the stop signals are the
+# supervisor's to deliver (see the header). Both names: PET_* is torchrun's flag default, the other
+# older torch's.
+SIGNALS="SIGQUIT"
 ENV=(
     "PET_SIGNALS_TO_HANDLE=$SIGNALS"
     "TORCHELASTIC_SIGNALS_TO_HANDLE=$SIGNALS"
@@ -234,6 +243,12 @@ def _supervise(cmd: list) -> int:
         from megatron_gspo.exit_status import supervise
     except ImportError as e:  # a launcher copy with no megatron_gspo for this interpreter
         print(f"pretrain_gspo.sh: {e}; running torchrun without the exit-code supervisor", file=sys.stderr)
+        import signal
+
+        for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2"):  # torchrun forwards them then
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        for var in ("PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+            os.environ[var] = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
         os.execvp(cmd[0], cmd)
     return supervise(cmd)
 
@@ -270,6 +285,23 @@ def _run(argv: list) -> int:
                   f"x PP {p.pipeline_model_parallel_size} x DP {dp} (EP {p.expert_model_parallel_size}, "
                   f"ETP {p.etp}), {cfg.train.num_steps} steps -> {cfg.train.output_dir}", flush=True)
         return 0
+    import signal
+
+    from megatron_gspo import exit_status
+
+    # First thing, before torch is imported (seconds). The trainer keeps a stop signal that comes
+    # during start-up (under the supervisor it was ignored until now) and acts on it once it can;
+    # another entry point gets Python's own signal behaviour back. Then this rank is registered:
+    # the supervisor delivers the stop signals to registered ranks (one that came earlier, too).
+    if entry == "megatron_gspo.train":
+        from megatron_gspo.faults import STOP_SIGNALS, PreemptionFlag
+
+        PreemptionFlag.install(STOP_SIGNALS)
+    else:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    exit_status.rank_started()
     sys.argv = [sys.argv[0]] + argv
     runpy.run_module(entry, run_name="__main__", alter_sys=True)  # sys.exit(main()) inside
     return 0

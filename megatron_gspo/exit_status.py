@@ -1,7 +1,8 @@
 """Exit codes that survive torchrun and SLURM: the ranks record theirs, the launcher returns it.
 
-A rank ends on purpose with 0 (done), 2 (user error), 75 (preempted, checkpoint written) or 76
-(too many consecutive non-finite updates). torchrun reports *any* failed worker as its own status 1
+A rank ends on purpose with 0 (done), 2 (user error), 75 (preempted, checkpoint of the current step
+written), 79 (preempted before this run completed a step: nothing new to save) or 76 (too many
+consecutive non-finite updates). torchrun reports *any* failed worker as its own status 1
 plus a ChildFailedError traceback, so without help the rank's code never reaches the shell or
 SLURM (which requeues on it). Two channels carry it:
 
@@ -30,12 +31,18 @@ import time
 EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" -> requeue and resume
 EXIT_TOO_MANY_SKIPS = 76  # consecutive non-finite steps: the run cannot make progress
+# Stopped by a signal before this run completed a step (during start-up, or in its first step): the
+# newest checkpoint, if any, is still the state to resume from. Not 75, so that a batch script can
+# tell "requeue me" from "a requeued run would get the same early signal and make no progress either".
+EXIT_PREEMPTED_NOTHING_SAVED = 79
 
 MEANING = {
     0: "finished",
     EXIT_USER_ERROR: "user error: fix the config, layout, file or checkpoint it names",
     EXIT_PREEMPTED: "preempted: a checkpoint was written, resume with checkpoint.resume=true",
     EXIT_TOO_MANY_SKIPS: "too many consecutive non-finite updates: the last good state was saved",
+    EXIT_PREEMPTED_NOTHING_SAVED: "preempted before a step completed: nothing new to save, the newest checkpoint "
+                                  "(if any) is still the state to resume from",
 }
 
 EXIT_DIR_ENV = "GSPO_EXIT_DIR"
@@ -137,31 +144,111 @@ def _records(exit_dir: str) -> dict[int, dict]:
     return out
 
 
-# what torchrun forwards to its workers (the launcher's PET_SIGNALS_TO_HANDLE)
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# Signals after which the ranks save and stop (faults.STOP_SIGNALS). The supervisor delivers them to
+# the ranks itself, once each; torchrun runs with them ignored (see supervise). SIGQUIT stays a hard
+# stop, passed to torchrun, which passes it to its workers.
+GRACEFUL = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED = GRACEFUL + (signal.SIGQUIT,)
+EXIT_DIR_PREFIX = "gspo-exit-"
+
+
+def _ignore_graceful() -> None:
+    """torchrun's preexec: it (and its workers, until the trainer installs its handler) ignore GRACEFUL."""
+    for s in GRACEFUL:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def sweep_stale_exit_dirs(tmp: str | None = None) -> list[str]:
+    """Remove the exit directories of supervisors that no longer run (SIGKILLed: their ``finally``
+    never ran). A directory is named gspo-exit-<supervisor pid>-<random>; only this user's, with a
+    pid in the name, are touched. Returns the removed paths."""
+    import shutil
+
+    tmp = tmp or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(EXIT_DIR_PREFIX):
+            continue
+        path = os.path.join(tmp, name)
+        pid = name[len(EXIT_DIR_PREFIX):].split("-", 1)[0]
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if not pid.isdigit() or _supervisor_alive(int(pid)):
+            continue  # running, or not named by a supervisor of this version: not ours to judge
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _supervisor_alive(pid: int) -> bool:
+    if not _alive(pid):
+        return False
+    try:  # a reused pid is some other program: its directory is stale all the same
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"--gspo-supervise" in f.read() or pid == os.getpid()
+    except OSError:
+        return True
 
 
 def supervise(cmd: list[str], name: str = "pretrain_gspo.sh", poll_s: float = 0.2) -> int:
     """Run torchrun (``cmd``) and return the ranks' own exit code, with one line that names it.
 
-    * Signals sent to this process are passed to torchrun, which passes them to its workers (it
-      runs in a session of its own, so a signal sent to this process's group, e.g. Ctrl-C, reaches
-      it once, from here).
+    * A stop signal (GRACEFUL: TERM, INT, HUP, USR1, USR2) sent to this process is delivered to every
+      rank, once per rank and signal, also to ranks that register after it came (a signal during
+      start-up is not lost). torchrun runs in a session of its own with these signals ignored: under
+      SLURM every process of the job step gets the signal directly, and torchrun's own handling
+      (raise, log, forward, and on a second delivery abandon its shutdown) produced tracebacks and
+      cut the ranks' save short. The ranks count repeats and act once. SIGQUIT goes to torchrun.
     * torchrun's stderr is shown live until the first rank ends; what it prints after that is its
       failure report. When every failed rank recorded its code, the report is dropped and one line
       (:func:`describe` + the rank's message) is printed instead; otherwise it is printed in full.
-    * If torchrun dies before its workers (SIGKILL, or a second signal cutting its shutdown short),
-      the workers, which run in sessions of their own and would carry on unsupervised, get SIGTERM:
-      they checkpoint and exit 75. The launcher returns only when every rank it saw is gone.
+    * If torchrun dies before its workers (SIGKILL), the workers, which run in sessions of their own
+      and would carry on unsupervised, get SIGTERM: they checkpoint and exit 75. The launcher
+      returns only when every rank it saw is gone.
+    * The exit directory is removed on the way out; directories of supervisors that were SIGKILLed
+      are removed by the next one (:func:`sweep_stale_exit_dirs`).
     """
-    exit_dir = tempfile.mkdtemp(prefix="gspo-exit-")
+    sweep_stale_exit_dirs()
+    exit_dir = tempfile.mkdtemp(prefix=f"{EXIT_DIR_PREFIX}{os.getpid()}-")
+    pending: list[int] = []  # stop signals received, each once, in order
+    delivered: dict[int, set] = {}  # rank pid -> the signals it was sent
+    procs: list[subprocess.Popen] = []
+
+    def on_signal(signum, frame) -> None:
+        if signum == signal.SIGQUIT:
+            if procs and procs[0].poll() is None:
+                procs[0].send_signal(signum)
+        elif signum not in pending:
+            pending.append(signum)  # delivered by the loop below (no work in a handler)
+
+    def deliver(pids) -> None:
+        for pid in pids:
+            sent = delivered.setdefault(pid, set())
+            for s in pending:
+                if s not in sent and _alive(pid):
+                    try:
+                        os.kill(pid, s)
+                    except ProcessLookupError:
+                        pass
+                    sent.add(s)
+
+    # before torchrun starts: from here on no stop signal is lost (until now the launcher ignored them)
+    previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
     try:
         try:
             proc = subprocess.Popen(cmd, env={**os.environ, EXIT_DIR_ENV: exit_dir}, stderr=subprocess.PIPE,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_ignore_graceful)
         except OSError as e:
             print(f"{name}: cannot run {cmd[0]}: {e}", file=sys.stderr, flush=True)
             return 127
+        procs.append(proc)
         held: list[bytes] = []
 
         def ended() -> bool:
@@ -178,30 +265,23 @@ def supervise(cmd: list[str], name: str = "pretrain_gspo.sh", poll_s: float = 0.
 
         reader = threading.Thread(target=relay, daemon=True)
         reader.start()
-
-        def forward(signum, frame) -> None:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-        previous = {s: signal.signal(s, forward) for s in FORWARDED}
-        try:
-            rc = proc.wait()
-            alive = [p for p in _rank_pids(exit_dir).values() if _alive(p)]
-            for pid in alive:  # torchrun is gone: ask its orphaned workers to checkpoint and stop
-                try:
-                    os.kill(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            while any(_alive(p) for p in alive):
-                time.sleep(poll_s)
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
+        while proc.poll() is None:
+            deliver(_rank_pids(exit_dir).values())
+            time.sleep(poll_s)
+        rc = proc.returncode
+        alive = [p for p in _rank_pids(exit_dir).values() if _alive(p)]
+        if alive and signal.SIGTERM not in pending:  # torchrun is gone: ask its orphans to save and stop
+            pending.append(signal.SIGTERM)
+        while any(_alive(p) for p in alive):
+            deliver(alive)
+            time.sleep(poll_s)
         reader.join(timeout=10)
         return _conclude(name, rc, _records(exit_dir), _rank_pids(exit_dir), held)
     finally:
         import shutil
 
+        for s, h in previous.items():
+            signal.signal(s, h)
         shutil.rmtree(exit_dir, ignore_errors=True)
 
 

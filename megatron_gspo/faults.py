@@ -1,9 +1,13 @@
 """Preemption signals and test-only fault injection.
 
-Preemption: SLURM sends SIGUSR1 (``--signal=B:USR1@300``) or SIGTERM before a job's time limit.
-The handler only sets a flag; the trainer checks it at the next step boundary (all ranks agree
-through an all-reduce), writes a checkpoint and exits with ``EXIT_PREEMPTED`` so the batch script
-can requeue and resume.
+Preemption: SLURM sends SIGUSR1 (``--signal=B:USR1@300``) or SIGTERM before a job's time limit,
+on preemption, ``scancel`` or ``scontrol requeue``. The handler only records the first signal and
+when it came (a signal often arrives twice: SLURM signals every process of a job step and the
+launcher passes it on too; repeats are counted, never acted on twice). The trainer reads the flag at
+step boundaries and inside the long parts of a step (the decode loop, dynamic-sampling rounds: see
+``StepAbandoned``); all ranks agree through an all-reduce, the last completed state is saved and the
+process exits with ``EXIT_PREEMPTED`` (or ``EXIT_PREEMPTED_NOTHING_SAVED`` before any step of this
+run completed) so the batch script can requeue and resume.
 
 Fault injection (tests only): ``MEGATRON_GSPO_FAULTS="kind@step[:rank],..."`` with kinds
   nan_logprob  make rank's old log-probs of the first micro-batch of every minibatch non-finite
@@ -19,28 +23,87 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Optional
 
-from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS  # noqa: F401 (re-exported)
+from megatron_gspo.exit_status import (  # noqa: F401 (re-exported)
+    EXIT_PREEMPTED,
+    EXIT_PREEMPTED_NOTHING_SAVED,
+    EXIT_TOO_MANY_SKIPS,
+)
 from megatron_gspo.hooks import TrainerHook
 
 _KINDS = ("nan_logprob", "raise", "kill", "kill_in_save")
 
 
+# The signals that mean "save and stop" (SIGQUIT stays a hard stop). The entry point catches them all
+# (under the launcher the ranks inherit them ignored from torchrun: see exit_status.supervise);
+# a Trainer built in another program takes TERM and USR1 only, leaving Ctrl-C to that program.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
 class PreemptionFlag:
-    """Set by SIGTERM / SIGUSR1; installed once per process."""
+    """Set by a stop signal; one per process (``install``), shared by everything that checks it.
+
+    ``received``: the first signal (its number), ``received_at``: when (time.time()), ``count``:
+    how many deliveries arrived (SLURM and the launcher both deliver most signals)."""
+
+    _process: Optional["PreemptionFlag"] = None
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)) -> None:
         self.received: Optional[int] = None
+        self.received_at: Optional[float] = None
+        self.count = 0
+        self.signals: set = set()
+        self.catch(signals)
+
+    @classmethod
+    def install(cls, signals=(signal.SIGTERM, signal.SIGUSR1)) -> "PreemptionFlag":
+        """The process's flag, created on first use; ``signals`` are added to what it catches."""
+        if cls._process is None:
+            cls._process = cls(signals)
+        else:
+            cls._process.catch(signals)
+        return cls._process
+
+    def catch(self, signals) -> None:
         for sig in signals:
-            signal.signal(sig, self._handler)
+            if sig not in self.signals:
+                signal.signal(sig, self._handler)
+                self.signals.add(sig)
 
     def _handler(self, signum, frame) -> None:
-        self.received = signum
+        # Nothing but bookkeeping here: the handler may run in the middle of any Python code
+        # (logging included), so the decision and the log line come from the trainer.
+        if self.received is None:
+            self.received, self.received_at = signum, time.time()
+        self.count += 1
 
     @property
     def set(self) -> bool:
         return self.received is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received is not None else "(on another rank)"
+
+    def timing(self) -> str:
+        """``signal received 2.1 s earlier (2 deliveries)``: for the line that reports the stop."""
+        if self.received is None:
+            return "signal received on another rank"
+        times = "" if self.count == 1 else f" ({self.count} deliveries)"
+        return f"signal received {time.time() - self.received_at:.1f} s earlier{times}"
+
+
+class StepAbandoned(Exception):
+    """Raised, on every rank at once, inside a step that a stop signal cut short (rollout.py votes
+    after each generation round; generation.generate stops decoding at once). Nothing of the step was
+    applied: the trainer saves the last completed state and exits. ``where``: "in generation round 3";
+    ``elapsed_s``: how long the step had run (set by the trainer)."""
+
+    def __init__(self, step: int, where: str, elapsed_s: float = 0.0):
+        super().__init__(f"step {step} abandoned {where}")
+        self.step, self.where, self.elapsed_s = step, where, elapsed_s
 
 
 class Faults:

@@ -163,6 +163,8 @@ class GenerationOutput:
     # rows fed to decode forwards, summed over steps (B x steps without compaction)
     decode_row_steps: int = 0
     temperature: float = 1.0
+    # decoding stopped early on ``should_stop`` (a stop signal): rows are cut short, not for training
+    abandoned: bool = False
 
     @property
     def num_generated_tokens(self) -> int:
@@ -312,6 +314,7 @@ def generate(
     seed: Optional[int] = None,
     row_keys: Optional[Sequence[int]] = None,
     on_forward: Optional[OnForward] = None,
+    should_stop: Optional[Callable[[], bool]] = None,
 ) -> GenerationOutput:
     """Sample ``cfg.n_samples_per_prompt`` responses for every prompt with a KV cache.
 
@@ -329,6 +332,11 @@ def generate(
             row indices, so a sample's tokens do not depend on which rank draws it or beside which rows.
             Default: 0, 1, 2, ... in output-row order.
         on_forward: ``f(step_idx, kind, rows)`` called after each model forward (see the module doc).
+        should_stop: read at every check of finished rows (every ``finished_check_interval`` decode
+            steps; a flag, no work); once it is True on any rank of the lockstep group, decoding stops
+            there on all of them and the output is ``abandoned``. The decision rides on the check's
+            existing "rows still generating" all-reduce (no extra collective); without TP/EP the rank
+            decides alone.
     Collective when ``state`` has TP or EP > 1: every rank of the layout must call it.
     """
     from megatron_gspo.model import unwrap
@@ -394,7 +402,7 @@ def generate(
         no_stop[stop] = False
     all_rows = torch.arange(B, device=device)
     wants_routes = on_forward is not None and _takes_routes(on_forward)
-    n_fwd, prefill_s, row_steps = 0, 0.0, 0
+    n_fwd, prefill_s, row_steps, abandoned = 0, 0.0, 0, False
     # The rows in the decode batch, in the KV cache's row order (None: all B, in order). Finished rows
     # leave it (compaction, below); every per-row tensor stays indexed by the original row.
     live: Optional[torch.Tensor] = None
@@ -454,8 +462,15 @@ def generate(
                 break  # the last sampled token is never fed to the model
             if (step + 1) % every == 0:
                 # The loop's per-step decision point (one host sync): the most unfinished rows any rank
-                # of the lockstep group still has (0: every row is done), and compaction.
-                n_live = int(sync.all_reduce_max((~done[rows]).sum().reshape(1), what="generate(): rows still generating").item())
+                # of the lockstep group still has (0: every row is done), and compaction. A rank asked
+                # to stop adds B + 1, so every rank of the group sees it at the same step.
+                unfinished = (~done[rows]).sum().reshape(1)
+                if should_stop is not None and should_stop():
+                    unfinished = unfinished + (B + 1)
+                n_live = int(sync.all_reduce_max(unfinished, what="generate(): rows still generating").item())
+                if n_live > B:
+                    abandoned = True
+                    break
                 if n_live == 0:
                     break
                 if compact_at > 0 and n_live <= (1 - compact_at) * rows.numel():
@@ -489,5 +504,5 @@ def generate(
         logprobs=logprobs, stopped=stopped[:n_real],
         prompt_index=torch.arange(len(ids), device=device).repeat_interleave(G),
         elapsed_s=time.perf_counter() - t_start, prefill_s=prefill_s, num_forwards=n_fwd,
-        decode_row_steps=row_steps, temperature=cfg.temperature,
+        decode_row_steps=row_steps, temperature=cfg.temperature, abandoned=abandoned,
     )

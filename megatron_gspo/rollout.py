@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_gspo import comm
+from megatron_gspo.faults import StepAbandoned
 from megatron_gspo.generation import generate
 from megatron_gspo.metrics import Metric, MetricAccumulator
 from megatron_gspo.oom import explain_oom
@@ -209,7 +210,10 @@ class Rollouts:
 
     cfg: the JobConfig; gen_cfg: the generation section with the tokenizer's stop and pad ids filled
     in; model / ref_model: the policy (DDP-wrapped) and the frozen KL reference (or None); routing:
-    the RoutingPolicy; timer: where the sections' wall times go."""
+    the RoutingPolicy; timer: where the sections' wall times go. ``should_stop``: the trainer's stop
+    flag (a signal came); generation stops early and every rank leaves the step (StepAbandoned)."""
+
+    should_stop: Callable[[], bool] = staticmethod(lambda: False)
 
     def __init__(self, cfg, state, model, ref_model, sampler, tokenizer, reward_fn, advantage_fn, gen_cfg,
                  routing, timer, *, recompute_old_logprobs: bool) -> None:
@@ -243,7 +247,11 @@ class Rollouts:
         with self.timer("generate"), self.routing.generating(), explain_oom("generation", cfg, st, shapes):  # 3.
             out = generate(self.model, [p.ids for p in mine], self.row_gen_cfg, vocab_size=cfg.model.vocab_size,
                            state=st, seed=self.sampling_seed(step), row_keys=[rnd * R + g for g in rows],
-                           on_forward=self.routing.on_generation_forward)
+                           on_forward=self.routing.on_generation_forward, should_stop=self.should_stop)
+        # A stop signal on any rank: all leave the step here, together (one all-reduce per round; the
+        # decode loop itself stopped at once, agreed within its lockstep group at no extra cost)
+        if comm.any_rank(out.abandoned or self.should_stop(), dev, what="stop vote after generation"):
+            raise StepAbandoned(step + 1, f"in generation round {rnd + 1}" + (", decoding cut short" if out.abandoned else ""))
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
         with self.timer("reward"):  # 4.
             rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine],
@@ -301,7 +309,7 @@ class Rollouts:
         return mine, out, texts, torch.cat([grp.rewards for grp in kept]), stats
 
     def collect(self, step: int) -> RolloutBatch:
-        st, dev, t = self.state, self.state.device, self.cfg.train
+        st, t = self.state, self.cfg.train
         G = self.gen_cfg.n_samples_per_prompt
         R = t.prompts_per_step * G
         rows = local_rows(R, t.num_minibatches, st.dp, st.dp_rank)  # 2.

@@ -9,6 +9,7 @@ Launch with torchrun for several ranks (launch/pretrain_gspo.sh).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Callable, Optional
 
@@ -16,6 +17,7 @@ from megatron_gspo import comm, exit_status, parallel
 from megatron_gspo.async_rollout.layout import ROLLOUT, role_of
 from megatron_gspo.config import DEMO_CONFIG, load_job_config, split_job_args
 from megatron_gspo.errors import USER_ERRORS
+from megatron_gspo.faults import STOP_SIGNALS, PreemptionFlag
 from megatron_gspo.trainer import Trainer, TrainingStopped, summarize
 
 log = logging.getLogger("megatron_gspo")
@@ -23,7 +25,11 @@ __all__ = ["DEMO_CONFIG", "Trainer", "main", "run_trainer"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    exit_status.rank_started()  # the launcher waits for this rank and reads its exit code
+    # First: a stop signal from now on is kept (the trainer acts on it as soon as it can, at the
+    # latest when start-up ends), then the launcher learns this rank's pid (it waits for the rank,
+    # reads its exit code and delivers it a signal that came before).
+    PreemptionFlag.install(STOP_SIGNALS)
+    exit_status.rank_started()
     # no YAML: the built-in demo job (tiny MoE, arithmetic task), overrides still apply
     path, argv = split_job_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -54,9 +60,11 @@ def run_trainer(trainer: Trainer, on_exit: Optional[Callable[[], None]] = None) 
     try:
         result = trainer.run()
         if trainer.state.is_main and result["history"]:
-            log.info(summarize(result["history"], trainer.cfg.loss.name))
+            log.info(summarize(*run_history(trainer.cfg.train.output_dir, result["history"], trainer.step),
+                               trainer.cfg.loss.name))
     except TrainingStopped as e:
-        log.error("%s", e)
+        # every rank stops for the same reason: one line (rank 0's), the launcher repeats it
+        (log.error if trainer.state.is_main else log.info)("%s", e)
         exit_status.record(e.exit_code, str(e))
         return e.exit_code
     except USER_ERRORS as e:
@@ -70,6 +78,22 @@ def run_trainer(trainer: Trainer, on_exit: Optional[Callable[[], None]] = None) 
         parallel.destroy()
     exit_status.record(0, "finished")
     return 0
+
+
+def run_history(output_dir: str, segment: list[dict], last_step: int) -> tuple[list[dict], int]:
+    """(rows, the step of the first row): the metrics of the whole run, resumed segments included,
+    from the run's metrics.jsonl (one row per step, a re-run step logged once) when it holds every step
+    up to ``last_step``; else ``segment``, this process's rows (steps last_step - len + 1 .. last_step)."""
+    import json
+
+    try:
+        with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as f:
+            rows = [r for r in (json.loads(line) for line in f if line.strip()) if "rollout/reward_mean" in r]
+    except (OSError, ValueError):
+        rows = []
+    if [r.get("step") for r in rows] == list(range(1, last_step + 1)):
+        return rows, 1
+    return segment, last_step - len(segment) + 1
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import signal
 import time
 from typing import Iterable
 
@@ -37,8 +36,8 @@ from megatron_gspo.checkpoint import CheckpointManager, has_manifest, iter_dir
 from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, JobConfig, old_logprob_source, to_dict
 from megatron_gspo.data import build_eval_prompts, build_prompt_sampler
 from megatron_gspo.evaluation import Evaluator
-from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
-from megatron_gspo.faults import FaultInjection, PreemptionFlag
+from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, EXIT_TOO_MANY_SKIPS
+from megatron_gspo.faults import FaultInjection, PreemptionFlag, StepAbandoned
 from megatron_gspo.hooks import Hooks, TrainerHook
 from megatron_gspo.logger import MetricsLogger, Timer, progress_line, setup_logging
 from megatron_gspo.losses import batch_normalizer, compute_policy_loss, on_policy_metrics
@@ -128,11 +127,13 @@ class Trainer:
         gen_cfg = dataclasses.replace(g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
                                       pad_token_id=g.pad_token_id if g.pad_token_id is not None else self.tokenizer.pad_id)
         reward_fn = build_reward_fn(cfg.reward)
-        self.preempt = PreemptionFlag()
+        # the process's flag (the entry point installed it already): long steps stop early (StepAbandoned)
+        self.preempt = PreemptionFlag.install()
         source, extra = (Rollouts, {}) if self.side is None else (AsyncRollouts, {"side": self.side, "preempt": self.preempt})
         self.rollouts = source(cfg, st, self.ddp, self.ref_model, self.sampler, self.tokenizer,
                                reward_fn, get_advantage_estimator(t.advantage_estimator), gen_cfg,
                                self.routing, self.timer, recompute_old_logprobs=recompute, **extra)
+        self.rollouts.should_stop = lambda: self.preempt.set
         self.evaluator = None
         if e.interval > 0:
             held = build_eval_prompts(cfg.data, e.source, e.num_prompts, self.tokenizer)
@@ -148,7 +149,7 @@ class Trainer:
         self.consecutive_skips = 0
         self.skipped_total = 0
         self.warned_empty = False  # overlong filtering emptied a minibatch (said once)
-        self.step = 0
+        self.step = self.first_step = 0  # first_step: where this run started (set again by a resume)
         self._warned_off_policy = False
         log.info("model: %s", model_summary(cfg.model, st.device))
         log.info("layout: world %d = TP %d x PP %d x DP %d (EP %d, ETP %d, SP %s) on %s", st.world_size, st.tp, st.pp,
@@ -169,10 +170,12 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict:
         t = self.cfg.train
+        self.stop_if_preempted()  # a signal during start-up: stop before the SFT warm start and the restore
         self.hooks.before_training(self)  # the SFT warm start, unless resuming
         if self.ref_model is not None and not self.resumed:
             self.ref_model.load_state_dict(self.model.state_dict())
         self.setup_optimizer()  # and, when resuming, everything the checkpoint holds
+        self.first_step = self.step  # no step of this run completed yet: a stop now has nothing to save
         history = []
         while self.step < t.num_steps:
             self.stop_if_preempted()
@@ -180,11 +183,15 @@ class Trainer:
             t0 = time.perf_counter()
             parallel.set_seed(t.seed + self.step, self.state)  # every draw of a step depends on (seed, step)
             clear_aux_losses_tracker()  # megatron's per-step aux-loss log (nobody reads it; it must not grow)
-            data_before = self.sampler.counters()
+            data_before, data_state = self.sampler.counters(), self.sampler.state_dict()
             try:
                 batch = self.rollouts.collect(self.step)
             except RolloutRanksLost as e:  # rollout.mode=async: checkpoint and stop, never hang
                 self._stop_without_rollouts(e)
+            except StepAbandoned as e:  # a stop signal during generation: nothing of this step was applied
+                e.elapsed_s = time.perf_counter() - t0
+                self.sampler.load_state_dict(data_state)  # its prompts are drawn again after a resume
+                self.stop_if_preempted(abandoned=e)
             self.hooks.after_rollout(self, batch)
             with self.timer("train"):
                 metrics = self.train_on(batch)
@@ -193,7 +200,8 @@ class Trainer:
             self.step += 1
             metrics.update(self.perf_metrics(metrics, time.perf_counter() - t0))
             metrics.update(_data_metrics(data_before, self.sampler.counters(), self.step, self.cfg.data, self.state.is_main))
-            if self.evaluator is not None and self.evaluator.due(self.step):
+            if (self.evaluator is not None and self.evaluator.due(self.step)
+                    and not comm.any_rank(self.preempt.set, self.state.device, what="preemption vote before evaluation")):
                 t_eval = time.perf_counter()
                 metrics.update(self.evaluator.run(self.step))
                 metrics["perf/eval_s"] = time.perf_counter() - t_eval
@@ -366,11 +374,28 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------------------------------
-    def stop_if_preempted(self) -> None:
-        """At a step boundary: if any rank got SIGTERM / SIGUSR1, all checkpoint and stop (exit 75)."""
+    def stop_if_preempted(self, abandoned: StepAbandoned | None = None) -> None:
+        """If any rank got a stop signal (SIGTERM, SIGUSR1, ...): all save the last completed step and
+        stop, exit 75; 79 when no step of this run completed (nothing new to save). Called at a step
+        boundary (a collective vote), or with ``abandoned`` when every rank left the step in flight
+        together (already agreed)."""
         st, ck = self.state, self.cfg.checkpoint
-        if not comm.any_rank(self.preempt.set, st.device, what="preemption vote"):
+        if abandoned is None and not comm.any_rank(self.preempt.set, st.device, what="preemption vote"):
             return
+        t_stop = time.perf_counter()
+        step, flag = self.step + 1, self.preempt
+        when = (f"step {step} abandoned {abandoned.where} after {abandoned.elapsed_s:.1f} s" if abandoned is not None
+                else "during start-up" if self.step == self.first_step else f"between steps {self.step} and {step}")
+        if st.is_main:
+            log.warning("%s: %s, %s; %s", flag.name, flag.timing(), when,
+                        "nothing to save yet" if self.step == self.first_step else f"saving step {self.step}")
+        if self.step == self.first_step:
+            where = (f"{self.checkpoints.resume_dir} is still the state to resume from" if self.resumed
+                     else "no checkpoint yet: a resumed run starts from the beginning")
+            raise TrainingStopped(
+                f"preempted by signal {flag.name} {f'in step {step}' if abandoned else 'during start-up'}: nothing "
+                f"to save yet (no step of this run completed; {where}); exiting with {EXIT_PREEMPTED_NOTHING_SAVED}; "
+                f"{flag.timing()}, {when}", EXIT_PREEMPTED_NOTHING_SAVED)
         # The periodic save at the end of the step just run already holds this state (its
         # directory has a manifest only once complete): writing it again would spend the
         # scheduler's lead time on a copy.
@@ -379,9 +404,9 @@ class Trainer:
         if not comm.all_ranks(just_saved, st.device, what="preemption: step already saved"):
             self.save()
         saved = f"checkpoint saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
-        sig = signal.Signals(self.preempt.received).name if self.preempt.received else "(on another rank)"
-        raise TrainingStopped(f"preempted by signal {sig} before step {self.step + 1}: {saved}; exiting with "
-                              f"{EXIT_PREEMPTED} (resume with checkpoint.resume=true)", EXIT_PREEMPTED)
+        raise TrainingStopped(f"preempted by signal {flag.name} before step {step}: {saved} (step {self.step}); "
+                              f"exiting with {EXIT_PREEMPTED} (resume with checkpoint.resume=true); {flag.timing()}, "
+                              f"{when}, save {time.perf_counter() - t_stop:.1f} s", EXIT_PREEMPTED)
 
     def _stop_without_rollouts(self, e: RolloutRanksLost) -> None:
         ck = self.cfg.checkpoint
@@ -449,9 +474,13 @@ def _data_metrics(before: dict, after: dict, step: int, data_cfg, log_it: bool) 
     return out
 
 
-def summarize(history: list[dict], loss_name: str) -> str:
+def summarize(history: list[dict], first_step: int, loss_name: str) -> str:
+    """Mean reward of the first and last (up to) 10 steps of ``history`` (rows of consecutive steps
+    from ``first_step``), naming the steps: after a resume the rows may be this segment's only."""
     r = [h["rollout/reward_mean"] for h in history]
     k = min(10, max(1, len(r) // 2))
     first, last = sum(r[:k]) / k, sum(r[-k:]) / k
-    return (f"mean reward of the first {k} {loss_name.upper()} steps {first:.3f} -> last {k} steps {last:.3f} "
-            f"({last - first:+.3f})")
+    end = first_step + len(r) - 1
+    part = "" if first_step == 1 else f" of this run segment (the run resumed at step {first_step - 1})"
+    return (f"mean reward of the first {k} {loss_name.upper()} steps ({first_step}-{first_step + k - 1}) {first:.3f} -> "
+            f"last {k} steps ({end - k + 1}-{end}) {last:.3f} ({last - first:+.3f}){part}")

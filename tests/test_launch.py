@@ -173,9 +173,9 @@ def test_dry_run_single_node_cpu_default():
     i = cmd.index(str(LAUNCHER))
     assert cmd[i + 1:] == ["launch/recipes/tiny_cpu.yaml", "train.num_steps=3", "data.source=a b.jsonl"]
     assert "--master-addr" not in cmd and "--dry-run" not in cmd
-    # torchrun is told to forward SLURM's SIGUSR1 to the workers, with time to checkpoint
-    assert "SIGUSR1" in exports["PET_SIGNALS_TO_HANDLE"].split(",")
-    assert exports["TORCHELASTIC_SIGNALS_TO_HANDLE"] == exports["PET_SIGNALS_TO_HANDLE"]
+    # torchrun handles SIGQUIT only: the stop signals (SLURM's SIGUSR1 / SIGTERM) are delivered to the
+    # ranks by the launcher's supervisor, and torchrun ignores them (exit_status.supervise)
+    assert exports["PET_SIGNALS_TO_HANDLE"] == exports["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGQUIT"
     assert int(exports["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < 300
 
 
@@ -373,7 +373,8 @@ def test_bash_launcher_propagates_a_worker_failure(probe):
 
 
 def test_sigusr1_reaches_every_worker(probe):
-    """bash exec's torchrun, torchrun forwards SIGUSR1 (SLURM's time-limit warning) to its workers."""
+    """The launcher's supervisor delivers SIGUSR1 (SLURM's time-limit warning) to every worker itself;
+    torchrun ignores it (it is not interrupted) and returns the workers' status."""
     env, out = probe
     proc = subprocess.Popen([BASH, str(LAUNCHER), "x=1"], env=clean_env(**env, NPROC=2, PROBE_MODE="signal"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -387,11 +388,46 @@ def test_sigusr1_reaches_every_worker(probe):
         rc = proc.wait(timeout=60)
         log = proc.stdout.read()
         assert all((out / f"usr1.{r}").exists() for r in (0, 1)), log[-3000:]
-        assert rc != 0  # torchrun itself was interrupted: the job step fails, the sbatch requeues it
+        assert rc == 0, log[-3000:]  # the workers' own status (a trainer would exit 75: see test_preemption)
+        assert "death signal" not in log and "SignalException" not in log, log[-3000:]
     finally:
         if proc.poll() is None:  # only our own process group
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_the_exit_directory_of_a_sigkilled_launcher_is_removed_by_the_next(probe, tmp_path):
+    """SIGKILL gives the launcher's supervisor no chance to remove its exit directory
+    (gspo-exit-<pid>-*): the next launcher removes the directories of launchers that no longer run."""
+    env, out = probe
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([BASH, str(LAUNCHER), "x=1"], env=clean_env(**env, NPROC=1, PROBE_MODE="signal", TMPDIR=tmp),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while not (out / "ready.0").exists():
+            assert proc.poll() is None and time.time() < deadline, "the worker never started"
+            time.sleep(0.1)
+        (left,) = list(tmp.glob("gspo-exit-*"))
+        assert left.name.startswith(f"gspo-exit-{proc.pid}-")
+        proc.kill()
+        proc.wait()
+    finally:
+        for pidfile in tmp.glob("gspo-exit-*/rank-*.pid"):  # the orphaned worker and its torchrun
+            pid = int(pidfile.read_text())
+            with open(f"/proc/{pid}/stat") as f:
+                torchrun = int(f.read().rsplit(")", 1)[1].split()[1])
+            for p in (pid, torchrun):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    assert left.exists()  # what SIGKILL left behind
+    p = subprocess.run([BASH, str(LAUNCHER), "x=1"], env=clean_env(**env, NPROC=1, TMPDIR=tmp),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert list(tmp.glob("gspo-exit-*")) == []  # the stale one swept, its own removed
 
 
 # ----------------------------------------------------------------------------------------------

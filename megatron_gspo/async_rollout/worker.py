@@ -130,7 +130,7 @@ class RolloutWorker:
             h.setFormatter(logging.Formatter(f"%(asctime)s [rollout rank {side.global_rank}] %(message)s", "%H:%M:%S"))
         side.open_bridge(st.device)
         self.control = side.control
-        self.preempt = PreemptionFlag()  # SIGTERM / SIGUSR1: the trainer checkpoints and announces the stop
+        self.preempt = PreemptionFlag.install()  # SIGTERM / SIGUSR1: the trainer checkpoints and announces the stop
         r, t, g = cfg.rollout, cfg.train, cfg.generation
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         check_vocab_fits(self.tokenizer, cfg.model.vocab_size)
