@@ -115,7 +115,8 @@ def _read_rank_files(exit_dir: str, suffix: str) -> dict[int, str]:
     return out
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie counts as dead; unreadable /proc: assumed alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -188,7 +189,7 @@ def sweep_stale_exit_dirs(tmp: str | None = None) -> list[str]:
 
 
 def _supervisor_alive(pid: int) -> bool:
-    if not _alive(pid):
+    if not pid_alive(pid):
         return False
     try:  # a reused pid is some other program: its directory is stale all the same
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -232,7 +233,7 @@ def supervise(cmd: list[str], name: str = "pretrain_gspo.sh", poll_s: float = 0.
         for pid in pids:
             sent = delivered.setdefault(pid, set())
             for s in pending:
-                if s not in sent and _alive(pid):
+                if s not in sent and pid_alive(pid):
                     try:
                         os.kill(pid, s)
                     except ProcessLookupError:
@@ -253,7 +254,7 @@ def supervise(cmd: list[str], name: str = "pretrain_gspo.sh", poll_s: float = 0.
 
         def ended() -> bool:
             pids = _rank_pids(exit_dir)
-            return bool(_records(exit_dir)) or any(not _alive(p) for p in pids.values())
+            return bool(_records(exit_dir)) or any(not pid_alive(p) for p in pids.values())
 
         def relay() -> None:
             for line in iter(proc.stderr.readline, b""):
@@ -269,10 +270,10 @@ def supervise(cmd: list[str], name: str = "pretrain_gspo.sh", poll_s: float = 0.
             deliver(_rank_pids(exit_dir).values())
             time.sleep(poll_s)
         rc = proc.returncode
-        alive = [p for p in _rank_pids(exit_dir).values() if _alive(p)]
+        alive = [p for p in _rank_pids(exit_dir).values() if pid_alive(p)]
         if alive and signal.SIGTERM not in pending:  # torchrun is gone: ask its orphans to save and stop
             pending.append(signal.SIGTERM)
-        while any(_alive(p) for p in alive):
+        while any(pid_alive(p) for p in alive):
             deliver(alive)
             time.sleep(poll_s)
         reader.join(timeout=10)

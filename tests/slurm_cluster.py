@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from megatron_gspo.exit_status import pid_alive
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "squeue", "srun", "sinfo")
 GRACE_TIME = 60
@@ -177,7 +179,7 @@ class SlurmCluster:
             except (OSError, ValueError, IndexError):
                 continue
             deadline = time.time() + 30
-            while _alive(pid) and time.time() < deadline:
+            while pid_alive(pid) and time.time() < deadline:
                 time.sleep(0.1)
         self.started = []
 
@@ -251,20 +253,6 @@ class SlurmCluster:
                 lines = p.read_text(errors="replace").splitlines()
                 out.append(f"--- {p} (last {n} lines)\n" + "\n".join(lines[-n:]))
         return "\n".join(out)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 if __name__ == "__main__":
