@@ -11,6 +11,7 @@ from megatron_gspo.config import ConfigError, load_job_config
 from megatron_gspo.dynamic_sampling import informative_groups, pick_groups
 from megatron_gspo.overlong import loss_mask, overlong_penalty, truncated
 from job_runner import built_trainers, run_job_rows
+from log_capture import LogLines
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PLUGINS = f"{HERE}/reward_plugins.py"
@@ -109,28 +110,15 @@ def test_rollout_keeps_only_informative_groups(trainer):
                for i in range(batch.num_rows))
 
 
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.text = ""
-
-    def emit(self, record):
-        self.text += record.getMessage() + "\n"
-
-
 def test_rollout_past_the_cap_fills_and_says_so(trainer):
     t = trainer(["train.dynamic_sampling=true", "train.dynamic_sampling_max_rounds=2",
                  f"reward.name={PLUGINS}:always_zero"])
-    lines = _Lines()
-    logging.getLogger("megatron_gspo").addHandler(lines)
-    try:
+    with LogLines(logging.WARNING) as said:
         batch = t.rollouts.collect(0)
-    finally:
-        logging.getLogger("megatron_gspo").removeHandler(lines)
     assert batch.stats == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/dropped_group_frac": 1.0,
                            "dynamic_sampling/filled_groups": 4.0, "dynamic_sampling/generated_reward_mean": 0.0}
     assert t.sampler.num_prompts == 12 and batch.num_rows == 16
-    assert "dynamic sampling found 0 of 4 informative groups in 3 generation rounds" in lines.text
+    assert "dynamic sampling found 0 of 4 informative groups in 3 generation rounds" in "\n".join(said.lines)
 
 
 def test_dynamic_sampling_off_is_the_first_round(trainer):
@@ -165,15 +153,6 @@ def test_overlong_filtering_where_every_response_is_truncated_is_refused(overrid
     load_job_config(None, JOB + overrides)  # each alone is fine
 
 
-class _Log(logging.Handler):
-    def __init__(self, level=logging.INFO):
-        super().__init__(level)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append((record.levelno, record.getMessage()))
-
-
 def test_steps_whose_every_response_is_truncated_update_nothing(tmp_path, monkeypatch):
     """Overlong filtering with every response truncated (forced here: the configs that guarantee it are
     refused): no update at all (the MoE aux loss and Adam would still move weights), finite metrics,
@@ -188,14 +167,12 @@ def test_steps_whose_every_response_is_truncated_update_nothing(tmp_path, monkey
     cfg = load_job_config(None, JOB + [f"train.output_dir={tmp_path}", "train.overlong_filtering=true",
                                        "train.num_steps=2", "optimizer.lr=1e-2", f"reward.name={PLUGINS}:digit_fraction"])
     trainer = Trainer(cfg)
-    log = _Log(logging.WARNING)
-    logging.getLogger("megatron_gspo").addHandler(log)
     try:
-        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        trainer.run()
-        moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p.detach())]
+        with LogLines(logging.WARNING) as log:
+            before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            trainer.run()
+            moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p.detach())]
     finally:
-        logging.getLogger("megatron_gspo").removeHandler(log)
         trainer.close()
         parallel.destroy()
     assert not moved, f"an update was applied from an empty batch: {moved}"
@@ -206,8 +183,8 @@ def test_steps_whose_every_response_is_truncated_update_nothing(tmp_path, monkey
         assert row["loss/loss"] == 0.0 and row["loss/num_sequences"] == 0
         assert row["train/empty_minibatches"] == 2 and row["train/skipped_updates"] == 0
         assert row["rollout/truncated_frac"] == 1.0
-    warned = [m for _, m in log.lines if "overlong filtering" in m]
-    assert len(warned) == 1 and "left 2 of 2 minibatch(es) without a response to train on" in warned[0], log.lines
+    warned = [m for m in log.lines if "overlong filtering" in m]
+    assert len(warned) == 1 and "left 2 of 2 minibatch(es) without a response to train on" in warned[0], log.records
 
 
 def test_dynamic_sampling_rounds_are_capped_at_config_time():
@@ -236,18 +213,14 @@ def test_dynamic_sampling_logs_each_round_and_keeps_only_what_it_can_pick(traine
         return result
 
     monkeypatch.setattr(t.rollouts, "_generate_round", counting)
-    log = _Log()
-    logging.getLogger("megatron_gspo").addHandler(log)
-    try:
+    with LogLines(logging.INFO) as log:
         batch = t.rollouts.collect(0)
-    finally:
-        logging.getLogger("megatron_gspo").removeHandler(log)
     assert len(seen) == 5 and batch.num_rows == 16 and batch.stats["dynamic_sampling/rounds"] == 5.0
     assert max(seen) <= 1, seen  # only the round just finished (the loop's local) while the next one runs
-    rounds = [m for lvl, m in log.lines if lvl == logging.INFO and "dynamic sampling: 0 of 4 informative" in m]
-    assert len(rounds) == 4, log.lines  # before each extra round
+    rounds = [m for lvl, m in log.records if lvl == logging.INFO and "dynamic sampling: 0 of 4 informative" in m]
+    assert len(rounds) == 4, log.records  # before each extra round
     assert "after 1 generation round(s); round 2 of at most 5" in rounds[0]
-    assert any("dynamic sampling found 0 of 4 informative groups in 5 generation rounds" in m for _, m in log.lines)
+    assert any("dynamic sampling found 0 of 4 informative groups in 5 generation rounds" in m for m in log.lines)
 
 
 def test_pruned_groups_are_the_ones_pick_groups_would_pick():

@@ -78,28 +78,14 @@ def test_main_exits_1_when_a_check_raises(monkeypatch, tmp_path, capsys):
     assert "boom" in capsys.readouterr().out
 
 
-class _Errors:
-    def __init__(self):
-        import logging
-
-        self.lines = []
-        outer = self
-
-        class H(logging.Handler):
-            def emit(self, record):
-                outer.lines.append(record.getMessage())
-
-        self.handler = H(logging.ERROR)
-
-
 @pytest.fixture
 def errors():
     import logging
 
-    e = _Errors()
-    logging.getLogger("megatron_gspo").addHandler(e.handler)
-    yield e
-    logging.getLogger("megatron_gspo").removeHandler(e.handler)
+    from log_capture import LogLines
+
+    with LogLines(logging.ERROR) as e:
+        yield e
 
 
 @pytest.mark.parametrize("args, message", [

@@ -9,6 +9,7 @@ from megatron_gspo.config import ConfigError, LossConfig, RolloutCorrectionConfi
 from megatron_gspo.losses import compute_policy_loss
 from megatron_gspo.metrics import reduce_metrics
 from megatron_gspo.rollout_correction import correction_weights, log_rho, mismatch_metrics
+from log_capture import LogLines
 
 LN = math.log
 
@@ -190,26 +191,16 @@ def test_a_correction_that_cannot_correct_anything_says_so(tmp_path):
     from megatron_gspo import parallel
     from megatron_gspo.train import Trainer
 
-    class Lines(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.lines = []
-
-        def emit(self, record):
-            self.lines.append(record.getMessage())
-
     said = {}
     # the rollout's log-probs asked for by name: "auto" resolves to them only for fp32 on the CPU
     for name, overrides in (("rollout", ["train.old_logprobs=rollout"]), ("recompute", ["train.old_logprobs=recompute"]),
                             ("off", ["rollout_correction.mode=off"])):
         cfg = load_job_config(None, JOB + [f"train.output_dir={tmp_path}/{name}", "rollout_correction.mode=tis"]
                               + overrides)
-        lines = Lines()
-        logging.getLogger("megatron_gspo").addHandler(lines)
         try:
-            Trainer(cfg).close()
+            with LogLines(logging.WARNING) as lines:
+                Trainer(cfg).close()
         finally:
-            logging.getLogger("megatron_gspo").removeHandler(lines)
             parallel.destroy()
         said[name] = [m for m in lines.lines if "rollout_correction.mode" in m]
     assert len(said["rollout"]) == 1 and said["rollout"][0].startswith(

@@ -12,6 +12,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 from megatron_gspo import parallel
 from megatron_gspo.config import load_job_config
 from job_runner import built_trainers
+from log_capture import LogLines
 
 TINY_JOB = [
     "train.num_steps=3", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4",
@@ -94,15 +95,6 @@ def test_resume_is_exact(tmp_path):
     assert os.path.isdir(tmp_path / "cb" / "iter_0000004")
 
 
-class _Info(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 def test_resume_with_a_changed_config_names_the_change(tmp_path):
     """The checkpoint's job is compared with the resumed one: a key that changes the trajectory
     (dynamic sampling switched on, the learning rate) is refused by name, with the opt-in to accept it;
@@ -122,13 +114,9 @@ def test_resume_with_a_changed_config_names_the_change(tmp_path):
     assert "checkpoint.allow_config_change=[optimizer.lr,train.dynamic_sampling]" in msg, msg
     assert "train.num_steps" not in msg and "\n" not in msg
     # accepted by name (a key, or its whole section): the run goes on from step 1, and says what changed
-    lines = _Info()
-    logging.getLogger("megatron_gspo").addHandler(lines)
-    try:
+    with LogLines(logging.INFO) as lines:
         _, _, result = run_job(resume + ["train.dynamic_sampling=true", "optimizer.lr=2e-3",
                                          "checkpoint.allow_config_change=[train.dynamic_sampling,optimizer]"])
-    finally:
-        logging.getLogger("megatron_gspo").removeHandler(lines)
     assert len(result["history"]) == 1  # step 2 only
     said = [m for m in lines.lines if m.startswith("resume: config changed since")]
     assert len(said) == 1, lines.lines
@@ -154,15 +142,6 @@ def test_allow_config_change_names_real_keys():
 # ----------------------------------------------------------------------------------------------
 
 
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 @pytest.mark.parametrize("policy, per_step, logged_steps", [
     # shuffle off, 2 prompts per step over [ok, long, long, ok, ok] (one epoch = 5 examples):
     # step 1 draws ok0 long1 long2 ok3, step 2 ok4 | ok0, step 3 long1 long2 ok3 ok4
@@ -179,14 +158,10 @@ def test_overlong_prompts_are_counted_logged_and_in_the_metrics(tmp_path, policy
     assert [len(tok.encode(p, add_special_tokens=True)) for p in prompts] == [5, 13, 13, 5, 5]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts))
-    warnings = _Warnings()
-    logging.getLogger("megatron_gspo").addHandler(warnings)
-    try:
+    with LogLines(logging.WARNING) as warnings:
         run_job([f"data.source={data}", "data.shuffle=false", "data.max_prompt_length=8",
                  f"data.overlong_prompt_policy={policy}", "train.prompts_per_step=2", f"train.output_dir={tmp_path}/o",
                  "train.tensorboard=false"])
-    finally:
-        logging.getLogger("megatron_gspo").removeHandler(warnings)
     rows = [json.loads(line) for line in open(tmp_path / "o" / "metrics.jsonl")]
     kind, other = ("dropped", "truncated") if policy == "drop" else ("truncated", "dropped")
     assert [r[f"data/{kind}_prompts"] for r in rows] == per_step
@@ -222,15 +197,11 @@ def test_metrics_restart_at_the_resumed_step(tmp_path):
     first.close()
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 6, "x": 6.')  # a row cut short by the kill
-    warnings = _Warnings()
-    logging.getLogger("megatron_gspo").addHandler(warnings)
-    try:
+    with LogLines(logging.WARNING) as warnings:
         second = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True)
         for step in (4, 5, 6):
             second.log(step, {"x": 10.0 * step})
         second.close()
-    finally:
-        logging.getLogger("megatron_gspo").removeHandler(warnings)
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [(r["step"], r["x"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
     assert any("dropped 3 row(s) of steps >= 4" in line for line in warnings.lines), warnings.lines

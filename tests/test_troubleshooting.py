@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from log_capture import LogLines
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "troubleshooting.md"
 LAUNCHER = ROOT / "launch" / "pretrain_gspo.sh"
@@ -62,15 +64,6 @@ def _launcher():
     return mod
 
 
-class Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.ERROR)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
 @pytest.fixture
 def isolated(monkeypatch):
     """The trainer installs SIGTERM/SIGUSR1 handlers (preemption) and reconfigures logging: undone
@@ -79,11 +72,8 @@ def isolated(monkeypatch):
     monkeypatch.delenv("GSPO_EXIT_DIR", raising=False)
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    records = Records()
-    logger = logging.getLogger("megatron_gspo")
-    logger.addHandler(records)
-    yield records
-    logger.removeHandler(records)
+    with LogLines(logging.ERROR) as records:
+        yield records
     for s, h in handlers.items():
         signal.signal(s, h)
 
