@@ -30,16 +30,18 @@ from megatron_gspo.exit_status import (  # noqa: F401 (re-exported)
     EXIT_PREEMPTED,
     EXIT_PREEMPTED_NOTHING_SAVED,
     EXIT_TOO_MANY_SKIPS,
+    GRACEFUL,
 )
 from megatron_gspo.hooks import TrainerHook
 
 _KINDS = ("nan_logprob", "raise", "kill", "kill_in_save")
 
 
-# The signals that mean "save and stop" (SIGQUIT stays a hard stop). The entry point catches them all
-# (under the launcher the ranks inherit them ignored from torchrun: see exit_status.supervise);
-# a Trainer built in another program takes TERM and USR1 only, leaving Ctrl-C to that program.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# The signals that mean "save and stop" (SIGQUIT stays a hard stop): the launcher's supervisor delivers
+# the same ones (exit_status.GRACEFUL). The entry point catches them all (under the launcher the ranks
+# inherit them ignored from torchrun: see exit_status.supervise); a Trainer built in another program
+# takes TERM and USR1 only, leaving Ctrl-C to that program.
+STOP_SIGNALS = GRACEFUL
 
 
 class PreemptionFlag:

@@ -379,7 +379,7 @@ class Trainer:
         stop, exit 75; 79 when no step of this run completed (nothing new to save). Called at a step
         boundary (a collective vote), or with ``abandoned`` when every rank left the step in flight
         together (already agreed)."""
-        st, ck = self.state, self.cfg.checkpoint
+        st = self.state
         if abandoned is None and not comm.any_rank(self.preempt.set, st.device, what="preemption vote"):
             return
         t_stop = time.perf_counter()
@@ -396,25 +396,29 @@ class Trainer:
                 f"preempted by signal {flag.name} {f'in step {step}' if abandoned else 'during start-up'}: nothing "
                 f"to save yet (no step of this run completed; {where}); exiting with {EXIT_PREEMPTED_NOTHING_SAVED}; "
                 f"{flag.timing()}, {when}", EXIT_PREEMPTED_NOTHING_SAVED)
-        # The periodic save at the end of the step just run already holds this state (its
-        # directory has a manifest only once complete): writing it again would spend the
-        # scheduler's lead time on a copy.
-        just_saved = bool(ck.save and self.step and self.checkpoints.due(self.step)
-                          and has_manifest(iter_dir(ck.save, self.step)))
-        if not comm.all_ranks(just_saved, st.device, what="preemption: step already saved"):
-            self.save()
-        saved = f"checkpoint saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
+        saved = self._save_last_completed_step()
         raise TrainingStopped(f"preempted by signal {flag.name} before step {step}: {saved} (step {self.step}); "
                               f"exiting with {EXIT_PREEMPTED} (resume with checkpoint.resume=true); {flag.timing()}, "
                               f"{when}, save {time.perf_counter() - t_stop:.1f} s", EXIT_PREEMPTED)
 
     def _stop_without_rollouts(self, e: RolloutRanksLost) -> None:
-        ck = self.cfg.checkpoint
-        if not (ck.save and self.step and self.checkpoints.due(self.step) and has_manifest(iter_dir(ck.save, self.step))):
-            self.save()  # the weights of version self.step and the position after the last consumed batch
-        saved = f"checkpoint saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
+        # raised on every trainer rank together (AsyncRollouts._stop_everywhere); the save holds the
+        # weights of version self.step and the data position after the last consumed batch
+        saved = self._save_last_completed_step()
         raise TrainingStopped(f"stopping before step {self.step + 1}: {e}; {saved} (resume with "
                               "checkpoint.resume=true: the rollouts in flight are generated again)", e.exit_code)
+
+    def _save_last_completed_step(self) -> str:
+        """Every rank, when the job stops early: save the state after step ``self.step``, unless the
+        periodic save at the end of that step holds it already (its directory has a manifest only once
+        complete): writing it again would spend the scheduler's lead time on a copy. The ranks vote, so
+        all save or none. Returns what the stop line says about the checkpoint."""
+        ck = self.cfg.checkpoint
+        just_saved = bool(ck.save and self.step and self.checkpoints.due(self.step)
+                          and has_manifest(iter_dir(ck.save, self.step)))
+        if not comm.all_ranks(just_saved, self.state.device, what="preemption: step already saved"):
+            self.save()
+        return f"checkpoint saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
 
     def _extra_models(self) -> dict:
         return {"ref_model": self.ref_model} if self.ref_model is not None else {}
