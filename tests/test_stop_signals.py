@@ -111,16 +111,42 @@ class SignalAtStep(TrainerHook):
 
     def at_step_start(self, trainer) -> None:
         if trainer.step + 1 == self.step:
-            def send():
-                self.sent_at = time.perf_counter()
-                os.kill(os.getpid(), signal.SIGTERM)
+            self.arm(self.delay)
 
-            self.timer = threading.Timer(self.delay, send)
-            self.timer.start()
+    def arm(self, delay: float) -> None:
+        def send():
+            self.sent_at = time.perf_counter()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        self.timer = threading.Timer(delay, send)
+        self.timer.start()
 
     def close(self, trainer) -> None:  # never a stray SIGTERM to the test process after the run
         if self.timer is not None:
             self.timer.cancel()
+
+
+class SignalInRound(SignalAtStep):
+    """SIGTERM a quarter into dynamic-sampling round ``rnd`` (1-based, > 1) of step 1, timed by the
+    round before it: the signal lands in that round's decoding however loaded the machine is (a fixed
+    delay landed in round 1 when a round took over a second)."""
+
+    def __init__(self, rnd: int):
+        super().__init__(step=1, delay=0.0)
+        self.rnd = rnd
+
+    def at_step_start(self, trainer) -> None:
+        generate_round, took = trainer.rollouts._generate_round, []
+
+        def timed(step, rnd, *args, **kwargs):
+            if rnd + 1 == self.rnd:
+                self.arm(took[-1] / 4)
+            t0 = time.perf_counter()
+            out = generate_round(step, rnd, *args, **kwargs)
+            took.append(time.perf_counter() - t0)
+            return out
+
+        trainer.rollouts._generate_round = timed
 
 
 def run_job(tmp_path, name, overrides, hooks=()):
@@ -163,9 +189,9 @@ def test_a_signal_in_a_long_generation_abandons_the_step_and_the_resume_is_exact
 @pytest.mark.slow
 def test_a_signal_in_long_dynamic_sampling_rounds_stops_the_first_step(fresh_flag, tmp_path):
     """No group is ever informative, the round cap is the largest allowed (32) and every response runs
-    to its token limit: the step runs for several times the signal's delay. A SIGTERM stops it in the
-    round it comes in; no step completed, so nothing to save (exit 79)."""
-    hook = SignalAtStep(step=1, delay=1.0)
+    to its token limit: the step would run 33 rounds. A SIGTERM a quarter into round 3 stops it in that
+    round; no step completed, so nothing to save (exit 79)."""
+    hook = SignalInRound(3)
     job = [*JOB, "eval.interval=0", "train.dynamic_sampling=true", "train.dynamic_sampling_max_rounds=32",
            "generation.max_new_tokens=40", "generation.ignore_eos=true",
            f"reward.name={HERE}/reward_plugins.py:always_zero", "train.num_steps=2"]
@@ -178,6 +204,7 @@ def test_a_signal_in_long_dynamic_sampling_rounds_stops_the_first_step(fresh_fla
                           "no checkpoint yet"), msg
     rounds = int(msg.split("abandoned in generation round ")[1].split()[0].rstrip(","))
     assert rounds >= 2, msg  # it was in the rounds loop, past the first round
+    assert "decoding cut short" in msg, msg  # inside the round's decode loop, not at its end
     print(f"signal -> stop {took * 1000:.0f} ms, in round {rounds}")
     assert took < 1.0, (took, msg)
     assert not os.path.isdir(f"{tmp_path}/ds/ckpt")
