@@ -219,6 +219,19 @@ def test_compare_metrics_finds_one_ulp_a_missing_key_and_a_count(tmp_path, capsy
     assert compare_metrics.differences(ROWS, ROWS[:1]) == ["2 rows before, 1 after"]
 
 
+@pytest.mark.slow
+def test_compare_metrics_runs_the_default_job_twice_the_same(tmp_path, capsys):
+    """--run: a short default job as the baseline, then again compared with it: the same run, bit for bit."""
+    short = ["train.num_steps=2", "train.sft_steps=2", "train.prompts_per_step=4", "generation.n_samples_per_prompt=2",
+             "train.micro_batch_size=4", "eval.interval=0", "train.tensorboard=false"]
+    assert compare_metrics.main(["--run", str(tmp_path / "a"), *short]) == 0
+    assert compare_metrics.main(["--run", str(tmp_path / "b"), str(tmp_path / "a" / "metrics.jsonl"), *short]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert len(compare_metrics.read_rows(str(tmp_path / "b" / "metrics.jsonl"))) == 2
+    # the same directory again would continue that run: refused
+    assert compare_metrics.main(["--run", str(tmp_path / "b"), *short]) == 2
+
+
 def test_compare_metrics_refuses_what_is_not_a_metrics_file(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"step": 1}\nnot json\n')

@@ -1,7 +1,8 @@
 """Are two runs' metrics.jsonl the same run? Bit for bit, timings aside.
 
     python tools/compare_metrics.py BEFORE/metrics.jsonl AFTER/metrics.jsonl [--ignore PATTERN ...]
-    python tools/compare_metrics.py --run OUT_DIR [section.key=value ...]   # run the default job, then compare
+    python tools/compare_metrics.py --run OUT_DIR BEFORE/metrics.jsonl [section.key=value ...]
+    python tools/compare_metrics.py --run OUT_DIR [section.key=value ...]  # the baseline: run only
 
 Every row must have the same step, the same keys and the same values: floats compared exactly (the
 JSON text of a float round-trips its bits; NaN equals NaN), except the keys that measure wall time or
@@ -12,7 +13,7 @@ is a function of the seed and the code on one machine with one thread count; a k
 side only is a difference too.
 
 ``--run DIR`` runs the default job (``python -m megatron_gspo.train train.output_dir=DIR``, plus the
-overrides) first, with ``OMP_NUM_THREADS`` and torch's intra-op threads pinned (``--threads``, default
+overrides) first (and only that when no BEFORE is given: the baseline), with ``OMP_NUM_THREADS`` and torch's intra-op threads pinned (``--threads``, default
 2): CPU reductions split over threads add in another order with another thread count, so runs compare
 bit for bit only at the same count. Exit status: 0 identical, 1 different (the differences listed,
 the first step and key first), 2 bad input.
@@ -109,9 +110,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-shown", type=int, default=30, help="differences printed (default 30)")
     a = ap.parse_args(argv)
     try:
+        if a.run and (not a.files or "=" in a.files[0]):  # no BEFORE: the baseline
+            print(f"wrote {run_default_job(a.run, a.files, a.threads)}")
+            return 0
         if a.run:
-            if not a.files:
-                ap.error("--run needs BEFORE (the metrics.jsonl to compare with)")
             before, overrides = a.files[0], a.files[1:]
             after = run_default_job(a.run, overrides, a.threads)
         else:

@@ -142,7 +142,7 @@ def trace(fn: Callable[[], object], root: str = ROOT, package: str = PACKAGE,
                 owner = None
             node = None
             if owner is not None:
-                node = Call(k[1], frame.f_code.co_qualname)
+                node = Call(k[1], getattr(frame.f_code, "co_qualname", frame.f_code.co_name))  # 3.10: the name
                 owner.children.append(node)
             active[id(frame)] = node
         elif event == "return":
