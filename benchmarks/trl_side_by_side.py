@@ -131,9 +131,11 @@ def prepare(workdir: str, args) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _step_record(t0: float, c0: float, tr: float, cr: float, t1: float, c1: float, gen_s: float) -> dict:
+def _step_record(t0: float, c0: float, tr: float, cr: float, t1: float, c1: float, gen_s: float,
+                 gen_tokens: int) -> dict:
+    """One RL step's times, and the response tokens it sampled (the work both sides must do alike)."""
     return {"wall_s": t1 - t0, "cpu_s": c1 - c0, "rollout_wall_s": tr - t0, "rollout_cpu_s": cr - c0,
-            "update_wall_s": t1 - tr, "update_cpu_s": c1 - cr, "generate_wall_s": gen_s}
+            "update_wall_s": t1 - tr, "update_cpu_s": c1 - cr, "generate_wall_s": gen_s, "gen_tokens": gen_tokens}
 
 
 def worker_ours(args, paths: dict) -> list[dict]:
@@ -170,7 +172,8 @@ def worker_ours(args, paths: dict) -> list[dict]:
 
         def after_step(self, trainer, metrics: dict) -> None:
             t1, c1 = time.perf_counter(), time.process_time()
-            records.append(_step_record(self.t0, self.c0, self.tr, self.cr, t1, c1, float(metrics["perf/generate_s"])))
+            records.append(_step_record(self.t0, self.c0, self.tr, self.cr, t1, c1, float(metrics["perf/generate_s"]),
+                                        int(metrics["perf/gen_tokens"])))
 
     trainer = Trainer(load_job_config(DEMO_CONFIG, over), hooks=[Clock()])
     try:
@@ -214,6 +217,7 @@ def worker_trl(args, paths: dict) -> list[dict]:
                 gen_s.append(time.perf_counter() - t)
             else:
                 marks["tr"], marks["cr"] = time.perf_counter(), time.process_time()
+                marks["tokens"] = int(out["completion_mask"].sum())  # the step's whole generation batch
             return out
         return wrapper
 
@@ -230,7 +234,7 @@ def worker_trl(args, paths: dict) -> list[dict]:
         def on_step_end(self, a, state, control, **kw):
             if state.global_step % 2 == 0:
                 records.append(_step_record(marks["t0"], marks["c0"], marks["tr"], marks["cr"], time.perf_counter(),
-                                            time.process_time(), sum(gen_s)))
+                                            time.process_time(), sum(gen_s), marks["tokens"]))
 
     trainer.add_callback(Clock())
     trainer.train()

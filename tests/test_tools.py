@@ -1,0 +1,239 @@
+"""tools/step_walk.py (the walk of one RL step through the source) and tools/compare_metrics.py (two runs'
+metrics.jsonl, bit for bit): their rules on hand-made inputs, and the walk of the real default step."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from tools import compare_metrics, step_walk
+from tools.step_walk import Call
+
+
+# ----------------------------------------------------------------------------------------------
+# step_walk: the counting rule
+# ----------------------------------------------------------------------------------------------
+
+
+def _tree() -> Call:
+    """a.run calls b.f (which calls c.g), its own a.h, b.f again, c.g2 and the runtime's rt.x."""
+    f = Call("p/b.py", "f", [Call("p/c.py", "g")])
+    run = Call("p/a.py", "run", [f, Call("p/a.py", "h"), Call("p/b.py", "f", [Call("p/c.py", "g")]),
+                                 Call("p/c.py", "g2"), Call("p/rt.py", "x", [Call("p/b.py", "f2")])])
+    return Call("<traced>", "<traced>", [run])
+
+
+ABOVE = {"p/a.py": {"p/b.py", "p/c.py", "p/rt.py"}, "p/b.py": {"p/c.py"}, "p/c.py": set(), "p/rt.py": set()}
+
+
+def test_walk_counts_stays_climbs_and_entries_of_a_hand_made_tree():
+    stays = step_walk.walk(_tree(), step_over=("p/rt.py",))
+    # the second b.f is not read again; rt.py is stepped over with what it calls
+    assert [str(s) for s in stays] == ["p/a.py:run", "p/b.py:f", "p/c.py:g", "p/b.py:f", "p/a.py:run,h,run",
+                                       "p/c.py:g2", "p/a.py:run"]
+    s = step_walk.summarize(stays, ABOVE)
+    # climbs: back into b from c (b imports c), into a from b, into a from c; entering c from a again
+    # goes down (c is below a): a re-entry, not a climb
+    assert [str(stays[i]) for i in s.climbs] == ["p/b.py:f", "p/a.py:run,h,run", "p/a.py:run"]
+    assert s.entries == {"p/a.py": 3, "p/b.py": 2, "p/c.py": 2}
+    assert s.files == ["p/a.py", "p/b.py", "p/c.py"]
+    assert step_walk.line(s) == "7 stays in 3 files, 3 climbs back up; entries: a.py 3, b.py 2, c.py 2"
+
+
+def test_walk_depth_limit_counts_files_below_the_entry():
+    stays = step_walk.walk(_tree(), step_over=("p/rt.py",), max_depth=1)
+    assert [str(s) for s in stays] == ["p/a.py:run", "p/b.py:f", "p/a.py:run,h,run", "p/c.py:g2", "p/a.py:run"]
+    assert len(step_walk.summarize(stays, ABOVE).climbs) == 2
+
+
+def test_a_sibling_file_is_a_re_entry_not_a_climb():
+    # x.py and y.py do not import each other: going back to x from y is no climb, whatever the order
+    top = Call("<traced>", "<traced>", [Call("p/x.py", "a"), Call("p/y.py", "b"), Call("p/x.py", "c")])
+    s = step_walk.summarize(step_walk.walk(top, step_over=()), {"p/x.py": set(), "p/y.py": set()})
+    assert (len(s.stays), len(s.climbs), s.entries["p/x.py"]) == (3, 0, 2)
+
+
+@pytest.fixture
+def tiny_package(tmp_path, monkeypatch):
+    """A package ``walkpkg`` on disk: a.run calls b through a context manager, a decorator, a torch module
+    and directly, and hands b.cb to a function outside the package (a callback: not part of the walk)."""
+    pkg = tmp_path / "walkpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(textwrap.dedent("""\
+        import torch
+        from walkpkg import b
+
+        def run(outside):
+            with b.ctx():
+                b.f(1)
+            outside(b.cb)
+            m = b.M()
+            m.register_forward_hook(b.hook)
+            m(torch.zeros(1))
+            return b.wrapped(2)
+        """))
+    (pkg / "b.py").write_text(textwrap.dedent("""\
+        import contextlib
+        import functools
+        import torch
+
+        @contextlib.contextmanager
+        def ctx():
+            yield
+
+        def f(x):
+            return g(x)
+
+        def g(x):
+            return x
+
+        def cb():
+            return g(0)
+
+        def hook(module, args, out):
+            return None
+
+        def deco(fn):
+            @functools.wraps(fn)
+            def inner(*a):
+                return fn(*a)
+            return inner
+
+        @deco
+        def wrapped(x):
+            return g(x)
+
+        class M(torch.nn.Module):
+            def forward(self, x):
+                return g(x)
+
+        def late():
+            from walkpkg import c
+            return c
+        """))
+    (pkg / "c.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "walkpkg" or m.startswith("walkpkg.")]:
+        monkeypatch.delitem(sys.modules, name)
+    return tmp_path
+
+
+def test_trace_keeps_direct_calls_through_forwarding_frames_and_drops_callbacks(tiny_package):
+    import importlib
+
+    a = importlib.import_module("walkpkg.a")
+
+    def outside(fn):  # not the package's: what it calls back is the caller's business, not the walk's
+        return fn()
+
+    top = step_walk.trace(lambda: a.run(outside), root=str(tiny_package), package="walkpkg")
+    (run,) = top.children
+    assert run.key == ("walkpkg/a.py", "run")
+
+    def names(node):
+        return [(c.name, names(c)) for c in node.children]
+
+    # ctx twice (entered, then resumed by __exit__), f -> g, forward -> g (nn.Module.__call__
+    # forwards it), wrapped (through functools.wraps' inner, which is the package's own) -> g; no cb, no hook
+    assert names(run) == [("ctx", []), ("f", [("g", [])]), ("ctx", []),
+                          ("M.forward", [("g", [])]), ("deco.<locals>.inner", [("wrapped", [("g", [])])])]
+
+
+def test_import_graph_reads_imports_inside_functions_and_is_transitive(tiny_package):
+    g = step_walk.import_graph(root=str(tiny_package), package="walkpkg")
+    assert g["walkpkg/b.py"] == {"walkpkg/c.py"}  # ``late`` imports c
+    assert g["walkpkg/a.py"] == {"walkpkg/b.py", "walkpkg/c.py"}  # through b; not the package's __init__
+    assert g["walkpkg/c.py"] == set()
+
+
+def test_import_graph_of_a_cycle_is_the_same_from_every_file(tmp_path):
+    """x -> y -> z -> x: every file reaches the two others (so none is above another: no climb)."""
+    pkg = tmp_path / "cyc"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for a, b in (("x", "y"), ("y", "z"), ("z", "x")):
+        (pkg / f"{a}.py").write_text(f"def f():\n    from cyc import {b}\n")
+    g = step_walk.import_graph(root=str(tmp_path), package="cyc")
+    assert g == {"cyc/__init__.py": set(), "cyc/x.py": {"cyc/y.py", "cyc/z.py"}, "cyc/y.py": {"cyc/x.py", "cyc/z.py"},
+                 "cyc/z.py": {"cyc/x.py", "cyc/y.py"}}
+
+
+@pytest.mark.slow
+def test_walk_of_the_default_step_is_deterministic_and_reads_the_step():
+    """Two traces of one RL step of the default job (fewer rows: the same code path, a shorter step) give
+    the same walk, which starts and ends in train.run_trainer, goes through the trainer, the rollout and
+    the loss, and never into the runtime."""
+    small = ["train.prompts_per_step=4", "generation.n_samples_per_prompt=2", "train.micro_batch_size=4"]
+    tops = [step_walk.trace_default_step(small) for _ in range(2)]
+    walks = [[str(s) for s in step_walk.walk(t)] for t in tops]
+    assert walks[0] == walks[1]
+    assert walks[0][0].startswith("megatron_gspo/train.py:run_trainer")
+    assert walks[0][-1] == "megatron_gspo/train.py:run_trainer"
+    files = {w.split(":")[0] for w in walks[0]}
+    assert {"megatron_gspo/trainer.py", "megatron_gspo/rollout.py", "megatron_gspo/losses.py",
+            "megatron_gspo/generation.py"} <= files
+    assert not [f for f in files if any(__import__("fnmatch").fnmatch(f, p) for p in step_walk.STEP_OVER)]
+    s = step_walk.summarize(step_walk.walk(tops[0]), step_walk.import_graph())
+    assert len(s.stays) == sum(s.entries.values()) and s.climbs
+
+
+# ----------------------------------------------------------------------------------------------
+# compare_metrics
+# ----------------------------------------------------------------------------------------------
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+ROWS = [{"step": 1, "loss/loss": 0.1 + 0.2, "perf/step_time_s": 4.2, "perf/gen_tokens": 626.0,
+         "train/grad_norm": float("nan")},
+        {"step": 2, "loss/loss": 0.25, "perf/step_time_s": 3.9, "perf/gen_tokens": 600.0, "train/grad_norm": 1.5}]
+
+
+def test_compare_metrics_identical_apart_from_timings(tmp_path, capsys):
+    other = [{**r, "perf/step_time_s": r["perf/step_time_s"] * 2, "perf/rss_mb": 1.0} for r in ROWS]
+    a, b = _write(tmp_path / "a.jsonl", ROWS), _write(tmp_path / "b.jsonl", other)
+    assert compare_metrics.main([a, b]) == 0
+    assert "identical" in capsys.readouterr().out
+
+
+def test_compare_metrics_finds_one_ulp_a_missing_key_and_a_count(tmp_path, capsys):
+    import math
+
+    other = json.loads(json.dumps(ROWS))
+    other[0]["loss/loss"] = math.nextafter(ROWS[0]["loss/loss"], 1.0)  # one ulp
+    other[1]["perf/gen_tokens"] = 601.0  # a count under perf/ is compared: it is no timing
+    del other[1]["train/grad_norm"]
+    a, b = _write(tmp_path / "a.jsonl", ROWS), _write(tmp_path / "b.jsonl", other)
+    assert compare_metrics.main([a, b]) == 1
+    out = capsys.readouterr().out
+    assert "3 difference(s)" in out
+    assert "step 1: loss/loss 0.30000000000000004 before, 0.3000000000000001 after" in out
+    assert "step 2: perf/gen_tokens 600.0 before, 601.0 after" in out
+    assert "step 2: train/grad_norm only before (1.5)" in out
+    # and a run cut short
+    assert compare_metrics.differences(ROWS, ROWS[:1]) == ["2 rows before, 1 after"]
+
+
+@pytest.mark.slow
+def test_compare_metrics_runs_the_default_job_twice_the_same(tmp_path, capsys):
+    """--run: a short default job as the baseline, then again compared with it: the same run, bit for bit."""
+    short = ["train.num_steps=2", "train.sft_steps=2", "train.prompts_per_step=4", "generation.n_samples_per_prompt=2",
+             "train.micro_batch_size=4", "eval.interval=0", "train.tensorboard=false"]
+    assert compare_metrics.main(["--run", str(tmp_path / "a"), *short]) == 0
+    assert compare_metrics.main(["--run", str(tmp_path / "b"), str(tmp_path / "a" / "metrics.jsonl"), *short]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert len(compare_metrics.read_rows(str(tmp_path / "b" / "metrics.jsonl"))) == 2
+    # the same directory again would continue that run: refused
+    assert compare_metrics.main(["--run", str(tmp_path / "b"), *short]) == 2
+
+
+def test_compare_metrics_refuses_what_is_not_a_metrics_file(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 1}\nnot json\n')
+    assert compare_metrics.main([_write(tmp_path / "a.jsonl", ROWS), str(bad)]) == 2
+    assert "bad.jsonl:2: not JSON" in capsys.readouterr().err
