@@ -57,6 +57,11 @@ EXPECTED_SCALARS = [
 @pytest.mark.parametrize("variant", [
     ["loss.name=gspo"],
     ["loss.name=grpo", "train.routing_replay=R2"],
+    # GSPO's successors; routing replay composes with the per-token-ratio ones
+    ["loss.name=sapo", "train.routing_replay=R2"],
+    ["loss.name=cispo"],
+    ["loss.name=gmpo", "train.routing_replay=R2"],
+    ["loss.name=luspo"],
 ])
 def test_short_run_updates_every_parameter_and_logs_metrics(tmp_path, variant):
     out = tmp_path / "run"

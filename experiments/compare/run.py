@@ -85,8 +85,8 @@ def run_comparison(args, overrides: list[str]) -> dict:
                 "checkpoint.save=null", "checkpoint.save_interval=0"]
             probe = [] if args.no_probe else ["--probe", os.path.join(vdir, "probe.jsonl"),
                                               "--probe-rows", str(args.probe_rows)]
-            print(f"[compare] {v}{'' if seed is None else f' seed {seed}'}: {cfgs[v].loss.name}, clip "
-                  f"{cfgs[v].loss.clip_range()}, routing replay {cfgs[v].train.routing_replay}", flush=True)
+            print(f"[compare] {v}{'' if seed is None else f' seed {seed}'}: {cfgs[v].loss.name}, "
+                  f"{cfgs[v].loss.describe()}, routing replay {cfgs[v].train.routing_replay}", flush=True)
             tag = v if seed is None else f"{v}/{seed}"
             rc, wall = launch(probe + [args.config, *run_over], os.path.join(vdir, "train.log"), tag)
             entries.append({"seed": base.generation.seed if seed is None else seed, "dir": rel, "rc": rc,
@@ -112,7 +112,7 @@ def _metadata(args, overrides: list[str], extra: dict, base) -> dict:
         "command": "python -m experiments.compare " + shlex.join(args.argv),
         "config": config, "overrides": overrides, "variants": args.variants, "variant_overrides": extra,
         "stress": args.stress, "stress_minibatches": args.stress_minibatches if args.stress else None,
-        "stress_lr_mult": args.stress_lr_mult if args.stress else None,
+        "stress_lr_mult": args.stress_lr_mult if args.stress else None, "section": getattr(args, "section", None),
         "nproc_per_node": args.nproc_per_node, "probe": not args.no_probe, "probe_rows": args.probe_rows,
         "threads": args.threads, "in_process": args.in_process, "machine": machine_info(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
