@@ -8,15 +8,25 @@ C-level computation (a huge integer power) is not interrupted at all. The traine
 their signal handling (faults.PreemptionFlag: SIGTERM / SIGUSR1 mean "save and stop").
 
 So the checking runs in a child process (``python -m megatron_gspo.math_verify_worker``), started on
-first use and kept for the process's lifetime. The child is a main thread with nothing else to do, so
-math-verify's own alarms work there and touch nothing of the trainer; the parent waits for each answer
-with ``select`` and a deadline (``timeout_s``) and, past it, kills the child (a new one starts on the
-next call) and scores 0, as math-verify does on its own timeouts. The child ignores the stop signals
-(the parent decides when to stop; a preemption never kills a reward mid-batch), runs in its own session,
-and exits when the parent's end of the pipe closes, however the parent ends.
+first use and kept for the process's lifetime, and touches no signal of the trainer. Two limits:
 
-Protocol: one JSON object per line. Request ``{"response": text, "gold": final answer}``; reply
-``{"equal": bool}`` or ``{"error": "..."}``; the child's first line is ``{"ready": true}``.
+* ``cpu_timeout_s``: the CPU time one check may use (ITIMER_VIRTUAL in the child, which owns its
+  signals). CPU time, not wall time: math-verify's own 5-second wall-clock alarms decided verdicts
+  by machine load (on this shared 2-core VM, ``\boxed{(1, 2)}`` vs ``(1,2)`` scored 0 at a load
+  average of 110 and 1 when idle); a check's CPU time does not depend on the load. math-verify's own
+  timeouts are off in the child. Past the limit the check scores 0 (math-verify's verdict on its
+  timeouts) and the child goes on.
+* ``wall_timeout_s``: a backstop the parent keeps with ``select`` for what no Python-level timer
+  interrupts (a C-level computation): past it the parent kills the child (the next check starts
+  another) and scores 0.
+
+The child ignores the stop signals (the parent decides when to stop; a preemption never kills a
+reward mid-batch), runs in its own session, and exits when the parent's end of the pipe closes,
+however the parent ends.
+
+Protocol: one JSON object per line. Request ``{"response": text, "gold": final answer, "cpu_s": limit}``;
+reply ``{"equal": bool}``, ``{"timeout": true}`` or ``{"error": "..."}``; the child's first line is
+``{"ready": true}``.
 """
 
 from __future__ import annotations
@@ -82,24 +92,29 @@ class MathVerifyProcess:
         proc.kill()
         proc.wait()
 
-    def equal(self, response: str, gold: str, timeout_s: float) -> bool:
+    def equal(self, response: str, gold: str, cpu_timeout_s: float, wall_timeout_s: float) -> bool:
         """Whether math-verify finds ``response``'s answer equal to the final answer ``gold``; raises
-        MathVerifyTimeout past ``timeout_s`` seconds (the child is then killed and replaced on the next call)."""
+        MathVerifyTimeout past ``cpu_timeout_s`` seconds of the child's CPU time, or past
+        ``wall_timeout_s`` seconds of waiting (the child is then killed and replaced on the next call)."""
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._proc = self._start()
                 self.num_starts += 1
             proc = self._proc
-            proc.stdin.write(json.dumps({"response": response, "gold": gold}) + "\n")
+            proc.stdin.write(json.dumps({"response": response, "gold": gold, "cpu_s": cpu_timeout_s}) + "\n")
             proc.stdin.flush()
-            reply = self._read(proc, timeout_s)
+            reply = self._read(proc, wall_timeout_s)
             if reply is None:
                 self._kill(proc)
                 self._proc = None
                 self.num_timeouts += 1
-                raise MathVerifyTimeout(f"math-verify took more than {timeout_s:g} s")
+                raise MathVerifyTimeout(f"math-verify gave no verdict within {wall_timeout_s:g} s (the checker "
+                                        "process was killed)")
         if "error" in reply:
             raise RuntimeError(f"math-verify failed: {reply['error']}")
+        if reply.get("timeout"):
+            self.num_timeouts += 1
+            raise MathVerifyTimeout(f"math-verify used more than {cpu_timeout_s:g} s of CPU time")
         return bool(reply["equal"])
 
     def close(self) -> None:
@@ -131,26 +146,36 @@ def process_checker() -> MathVerifyProcess:
 # The child
 # ----------------------------------------------------------------------------------------------
 
-# math-verify's own per-step timeouts inside the child (its main thread): parsing each side and
-# comparing; the parent's deadline bounds the whole check.
-PARSE_TIMEOUT_S = 5
-VERIFY_TIMEOUT_S = 5
+class _CpuLimit(BaseException):
+    """Raised in the child when a check has used its CPU time (a BaseException: math-verify catches
+    Exception around its parsing and would otherwise go on past the limit)."""
 
 
 def check(response: str, gold: str) -> bool:
     """math-verify's verdict, the way TRL and open-r1 call it: the gold answer parsed as a boxed LaTeX
     answer, the response parsed with math-verify's own extraction (LaTeX, preferring the last \\boxed{},
-    then plain expressions)."""
+    then plain expressions). math-verify's wall-clock timeouts are off (the caller limits CPU time)."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     gold_parsed = parse(f"\\boxed{{{gold}}}", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-                        parsing_timeout=PARSE_TIMEOUT_S)
+                        parsing_timeout=None)
     if not gold_parsed:
         return False
     answer_parsed = parse(response, extraction_config=[LatexExtractionConfig(boxed_match_priority=0),
-                                                        ExprExtractionConfig()],
-                          parsing_timeout=PARSE_TIMEOUT_S)
-    return bool(verify(gold_parsed, answer_parsed, timeout_seconds=VERIFY_TIMEOUT_S))
+                                                        ExprExtractionConfig()], parsing_timeout=None)
+    return bool(verify(gold_parsed, answer_parsed, timeout_seconds=None))
+
+
+def _with_cpu_limit(fn, seconds: float):
+    def expired(signum, frame):
+        raise _CpuLimit()
+
+    signal.signal(signal.SIGVTALRM, expired)
+    signal.setitimer(signal.ITIMER_VIRTUAL, seconds)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
 
 
 def main() -> None:
@@ -159,14 +184,16 @@ def main() -> None:
         signal.signal(sig, signal.SIG_IGN)
     import logging
 
-    logging.disable(logging.WARNING)  # math-verify logs each timeout; the verdict (False) is the answer
+    logging.disable(logging.WARNING)  # math-verify warns that its own timeouts are off: they are, on purpose
     import math_verify  # noqa: F401 (imported before "ready": the first check's deadline is for the check)
 
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         try:
             req = json.loads(line)
-            out = {"equal": check(req["response"], req["gold"])}
+            out = {"equal": _with_cpu_limit(lambda: check(req["response"], req["gold"]), float(req["cpu_s"]))}
+        except _CpuLimit:
+            out = {"timeout": True}
         except Exception as e:  # a bug here must reach the parent as a message, not a hang
             out = {"error": f"{type(e).__name__}: {e}"}
         print(json.dumps(out), flush=True)

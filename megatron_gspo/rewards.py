@@ -29,8 +29,9 @@ Built-ins:
   the reference's final answer. The reference may be a ``\boxed{}`` solution (its last box is the
   final answer), a GSM8K ``... #### 72`` (what follows ``####``) or the answer itself; the response is
   read after ``</think>`` if it has one, by math-verify's own extraction (its last ``\boxed{}`` first,
-  then LaTeX and plain expressions). math-verify runs in a child process with a deadline
-  (``timeout_s``, default 20 s; past it the response scores 0): math_verify_worker explains why.
+  then LaTeX and plain expressions). math-verify runs in a child process with a CPU-time limit per
+  check (``timeout_s``, default 10 s) and a wall-clock backstop (``wall_timeout_s``, default 600 s);
+  past either the response scores 0: math_verify_worker explains why.
   Where it disagrees with ``math_builtin`` on the project's own cases: docs/algorithms.md.
 * ``math_builtin``: the project's own checker, no dependency: the final answer is the last
   ``\boxed{...}`` (nested braces fine) of the response, after ``</think>`` if it has one, else the
@@ -455,16 +456,19 @@ def builtin_math_reward(prompt: str, response: str, answer: Optional[str], **kwa
     return float(predicted is not None and math_equal(predicted, reference))
 
 
-# The longest a math-verify check may take (reward.kwargs.timeout_s) before it scores 0: math-verify
-# bounds each parse and comparison at 5 s itself; this bounds the whole check, C-level hangs included.
-MATH_VERIFY_TIMEOUT_S = 20.0
+# A math-verify check's limits (reward.kwargs.timeout_s / wall_timeout_s): the CPU time it may use (load-
+# independent; a normal answer needs milliseconds to a second), and a wall-clock backstop for what no
+# Python-level timer interrupts (generous: on a shared machine a second of CPU can take a minute).
+MATH_VERIFY_CPU_TIMEOUT_S = 10.0
+MATH_VERIFY_WALL_TIMEOUT_S = 600.0
 
 
 @register_reward("math")
-def math_reward(prompt: str, response: str, answer: Optional[str], *, timeout_s: float = MATH_VERIFY_TIMEOUT_S,
-                **kwargs: Any) -> float:
+def math_reward(prompt: str, response: str, answer: Optional[str], *, timeout_s: float = MATH_VERIFY_CPU_TIMEOUT_S,
+                wall_timeout_s: float = MATH_VERIFY_WALL_TIMEOUT_S, **kwargs: Any) -> float:
     """1.0 if math-verify finds the response's answer equal to the reference's final answer (see module
-    docstring); 0.0 past ``timeout_s`` seconds (math_verify_worker: a child process, no signals here)."""
+    docstring); 0.0 past ``timeout_s`` seconds of CPU time or ``wall_timeout_s`` of waiting
+    (math_verify_worker: a child process, no signals here)."""
     from megatron_gspo.math_verify_worker import MathVerifyTimeout, process_checker
 
     gold, _ = _reference_final_answer(_require_answer(answer, "math"))
@@ -474,10 +478,9 @@ def math_reward(prompt: str, response: str, answer: Optional[str], *, timeout_s:
     if not gold.strip() or not text.strip():
         return 0.0
     try:
-        return float(process_checker().equal(text, gold.strip(), timeout_s))
-    except MathVerifyTimeout:
-        log.warning("math reward: math-verify took more than %gs on a response (scored 0); the response starts %s",
-                    timeout_s, _clip(text, 80))
+        return float(process_checker().equal(text, gold.strip(), timeout_s, wall_timeout_s))
+    except MathVerifyTimeout as e:
+        log.warning("math reward: %s on a response (scored 0); the response starts %s", e, _clip(text, 80))
         return 0.0
 
 

@@ -3,8 +3,9 @@
 math-verify's own timeout is ``signal.alarm``: off the main thread it refuses to run, and in the
 main thread its ``alarm(0)`` cancels whatever alarm the process had set. The reward runs math-verify
 in a child process (megatron_gspo/math_verify_worker.py) instead; these tests show both failures of
-the in-process way and that the reward has neither, that a deadline past which the child is killed
-scores 0 and the next check works, and that a stop signal reaches neither the check nor the verdict.
+the in-process way and that the reward has neither, that a check past its CPU-time limit or past the
+wall-clock backstop scores 0 and the next check works, and that a stop signal reaches neither the
+check nor the verdict.
 """
 
 import os
@@ -66,15 +67,29 @@ def test_the_reward_works_off_the_main_thread_and_keeps_the_process_alarm():
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
 
 
-def test_a_check_past_its_deadline_scores_zero_and_the_next_one_works():
+def test_a_check_past_its_cpu_limit_scores_zero_and_the_child_goes_on():
+    """The limit is CPU time (load-independent), kept by the child itself: the check is cut, scores 0,
+    and the same child answers the next check."""
     checker = process_checker()
-    math_reward("", r"\boxed{1}", "1")  # the child is up: what follows times the check only
+    math_reward("", r"\boxed{1}", "1")  # the child is up
+    timeouts, starts = checker.num_timeouts, checker.num_starts
+    assert math_reward("", SLOW, "1", timeout_s=1.0) == 0.0
+    assert checker.num_timeouts == timeouts + 1
+    assert math_reward("", r"\boxed{3}", "3") == 1.0
+    assert checker.num_starts == starts  # no restart was needed
+
+
+def test_the_wall_clock_backstop_kills_the_child_and_the_next_check_works():
+    """What no Python-level timer interrupts ends at the parent's backstop: the child is killed, the
+    response scores 0, the next check starts a fresh child."""
+    checker = process_checker()
+    math_reward("", r"\boxed{1}", "1")
     timeouts, starts = checker.num_timeouts, checker.num_starts
     t0 = time.monotonic()
-    assert math_reward("", SLOW, "1", timeout_s=2.0) == 0.0
-    assert 2.0 <= time.monotonic() - t0 < 30  # the deadline, not the computation, ended it
+    assert math_reward("", SLOW, "1", timeout_s=1000.0, wall_timeout_s=2.0) == 0.0
+    assert 2.0 <= time.monotonic() - t0 < 30  # the backstop, not the computation, ended it
     assert checker.num_timeouts == timeouts + 1
-    assert math_reward("", r"\boxed{3}", "3") == 1.0  # a fresh child
+    assert math_reward("", r"\boxed{3}", "3") == 1.0
     assert checker.num_starts == starts + 1
 
 

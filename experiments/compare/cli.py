@@ -29,7 +29,8 @@ from experiments.compare.variants import (
 def parse_args(argv: list[str]):
     p = argparse.ArgumentParser(
         prog="python -m experiments.compare", allow_abbrev=False,  # --docs must not silently mean --docs-dir
-        description="Run GSPO / GSPO-token / GRPO / GRPO+R2 from the same initial model and compare them. "
+        description="Run GSPO / GSPO-token / GRPO / GRPO+R2 (and SAPO / CISPO / GMPO / LUSPO) from the same "
+                    "initial model and compare them. "
                     "Positional: an optional job YAML (default: the packaged demo job), then section.key=value "
                     "overrides for every variant.")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),

@@ -99,6 +99,11 @@ def run_facts(meta: dict) -> str:
         ("total time, one run after the other", f"{meta['total_wall_s'] / 60:.1f} min for the initial model and "
                                                 f"{len(meta['variants'])} variants"),
     ]
+    if meta.get("complete") is False:  # cut short: say exactly what ran
+        done = sum(len(r.get("seeds") or [r]) for r in meta["runs"].values())
+        planned = len(meta["variants"]) * len(meta.get("seeds") or [None])
+        rows.append(("runs", f"**{done} of the {planned} planned runs**: the comparison was stopped before the "
+                             "rest; the tables give the runs that finished"))
     return "\n".join(["```bash", meta["command"], "```", "", "| run | |", "|---|---|"]
                      + [f"| {k} | {v} |" for k, v in rows]) + "\n"
 

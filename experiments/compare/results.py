@@ -34,6 +34,8 @@ def load_runs(out: str, meta: Optional[dict] = None) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {}
     for v in variants:
         info = meta.get("runs", {}).get(v)
+        if info is None and meta.get("complete") is False:
+            continue  # a comparison cut short before this variant ran
         if info is not None:
             entries = info.get("seeds") or [{"seed": None, "dir": v, "rc": info.get("rc"), "wall_s": info.get("wall_s")}]
         else:  # no metadata: one run in OUT/v, or one per OUT/v/seed_*

@@ -70,12 +70,16 @@ def run_comparison(args, overrides: list[str]) -> dict:
         meta["init"] = {"path": init, "how": f"SFT warm start ({base.train.sft_steps} steps)" if base.train.sft_steps
                         else "seeded initialization", "wall_s": wall}
     # 3. the variants (x seeds): the seeds vary the RL sampling; the initial model and the prompt
-    #    order (data.seed) are shared
+    #    order (data.seed) are shared. Seed by seed, every variant in turn, compare.json rewritten after
+    #    each run: a comparison cut short (a time budget, a killed job) has whole seeds of every variant
+    #    and reports them (--report-only).
     seeds = args.seeds or [None]
     for v in args.variants:
         shutil.rmtree(os.path.join(out, v), ignore_errors=True)  # metrics.jsonl appends: never mix two runs
-        entries = []
-        for seed in seeds:
+    entries_of: dict[str, list[dict]] = {v: [] for v in args.variants}
+    for seed in seeds:
+        for v in args.variants:
+            entries = entries_of[v]
             rel = v if seed is None else os.path.join(v, f"seed_{seed}")
             vdir = os.path.join(out, rel)
             # train.seed: the trainer's torch/numpy/python RNG; generation.seed: the sampling stream
@@ -91,12 +95,20 @@ def run_comparison(args, overrides: list[str]) -> dict:
             rc, wall = launch(probe + [args.config, *run_over], os.path.join(vdir, "train.log"), tag)
             entries.append({"seed": base.generation.seed if seed is None else seed, "dir": rel, "rc": rc,
                             "wall_s": wall, "overrides": run_over})
-        meta["runs"][v] = {"rc": next((e["rc"] for e in entries if e["rc"] != 0), 0),
-                           "wall_s": sum(e["wall_s"] for e in entries), "seeds": entries}
-    meta["total_wall_s"] = time.perf_counter() - t_all
-    with open(os.path.join(out, "compare.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
+            meta["runs"][v] = {"rc": next((e["rc"] for e in entries if e["rc"] != 0), 0),
+                               "wall_s": sum(e["wall_s"] for e in entries), "seeds": entries}
+            meta["total_wall_s"] = time.perf_counter() - t_all
+            _write_meta(out, meta)
+    meta["complete"] = True
+    _write_meta(out, meta)
     return meta
+
+
+def _write_meta(out: str, meta: dict) -> None:
+    tmp = os.path.join(out, "compare.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(tmp, os.path.join(out, "compare.json"))
 
 
 def _metadata(args, overrides: list[str], extra: dict, base) -> dict:
@@ -121,7 +133,7 @@ def _metadata(args, overrides: list[str], extra: dict, base) -> dict:
         "rollout": f"{base.train.prompts_per_step} prompts x {base.generation.n_samples_per_prompt} samples",
         "model": f"{m.preset or 'custom'}: {m.num_layers} layers, {m.num_moe_experts} experts top-{m.moe_router_topk}, "
                  f"hidden {m.hidden_size}",
-        "runs": {},
+        "runs": {}, "complete": False,  # True once every run has ended (compare.json is rewritten after each)
     }
 
 
