@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -202,6 +203,12 @@ def test_metrics_restart_at_the_resumed_step(tmp_path):
     first.close()
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 6, "x": 6.')  # a row cut short by the kill
+    # A resumed run starts in a later second than the killed one. Event files are named
+    # ...tfevents.<seconds>.<host>.<pid>.<writer counter of the process>, read in name order: two writers
+    # of one process in one second sort by the counter as text, and ".10" sorts before ".9".
+    start = int(time.time())
+    while int(time.time()) == start:
+        time.sleep(0.05)
     with LogLines(logging.WARNING) as warnings:
         second = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True)
         for step in (4, 5, 6):

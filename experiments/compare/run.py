@@ -126,7 +126,10 @@ def _metadata(args, overrides: list[str], extra: dict, base) -> dict:
         "stress": args.stress, "stress_minibatches": args.stress_minibatches if args.stress else None,
         "stress_lr_mult": args.stress_lr_mult if args.stress else None, "section": getattr(args, "section", None),
         "nproc_per_node": args.nproc_per_node, "probe": not args.no_probe, "probe_rows": args.probe_rows,
-        "threads": args.threads, "in_process": args.in_process, "machine": machine_info(),
+        # --threads, else what the environment set for every run
+        "threads": args.threads or (os.environ.get("OMP_NUM_THREADS") and f"{os.environ['OMP_NUM_THREADS']} "
+                                                                          "(OMP_NUM_THREADS)"),
+        "in_process": args.in_process, "machine": machine_info(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "seeds": args.seeds or [base.generation.seed], "num_steps": base.train.num_steps,
         "sft_steps": base.train.sft_steps, "num_minibatches": base.train.num_minibatches, "lr": base.optimizer.lr,
