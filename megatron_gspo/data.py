@@ -1,4 +1,4 @@
-"""Prompt data: datasets (built-in tasks, JSONL, Parquet) and a resumable batch sampler.
+"""Prompt data: datasets (built-in tasks, reasoning-gym tasks, JSONL, Parquet) and a resumable batch sampler.
 
 RL post-training consumes prompts, not token streams: each step takes P prompts, samples G responses
 for each, and scores them against the prompt's reference answer. So a data source here is a list of
@@ -7,7 +7,7 @@ for each, and scores them against the prompt's reference answer. So a data sourc
 Resuming must continue with exactly the prompts the interrupted run would have seen next, or a
 resumed run is a different experiment. The sampler's whole state is therefore two integers
 (``epoch``, ``position`` in that epoch's order) plus counters: the order of an epoch is a pure
-function of ``(seed, epoch)``, built-in tasks regenerate any example from its index, and file
+function of ``(seed, epoch)``, built-in and reasoning-gym tasks regenerate any example from its index, and file
 datasets are read in full (their order is the file's). Every data-parallel rank builds the same
 sampler and gets the same batches; the trainer slices its share.
 
@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from megatron_gspo.config import DataConfig
 from megatron_gspo.errors import DataError, TokenizerError
+from megatron_gspo.reasoning_gym_tasks import PREFIX as RG_PREFIX
+from megatron_gspo.reasoning_gym_tasks import build_reasoning_gym_task
 from megatron_gspo.tasks import TASKS, Task, build_task
 from megatron_gspo.tokenizer import Tokenizer
 
@@ -147,15 +149,19 @@ class PromptDataset(Sequence[PromptExample]):
                 knob = " (set by the data.task_* options)" if name in TASKS else ""
                 raise DataError(f"{key}={src!r}: {e}{knob}") from None
             return cls.from_task(task, cfg.task_num_examples)
+        if src.startswith(RG_PREFIX):
+            task = build_reasoning_gym_task(src, cfg.seed, cfg.task_num_examples, cfg.task_kwargs)
+            return cls(task, source=src, size=cfg.task_num_examples)
         if src.endswith(".jsonl"):
             return cls.from_jsonl(src, cfg.prompt_key, cfg.answer_key, key=key)
         if src.endswith(".parquet"):
             return cls.from_parquet(src, cfg.prompt_key, cfg.answer_key, key=key)
         if os.path.isdir(src):
-            raise DataError(f"{key}={src!r} is a directory; give a .jsonl or .parquet file or builtin:<task> "
-                            f"({', '.join(sorted(TASKS))})")
+            raise DataError(f"{key}={src!r} is a directory; give a .jsonl or .parquet file, builtin:<task> "
+                            f"({', '.join(sorted(TASKS))}) or reasoning_gym:<task>")
         raise DataError(
-            f"{key}={src!r}: expected builtin:<task> ({', '.join(sorted(TASKS))}) or a path ending in .jsonl or .parquet"
+            f"{key}={src!r}: expected builtin:<task> ({', '.join(sorted(TASKS))}), reasoning_gym:<task> or a path "
+            "ending in .jsonl or .parquet"
         )
 
 
@@ -357,7 +363,7 @@ class PromptSampler:
 def split_holdout(dataset: PromptDataset, num: int) -> tuple[PromptDataset, PromptDataset]:
     """(training set, ``num`` held-out examples) of one data source.
 
-    A built-in task keeps its whole training epoch and holds out the examples just past it (indices
+    A built-in or reasoning-gym task keeps its whole training epoch and holds out the examples just past it (indices
     len .. len + num - 1: generated from their index like the others, never drawn for training). A
     file gives up its last ``num`` records, which training then never sees."""
     if dataset._task is not None:

@@ -1,4 +1,6 @@
-"""Policy losses for RL post-training: GSPO, GSPO-token and GRPO (PPO-clip), as pure functions.
+"""Policy losses for RL post-training, as pure functions: GSPO, GSPO-token, GRPO (PPO-clip) and GSPO's
+successors SAPO (soft gate), CISPO (clipped importance weights), GMPO (geometric mean) and LUSPO
+(length-unbiased GSPO).
 
 Token grid
     Every per-token input is a [B, T] tensor on the *response-aligned token grid*: row i is one
@@ -23,8 +25,8 @@ Return value
 
 Normalization, data parallelism and gradient accumulation
     Each loss is ``numerator / normalizer``: the numerator sums per-sequence terms (gspo,
-    gspo_token, grpo "seq-mean-*") or per-token terms (grpo "token-mean"), and the normalizer
-    counts those units. By default it is the local count, which is right for one process and one
+    gspo_token, sapo, gmpo, luspo, grpo / cispo "seq-mean-*") or per-token terms (grpo / cispo
+    "token-mean"), and the normalizer counts those units. By default it is the local count, which is right for one process and one
     micro-batch. Otherwise pass ``global_batch_normalizer`` = the count over the whole global batch
     (all DP ranks, all micro-batches of the optimizer step): all-reduce (SUM) the local
     ``batch_normalizer(cfg, mask)`` of every micro-batch. Then the per-rank, per-micro-batch losses
@@ -49,8 +51,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from megatron_gspo.config import LOSS_AGG_MODES, LossConfig
-from megatron_gspo.config.checks import check_clip_range
+from megatron_gspo.config import AGG_MODE_LOSSES, LOSS_AGG_MODES, SAPO_TAUS, LossConfig
+from megatron_gspo.config.checks import check_clip_range, check_loss_range
 from megatron_gspo.config.checks import finite as _finite
 from megatron_gspo.metrics import Metric
 
@@ -114,6 +116,8 @@ def _aggregate(x: Tensor, b: _Batch, mode: str, norm_constant: Optional[float]) 
         return _token_mean_per_seq(x, b), b.active.sum().to(x.dtype)
     if mode == "seq-mean-token-sum-norm":
         return _masked(x, b).sum(dim=-1) / norm_constant, b.active.sum().to(x.dtype)
+    if mode == "seq-mean-token-sum":  # internal (LUSPO's KL / entropy terms): each sequence weighs its length
+        return _masked(x, b).sum(dim=-1), b.active.sum().to(x.dtype)
     raise ValueError(f"loss_agg_mode={mode!r} is not one of {list(LOSS_AGG_MODES)}")
 
 
@@ -149,6 +153,18 @@ def _check_weights(w: Tensor, b: _Batch) -> Tensor:
                          f"got {tuple(w.shape)}")
     # where(): masked positions may hold anything (a mis weight of 0 times an inf must not be NaN)
     return w.detach().to(b.logp.dtype) if w.dim() == 1 else torch.where(b.mask, w.detach().to(b.logp.dtype), 0.0)
+
+
+def _check_agg_mode(mode: str, norm_constant: Optional[float]) -> None:
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={mode!r} is not one of {list(LOSS_AGG_MODES)}")
+    if mode == "seq-mean-token-sum-norm" and not (
+        norm_constant is not None and _finite(norm_constant) and norm_constant > 0
+    ):
+        raise ValueError(
+            "loss_agg_mode='seq-mean-token-sum-norm' needs loss_agg_norm_constant > 0 (the maximum "
+            f"response length), got {norm_constant}"
+        )
 
 
 def _sum_over_count(terms: Tensor, count: Tensor) -> Metric:
@@ -272,6 +288,23 @@ def _seq_clip_metrics(clip_low: Tensor, clip_high: Tensor, s: Tensor, b: _Batch,
     }
 
 
+def _gspo_sequence_objective(b: _Batch, low: float, high: float, bound: float,
+                             is_weights: Optional[Tensor]) -> tuple[Tensor, Metrics]:
+    """GSPO's per-sequence objective min(s_i A_i, clip(s_i) A_i) [B] (differentiable), rollout-corrected,
+    with the batch and sequence-clip metrics (shared by gspo_loss and luspo_loss)."""
+    adv = b.adv if b.adv.dim() == 1 else _token_mean_per_seq(b.adv, b)
+    s, _ = _gspo_common(b, bound)
+    clip_low, clip_high = _clip_masks(adv, s.detach(), low, high)
+    obj = _clip_objective(s, adv, clip_low, clip_high, low, high)
+    if is_weights is not None:
+        # the sequence is GSPO's unit: a token-level weight enters as its mean over the response
+        w = _check_weights(is_weights, b)
+        obj = obj * (w if w.dim() == 1 else _token_mean_per_seq(w, b))
+    metrics = _batch_metrics(b, s.detach())
+    metrics.update(_seq_clip_metrics(clip_low, clip_high, s.detach(), b, low, high))
+    return obj, metrics
+
+
 def gspo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     clip_ratio_low: float = 3e-4, clip_ratio_high: float = 4e-4, log_ratio_bound: float = 20.0,
@@ -294,20 +327,9 @@ def gspo_loss(
     check_clip_range(clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
     _validate_common(kl_coef, entropy_coef, ref_logp, entropy, global_batch_normalizer)
     b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
-    adv = b.adv if b.adv.dim() == 1 else _token_mean_per_seq(b.adv, b)
-
-    s, _ = _gspo_common(b, log_ratio_bound)
-    clip_low, clip_high = _clip_masks(adv, s.detach(), clip_ratio_low, clip_ratio_high)
-    obj = _clip_objective(s, adv, clip_low, clip_high, clip_ratio_low, clip_ratio_high)
-    if is_weights is not None:
-        # the sequence is GSPO's unit: a token-level weight enters as its mean over the response
-        w = _check_weights(is_weights, b)
-        obj = obj * (w if w.dim() == 1 else _token_mean_per_seq(w, b))
+    obj, metrics = _gspo_sequence_objective(b, clip_ratio_low, clip_ratio_high, log_ratio_bound, is_weights)
     pg_terms = torch.where(b.active, -obj, 0.0)  # [B]
     count = b.active.sum().to(obj.dtype)
-
-    metrics = _batch_metrics(b, s.detach())
-    metrics.update(_seq_clip_metrics(clip_low, clip_high, s.detach(), b, clip_ratio_low, clip_ratio_high))
     return _finish(pg_terms, count, b, mode="seq-mean-token-mean", norm_constant=None, kl_coef=kl_coef,
                    ref_logp=ref_logp, entropy_coef=entropy_coef, entropy=entropy, bound=log_ratio_bound,
                    global_batch_normalizer=global_batch_normalizer, metrics=metrics)
@@ -387,15 +409,7 @@ def grpo_loss(
     """
     check_clip_range(clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
     _validate_common(kl_coef, entropy_coef, ref_logp, entropy, global_batch_normalizer)
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
-    if loss_agg_mode == "seq-mean-token-sum-norm" and not (
-        loss_agg_norm_constant is not None and _finite(loss_agg_norm_constant) and loss_agg_norm_constant > 0
-    ):
-        raise ValueError(
-            "loss_agg_mode='seq-mean-token-sum-norm' needs loss_agg_norm_constant > 0 (the maximum "
-            f"response length), got {loss_agg_norm_constant}"
-        )
+    _check_agg_mode(loss_agg_mode, loss_agg_norm_constant)
     if dual_clip_c is not None and not (_finite(dual_clip_c) and dual_clip_c > 1):
         raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
     b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
@@ -435,6 +449,248 @@ def grpo_loss(
 
 
 # ----------------------------------------------------------------------------------------------
+# GSPO's successors: SAPO, CISPO, GMPO, LUSPO
+# ----------------------------------------------------------------------------------------------
+
+# A SAPO token counts as gated (its clip_frac) once the gate has cut its gradient weight below this
+# share of the unclipped surrogate's (4 sigma (1 - sigma) < 1/2: |r - 1| > 1.76 / tau).
+SAPO_GATED_WEIGHT = 0.5
+
+
+def _token_adv(b: _Batch) -> Tensor:
+    """Advantages on the token grid: [B, 1] (broadcasts) or [B, T] with 0 off-mask (masked positions may
+    hold NaN; a NaN times a zero gradient would still be NaN in the backward pass)."""
+    return b.adv[:, None] if b.adv.dim() == 1 else torch.where(b.mask, b.adv, 0.0)
+
+
+def _token_ratio_metrics(r_val: Tensor, b: _Batch) -> Metrics:
+    return {"token_ratio/mean": Metric.mean(r_val, b.mask), "token_ratio/min": Metric.min(r_val, b.mask),
+            "token_ratio/max": Metric.max(r_val, b.mask)}
+
+
+def _token_weights(is_weights: Optional[Tensor], b: _Batch) -> Optional[Tensor]:
+    """Rollout-correction weights on the token grid ([B, 1] or [B, T]), or None."""
+    if is_weights is None:
+        return None
+    w = _check_weights(is_weights, b)
+    return w[:, None] if w.dim() == 1 else w
+
+
+def _seq_ratio_value(b: _Batch, bound: float) -> Tensor:
+    """[B] GSPO's sequence ratio exp(mean_t log-ratio), detached: every loss reports it (seq_ratio/*)."""
+    return _seq_log_ratio(b).detach().clamp(-bound, bound).exp()
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (_finite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+
+
+def sapo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    tau_pos: float = SAPO_TAUS[0], tau_neg: float = SAPO_TAUS[1], log_ratio_bound: float = 20.0,
+    kl_coef: float = 0.0, entropy_coef: float = 0.0, ref_logp: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None, global_batch_normalizer: Normalizer = None,
+    is_weights: Optional[Tensor] = None,
+) -> tuple[Tensor, Metrics]:
+    """SAPO: a smooth, temperature-controlled gate on each token's ratio instead of a hard clip.
+
+    Implements J_SAPO of arXiv 2511.20347: (1/G) sum_i (1/|y_i|) sum_t f_it(r_it) A_it, f_it(x) = (4/tau_it) sigmoid(tau_it (x - 1)), tau_it = tau_pos if A_it > 0 else tau_neg.
+
+    logp, old_logp, mask (, ref_logp, entropy): [B, T]; advantages: [B] (broadcast) or [B, T].
+    r_it = exp(clamp(logp - old_logp, +-log_ratio_bound)). The gradient of a token's term is
+    w_it r_it A_it grad log pi with the gate weight w_it = 4 sigma (1 - sigma), sigma = sigmoid(tau_it
+    (r_it - 1)): exactly the unclipped surrogate's at r = 1 (w = 1, so on-policy SAPO is the policy
+    gradient), decaying smoothly as the ratio leaves 1 in either direction; no token's gradient is
+    cut to zero at a threshold. Aggregation as the formula: token mean per sequence, then mean over
+    the N sequences with >= 1 response token (N = global normalizer if given); KL / entropy alike.
+    Metrics: clip_frac_low / _high count the tokens whose gate weight fell below SAPO_GATED_WEIGHT
+    with r < 1 / r > 1, whatever the advantage's sign (below r = 1 the gate's argument is at least
+    -tau, so at the paper's temperatures the weight stays above 0.78 there and clip_frac_low is 0:
+    the gate mostly damps ratios that ran high); gate/weight_mean, gate/weight_min, and the token
+    ratio statistics.
+    """
+    _check_positive("tau_pos", tau_pos)
+    _check_positive("tau_neg", tau_neg)
+    _check_positive("log_ratio_bound", log_ratio_bound)
+    _validate_common(kl_coef, entropy_coef, ref_logp, entropy, global_batch_normalizer)
+    b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
+    adv = _token_adv(b)
+
+    ratio = b.log_ratio.clamp(-log_ratio_bound, log_ratio_bound).exp()  # [B, T]; 1 off-mask
+    tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1))
+    obj = (4 / tau) * gate * adv  # f(r) A
+    w = _token_weights(is_weights, b)
+    if w is not None:
+        obj = obj * w
+    pg_terms, count = _aggregate(-obj, b, "seq-mean-token-mean", None)
+
+    m, r_val = b.mask, ratio.detach()
+    weight = (4 * gate * (1 - gate)).detach().expand_as(m)  # the gate's share of the unclipped gradient
+    gated = weight < SAPO_GATED_WEIGHT
+    metrics = _batch_metrics(b, _seq_ratio_value(b, log_ratio_bound))
+    metrics.update({
+        "clip_frac_low": Metric.mean((gated & (r_val < 1)).to(torch.float64), m),
+        "clip_frac_high": Metric.mean((gated & (r_val > 1)).to(torch.float64), m),
+        "ratio_out_low_frac": Metric.mean((gated & (r_val < 1)).to(torch.float64), m),
+        "ratio_out_high_frac": Metric.mean((gated & (r_val > 1)).to(torch.float64), m),
+        "gate/weight_mean": Metric.mean(weight, m),
+        "gate/weight_min": Metric.min(weight, m),
+        **_token_ratio_metrics(r_val, b),
+    })
+    return _finish(pg_terms, count, b, mode="seq-mean-token-mean", norm_constant=None, kl_coef=kl_coef,
+                   ref_logp=ref_logp, entropy_coef=entropy_coef, entropy=entropy, bound=log_ratio_bound,
+                   global_batch_normalizer=global_batch_normalizer, metrics=metrics)
+
+
+def cispo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    clip_ratio_low: float = 1.0, clip_ratio_high: float = 4.0, log_ratio_bound: float = 20.0,
+    loss_agg_mode: str = "token-mean", loss_agg_norm_constant: Optional[float] = None,
+    kl_coef: float = 0.0, entropy_coef: float = 0.0, ref_logp: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None, global_batch_normalizer: Normalizer = None,
+    is_weights: Optional[Tensor] = None,
+) -> tuple[Tensor, Metrics]:
+    """CISPO: clip the importance-sampling weight, not the update; every token keeps a gradient.
+
+    Implements J_CISPO of arXiv 2506.13585 eq. (4): (1/sum_i |o_i|) sum_i sum_t sg(r^_it) A_it log pi_theta(o_it), r^_it = clip(r_it, 1 - eps_low, 1 + eps_high).
+
+    logp, old_logp, mask (, ref_logp, entropy): [B, T]; advantages: [B] (broadcast) or [B, T].
+    r_it = exp(clamp(logp - old_logp, +-log_ratio_bound)) enters only as the detached weight r^_it,
+    so the gradient of a token's term is r^_it A_it grad log pi whatever its ratio (the bound caps the
+    weight, never the gradient). clip_ratio_low = 1 puts the lower end at 0: no lower bound, as in
+    MiniMax-M1. The loss value is the paper's surrogate, -r^ A log pi (it depends on log pi itself,
+    not only on the ratio: on-policy it is -A log pi, not -A). Aggregated by loss_agg_mode as in
+    grpo_loss ("token-mean", the paper's, by default); KL / entropy alike.
+    Metrics: clip_frac_low / _high count the tokens whose weight was truncated (r < 1 - eps_low /
+    r > 1 + eps_high, whatever the advantage's sign), and the token ratio statistics.
+    """
+    check_loss_range("cispo", clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
+    _validate_common(kl_coef, entropy_coef, ref_logp, entropy, global_batch_normalizer)
+    _check_agg_mode(loss_agg_mode, loss_agg_norm_constant)
+    b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
+    adv = _token_adv(b)
+
+    r_val = b.log_ratio.detach().clamp(-log_ratio_bound, log_ratio_bound).exp()  # [B, T]; 1 off-mask
+    weight = r_val.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)  # sg(r^)
+    lp = torch.where(b.mask, b.logp, 0.0)  # masked positions may hold anything
+    obj = weight * adv * lp
+    w = _token_weights(is_weights, b)
+    if w is not None:
+        obj = obj * w
+    pg_terms, count = _aggregate(-obj, b, loss_agg_mode, loss_agg_norm_constant)
+
+    m = b.mask
+    low, high = r_val < 1 - clip_ratio_low, r_val > 1 + clip_ratio_high
+    metrics = _batch_metrics(b, _seq_ratio_value(b, log_ratio_bound))
+    metrics.update({
+        "clip_frac_low": Metric.mean(low.to(torch.float64), m),
+        "clip_frac_high": Metric.mean(high.to(torch.float64), m),
+        "ratio_out_low_frac": Metric.mean(low.to(torch.float64), m),
+        "ratio_out_high_frac": Metric.mean(high.to(torch.float64), m),
+        **_token_ratio_metrics(r_val, b),
+    })
+    return _finish(pg_terms, count, b, mode=loss_agg_mode, norm_constant=loss_agg_norm_constant,
+                   kl_coef=kl_coef, ref_logp=ref_logp, entropy_coef=entropy_coef, entropy=entropy,
+                   bound=log_ratio_bound, global_batch_normalizer=global_batch_normalizer, metrics=metrics)
+
+
+def gmpo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    clip_ratio_low: float = 0.4, clip_ratio_high: float = 0.4, log_ratio_bound: float = 20.0,
+    kl_coef: float = 0.0, entropy_coef: float = 0.0, ref_logp: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None, global_batch_normalizer: Normalizer = None,
+    is_weights: Optional[Tensor] = None,
+) -> tuple[Tensor, Metrics]:
+    """GMPO: the geometric mean of token ratios, each clipped in log space before the mean.
+
+    Implements J_GMPO of arXiv 2507.20673: (1/G) sum_i (prod_t min[r_it^sgn(A_i), clip(r_it^sgn(A_i), e^-eps_l, e^eps_h)]^sgn(A_i))^(1/|o_i|) A_i.
+
+    logp, old_logp, mask (, ref_logp, entropy): [B, T]; advantages: [B], or [B, T] reduced to [B]
+    by its masked mean over each response (GMPO's advantage is per sequence). In log space, with
+    l_it = clamp(logp - old_logp, +-log_ratio_bound): c_it = min(l_it, clamp(l_it, -eps_l, eps_h))
+    for A_i > 0, max(...) for A_i < 0 (PPO's one-sided trust region per token: a clipped token has
+    zero gradient, the others keep theirs), and the objective is A_i exp(mean_t c_it). With the
+    paper's symmetric range (0.4 / 0.4) this is the formula above exactly; an asymmetric range puts
+    eps_l on the low side for A < 0 and eps_h on the high side for A > 0, as PPO does.
+    Rollout-correction weights per token enter as their geometric mean over the response (the
+    correction of GMPO's ratio: GM(r rho) = GM(r) GM(rho)); a zero weight zeroes the sequence.
+    loss = -(1/N) sum_i obj_i over the N sequences with >= 1 response token; KL / entropy are
+    averaged per sequence then over sequences. Metrics: clip fractions count tokens; seq_ratio/* is
+    the unclipped geometric mean (GSPO's s_i), seq_ratio_clipped/* the one the loss uses.
+    """
+    check_loss_range("gmpo", clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
+    _validate_common(kl_coef, entropy_coef, ref_logp, entropy, global_batch_normalizer)
+    b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
+    adv = b.adv if b.adv.dim() == 1 else _token_mean_per_seq(b.adv, b)
+
+    lr = b.log_ratio.clamp(-log_ratio_bound, log_ratio_bound)  # [B, T]; 0 off-mask
+    lr_val = lr.detach()
+    a = adv[:, None]
+    # the clipped branch of min / max is the active one exactly here (then the token's term is constant)
+    clip_high = (a > 0) & (lr_val > clip_ratio_high)
+    clip_low = (a < 0) & (lr_val < -clip_ratio_low)
+    clipped = torch.where(clip_high, clip_ratio_high, torch.where(clip_low, -clip_ratio_low, lr))
+    ratio = _token_mean_per_seq(clipped, b).exp()  # [B]: the clipped geometric mean
+    obj = adv * ratio
+    if is_weights is not None:
+        w = _check_weights(is_weights, b)
+        if w.dim() == 2:  # exp(mean_t log w_t); log 0 = -inf gives 0 (off-mask entries excluded)
+            w = _token_mean_per_seq(torch.where(b.mask, torch.log(w), 0.0), b).exp()
+        obj = obj * w
+    pg_terms = torch.where(b.active, -obj, 0.0)  # [B]
+    count = b.active.sum().to(obj.dtype)
+
+    m = b.mask
+    r_val = lr_val.exp()
+    metrics = _batch_metrics(b, _seq_ratio_value(b, log_ratio_bound))
+    metrics.update({
+        "clip_frac_low": Metric.mean(clip_low.to(torch.float64), m),
+        "clip_frac_high": Metric.mean(clip_high.to(torch.float64), m),
+        "ratio_out_low_frac": Metric.mean((lr_val < -clip_ratio_low).to(torch.float64), m),
+        "ratio_out_high_frac": Metric.mean((lr_val > clip_ratio_high).to(torch.float64), m),
+        "seq_ratio_clipped/mean": Metric.mean(ratio.detach(), b.active),
+        "seq_ratio_clipped/min": Metric.min(ratio.detach(), b.active),
+        "seq_ratio_clipped/max": Metric.max(ratio.detach(), b.active),
+        **_token_ratio_metrics(r_val, b),
+    })
+    return _finish(pg_terms, count, b, mode="seq-mean-token-mean", norm_constant=None, kl_coef=kl_coef,
+                   ref_logp=ref_logp, entropy_coef=entropy_coef, entropy=entropy, bound=log_ratio_bound,
+                   global_batch_normalizer=global_batch_normalizer, metrics=metrics)
+
+
+def luspo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+    clip_ratio_low: float = 2e-3, clip_ratio_high: float = 2.5e-3, log_ratio_bound: float = 20.0,
+    kl_coef: float = 0.0, entropy_coef: float = 0.0, ref_logp: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None, global_batch_normalizer: Normalizer = None,
+    is_weights: Optional[Tensor] = None,
+) -> tuple[Tensor, Metrics]:
+    """LUSPO: GSPO with each sequence's objective scaled by its length (GSPO's length bias removed).
+
+    Implements J_LUSPO of arXiv 2602.05261: (1/G) sum_i |y_i| min(s_i A_i, clip(s_i, 1-eps_l, 1+eps_h) A_i), s_i as in GSPO.
+
+    logp, old_logp, mask (, ref_logp, entropy), advantages: as gspo_loss (the same s_i, clipping,
+    rollout correction and metrics). GSPO's s_i is a per-token geometric mean, so its gradient
+    spreads 1/|y_i| over each token and a long response moves each of its tokens less than a short
+    one: LUSPO multiplies the sequence's term by |y_i|, which gives every token of the batch the
+    same weight. loss = -(1/N) sum_i |y_i| obj_i over the N sequences with >= 1 response token
+    (N = global normalizer if given): the value scales with the response length. The KL / entropy
+    terms scale with it too (token sums per sequence, then the mean over sequences).
+    """
+    check_loss_range("luspo", clip_ratio_low, clip_ratio_high, log_ratio_bound, where="")
+    _validate_common(kl_coef, entropy_coef, ref_logp, entropy, global_batch_normalizer)
+    b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
+    obj, metrics = _gspo_sequence_objective(b, clip_ratio_low, clip_ratio_high, log_ratio_bound, is_weights)
+    pg_terms = torch.where(b.active, -b.lengths * obj, 0.0)  # [B]
+    count = b.active.sum().to(obj.dtype)
+    return _finish(pg_terms, count, b, mode="seq-mean-token-sum", norm_constant=None, kl_coef=kl_coef,
+                   ref_logp=ref_logp, entropy_coef=entropy_coef, entropy=entropy, bound=log_ratio_bound,
+                   global_batch_normalizer=global_batch_normalizer, metrics=metrics)
+
+
+# ----------------------------------------------------------------------------------------------
 # Registry and dispatch
 # ----------------------------------------------------------------------------------------------
 
@@ -444,6 +700,10 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     "gspo": gspo_loss,
     "gspo_token": gspo_token_loss,
     "grpo": grpo_loss,
+    "sapo": sapo_loss,
+    "cispo": cispo_loss,
+    "gmpo": gmpo_loss,
+    "luspo": luspo_loss,
 }
 
 
@@ -455,13 +715,27 @@ def get_policy_loss(name: str) -> PolicyLoss:
 
 
 def batch_normalizer(cfg: LossConfig, mask: Tensor) -> Tensor:
-    """The local unit count the loss divides by: response tokens for grpo "token-mean", sequences
-    with >= 1 response token otherwise. Sum it over micro-batches and all-reduce it over the DP
-    group to get ``global_batch_normalizer``. Returns a float32 scalar on mask's device."""
+    """The local unit count the loss divides by: response tokens for grpo / cispo "token-mean",
+    sequences with >= 1 response token otherwise. Sum it over micro-batches and all-reduce it over
+    the DP group to get ``global_batch_normalizer``. Returns a float32 scalar on mask's device."""
     m = mask if mask.dtype == torch.bool else mask != 0
-    if cfg.name == "grpo" and cfg.loss_agg_mode == "token-mean":
+    if cfg.name in AGG_MODE_LOSSES and cfg.loss_agg_mode == "token-mean":
         return m.sum().to(torch.float32)
     return (m.sum(dim=-1) > 0).sum().to(torch.float32)
+
+
+def loss_kwargs(cfg: LossConfig) -> dict:
+    """The hyperparameters of ``cfg.name``'s loss function, as keyword arguments, from the config."""
+    kwargs: dict = dict(log_ratio_bound=cfg.log_ratio_bound, kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef)
+    if cfg.name == "sapo":
+        return {**kwargs, "tau_pos": cfg.sapo_tau_pos, "tau_neg": cfg.sapo_tau_neg}
+    low, high = cfg.clip_range()
+    kwargs.update(clip_ratio_low=low, clip_ratio_high=high)
+    if cfg.name in AGG_MODE_LOSSES:
+        kwargs.update(loss_agg_mode=cfg.loss_agg_mode, loss_agg_norm_constant=cfg.loss_agg_norm_constant)
+    if cfg.name == "grpo":
+        kwargs.update(dual_clip_c=cfg.dual_clip_c)
+    return kwargs
 
 
 def compute_policy_loss(
@@ -471,13 +745,6 @@ def compute_policy_loss(
 ) -> tuple[Tensor, Metrics]:
     """Dispatch to the loss named by ``cfg.name`` with the config's hyperparameters (is_weights: the
     rollout-correction weights, rollout_correction.correction_weights)."""
-    low, high = cfg.clip_range()
-    kwargs = dict(
-        clip_ratio_low=low, clip_ratio_high=high, log_ratio_bound=cfg.log_ratio_bound,
-        kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef, ref_logp=ref_logp, entropy=entropy,
-        global_batch_normalizer=global_batch_normalizer, is_weights=is_weights,
-    )
-    if cfg.name == "grpo":
-        kwargs.update(loss_agg_mode=cfg.loss_agg_mode, loss_agg_norm_constant=cfg.loss_agg_norm_constant,
-                      dual_clip_c=cfg.dual_clip_c)
-    return get_policy_loss(cfg.name)(logp, old_logp, advantages, mask, **kwargs)
+    return get_policy_loss(cfg.name)(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=entropy,
+                                     global_batch_normalizer=global_batch_normalizer, is_weights=is_weights,
+                                     **loss_kwargs(cfg))

@@ -25,12 +25,22 @@ Built-ins:
 * ``digit_match``: the fraction of character positions (left-aligned) at which that first line agrees
   with the answer, over the longer of the two. A denser signal for tiny models that rarely hit an
   exact answer early on: "18" for "19" earns 0.5 instead of 0.
-* ``math``: 1.0 when the final answer equals the reference. The final answer is the last
+* ``math``: 1.0 when math-verify (the checker of TRL and open-r1) finds the response's answer equal to
+  the reference's final answer. The reference may be a ``\boxed{}`` solution (its last box is the
+  final answer), a GSM8K ``... #### 72`` (what follows ``####``) or the answer itself; the response is
+  read after ``</think>`` if it has one, by math-verify's own extraction (its last ``\boxed{}`` first,
+  then LaTeX and plain expressions). math-verify runs in a child process with a CPU-time limit per
+  check (``timeout_s``, default 10 s) and a wall-clock backstop (``wall_timeout_s``, default 600 s);
+  past either the response scores 0: math_verify_worker explains why.
+  Where it disagrees with ``math_builtin`` on the project's own cases: docs/algorithms.md.
+* ``math_builtin``: the project's own checker, no dependency: the final answer is the last
   ``\boxed{...}`` (nested braces fine) of the response, after ``</think>`` if it has one, else the
   last number there. Equality is numeric where both sides parse (integers, decimals, ``1,234``,
   ``a/b``, ``\frac{a}{b}``, ``50%`` = 50 or 0.5), else symbolic with sympy (``\frac{\sqrt{2}}{2}``
-  = ``1/\sqrt{2}``) if it is installed, else normalized-string equality. A reference may itself be a
-  ``\boxed{}`` solution or a GSM8K ``... #### 72``.
+  = ``1/\sqrt{2}``) if it is installed, else normalized-string equality; references as for ``math``.
+* ``reasoning_gym``: the task's own verifier, for prompts of a ``data.source=reasoning_gym:<task>``
+  source: the task's ``score_answer`` (in [0, 1]; many tasks give partial credit) on the response's
+  last ``<answer>...</answer>``, else its first line (extract_task_answer).
 * ``format``: 1.0 when the response has the required shape, else 0.0. ``require="think"`` (default):
   one ``<think>...</think>`` block with non-empty reasoning, at the start, followed by a non-empty
   answer (a prompt that ends in ``<think>`` counts as having opened the block). ``require="boxed"``:
@@ -437,12 +447,41 @@ def math_reference_problem(answer: Optional[str]) -> Optional[str]:
     return "neither '... #### <answer>' nor '\\boxed{<answer>}', nor a number or a math expression"
 
 
-@register_reward("math")
-def math_reward(prompt: str, response: str, answer: Optional[str], **kwargs: Any) -> float:
-    """1.0 if the response's final answer equals the reference answer (see module docstring)."""
-    reference = _require_answer(answer, "math")
+@register_reward("math_builtin")
+def builtin_math_reward(prompt: str, response: str, answer: Optional[str], **kwargs: Any) -> float:
+    """1.0 if the response's final answer equals the reference answer by this module's own extraction and
+    equality (extract_math_answer, math_equal; no math-verify). ``math`` uses math-verify instead."""
+    reference = _require_answer(answer, "math_builtin")
     predicted = extract_math_answer(response)
     return float(predicted is not None and math_equal(predicted, reference))
+
+
+# A math-verify check's limits (reward.kwargs.timeout_s / wall_timeout_s): the CPU time it may use (load-
+# independent; a normal answer needs milliseconds to a second), and a wall-clock backstop for what no
+# Python-level timer interrupts (generous: on a shared machine a second of CPU can take a minute).
+MATH_VERIFY_CPU_TIMEOUT_S = 10.0
+MATH_VERIFY_WALL_TIMEOUT_S = 600.0
+
+
+@register_reward("math")
+def math_reward(prompt: str, response: str, answer: Optional[str], *, timeout_s: float = MATH_VERIFY_CPU_TIMEOUT_S,
+                wall_timeout_s: float = MATH_VERIFY_WALL_TIMEOUT_S, **kwargs: Any) -> float:
+    """1.0 if math-verify finds the response's answer equal to the reference's final answer (see module
+    docstring); 0.0 past ``timeout_s`` seconds of CPU time or ``wall_timeout_s`` of waiting
+    (math_verify_worker: a child process, no signals here)."""
+    from megatron_gspo.math_verify_worker import MathVerifyTimeout, process_checker
+
+    gold, _ = _reference_final_answer(_require_answer(answer, "math"))
+    text = cut_at_eos(response)
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    if not gold.strip() or not text.strip():
+        return 0.0
+    try:
+        return float(process_checker().equal(text, gold.strip(), timeout_s, wall_timeout_s))
+    except MathVerifyTimeout as e:
+        log.warning("math reward: %s on a response (scored 0); the response starts %s", e, _clip(text, 80))
+        return 0.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,11 +514,44 @@ def format_reward(prompt: str, response: str, answer: Optional[str] = None, *, r
 
 
 # ----------------------------------------------------------------------------------------------
+# Task verifiers (reasoning-gym)
+# ----------------------------------------------------------------------------------------------
+
+
+def extract_task_answer(response: str, extra_stops: Sequence[str] = ()) -> str:
+    """What a response answers for a verifier: the last ``<answer>...</answer>`` (reasoning-gym's
+    convention) after ``</think>`` if it has one, else its first line (cut at the first end-of-sequence
+    marker, stripped), as the built-in tasks are graded."""
+    text = cut_at_eos(response, extra_stops)
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    tagged = re.findall(r"<answer>(.*?)</answer>", text, flags=re.S)
+    return tagged[-1].strip() if tagged else first_line(text)
+
+
+@register_reward("reasoning_gym")
+def reasoning_gym_reward(prompt: str, response: str, answer: Optional[str], **kwargs: Any) -> float:
+    """The task's own verifier (``score_answer``) on the response's answer (extract_task_answer), in [0, 1].
+    The reference must come from a ``data.source=reasoning_gym:<task>`` source (reasoning_gym_tasks.TaskAnswer)."""
+    verify = getattr(answer, "verify", None)
+    if verify is None:
+        raise ValueError("reward.name=reasoning_gym scores prompts of data.source=reasoning_gym:<task> only; this "
+                         f"example's reference {_clip(answer, 40)} carries no task verifier")
+    return verify(extract_task_answer(response, _stops(kwargs)))
+
+
+def task_reference_problem(answer: Optional[str]) -> Optional[str]:
+    """Why reward.name=reasoning_gym cannot score against ``answer``, or None."""
+    return None if hasattr(answer, "verify") else "not a reasoning_gym:<task> example (no task verifier)"
+
+
+# ----------------------------------------------------------------------------------------------
 # Reference answers a reward cannot read
 # ----------------------------------------------------------------------------------------------
 
 # Rewards that can tell, before training, a reference answer they will never match: name -> problem(answer).
-REFERENCE_CHECKS: dict[str, Callable[[Optional[str]], Optional[str]]] = {"math": math_reference_problem}
+REFERENCE_CHECKS: dict[str, Callable[[Optional[str]], Optional[str]]] = {
+    "math": math_reference_problem, "math_builtin": math_reference_problem, "reasoning_gym": task_reference_problem}
 
 
 def check_reference_answers(cfg: RewardConfig, references: Sequence[tuple[str, Optional[str]]], source: str) -> int:

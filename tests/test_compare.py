@@ -262,6 +262,24 @@ def test_stress_overrides():
     assert load_job_config(DEMO_CONFIG, ov).train.num_minibatches == 3
 
 
+def test_every_variant_is_a_valid_job_with_its_loss_defaults(capsys):
+    """Each variant (GSPO's successors included) loads as a job on the demo config, its loss at its
+    paper's defaults even where the job set a clip range; --section names a docs section by a safe name."""
+    from megatron_gspo.config import load_job_config
+    from megatron_gspo.train import DEMO_CONFIG
+
+    assert set(variants.FAMILY_VARIANTS) <= set(variants.VARIANTS)
+    for v in variants.VARIANTS:
+        cfg = load_job_config(DEMO_CONFIG, ["loss.clip_ratio_high=0.3"] + variants.variant_overrides(v, {}))
+        assert cfg.loss.name == v.split("_r")[0] and cfg.loss.clip_ratio_high is None, v
+        assert variants.clip_unit(v) != "?"
+    assert cli.parse_args(["--section", "family_stress"]).section == "family_stress"
+    assert variants.section_kind({"section": "family_stress", "stress": True}) == "family_stress"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--section", "../x"])
+    assert "letters, digits, _ and - only" in capsys.readouterr().err
+
+
 def test_old_docs_flag_is_refused_with_its_replacement(capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--docs"])
@@ -285,7 +303,8 @@ def _write_seed_runs(out) -> None:
                         "loss/seq_ratio/max": 1.01, "loss/seq_ratio/min": 0.99, "loss/entropy": 0.5,
                         "routing/routing_change_frac": 0.0 if v == "grpo_r2" else 0.02,
                         "routing/routing_change_frac/layer_0": 0.0 if v == "grpo_r2" else 0.02,
-                        "train/skipped_updates": 0, "perf/step_time_s": 0.4}) + "\n")
+                        "train/skipped_updates": 0, "perf/step_time_s": 0.4, "rollout/response_length_mean": 2.5,
+                        **({"eval/greedy_accuracy": 0.75} if step % 10 == 0 else {})}) + "\n")
 
 
 def test_report_over_several_seeds(tmp_path):
@@ -297,6 +316,9 @@ def test_report_over_several_seeds(tmp_path):
     assert math.isfinite(t["final_reward_std"]) and t["final_reward_std"] > 0
     md = (tmp_path / "summary.md").read_text()
     assert "mean ± sd over 3 seeds" in md and "seed 3" in md and "standard error" in md
+    # the last held-out evaluation and the response length are columns (LUSPO's claim is about length)
+    assert t["response_length_final"] == pytest.approx(2.5) and t["heldout_accuracy"] == pytest.approx(0.75)
+    assert "held-out greedy accuracy (last eval)" in md and "Mean response length over the last 10 steps" in md
     for name in plots.PLOTS:
         assert (tmp_path / "plots" / f"{name}.png").is_file()
 

@@ -199,7 +199,9 @@ def test_config_names_match_the_registries():
 
     assert tuple(POLICY_LOSSES) == config.LOSS_NAMES
     assert tuple(ADVANTAGE_ESTIMATORS) == config.ADVANTAGE_ESTIMATOR_NAMES
-    assert set(config.DEFAULT_CLIP_RATIOS) == set(config.LOSS_NAMES)
+    # every loss has a default clip range but SAPO, whose soft gate has temperatures instead
+    assert set(config.DEFAULT_CLIP_RATIOS) == set(config.LOSS_NAMES) - {"sapo"}
+    assert set(config.TOKEN_RATIO_LOSSES) <= set(config.LOSS_NAMES) and set(config.AGG_MODE_LOSSES) <= set(config.LOSS_NAMES)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -117,7 +117,8 @@ def _known_metrics() -> set[str]:
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     keys: set[str] = set()
     for cfg in (LossConfig(name="gspo", kl_coef=0.1, entropy_coef=0.01), LossConfig(name="gspo_token"),
-                LossConfig(name="grpo", dual_clip_c=3.0, kl_coef=0.1)):
+                LossConfig(name="grpo", dual_clip_c=3.0, kl_coef=0.1), LossConfig(name="sapo"),
+                LossConfig(name="cispo"), LossConfig(name="gmpo"), LossConfig(name="luspo")):
         _, metrics = compute_policy_loss(cfg, logp, old, adv, mask, ref_logp=ref, entropy=ent)
         keys |= {f"loss/{k}" for k in metrics}
         keys |= {f"loss/{k}" for k in on_policy_metrics(logp, old, mask, metrics)}  # the trainer's first minibatch

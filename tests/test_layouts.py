@@ -74,6 +74,37 @@ def test_policy_gradient_is_independent_of_micro_batch_size_and_layout(grads):
         assert err < 1e-5, (where, err)
 
 
+FAMILY = ("sapo", "cispo", "gmpo", "luspo")
+
+
+@pytest.fixture(scope="module")
+def family_grads(tmp_path_factory, run_dist):
+    """GSPO's successors through the real trainer: one rank (micro-batches of 128 and 32 rows) and DP=2
+    (64 rows per rank), the first minibatch's policy gradient of each loss."""
+    root = tmp_path_factory.mktemp("family_grads")
+    for loss in FAMILY:
+        job = [*GRAD_JOB, f"loss.name={loss}", "model.moe_router_load_balancing_type=aux_loss"]
+        run_dist("run_job.py", 1, "--out", str(root / f"{loss}_one"), "--grads", "128,32", "--", *job)
+        run_dist("run_job.py", 2, "--out", str(root / f"{loss}_dp2"), "--grads", "64", "--", *job)
+    return root
+
+
+@pytest.mark.parametrize("loss", FAMILY)
+def test_successor_losses_gradient_is_independent_of_micro_batch_size_and_dp(family_grads, loss):
+    """Each loss divides by its own global unit count (CISPO: tokens; SAPO, GMPO, LUSPO: sequences, LUSPO's
+    terms weighted by length): the gradient does not depend on how the minibatch is split."""
+    ref = _tensors(family_grads / f"{loss}_one" / "grads_policy_mb128")
+    assert sum(float(v.norm()) for v in ref.values()) > 1e-3
+    for where in (f"{loss}_one/grads_policy_mb32", f"{loss}_dp2/grads_policy_mb64"):
+        err = rel_err(_tensors(family_grads / where), ref)
+        assert err < 1e-5, (where, err)
+    # the loss really is this one: the same rollout (sampling is keyed by seed and row) gives another
+    # gradient under another weighting (on the first, on-policy minibatch SAPO and GMPO weigh tokens as
+    # GSPO does, 1 / (N |y_i|); LUSPO 1 / N; CISPO 1 / tokens)
+    other = "cispo" if loss == "luspo" else "luspo"
+    assert rel_err(_tensors(family_grads / f"{other}_one" / "grads_policy_mb128"), ref) > 1e-3
+
+
 def test_token_budget_under_expert_parallelism_gives_the_one_rank_gradient(grads):
     """train.max_tokens_per_micro_batch with EP=2: each rank's own plan of its rows differs in micro-batch
     count or widths (ragged rows: stop tokens), the agreed plan is the same on both ranks, and the first

@@ -415,7 +415,7 @@ def test_masked_positions_change_nothing(name):
         assert torch.equal(torch.as_tensor(r1[k]), torch.as_tensor(r2[k])), k
 
 
-def test_empty_rows_are_ignored():
+def test_empty_rows_are_ignored():  # the successors' edge batches: tests/test_loss_references.py
     logp, old, adv, mask = small_batch()
     # Append a row with no response tokens: nothing changes, it counts as no sequence.
     logp3 = torch.cat([logp.detach(), torch.full((1, 3), X)]).requires_grad_()
@@ -440,24 +440,36 @@ def test_empty_rows_are_ignored():
         LossConfig(name="grpo"),
         LossConfig(name="grpo", loss_agg_mode="seq-mean-token-mean"),
         LossConfig(name="grpo", loss_agg_mode="seq-mean-token-sum-norm", loss_agg_norm_constant=24),
+        LossConfig(name="sapo", kl_coef=0.05),
+        LossConfig(name="cispo"),
+        LossConfig(name="cispo", loss_agg_mode="seq-mean-token-mean"),
+        LossConfig(name="gmpo", entropy_coef=0.01),
+        LossConfig(name="luspo", kl_coef=0.05),
     ],
     ids=lambda c: f"{c.name}-{c.loss_agg_mode}",
 )
 def test_global_normalizer_makes_microbatch_losses_and_grads_add_up(cfg):
     logp, old, adv, mask = random_batch(11, B=8)
-    full, _ = compute_policy_loss(cfg, logp, old, adv, mask)
+    extra = {}
+    if cfg.kl_coef:
+        extra["ref_logp"] = logp.detach() + 0.05 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+    if cfg.entropy_coef:
+        extra["entropy"] = torch.rand(logp.shape, generator=torch.Generator().manual_seed(2))
+    full, _ = compute_policy_loss(cfg, logp, old, adv, mask, **extra)
     g_full = grad_of(full, logp)
     parts = [slice(0, 3), slice(3, 8)]  # uneven micro-batches
     norm = sum(batch_normalizer(cfg, mask[p]) for p in parts)
     total, g_sum = 0.0, torch.zeros_like(logp)
     for p in parts:
-        loss, _ = compute_policy_loss(cfg, logp[p], old[p], adv[p], mask[p], global_batch_normalizer=norm)
+        loss, _ = compute_policy_loss(cfg, logp[p], old[p], adv[p], mask[p], global_batch_normalizer=norm,
+                                      **{k: v[p] for k, v in extra.items()})
         total = total + loss.detach()
         g_sum += grad_of(loss, logp)
     close(total, full.detach(), rtol=1e-6, atol=1e-7)
     close(g_sum, g_full, rtol=1e-5, atol=1e-8)
     # Without the global normalizer the average of micro-batch losses is a different number.
-    naive = sum(compute_policy_loss(cfg, logp[p], old[p], adv[p], mask[p])[0].detach() for p in parts) / 2
+    naive = sum(compute_policy_loss(cfg, logp[p], old[p], adv[p], mask[p], **{k: v[p] for k, v in extra.items()})[0]
+                .detach() for p in parts) / 2
     assert not torch.allclose(naive, full.detach(), rtol=1e-4)
 
 
@@ -466,6 +478,11 @@ def test_batch_normalizer_units():
     assert batch_normalizer(LossConfig(name="gspo"), mask).item() == 2
     assert batch_normalizer(LossConfig(name="grpo"), mask).item() == 5
     assert batch_normalizer(LossConfig(name="grpo", loss_agg_mode="seq-mean-token-mean"), mask).item() == 2
+    # CISPO normalizes by tokens (its paper's 1 / sum_i |o_i|); SAPO, GMPO and LUSPO by sequences
+    assert batch_normalizer(LossConfig(name="cispo"), mask).item() == 5
+    assert batch_normalizer(LossConfig(name="cispo", loss_agg_mode="seq-mean-token-mean"), mask).item() == 2
+    for name in ("sapo", "gmpo", "luspo"):
+        assert batch_normalizer(LossConfig(name=name), mask).item() == 2
 
 
 def test_bf16_inputs_are_computed_in_float32():
@@ -493,9 +510,9 @@ def test_loss_config_defaults_per_loss():
     [
         (dict(clip_ratio_low=1.5), r"loss\.clip_ratio_low must be in \(0, 1\), got 1\.5"),
         (dict(clip_ratio_high=0.0), r"loss\.clip_ratio_high"),
-        (dict(name="ppo"), r"loss\.name='ppo' is not one of \['gspo', 'gspo_token', 'grpo'\]"),
+        (dict(name="ppo"), r"loss\.name='ppo' is not one of \['gspo', 'gspo_token', 'grpo', 'sapo', 'cispo', 'gmpo', 'luspo'\]"),
         (dict(name="grpo", loss_agg_mode="sum"), r"loss\.loss_agg_mode='sum' is not one of"),
-        (dict(name="gspo", loss_agg_mode="seq-mean-token-mean"), r"loss\.loss_agg_mode='seq-mean-token-mean' applies to loss\.name='grpo' only"),
+        (dict(name="gspo", loss_agg_mode="seq-mean-token-mean"), r"loss\.loss_agg_mode='seq-mean-token-mean' applies to loss\.name in \['grpo', 'cispo'\] only"),
         (dict(name="grpo", loss_agg_mode="seq-mean-token-sum-norm"), r"loss\.loss_agg_norm_constant"),
         (dict(name="grpo", loss_agg_norm_constant=100.0), r"loss\.loss_agg_norm_constant is only used"),
         (dict(name="grpo", dual_clip_c=1.0), r"loss\.dual_clip_c must be > 1, got 1\.0"),
@@ -503,6 +520,17 @@ def test_loss_config_defaults_per_loss():
         (dict(kl_coef=-0.1), r"loss\.kl_coef must be >= 0"),
         (dict(entropy_coef=float("nan")), r"loss\.entropy_coef"),
         (dict(name="grpo", log_ratio_bound=0.1), r"loss\.log_ratio_bound=0\.1 must exceed"),
+        (dict(name="sapo", clip_ratio_high=0.2), r"loss\.clip_ratio_high=0\.2 does not apply to loss\.name='sapo'"),
+        (dict(name="sapo", sapo_tau_neg=0.0), r"loss\.sapo_tau_neg must be a finite number > 0, got 0\.0"),
+        (dict(name="gspo", sapo_tau_pos=2.0), r"loss\.sapo_tau_pos / loss\.sapo_tau_neg \(2\.0 / 1\.05\) apply to "
+                                              r"loss\.name='sapo' only"),
+        (dict(name="cispo", clip_ratio_low=1.5), r"loss\.clip_ratio_low must be in \(0, 1\] \(cispo: 1 = no lower bound"),
+        (dict(name="cispo", clip_ratio_high=1e9), r"loss\.log_ratio_bound=20\.0 must exceed the clip range's log-width"),
+        (dict(name="gmpo", clip_ratio_low=-0.4), r"loss\.clip_ratio_low must be a finite number > 0 \(gmpo: a log-ratio"),
+        (dict(name="gmpo", clip_ratio_high=25.0), r"loss\.log_ratio_bound=20\.0 must exceed gmpo's log-ratio clip range"),
+        (dict(name="luspo", clip_ratio_low=1.0), r"loss\.clip_ratio_low must be in \(0, 1\), got 1\.0"),
+        (dict(name="gmpo", loss_agg_mode="seq-mean-token-mean"), r"applies to loss\.name in \['grpo', 'cispo'\] only"),
+        (dict(name="cispo", dual_clip_c=3.0), r"loss\.dual_clip_c applies to loss\.name='grpo' only"),
     ],
 )
 def test_loss_config_validation_names_the_field(kwargs, match):
@@ -512,7 +540,7 @@ def test_loss_config_validation_names_the_field(kwargs, match):
 
 def test_registry_and_dispatch_errors():
     assert get_policy_loss("gspo") is gspo_loss
-    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo'; valid names: \['gspo', 'gspo_token', 'grpo'\]"):
+    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo'; valid names: \['gspo', 'gspo_token', 'grpo', 'sapo', 'cispo', 'gmpo', 'luspo'\]"):
         get_policy_loss("ppo")
     logp, old, adv, mask = small_batch()
     with pytest.raises(ValueError, match="needs ref_logp"):

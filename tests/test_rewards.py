@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import numpy as np
@@ -13,6 +14,7 @@ from megatron_gspo.rewards import (
     RewardConfig,
     RewardError,
     build_reward_fn,
+    builtin_math_reward,
     compute_rewards,
     digit_match,
     exact_match,
@@ -91,7 +93,33 @@ def test_last_boxed_nesting():
     (r"\boxed{__import__('os').system('true')}", "0", 0.0),  # never evaluated
 ])
 def test_math(response, answer, want):
+    """The project's own cases: math-verify (reward.name=math) and the former checker (math_builtin)
+    give the same verdict on every one of them."""
     assert math_reward("", response, answer) == want
+    assert builtin_math_reward("", response, answer) == want
+
+
+# Where math-verify and the former checker disagree (found by probing beyond the cases above; none of
+# those disagree): math-verify's verdict first. docs/algorithms.md lists the same rows.
+DISAGREEMENTS = [
+    ("0.3333333", "1/3", 1.0, 0.0),  # math-verify compares numbers rounded to 6 decimals
+    (r"\boxed{1/3}", "0.333333", 1.0, 0.0),
+    (r"\boxed{\$5}", "5", 1.0, 0.0),  # a currency sign inside the box
+    (r"\boxed{\{1,2\}}", r"\{2,1\}", 1.0, 0.0),  # sets, in any order
+    ("it is 12 apples", "12 apples", 1.0, 0.0),  # a reference with units in plain text
+    (r"\boxed{a}", "A", 1.0, 0.0),  # letters compare case-insensitively
+    (r"\boxed{5 \text{ cm}^2}", "5", 1.0, 0.0),  # units with a power
+    (r"\boxed{x \in [1, 2]}", "[1,2]", 1.0, 0.0),  # membership in an interval vs the interval
+]
+
+
+@pytest.mark.parametrize("response,answer,mv,builtin", DISAGREEMENTS)
+def test_math_verify_disagreements_are_the_documented_ones(response, answer, mv, builtin):
+    assert math_reward("", response, answer) == mv
+    assert builtin_math_reward("", response, answer) == builtin
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "algorithms.md"),
+               encoding="utf-8").read()
+    assert f"| `{response}` | `{answer}` | {mv:g} | {builtin:g} |" in doc, (response, answer)
 
 
 def test_math_helpers():

@@ -77,7 +77,7 @@ def _loss_and_grad(cfg, logp, old, adv, mask, weights):
     return loss.detach(), logp.grad
 
 
-@pytest.mark.parametrize("loss", ["gspo", "gspo_token", "grpo"])
+@pytest.mark.parametrize("loss", ["gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo", "luspo"])
 @pytest.mark.parametrize("mode", ["tis", "mis"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_corrections_are_exact_no_ops_at_ratio_one(loss, mode, level):
@@ -96,7 +96,7 @@ def test_corrections_are_exact_no_ops_at_ratio_one(loss, mode, level):
     assert torch.equal(base[0], corr[0]) and torch.equal(base[1], corr[1])
 
 
-@pytest.mark.parametrize("loss", ["gspo_token", "grpo"])
+@pytest.mark.parametrize("loss", ["gspo_token", "grpo", "sapo", "cispo"])
 def test_token_weights_scale_each_tokens_term(loss):
     """On-policy (logp = old), a token's policy-gradient term is -w_t A / |y| (seq-mean-token-mean) or
     -w_t A / N_tokens (token-mean): its gradient scales by exactly w_t."""
@@ -116,6 +116,21 @@ def test_gspo_takes_the_mean_token_weight_per_sequence():
     loss, _ = _loss_and_grad(LossConfig(name="gspo"), old, old, torch.tensor([1.0, -2.0]), mask, w)
     # s_i = 1: loss = -(1/2) (1 * 1.5 + (-2) * 1.0)
     assert float(loss) == pytest.approx(0.25)
+    # LUSPO: the same objective per sequence, times its length
+    loss, _ = _loss_and_grad(LossConfig(name="luspo"), old, old, torch.tensor([1.0, -2.0]), mask, w)
+    assert float(loss) == pytest.approx(-(2 * 1.5 + 3 * (-2) * 1.0) / 2)
+
+
+def test_gmpo_takes_the_geometric_mean_token_weight_per_sequence():
+    """GMPO's ratio is a geometric mean, so a token-level correction enters as one too (GM(r rho) =
+    GM(r) GM(rho)); a masked-out token (MIS weight 0) zeroes its sequence."""
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    old = torch.zeros(2, 3)
+    w = torch.tensor([[2.0, 0.5, 7.0], [4.0, 0.0, 1.0]])
+    loss, grad = _loss_and_grad(LossConfig(name="gmpo"), old, old, torch.tensor([1.0, -2.0]), mask, w)
+    # ratio 1: loss = -(1/2) (1 * sqrt(2 * 0.5) + (-2) * 0)
+    assert float(loss) == pytest.approx(-0.5)
+    assert torch.equal(grad[1], torch.zeros(3))
 
 
 @pytest.mark.parametrize("override, field", [
@@ -161,12 +176,13 @@ def _train(tmp_path, name, overrides):
     return weights, [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
 
 
-def test_corrections_without_an_old_pass_train_bit_identically(tmp_path):
+@pytest.mark.parametrize("loss", ["gspo", "sapo", "cispo", "gmpo", "luspo"])
+def test_corrections_without_an_old_pass_train_bit_identically(tmp_path, loss):
     """train.old_logprobs=rollout: rho == 1 by construction, so TIS and MIS change no bit of training."""
-    base, rows = _train(tmp_path, "off", ["train.old_logprobs=rollout"])
+    base, rows = _train(tmp_path, "off", ["train.old_logprobs=rollout", f"loss.name={loss}"])
     for mode, level in (("tis", "token"), ("mis", "sequence")):
         w, rows_c = _train(tmp_path, mode, ["train.old_logprobs=rollout", f"rollout_correction.mode={mode}",
-                                            f"rollout_correction.level={level}"])
+                                            f"rollout_correction.level={level}", f"loss.name={loss}"])
         assert all(torch.equal(base[n], w[n]) for n in base), mode
         for a, b in zip(rows, rows_c):
             assert a["loss/loss"] == b["loss/loss"] and a["train/grad_norm"] == b["train/grad_norm"]

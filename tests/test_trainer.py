@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -57,6 +58,11 @@ EXPECTED_SCALARS = [
 @pytest.mark.parametrize("variant", [
     ["loss.name=gspo"],
     ["loss.name=grpo", "train.routing_replay=R2"],
+    # GSPO's successors; routing replay composes with the per-token-ratio ones
+    ["loss.name=sapo", "train.routing_replay=R2"],
+    ["loss.name=cispo"],
+    ["loss.name=gmpo", "train.routing_replay=R2"],
+    ["loss.name=luspo"],
 ])
 def test_short_run_updates_every_parameter_and_logs_metrics(tmp_path, variant):
     out = tmp_path / "run"
@@ -197,6 +203,12 @@ def test_metrics_restart_at_the_resumed_step(tmp_path):
     first.close()
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 6, "x": 6.')  # a row cut short by the kill
+    # A resumed run starts in a later second than the killed one. Event files are named
+    # ...tfevents.<seconds>.<host>.<pid>.<writer counter of the process>, read in name order: two writers
+    # of one process in one second sort by the counter as text, and ".10" sorts before ".9".
+    start = int(time.time())
+    while int(time.time()) == start:
+        time.sleep(0.05)
     with LogLines(logging.WARNING) as warnings:
         second = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True)
         for step in (4, 5, 6):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -28,7 +29,8 @@ from experiments.compare.variants import (
 def parse_args(argv: list[str]):
     p = argparse.ArgumentParser(
         prog="python -m experiments.compare", allow_abbrev=False,  # --docs must not silently mean --docs-dir
-        description="Run GSPO / GSPO-token / GRPO / GRPO+R2 from the same initial model and compare them. "
+        description="Run GSPO / GSPO-token / GRPO / GRPO+R2 (and SAPO / CISPO / GMPO / LUSPO) from the same "
+                    "initial model and compare them. "
                     "Positional: an optional job YAML (default: the packaged demo job), then section.key=value "
                     "overrides for every variant.")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
@@ -49,6 +51,10 @@ def parse_args(argv: list[str]):
     p.add_argument("--docs-dir", default=None, metavar="DIR",
                    help="also copy the generated tables and plots into DIR/comparison.md (between its "
                         "<!-- compare:KIND:begin/end --> markers) and DIR/img/comparison_*.png, e.g. --docs-dir docs")
+    p.add_argument("--section", default=None, metavar="NAME",
+                   help="the docs section (<!-- compare:NAME:begin/end -->) and image prefix this run fills with "
+                        "--docs-dir (default: default, stress or stress_<mb>mb_lr<x>x from the stress knobs); "
+                        "letters, digits, _ and - only")
     p.add_argument("--no-probe", action="store_true", help="skip the per-update routing-volatility probe")
     p.add_argument("--probe-rows", type=int, default=64, help="sequences of the first rollout in the probe batch")
     p.add_argument("--threads", type=int, default=None,
@@ -75,6 +81,8 @@ def parse_args(argv: list[str]):
     args.config = os.path.abspath(config) if config else None
     args.overrides = rest
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.section is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", args.section):
+        p.error(f"--section {args.section!r}: letters, digits, _ and - only (it names a docs marker and image files)")
     try:
         args.seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds else None
     except ValueError:

@@ -18,7 +18,8 @@ PLOTS = ("reward_step", "reward_tokens", "clip_frac", "seq_ratio", "routing_chan
          "overview")
 # colour, line style: gspo_token is dashed because it lies on top of gspo
 STYLE = {"gspo": ("tab:blue", "-"), "gspo_token": ("tab:cyan", "--"), "grpo": ("tab:red", "-"),
-         "grpo_r2": ("tab:orange", "-"), "grpo_r3": ("tab:purple", "-")}
+         "grpo_r2": ("tab:orange", "-"), "grpo_r3": ("tab:purple", "-"), "sapo": ("tab:green", "-"),
+         "cispo": ("tab:brown", "-"), "gmpo": ("tab:pink", "-"), "luspo": ("tab:olive", "-")}
 
 
 def _over_seeds(series: list[dict]) -> tuple[list, list, list, list]:

@@ -99,6 +99,11 @@ def run_facts(meta: dict) -> str:
         ("total time, one run after the other", f"{meta['total_wall_s'] / 60:.1f} min for the initial model and "
                                                 f"{len(meta['variants'])} variants"),
     ]
+    if meta.get("complete") is False:  # cut short: say exactly what ran
+        done = sum(len(r.get("seeds") or [r]) for r in meta["runs"].values())
+        planned = len(meta["variants"]) * len(meta.get("seeds") or [None])
+        rows.append(("runs", f"**{done} of the {planned} planned runs**: the comparison was stopped before the "
+                             "rest; the tables give the runs that finished"))
     return "\n".join(["```bash", meta["command"], "```", "", "| run | |", "|---|---|"]
                      + [f"| {k} | {v} |" for k, v in rows]) + "\n"
 
@@ -115,16 +120,18 @@ def summary_markdown(table: dict[str, dict], cons: dict) -> str:
     n_seeds = max((len(t["seeds"]) for t in table.values()), default=1)
     sd = f" (mean ± sd over {n_seeds} seeds)" if n_seeds > 1 else ""
     lines = [
-        f"| variant | steps | final reward (last 10){sd} | reward AUC (mean over steps){sd} | mean clip fraction | "
+        f"| variant | steps | final reward (last 10){sd} | reward AUC (mean over steps){sd} | held-out greedy "
+        f"accuracy (last eval){sd} | response length (last 10) | mean clip fraction | "
         "routing change old->train | probe: change per update (choices / tokens) | probe: vs initial (end) | "
         "skipped updates / non-finite steps | s / step | wall time per run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v, t in table.items():
         status = "" if t["rc"] in (None, 0) else f" (exit {t['rc']})"
         lines.append(
             f"| {t['label']}{status} | {t['steps']} | {_pm(t['final_reward'], t['final_reward_std'])} | "
-            f"{_pm(t['reward_auc'], t['reward_auc_std'])} | {_pct(t['clip_frac'], 2)} of {t['clip_unit']} | "
+            f"{_pm(t['reward_auc'], t['reward_auc_std'])} | {_pm(t['heldout_accuracy'], t['heldout_accuracy_std'])} | "
+            f"{_f(t['response_length_final'], '.2f')} | {_pct(t['clip_frac'], 2)} of {t['clip_unit']} | "
             f"{_pct(t['routing_change'], 2)} | {_pct(t['probe_change'], 2)} / {_pct(t['probe_token_change'], 2)} | "
             f"{_pct(t['probe_vs_init_final'], 1)} | {t['skipped_updates']} / {t['nonfinite_steps']} | "
             f"{_f(t['step_time_s'], '.2f')} | {_duration(t['wall_s'])} |")
@@ -192,11 +199,14 @@ def observations(table: dict[str, dict]) -> list[str]:
         else:
             obs.append(f"Between variants the final rewards differ by at most {spread:.3f} (one seed per variant: "
                        "the seed-to-seed spread is not measured here; run with --seeds to measure it).")
-    gs = [t for t in ok.values() if t["clip_unit"] == "sequences"]
-    gr = [t for t in ok.values() if t["clip_unit"] == "tokens"]
-    if gs and gr:
+    if len({t["clip_unit"] for t in ok.values()}) > 1:  # the units differ: say each one
         obs.append("Clipping: " + ", ".join(f"{t['label']} {_pct(t['clip_frac'], 2)} of {t['clip_unit']}"
-                                            for t in gs + gr) + ".")
+                                            for t in ok.values()) + ".")
+    if any(finite(t["heldout_accuracy"]) for t in ok.values()):
+        obs.append("Held-out greedy accuracy at the last evaluation: " + ", ".join(
+            f"{t['label']} {_pm(t['heldout_accuracy'], t['heldout_accuracy_std'])}" for t in ok.values()) + ".")
+    obs.append("Mean response length over the last 10 steps (tokens): " + ", ".join(
+        f"{t['label']} {_f(t['response_length_final'], '.2f')}" for t in ok.values()) + ".")
     pr = [t for t in ok.values() if t["probe_updates"]]
     if pr:
         obs.append("Routing volatility probe (one optimizer update, router free): " + ", ".join(

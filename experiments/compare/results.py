@@ -34,6 +34,8 @@ def load_runs(out: str, meta: Optional[dict] = None) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {}
     for v in variants:
         info = meta.get("runs", {}).get(v)
+        if info is None and meta.get("complete") is False:
+            continue  # a comparison cut short before this variant ran
         if info is not None:
             entries = info.get("seeds") or [{"seed": None, "dir": v, "rc": info.get("rc"), "wall_s": info.get("wall_s")}]
         else:  # no metadata: one run in OUT/v, or one per OUT/v/seed_*
@@ -89,6 +91,11 @@ def run_stats(run: dict) -> dict:
         "reward_auc": mean(reward),
         "first_reward": reward[0] if reward else math.nan,
         "gen_tokens": sum(x for x in col(rows, "perf/gen_tokens") if finite(x)),
+        # LUSPO's claim is about response length; GSPO's length bias would shrink it
+        "response_length_final": mean(col(rows, "rollout/response_length_mean")[-k:]) if k else math.nan,
+        # the last held-out evaluation (eval.interval > 0): greedy accuracy on prompts never trained on
+        "heldout_accuracy": next((r["eval/greedy_accuracy"] for r in reversed(rows) if "eval/greedy_accuracy" in r),
+                                 math.nan),
         "clip_frac": mean(col(rows, "loss/clip_frac")),
         "clip_frac_low": mean(col(rows, "loss/clip_frac_low")),
         "clip_frac_high": mean(col(rows, "loss/clip_frac_high")),
@@ -143,6 +150,7 @@ def summarize_runs(runs: dict[str, list[dict]]) -> dict[str, dict]:
                 t[key] = mean(vals)
         t["final_reward_std"] = _std([p["final_reward"] for p in per])
         t["reward_auc_std"] = _std([p["reward_auc"] for p in per])
+        t["heldout_accuracy_std"] = _std([p["heldout_accuracy"] for p in per])
         t["per_seed"] = [{"seed": r["seed"], "final_reward": p["final_reward"], "reward_auc": p["reward_auc"],
                           "steps": p["steps"], "rc": p["rc"]} for r, p in zip(seeds, per)]
         table[v] = t

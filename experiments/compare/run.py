@@ -70,12 +70,16 @@ def run_comparison(args, overrides: list[str]) -> dict:
         meta["init"] = {"path": init, "how": f"SFT warm start ({base.train.sft_steps} steps)" if base.train.sft_steps
                         else "seeded initialization", "wall_s": wall}
     # 3. the variants (x seeds): the seeds vary the RL sampling; the initial model and the prompt
-    #    order (data.seed) are shared
+    #    order (data.seed) are shared. Seed by seed, every variant in turn, compare.json rewritten after
+    #    each run: a comparison cut short (a time budget, a killed job) has whole seeds of every variant
+    #    and reports them (--report-only).
     seeds = args.seeds or [None]
     for v in args.variants:
         shutil.rmtree(os.path.join(out, v), ignore_errors=True)  # metrics.jsonl appends: never mix two runs
-        entries = []
-        for seed in seeds:
+    entries_of: dict[str, list[dict]] = {v: [] for v in args.variants}
+    for seed in seeds:
+        for v in args.variants:
+            entries = entries_of[v]
             rel = v if seed is None else os.path.join(v, f"seed_{seed}")
             vdir = os.path.join(out, rel)
             # train.seed: the trainer's torch/numpy/python RNG; generation.seed: the sampling stream
@@ -85,18 +89,26 @@ def run_comparison(args, overrides: list[str]) -> dict:
                 "checkpoint.save=null", "checkpoint.save_interval=0"]
             probe = [] if args.no_probe else ["--probe", os.path.join(vdir, "probe.jsonl"),
                                               "--probe-rows", str(args.probe_rows)]
-            print(f"[compare] {v}{'' if seed is None else f' seed {seed}'}: {cfgs[v].loss.name}, clip "
-                  f"{cfgs[v].loss.clip_range()}, routing replay {cfgs[v].train.routing_replay}", flush=True)
+            print(f"[compare] {v}{'' if seed is None else f' seed {seed}'}: {cfgs[v].loss.name}, "
+                  f"{cfgs[v].loss.describe()}, routing replay {cfgs[v].train.routing_replay}", flush=True)
             tag = v if seed is None else f"{v}/{seed}"
             rc, wall = launch(probe + [args.config, *run_over], os.path.join(vdir, "train.log"), tag)
             entries.append({"seed": base.generation.seed if seed is None else seed, "dir": rel, "rc": rc,
                             "wall_s": wall, "overrides": run_over})
-        meta["runs"][v] = {"rc": next((e["rc"] for e in entries if e["rc"] != 0), 0),
-                           "wall_s": sum(e["wall_s"] for e in entries), "seeds": entries}
-    meta["total_wall_s"] = time.perf_counter() - t_all
-    with open(os.path.join(out, "compare.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
+            meta["runs"][v] = {"rc": next((e["rc"] for e in entries if e["rc"] != 0), 0),
+                               "wall_s": sum(e["wall_s"] for e in entries), "seeds": entries}
+            meta["total_wall_s"] = time.perf_counter() - t_all
+            _write_meta(out, meta)
+    meta["complete"] = True
+    _write_meta(out, meta)
     return meta
+
+
+def _write_meta(out: str, meta: dict) -> None:
+    tmp = os.path.join(out, "compare.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(tmp, os.path.join(out, "compare.json"))
 
 
 def _metadata(args, overrides: list[str], extra: dict, base) -> dict:
@@ -112,16 +124,19 @@ def _metadata(args, overrides: list[str], extra: dict, base) -> dict:
         "command": "python -m experiments.compare " + shlex.join(args.argv),
         "config": config, "overrides": overrides, "variants": args.variants, "variant_overrides": extra,
         "stress": args.stress, "stress_minibatches": args.stress_minibatches if args.stress else None,
-        "stress_lr_mult": args.stress_lr_mult if args.stress else None,
+        "stress_lr_mult": args.stress_lr_mult if args.stress else None, "section": getattr(args, "section", None),
         "nproc_per_node": args.nproc_per_node, "probe": not args.no_probe, "probe_rows": args.probe_rows,
-        "threads": args.threads, "in_process": args.in_process, "machine": machine_info(),
+        # --threads, else what the environment set for every run
+        "threads": args.threads or (os.environ.get("OMP_NUM_THREADS") and f"{os.environ['OMP_NUM_THREADS']} "
+                                                                          "(OMP_NUM_THREADS)"),
+        "in_process": args.in_process, "machine": machine_info(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "seeds": args.seeds or [base.generation.seed], "num_steps": base.train.num_steps,
         "sft_steps": base.train.sft_steps, "num_minibatches": base.train.num_minibatches, "lr": base.optimizer.lr,
         "rollout": f"{base.train.prompts_per_step} prompts x {base.generation.n_samples_per_prompt} samples",
         "model": f"{m.preset or 'custom'}: {m.num_layers} layers, {m.num_moe_experts} experts top-{m.moe_router_topk}, "
                  f"hidden {m.hidden_size}",
-        "runs": {},
+        "runs": {}, "complete": False,  # True once every run has ended (compare.json is rewritten after each)
     }
 
 

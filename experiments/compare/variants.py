@@ -1,6 +1,7 @@
 """What is compared: the variants (overrides applied to the same job) and the ``--stress`` knobs.
 
-Each variant uses its loss's default clip range (GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.2): the job's own
+Each variant uses its loss's paper defaults (GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.2, LUSPO 2e-3 / 2.5e-3,
+CISPO's weight cap 5, GMPO's log-ratio range 0.4, SAPO's gate temperatures 1 / 1.05): the job's own
 clip settings are reset, since a GSPO range is meaningless for GRPO and vice versa. Per-variant
 settings come on top: ``--variant-override grpo:loss.clip_ratio_high=0.28``.
 """
@@ -25,7 +26,17 @@ VARIANTS: dict[str, dict] = {
                     label="GRPO + R2 replay", clip_unit="tokens"),
     "grpo_r3": dict(overrides=["loss.name=grpo", "train.routing_replay=R3", *_RESET_CLIP],  # opt-in
                     label="GRPO + R3 replay", clip_unit="tokens"),
+    # GSPO's successors (docs/algorithms.md): opt-in, --variants gspo,grpo,sapo,cispo,gmpo,luspo
+    "sapo": dict(overrides=["loss.name=sapo", _REPLAY_OFF, *_RESET_CLIP],
+                 label="SAPO", clip_unit="tokens gated below 1/2"),
+    "cispo": dict(overrides=["loss.name=cispo", _REPLAY_OFF, *_RESET_CLIP],
+                  label="CISPO", clip_unit="tokens (weight truncated)"),
+    "gmpo": dict(overrides=["loss.name=gmpo", _REPLAY_OFF, *_RESET_CLIP],
+                 label="GMPO", clip_unit="tokens"),
+    "luspo": dict(overrides=["loss.name=luspo", _REPLAY_OFF, *_RESET_CLIP],
+                  label="LUSPO", clip_unit="sequences"),
 }
+FAMILY_VARIANTS = ("gspo", "grpo", "sapo", "cispo", "gmpo", "luspo")
 DEFAULT_VARIANTS = ("gspo", "gspo_token", "grpo", "grpo_r2")
 
 # --stress makes off-policy effects visible on small models: the last of 8 minibatches is 7 updates
@@ -39,7 +50,8 @@ def label(variant: str) -> str:
 
 
 def clip_unit(variant: str) -> str:
-    """What ``loss/clip_frac`` counts for this variant: whole sequences (GSPO) or tokens (GRPO)."""
+    """What ``loss/clip_frac`` counts for this variant: whole sequences (GSPO, LUSPO) or tokens (GRPO, GMPO,
+    CISPO's truncated weights, SAPO's gated tokens)."""
     return VARIANTS.get(variant, {}).get("clip_unit", "?")
 
 
@@ -74,7 +86,10 @@ def stress_text(meta: dict) -> str:
 
 
 def section_kind(meta: dict) -> str:
-    """The docs section a run belongs to: "default", "stress" (default stress knobs), or "stress_<mb>mb_lr<x>x"."""
+    """The docs section a run belongs to: the one ``--section`` named, else "default", "stress" (default
+    stress knobs), or "stress_<mb>mb_lr<x>x"."""
+    if meta.get("section"):
+        return meta["section"]
     if not meta.get("stress"):
         return "default"
     mb, mult = meta.get("stress_minibatches"), meta.get("stress_lr_mult")

@@ -29,6 +29,7 @@ from megatron_gspo.config.rollout import PARTIAL_ROLLOUT_POLICIES, ROLLOUT_MODES
 from megatron_gspo.config.model import MODEL_PRESETS, ModelConfig, model_config_from_hf, model_config_from_preset
 from megatron_gspo.config.sections import (
     ADVANTAGE_ESTIMATOR_NAMES,
+    AGG_MODE_LOSSES,
     DEFAULT_CLIP_RATIOS,
     LOSS_AGG_MODES,
     LOSS_NAMES,
@@ -37,6 +38,8 @@ from megatron_gspo.config.sections import (
     ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_CORRECTION_MODES,
     ROUTING_REPLAY_MODES,
+    SAPO_TAUS,
+    TOKEN_RATIO_LOSSES,
     TOKENIZER_TYPES,
     CheckpointConfig,
     DataConfig,
@@ -53,10 +56,10 @@ from megatron_gspo.config.sections import (
 from megatron_gspo.errors import ConfigError
 
 __all__ = [
-    "ADVANTAGE_ESTIMATOR_NAMES", "DEFAULT_CLIP_RATIOS", "DEMO_CONFIG", "LOSS_AGG_MODES", "LOSS_NAMES", "MODEL_PRESETS",
+    "ADVANTAGE_ESTIMATOR_NAMES", "AGG_MODE_LOSSES", "DEFAULT_CLIP_RATIOS", "DEMO_CONFIG", "LOSS_AGG_MODES", "LOSS_NAMES", "MODEL_PRESETS",
     "ON_POLICY_RATIO_TOLERANCE", "old_logprob_source",
     "OLD_LOGPROB_SOURCES", "OVERLONG_POLICIES", "ROLLOUT_CORRECTION_LEVELS", "ROLLOUT_CORRECTION_MODES",
-    "ROUTING_REPLAY_MODES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
+    "ROUTING_REPLAY_MODES", "SAPO_TAUS", "TOKEN_RATIO_LOSSES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
     "DataConfig", "EvalConfig", "GenerationConfig", "JobConfig", "LossConfig", "ModelConfig", "OptimizerConfig",
     "ParallelConfig", "PARTIAL_ROLLOUT_POLICIES", "ROLLOUT_MODES", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "TokenizerConfig", "TrainConfig", "apply_overrides", "from_dict",
     "load_job_config", "load_yaml", "model_config_from_hf", "model_config_from_preset", "parse_overrides",

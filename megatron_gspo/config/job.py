@@ -12,6 +12,7 @@ from megatron_gspo.config.loader import apply_overrides, from_dict, load_yaml, p
 from megatron_gspo.config.model import ModelConfig, model_config_from_preset
 from megatron_gspo.config.rollout import RolloutConfig, check_rollout
 from megatron_gspo.config.sections import (
+    TOKEN_RATIO_LOSSES,
     CheckpointConfig,
     DataConfig,
     EvalConfig,
@@ -51,14 +52,16 @@ class JobConfig:
                f"train.prompts_per_step x generation.n_samples_per_prompt = {rollout} responses is not "
                f"divisible by train.num_minibatches={t.num_minibatches}")
         if t.routing_replay != "off":
-            check(self.loss.name == "grpo",
-                   f"train.routing_replay={t.routing_replay!r} is the GRPO baseline's fix; loss.name="
-                   f"{self.loss.name!r} (GSPO needs no routing replay). Set train.routing_replay=off")
+            check(self.loss.name in TOKEN_RATIO_LOSSES,
+                   f"train.routing_replay={t.routing_replay!r} is for the losses with per-token ratios "
+                   f"({', '.join(TOKEN_RATIO_LOSSES)}); loss.name={self.loss.name!r} uses GSPO's sequence ratio "
+                   "(GSPO needs no routing replay). Set train.routing_replay=off")
         if t.advantage_estimator in ("grpo",) and g.n_samples_per_prompt < 2:
             raise ConfigError("generation.n_samples_per_prompt must be >= 2 for group-relative advantages")
         # the warm start learns the reference answers (a built-in task always has them); refused
         # here rather than with a traceback at its first batch
-        check(not (t.sft_steps > 0 and self.data.answer_key is None and not self.data.source.startswith("builtin:")),
+        check(not (t.sft_steps > 0 and self.data.answer_key is None
+                   and not self.data.source.startswith(("builtin:", "reasoning_gym:"))),
                f"train.sft_steps={t.sft_steps} (supervised warm start) needs reference answers, but "
                "data.answer_key is null; set train.sft_steps=0 for data without answers")
         # The RL loop has no pipeline schedule (forward_backward_func) yet: refuse PP up front.

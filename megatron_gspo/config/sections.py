@@ -8,12 +8,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_gspo.config.checks import check, check_clip_range, choice, finite, is_int
+from megatron_gspo.config.checks import check, check_loss_range, choice, finite, is_int
 from megatron_gspo.errors import ConfigError
 
 # Names the registries must offer (tests/test_config.py checks each registry against its tuple):
 # the config validates names without importing the subsystems that implement them.
-LOSS_NAMES = ("gspo", "gspo_token", "grpo")  # losses.POLICY_LOSSES
+LOSS_NAMES = ("gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo", "luspo")  # losses.POLICY_LOSSES
+# Losses whose importance ratios are per token: routing noise enters each token's ratio, so routing
+# replay (train.routing_replay) applies to them. The others use GSPO's sequence ratio, which needs none.
+TOKEN_RATIO_LOSSES = ("grpo", "sapo", "cispo", "gmpo")
+# Losses that take loss.loss_agg_mode (the others fix their aggregation to their paper's).
+AGG_MODE_LOSSES = ("grpo", "cispo")
 ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "mean_only")  # advantages.ADVANTAGE_ESTIMATORS
 TOKENIZER_TYPES = ("builtin", "hf", "sentencepiece")  # tokenizer.build_tokenizer
 ROUTING_REPLAY_MODES = ("off", "R2", "R3")  # routing.RoutingPolicy
@@ -30,12 +35,21 @@ DEVICES = ("auto", "cuda", "cpu")  # parallel.resolve_device
 DYNAMIC_SAMPLING_ROUNDS_LIMIT = 32
 
 # Paper defaults: GSPO §5.1 uses 3e-4 / 4e-4 (sequence ratios live very close to 1 because they
-# are geometric means); GRPO/PPO use 0.2 / 0.2 (DAPO's clip-higher is 0.2 / 0.28).
+# are geometric means); GRPO/PPO use 0.2 / 0.2 (DAPO's clip-higher is 0.2 / 0.28). LUSPO §5.1: 2e-3 /
+# 2.5e-3. CISPO truncates the importance weight at 1 + 4 = 5 with no lower bound (1 - 1 = 0):
+# MiniMax-M1 sets no lower bound and publishes no upper one; 5 is ScaleRL's (arXiv 2510.13786) as TRL
+# documents it. GMPO clips each token's log-ratio to [-0.4, 0.4] (§4). SAPO has no clip range (a
+# soft gate: loss.sapo_tau_pos / sapo_tau_neg).
 DEFAULT_CLIP_RATIOS: dict[str, tuple[float, float]] = {
     "gspo": (3e-4, 4e-4),
     "gspo_token": (3e-4, 4e-4),
     "grpo": (0.2, 0.2),
+    "cispo": (1.0, 4.0),
+    "gmpo": (0.4, 0.4),
+    "luspo": (2e-3, 2.5e-3),
 }
+# SAPO's gate temperatures (arXiv 2511.20347): tau_neg > tau_pos damps negative-advantage updates faster.
+SAPO_TAUS = (1.0, 1.05)
 
 
 @dataclass
@@ -85,20 +99,27 @@ class ParallelConfig:
 class LossConfig:
     """The ``loss`` section of a job.
 
-    name: "gspo" | "gspo_token" | "grpo".
-    clip_ratio_low / clip_ratio_high: epsilons of the clip range [1 - low, 1 + high]. None picks the
-        loss's default: 3e-4 / 4e-4 for gspo and gspo_token (GSPO paper §5.1), 0.2 / 0.2 for grpo
-        (set 0.2 / 0.28 for DAPO's clip-higher).
-    loss_agg_mode (grpo only): "token-mean" (every response token of the batch weighs the same),
-        "seq-mean-token-mean" (GRPO paper: mean over tokens within a sequence, then over
-        sequences), "seq-mean-token-sum-norm" (Dr. GRPO: token sum / loss_agg_norm_constant, then
-        mean over sequences). gspo/gspo_token always aggregate per sequence.
+    name: "gspo" | "gspo_token" | "grpo" | "sapo" | "cispo" | "gmpo" | "luspo" (docs/algorithms.md).
+    clip_ratio_low / clip_ratio_high: the clip range, in each loss's own units. None picks the
+        loss's paper default: 3e-4 / 4e-4 for gspo and gspo_token (GSPO paper §5.1), 0.2 / 0.2 for
+        grpo (set 0.2 / 0.28 for DAPO's clip-higher), 2e-3 / 2.5e-3 for luspo (LUSPO §5.1): the ratio
+        range [1 - low, 1 + high]. cispo: the importance weight's truncation [1 - low, 1 + high],
+        default 1.0 / 4.0, i.e. no lower bound and a cap of 5 (MiniMax-M1 tunes only the upper end).
+        gmpo: each token's log-ratio range [-low, high], default 0.4 / 0.4 (GMPO §4: ratios within
+        e^-0.4 .. e^0.4). sapo has no clip range and refuses them.
+    loss_agg_mode (grpo, cispo): "token-mean" (every response token of the batch weighs the same;
+        CISPO's own), "seq-mean-token-mean" (GRPO paper: mean over tokens within a sequence, then
+        over sequences), "seq-mean-token-sum-norm" (Dr. GRPO: token sum / loss_agg_norm_constant,
+        then mean over sequences). The other losses aggregate as their papers do (per sequence).
     loss_agg_norm_constant: the constant of "seq-mean-token-sum-norm", normally the maximum
         response length; required by that mode and rejected by the others.
     kl_coef: weight of the k3 KL estimator to the reference policy (needs ref_logp).
     dual_clip_c (grpo only): > 1; for A < 0 the objective is bounded below by c * A.
     log_ratio_bound: |log-ratio| cap before exp (see the module docstring).
     entropy_coef: weight of the entropy bonus (needs an entropy tensor).
+    sapo_tau_pos / sapo_tau_neg (sapo only): temperatures of SAPO's gate for tokens with positive /
+        non-positive advantage (paper defaults 1.0 / 1.05; higher = the gate closes faster as the
+        ratio leaves 1).
     """
 
     name: str = "gspo"
@@ -110,23 +131,41 @@ class LossConfig:
     dual_clip_c: Optional[float] = None
     log_ratio_bound: float = 20.0
     entropy_coef: float = 0.0
+    sapo_tau_pos: float = SAPO_TAUS[0]
+    sapo_tau_neg: float = SAPO_TAUS[1]
 
     def __post_init__(self) -> None:
         choice("loss.name", self.name, LOSS_NAMES)
-        if self.clip_ratio_low is not None:
-            check(finite(self.clip_ratio_low) and 0 < self.clip_ratio_low < 1,
-                   f"loss.clip_ratio_low must be in (0, 1), got {self.clip_ratio_low}")
-        if self.clip_ratio_high is not None:
-            check(finite(self.clip_ratio_high) and self.clip_ratio_high > 0,
-                   f"loss.clip_ratio_high must be a finite number > 0, got {self.clip_ratio_high}")
-        low, high = self.clip_range()
-        check_clip_range(low, high, self.log_ratio_bound)
+        name = self.name
+        if name == "sapo":
+            for key in ("clip_ratio_low", "clip_ratio_high"):
+                check(getattr(self, key) is None,
+                      f"loss.{key}={getattr(self, key)} does not apply to loss.name='sapo': SAPO has no clip range, "
+                      "its soft gate is set by loss.sapo_tau_pos / loss.sapo_tau_neg")
+            check(finite(self.log_ratio_bound) and self.log_ratio_bound > 0,
+                  f"loss.log_ratio_bound must be a finite number > 0, got {self.log_ratio_bound}")
+        else:
+            if self.clip_ratio_low is not None and name not in ("cispo", "gmpo"):
+                check(finite(self.clip_ratio_low) and 0 < self.clip_ratio_low < 1,
+                      f"loss.clip_ratio_low must be in (0, 1), got {self.clip_ratio_low}")
+            if self.clip_ratio_high is not None:
+                check(finite(self.clip_ratio_high) and self.clip_ratio_high > 0,
+                      f"loss.clip_ratio_high must be a finite number > 0, got {self.clip_ratio_high}")
+            low, high = self.clip_range()
+            check_loss_range(self.name, low, high, self.log_ratio_bound)
+        for key in ("sapo_tau_pos", "sapo_tau_neg"):
+            v = getattr(self, key)
+            check(finite(v) and v > 0, f"loss.{key} must be a finite number > 0, got {v!r}")
+        check(self.name == "sapo" or (self.sapo_tau_pos, self.sapo_tau_neg) == SAPO_TAUS,
+              f"loss.sapo_tau_pos / loss.sapo_tau_neg ({self.sapo_tau_pos} / {self.sapo_tau_neg}) apply to "
+              f"loss.name='sapo' only, got name={self.name!r}")
         check(self.loss_agg_mode in LOSS_AGG_MODES,
                f"loss.loss_agg_mode={self.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
-        if self.name != "grpo":
+        if name not in AGG_MODE_LOSSES:
             check(self.loss_agg_mode == "token-mean",
-                   f"loss.loss_agg_mode={self.loss_agg_mode!r} applies to loss.name='grpo' only; "
-                   f"{self.name} always averages per sequence (leave loss_agg_mode at 'token-mean')")
+                   f"loss.loss_agg_mode={self.loss_agg_mode!r} applies to loss.name in {list(AGG_MODE_LOSSES)} only; "
+                   f"{self.name} always aggregates as its paper does (leave loss_agg_mode at 'token-mean')")
+        if self.name != "grpo":
             check(self.dual_clip_c is None,
                    f"loss.dual_clip_c applies to loss.name='grpo' only, got name={self.name!r}")
         if self.loss_agg_mode == "seq-mean-token-sum-norm":
@@ -145,12 +184,23 @@ class LossConfig:
         check(finite(self.entropy_coef) and self.entropy_coef >= 0,
                f"loss.entropy_coef must be >= 0, got {self.entropy_coef}")
 
-    def clip_range(self) -> tuple[float, float]:
-        """(clip_ratio_low, clip_ratio_high) with None resolved to the loss's default."""
+    def clip_range(self) -> Optional[tuple[float, float]]:
+        """(clip_ratio_low, clip_ratio_high) with None resolved to the loss's default; None for sapo
+        (no clip range)."""
+        if self.name not in DEFAULT_CLIP_RATIOS:
+            return None
         d_low, d_high = DEFAULT_CLIP_RATIOS[self.name]
         low = d_low if self.clip_ratio_low is None else self.clip_ratio_low
         high = d_high if self.clip_ratio_high is None else self.clip_ratio_high
         return low, high
+
+    def describe(self) -> str:
+        """The loss's hyperparameters in one phrase, for logs: "clip 0.0003 / 0.0004", "gate tau 1 / 1.05"."""
+        if self.name == "sapo":
+            return f"gate tau {self.sapo_tau_pos:g} / {self.sapo_tau_neg:g}"
+        low, high = self.clip_range()
+        unit = " (log-ratio)" if self.name == "gmpo" else " (weight truncation)" if self.name == "cispo" else ""
+        return f"clip {low:g} / {high:g}{unit}"
 
 
 @dataclass
@@ -283,7 +333,9 @@ class DataConfig:
     """``data:`` section of a job.
 
     source: ``builtin:arithmetic`` / ``builtin:sort`` (generated from ``seed``, see
-        :mod:`megatron_gspo.tasks`) or a path to a ``.jsonl`` or ``.parquet`` file.
+        :mod:`megatron_gspo.tasks`), ``reasoning_gym:<task>`` (a reasoning-gym task, generated from
+        ``seed``, needs ``pip install -e .[tasks]``: :mod:`megatron_gspo.reasoning_gym_tasks`) or a path
+        to a ``.jsonl`` or ``.parquet`` file.
     prompt_key / answer_key: field names in each record; a dotted name (``reward_model.ground_truth``)
         reaches into nested objects. ``answer_key: null`` for answer-free data (e.g. a format-only reward).
         A prompt is a string, or a list of chat messages (``[{"role": ..., "content": ...}]``), which
@@ -296,7 +348,11 @@ class DataConfig:
         one user message); ``chat_template_kwargs`` reach the template (Qwen3: ``enable_thinking``).
     add_special_tokens: without a chat template, let the tokenizer add its BOS (the built-in
         tokenizer's ``<bos>``, Llama's ``<s>``; Qwen3 adds none).
-    task_*: knobs of the built-in tasks; ``task_num_examples`` is the length of one epoch of a task.
+    task_kwargs: the settings of a ``reasoning_gym:<task>`` source, the fields of that task's
+        reasoning-gym config (``{min_terms: 2, max_terms: 2, max_digits: 1}`` for chain_sum); unknown
+        keys are refused by name. Its seed is ``data.seed``.
+    task_*: knobs of the built-in tasks; ``task_num_examples`` is the length of one epoch of a task
+        (built-in or reasoning-gym).
     """
 
     source: str = "builtin:arithmetic"
@@ -315,6 +371,7 @@ class DataConfig:
     task_sort_min_len: int = 3
     task_sort_max_len: int = 5
     task_sort_max_value: int = 9
+    task_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.overlong_prompt_policy not in OVERLONG_POLICIES:
@@ -331,6 +388,10 @@ class DataConfig:
             raise ConfigError("data.prompt_key is empty")
         if not isinstance(self.chat_template_kwargs, dict):
             raise ConfigError(f"data.chat_template_kwargs must be a mapping, got {self.chat_template_kwargs!r}")
+        check(isinstance(self.task_kwargs, dict), f"data.task_kwargs must be a mapping, got {self.task_kwargs!r}")
+        check(not self.task_kwargs or self.source.startswith("reasoning_gym:"),
+              f"data.task_kwargs={self.task_kwargs!r} configures a reasoning_gym:<task> source, but data.source="
+              f"{self.source!r} (the built-in tasks take data.task_* keys)")
 
 
 @dataclass

@@ -33,6 +33,12 @@ CONFIGS = [
     LossConfig(name="grpo", loss_agg_mode="seq-mean-token-mean", entropy_coef=0.01),
     LossConfig(name="grpo", loss_agg_mode="seq-mean-token-sum-norm", loss_agg_norm_constant=T,
                dual_clip_c=1.02, kl_coef=0.05, clip_ratio_low=0.005, clip_ratio_high=0.01),
+    # GSPO's successors: token units (cispo token-mean), sequence units, LUSPO's length weights
+    LossConfig(name="sapo", kl_coef=0.05),
+    LossConfig(name="cispo", entropy_coef=0.01),
+    LossConfig(name="cispo", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.001, clip_ratio_high=0.001),
+    LossConfig(name="gmpo", kl_coef=0.05, clip_ratio_low=0.002, clip_ratio_high=0.002),
+    LossConfig(name="luspo", kl_coef=0.05, entropy_coef=0.01),
 ]
 
 
