@@ -25,7 +25,9 @@ setup(
         "jinja2>=3.1",  # HF chat templates (Qwen3)
     ],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.51", "safetensors"],
+        # pyarrow: the Parquet tests run with the README's test command (Parquet is what verl's and
+        # NeMo-RL's users bring); the package itself needs it only for .parquet data ("parquet")
+        "test": ["pytest>=7", "transformers>=4.51", "safetensors", "pyarrow"],
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         "parquet": ["pyarrow"],
         # benchmarks/trl_side_by_side.py only: TRL is never a dependency of the package
