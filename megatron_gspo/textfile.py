@@ -10,10 +10,11 @@ A leading byte-order mark (what some Windows editors write) is accepted and drop
 from __future__ import annotations
 
 import codecs
+import json
 import os
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
-__all__ = ["decode_line", "not_utf8_message", "read_text"]
+__all__ = ["decode_line", "not_utf8_message", "read_json_object", "read_text"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -50,3 +51,15 @@ def read_text(path: PathLike, error: Callable[[str], Exception]) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise error(not_utf8_message(path, data, e)) from None
+
+
+def read_json_object(path: PathLike, error: Callable[[str], Exception]) -> dict[str, Any]:
+    """A JSON file holding one object (a config.json, tokenizer_config.json, ...); bytes that are not
+    UTF-8, invalid JSON or another top-level value are ``error(message)`` naming the file."""
+    try:
+        data = json.loads(read_text(path, error))
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data

@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_gspo.config import TOKENIZER_TYPES, TokenizerConfig
 from megatron_gspo.errors import TokenizerError
-from megatron_gspo.textfile import read_text
+from megatron_gspo.textfile import read_json_object, read_text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,13 +293,7 @@ class HFTokenizer(Tokenizer):
     def _read_json(path: str) -> dict[str, Any]:
         if not os.path.isfile(path):
             return {}
-        try:
-            data = json.loads(read_text(path, TokenizerError))
-        except json.JSONDecodeError as e:
-            raise TokenizerError(f"{path}: invalid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-        return data
+        return read_json_object(path, TokenizerError)
 
     def _require_id(self, token: str, what: str) -> int:
         i = self._tok.token_to_id(token)

@@ -3,14 +3,13 @@ the mapping from a Hugging Face ``config.json``."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_gspo.config.checks import check, choice
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.textfile import read_text
+from megatron_gspo.textfile import read_json_object
 
 
 @dataclass
@@ -168,12 +167,7 @@ def model_config_from_hf(config_json: str | os.PathLike | dict, **overrides: Any
         path = os.path.join(src, "config.json") if os.path.isdir(src) else src
         if not os.path.isfile(path):
             raise ConfigError(f"HF config not found: {path}")
-        try:
-            hf = json.loads(read_text(path, ConfigError))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: invalid JSON ({e})") from None
-        if not isinstance(hf, dict):
-            raise ConfigError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+        hf = read_json_object(path, ConfigError)
     model_type = hf.get("model_type")
     if model_type != "qwen3_moe":
         raise ConfigError(f"{src}: model_type={model_type!r}; only 'qwen3_moe' is supported")
