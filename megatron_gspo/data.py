@@ -32,6 +32,7 @@ from megatron_gspo.errors import DataError, TokenizerError
 from megatron_gspo.reasoning_gym_tasks import PREFIX as RG_PREFIX
 from megatron_gspo.reasoning_gym_tasks import build_reasoning_gym_task
 from megatron_gspo.tasks import TASKS, Task, build_task
+from megatron_gspo.textfile import decode_line
 from megatron_gspo.tokenizer import Tokenizer
 
 BUILTIN_PREFIX = "builtin:"
@@ -101,14 +102,17 @@ class PromptDataset(Sequence[PromptExample]):
                    key: str = "data.source") -> "PromptDataset":
         _check_file(path, key)
         examples = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        # Binary, line by line: a record ends at "\n" only (a "\r" inside one is JSON whitespace, not a
+        # line break), and a byte that is not UTF-8 is reported with its line, not as a traceback.
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                line = decode_line(raw, path, lineno, DataError).rstrip("\r\n")
                 if not line.strip():
                     continue  # blank lines (a trailing newline, hand-edited files) are not records
                 where = f"{path}:{lineno}"
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError as e:
+                except json.JSONDecodeError as e:  # the line alone, without its newline: the column is the line's
                     raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
                 examples.append(_to_example(record, where, f"{os.path.basename(path)}:{lineno}", prompt_key, answer_key))
         return cls(examples, source=path)
@@ -121,13 +125,22 @@ class PromptDataset(Sequence[PromptExample]):
             import pyarrow.parquet as pq
         except ImportError:
             raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow), or convert it to .jsonl") from None
-        table = pq.read_table(path)
-        for key in (prompt_key, answer_key):
-            if key is not None and key.split(".")[0] not in table.column_names:
-                raise DataError(f"{path}: no column {key.split('.')[0]!r} (for {key!r}); columns: {table.column_names}")
+        import pyarrow as pa
+
+        try:  # a damaged, truncated or empty file (ArrowInvalid), or one pyarrow cannot read (OSError)
+            table = pq.read_table(path)
+            for name in (prompt_key, answer_key):
+                if name is not None and name.split(".")[0] not in table.column_names:
+                    raise DataError(f"{path}: no column {name.split('.')[0]!r} (for {name!r}); columns: "
+                                    f"{table.column_names}")
+            records = table.to_pylist()
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataError(f"{path}: not a readable Parquet file ({why}); write it again (a file cut short, e.g. by an "
+                            "interrupted copy, has no footer) or give a .jsonl") from None
         examples = [
             _to_example(record, f"{path}: row {row}", f"{os.path.basename(path)}:{row}", prompt_key, answer_key)
-            for row, record in enumerate(table.to_pylist())
+            for row, record in enumerate(records)
         ]
         return cls(examples, source=path)
 
@@ -201,6 +214,9 @@ def _to_example(record: Any, where: str, default_id: str, prompt_key: str,
     elif not isinstance(prompt, str):
         raise DataError(f"{where}: field {prompt_key!r} must be a string or a list of chat messages, "
                         f"got {type(prompt).__name__}")
+    elif not prompt.strip():  # nothing to condition on: refused here, not as an empty prompt at generation
+        raise DataError(f"{where}: field {prompt_key!r} (data.prompt_key) is {'empty' if not prompt else 'only whitespace'}; "
+                        "every record needs a prompt (remove or fix this record)")
     answer: Optional[str] = None
     if answer_key:
         found, value = _lookup(record, answer_key)
@@ -281,6 +297,10 @@ class PromptSampler:
                 ids = tok.encode(text, add_special_tokens=cfg.add_special_tokens)
         except TokenizerError as e:  # e.g. a character the built-in tokenizer lacks: say which example
             raise DataError(f"{example.where} (id {example.id}): {e}") from None
+        if not ids:  # a tokenizer that maps the whole text to nothing: the model would have nothing to answer
+            raise DataError(f"{example.where} (id {example.id}): the prompt {example.prompt!r:.60} tokenizes to no "
+                            f"tokens ({type(tok).__name__}, data.add_special_tokens={cfg.add_special_tokens}); remove "
+                            "or fix this record")
         limit = cfg.max_prompt_length
         if len(ids) <= limit:
             return Prompt(id=example.id, text=text, ids=ids, answer=example.answer)

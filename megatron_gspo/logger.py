@@ -93,7 +93,8 @@ def truncate_jsonl(path: str, first_step: int) -> int:
     goes too); returns how many rows were dropped. Replaced atomically: a crash here loses nothing."""
     if not os.path.isfile(path):
         return 0
-    with open(path, encoding="utf-8") as f:
+    # errors="replace": a damaged byte spoils its own row (dropped below), not the resume
+    with open(path, encoding="utf-8", errors="replace") as f:
         lines = f.read().splitlines()
     keep = []
     for line in lines:

@@ -60,6 +60,65 @@ def peak_rss() -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+# How much memory this process may use
+# ----------------------------------------------------------------------------------------------
+
+
+def _read_int(path: str) -> Optional[int]:
+    """The integer in a /proc or /sys file; None when absent, unreadable or "max" (no limit)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+        return int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def _cgroup_dirs(version: int, mount: str, proc_cgroup: str) -> list[str]:
+    """This process's memory cgroup and its ancestors, as directories of the mounted hierarchy
+    (``mount`` for v2, ``mount``/memory for v1), innermost first. Inside a container the process's own
+    path may not exist under the mount (a cgroup namespace): the mount's root is the container's
+    cgroup then, and is always included."""
+    root = mount if version == 2 else os.path.join(mount, "memory")
+    rel = None
+    try:
+        with open(proc_cgroup, encoding="utf-8") as f:
+            for line in f:
+                hier, controllers, path = line.rstrip("\n").split(":", 2)
+                if (version == 2 and hier == "0") or (version == 1 and "memory" in controllers.split(",")):
+                    rel = path
+    except (OSError, ValueError):
+        pass
+    dirs = []
+    while rel and rel != "/":
+        dirs.append(os.path.join(root, rel.lstrip("/")))
+        rel = os.path.dirname(rel)
+    return dirs + [root]
+
+
+def memory_limits(cgroup_mount: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> list[tuple[int, str, bool]]:
+    """Every limit on the memory this process may use, as (bytes, what sets it, per process?):
+    physical memory, the memory cgroup's limit (v2 memory.max, v1 memory.limit_in_bytes, of this
+    cgroup and every ancestor: a job scheduler's or a container's), and the address-space and data
+    rlimits (``ulimit -v`` / ``prlimit --as``, ``ulimit -d``). Limits shared by the machine's
+    processes have ``per process`` False. "No limit" values are left out."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    physical = page * os.sysconf("SC_PHYS_PAGES")
+    out = [(physical, "physical memory", False)]
+    for version, name in ((2, "memory.max"), (1, "memory.limit_in_bytes")):
+        for d in _cgroup_dirs(version, cgroup_mount, proc_cgroup):
+            v = _read_int(os.path.join(d, name))
+            if v is not None and v < physical:  # v1 writes "no limit" as a huge number
+                out.append((v, f"cgroup memory limit ({os.path.join(d, name)})", False))
+    for rlim, what in ((resource.RLIMIT_AS, "address-space limit (ulimit -v)"),
+                       (resource.RLIMIT_DATA, "data-segment limit (ulimit -d)")):
+        soft, _ = resource.getrlimit(rlim)
+        if soft != resource.RLIM_INFINITY and soft > 0:
+            out.append((soft, what, True))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # The machine
 # ----------------------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_gspo.config import TOKENIZER_TYPES, TokenizerConfig
 from megatron_gspo.errors import TokenizerError
+from megatron_gspo.textfile import read_json_object, read_text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,8 +200,7 @@ def _chat_template_arg_source(value: str) -> str:
 def _read_chat_template_arg(value: str) -> str:
     """``tokenizer.chat_template`` is template text, or a path to a file holding it."""
     if "{" not in value and os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
+        return read_text(value, TokenizerError)
     if "{" not in value:
         raise TokenizerError(f"tokenizer.chat_template={value!r} is neither a Jinja template nor an existing file")
     return value
@@ -293,14 +293,7 @@ class HFTokenizer(Tokenizer):
     def _read_json(path: str) -> dict[str, Any]:
         if not os.path.isfile(path):
             return {}
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise TokenizerError(f"{path}: invalid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-        return data
+        return read_json_object(path, TokenizerError)
 
     def _require_id(self, token: str, what: str) -> int:
         i = self._tok.token_to_id(token)
@@ -313,8 +306,7 @@ class HFTokenizer(Tokenizer):
         """(the checkpoint's own chat template or None, the file it came from)."""
         jinja_file = os.path.join(directory, "chat_template.jinja")
         if os.path.isfile(jinja_file):
-            with open(jinja_file, encoding="utf-8") as f:
-                return f.read(), jinja_file
+            return read_text(jinja_file, TokenizerError), jinja_file
         source = os.path.join(directory, "chat_template.json")
         template = cls._read_json(source).get("chat_template")
         if template is None:

@@ -24,14 +24,41 @@ log = logging.getLogger("megatron_gspo")
 __all__ = ["DEMO_CONFIG", "Trainer", "main", "run_trainer"]
 
 
+USAGE = """\
+usage: python -m megatron_gspo.train [CONFIG.yaml] [section.key=value ...]
+
+Train a Mixture-of-Experts policy with GSPO / GRPO. One process per rank: several ranks run under
+torchrun or launch/pretrain_gspo.sh, which takes the same arguments.
+
+  CONFIG.yaml         the job (YAML, one mapping per section: model, train, data, ...); without it
+                      the packaged demo job: {demo}
+  section.key=value   a setting over the file's, e.g. train.num_steps=10 model.preset=qwen3-moe-2b-proxy
+                      (also written --section.key=value or --section.key value)
+
+Every section, key, default and meaning: docs/configuration.md. Validate a job without running it:
+python launch/pretrain_gspo.sh --dry-run CONFIG.yaml [section.key=value ...].
+Exit status:
+{codes}
+"""
+
+
+def usage() -> str:
+    codes = "\n".join(f"  {code:<3d} {meaning}" for code, meaning in sorted(exit_status.MEANING.items()))
+    return USAGE.format(demo=DEMO_CONFIG, codes=codes)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(usage(), end="")
+        return 0
     # First: a stop signal from now on is kept (the trainer acts on it as soon as it can, at the
     # latest when start-up ends), then the launcher learns this rank's pid (it waits for the rank,
     # reads its exit code and delivers it a signal that came before).
     PreemptionFlag.install(STOP_SIGNALS)
     exit_status.rank_started()
     # no YAML: the built-in demo job (tiny MoE, arithmetic task), overrides still apply
-    path, argv = split_job_args(sys.argv[1:] if argv is None else argv)
+    path, argv = split_job_args(argv)
     try:
         cfg = load_job_config(path, argv)
         if role_of(cfg) == ROLLOUT:  # rollout.mode=async: this rank generates (async_rollout/worker.py)

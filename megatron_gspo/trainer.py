@@ -42,7 +42,7 @@ from megatron_gspo.hooks import Hooks, TrainerHook
 from megatron_gspo.logger import MetricsLogger, Timer, progress_line, setup_logging
 from megatron_gspo.losses import batch_normalizer, compute_policy_loss, on_policy_metrics
 from megatron_gspo.metrics import MetricAccumulator
-from megatron_gspo.oom import explain_oom
+from megatron_gspo.oom import check_model_fits, explain_oom, model_shapes
 from megatron_gspo.model import (
     aux_loss_scales,
     clear_aux_losses_tracker,
@@ -108,16 +108,21 @@ class Trainer:
 
         self.checkpoints = CheckpointManager(cfg.checkpoint, st)
         self.checkpoints.check_config(to_dict(cfg))  # a resume refuses a trajectory-changing config change
-        self.model = build_model(cfg.model, cfg.parallel, st, routing_replay=t.routing_replay != "off",
-                                 deterministic=t.deterministic)
-        # The KL reference is the initial policy: a frozen copy taken after checkpoint.load and the
-        # SFT warm start (in run()), saved in every checkpoint so a resumed run keeps it.
-        self.ref_model = None
-        if cfg.loss.kl_coef > 0:
-            self.ref_model = build_model(cfg.model, cfg.parallel, st,
-                                         deterministic=t.deterministic).eval().requires_grad_(False)
-        self.checkpoints.prepare(self.model)  # refuse a wrong-shape resume, or load checkpoint.load
-        self.ddp = wrap_ddp(self.model, st)
+        # a model that cannot fit this rank's memory is refused now, not after minutes of building (on
+        # the CPU a memory cgroup would SIGKILL it, with nothing said); what does not fit later, each
+        # phase names (oom.explain_oom)
+        check_model_fits(cfg, st)
+        with explain_oom("model", cfg, st, model_shapes(cfg)):
+            self.model = build_model(cfg.model, cfg.parallel, st, routing_replay=t.routing_replay != "off",
+                                     deterministic=t.deterministic)
+            # The KL reference is the initial policy: a frozen copy taken after checkpoint.load and the
+            # SFT warm start (in run()), saved in every checkpoint so a resumed run keeps it.
+            self.ref_model = None
+            if cfg.loss.kl_coef > 0:
+                self.ref_model = build_model(cfg.model, cfg.parallel, st,
+                                             deterministic=t.deterministic).eval().requires_grad_(False)
+            self.checkpoints.prepare(self.model)  # refuse a wrong-shape resume, or load checkpoint.load
+            self.ddp = wrap_ddp(self.model, st)
         recompute, why = old_logprob_source(cfg, st.device)
         self.routing = RoutingPolicy(t.routing_replay, self.ddp, st, old_pass=recompute)
         if (inactive := inactive_reason(cfg.rollout_correction.mode, recompute)) and st.is_main:
@@ -220,10 +225,13 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def setup_optimizer(self) -> None:
         cfg = self.cfg
-        self.optimizer = build_optimizer(cfg.optimizer, self.ddp, self.state, cfg.model.precision == "bf16")
+        with explain_oom("model", cfg, self.state, model_shapes(cfg)):  # bf16: the fp32 master copy
+            self.optimizer = build_optimizer(cfg.optimizer, self.ddp, self.state, cfg.model.precision == "bf16")
         self.scheduler = build_scheduler(cfg.optimizer, self.optimizer, cfg.train.num_steps * cfg.train.num_minibatches)
         if self.resumed:
-            info = self.checkpoints.restore(self.ddp, self.optimizer, self.scheduler, extra_models=self._extra_models())
+            with explain_oom("model", cfg, self.state, model_shapes(cfg) + ", restored from a checkpoint"):
+                info = self.checkpoints.restore(self.ddp, self.optimizer, self.scheduler,
+                                                extra_models=self._extra_models())
             self.step = info["step"]
             self.sampler.load_state_dict(info["extra"]["data"], accept=self.checkpoints.change_allowed)
             log.info("resumed from %s at step %d", info["path"], self.step)
@@ -247,7 +255,8 @@ class Trainer:
                 self._skip_update(bad_sample_ids(bad_rows))
                 skipped += 1
                 continue
-            ok, gnorm = optimizer_step(self.optimizer, st.device)
+            with explain_oom("optimizer", self.cfg, st, model_shapes(self.cfg)):  # Adam's states, at the first step
+                ok, gnorm = optimizer_step(self.optimizer, st.device)
             if not ok or not math.isfinite(gnorm):  # megatron's own overflow check (bf16/fp16)
                 self._skip_update([])
                 skipped += 1

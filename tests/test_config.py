@@ -88,6 +88,8 @@ def test_bad_yaml_file(tmp_path):
     with pytest.raises(ConfigError, match=r"bad\.yaml: invalid YAML"):
         load_yaml(p)
     with pytest.raises(ConfigError, match="expected section.key=value"):
+        parse_overrides(["model"])
+    with pytest.raises(ConfigError, match=r"an override needs key=value: 'model\.num_layers' has no value"):
         parse_overrides(["model.num_layers"])
 
 
@@ -233,9 +235,42 @@ def test_greedy_rollouts_with_several_samples_are_refused():
     with pytest.raises(ConfigError, match=r"generation\.temperature=0 \(greedy\) with generation\.n_samples_per_prompt=4: "
                                           r"every sample of a prompt would be the same response"):
         load_job_config(None, ["generation.temperature=0"])
-    # one sample per prompt (an estimator without groups) may be greedy
-    load_job_config(None, ["generation.temperature=0", "generation.n_samples_per_prompt=1",
-                           "train.advantage_estimator=mean_only", "train.num_minibatches=1"])
+    # one sample per prompt is no way out: every estimator is group-relative (issue 30)
+    with pytest.raises(ConfigError, match=r"generation\.n_samples_per_prompt must be >= 2"):
+        load_job_config(None, ["generation.temperature=0", "generation.n_samples_per_prompt=1",
+                               "train.advantage_estimator=mean_only", "train.num_minibatches=1"])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    # a group of one: r - mean(r) = 0 with every estimator, not only grpo's std-normalized one
+    (["generation.n_samples_per_prompt=1", "train.advantage_estimator=dr_grpo", "train.num_minibatches=1"],
+     r"generation\.n_samples_per_prompt must be >= 2 for group-relative advantages, got 1: with "
+     r"train\.advantage_estimator=dr_grpo a group of one response has advantage r - mean\(r\) = 0"),
+    (["generation.n_samples_per_prompt=1", "train.advantage_estimator=mean_only", "train.num_minibatches=1",
+      "loss.name=grpo", "loss.kl_coef=0.1"], r"train\.advantage_estimator=mean_only a group of one"),
+    # greedy in all but name: a temperature near 0, top-k 1, a nucleus no second token can enter
+    (["generation.temperature=1e-8"], r"generation\.temperature=1e-08 is below 0\.01: sampling at it is greedy in "
+                                      r"all but name .* move 1e\+08 times as much as the logits"),
+    (["generation.temperature=0.009"], r"generation\.temperature=0\.009 is below 0\.01"),
+    (["generation.top_k=1", "generation.n_samples_per_prompt=8"],
+     r"generation\.top_k=1 with generation\.n_samples_per_prompt=8: only the most likely token can be drawn"),
+    (["generation.top_p=0.005"], r"generation\.top_p=0\.005 <= 1 / model\.vocab_size: the most likely token alone"),
+    (["eval.temperature=1e-8"], r"eval\.temperature=1e-08 is below 0\.01: the pass@k samples would all be the "
+                                r"greedy response"),
+])
+def test_sampling_that_gives_every_group_zero_advantage_is_refused(overrides, match):
+    from megatron_gspo.config import load_job_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_job_config(None, overrides)
+
+
+def test_sampling_at_the_edges_of_the_refused_ranges_is_accepted():
+    from megatron_gspo.config import load_job_config
+
+    load_job_config(None, ["generation.temperature=0.01", "eval.temperature=0.01"])
+    load_job_config(None, ["generation.top_k=2", "generation.top_p=0.01"])  # 0.01 > 1/128 (tiny vocabulary)
+    load_job_config(None, ["eval.temperature=1e-8", "eval.num_samples=0"])  # greedy accuracy only: no samples
 
 
 @pytest.mark.parametrize("dp, overrides, match", [

@@ -311,3 +311,71 @@ def test_resume_on_other_data_says_how_to_accept_it(jsonl):
     assert str(e.value).endswith("accept the change with checkpoint.allow_config_change=[data.seed]")
     other.load_state_dict(s.state_dict(), accept=lambda key: key == "data.seed")
     assert other.position == s.position
+
+
+# ----------------------------------------------------------------------------------------------
+# Damaged files: one error naming the file and line (issue 30)
+# ----------------------------------------------------------------------------------------------
+
+
+def _records(n):
+    return [json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) for i in range(n)]
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_file_line_and_column(tmp_path):
+    lines = [r.encode() for r in _records(60)]
+    lines[50] = b'{"prompt": "caf\xe9 1+1=", "answer": "2"}'  # latin-1 e-acute on line 51
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataError, match=r"latin1\.jsonl:51: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        PromptDataset.from_jsonl(str(path))
+    # a byte-order mark (Windows editors) is not an error, and CRLF line ends are not part of a record
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b"\r\n".join(r.encode() for r in _records(3)) + b"\r\n")
+    assert [e.answer for e in PromptDataset.from_jsonl(str(bom))] == ["1", "2", "3"]
+
+
+def test_invalid_json_names_the_column_of_the_line(tmp_path):
+    lines = _records(120)
+    lines[100] = '{"prompt": "1+1=", "answer": "2",'  # cut short: the error is at column 34, the line's end
+    path = _write_jsonl(tmp_path / "cut.jsonl", lines)
+    with pytest.raises(DataError, match=r"cut\.jsonl:101: invalid JSON \(Expecting property name enclosed in double "
+                                        r"quotes at column 34\)"):
+        PromptDataset.from_jsonl(path)
+    lines[100] = '{"prompt": "1+1=", "answer": "2"\r, "id": 7}'  # a CR inside a record is whitespace, not a line end
+    assert PromptDataset.from_jsonl(_write_jsonl(tmp_path / "cr.jsonl", lines))[100].id == "7"
+
+
+@pytest.mark.parametrize("prompt, what", [("", "empty"), ("  \n", "only whitespace")])
+def test_a_prompt_with_nothing_in_it_is_refused_at_load(tmp_path, prompt, what):
+    lines = _records(5)
+    lines[3] = json.dumps({"prompt": prompt, "answer": "1"})
+    with pytest.raises(DataError, match=rf"e\.jsonl:4: field 'prompt' \(data.prompt_key\) is {what}"):
+        PromptDataset.from_jsonl(_write_jsonl(tmp_path / "e.jsonl", lines))
+
+
+def test_a_prompt_that_tokenizes_to_nothing_is_refused_when_drawn(tmp_path):
+    class Dropping(CharTokenizer):  # a tokenizer that normalizes some text away entirely
+        def encode(self, text, add_special_tokens=False):
+            return [] if text == "~" else super().encode(text, add_special_tokens)
+
+    path = _write_jsonl(tmp_path / "t.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "~", "answer": "x"}])
+    s = build_prompt_sampler(DataConfig(source=path, shuffle=False, add_special_tokens=False), Dropping(), batch_size=2)
+    with pytest.raises(DataError, match=r"t\.jsonl:2 \(id t\.jsonl:2\): the prompt '~' tokenizes to no tokens"):
+        s.next_batch()
+
+
+def test_a_damaged_parquet_file_is_one_error_naming_it(tmp_path):
+    pytest.importorskip("pyarrow", reason="pyarrow is in the test extras (setup.py)")
+    empty = tmp_path / "empty.parquet"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty\.parquet: not a readable Parquet file \(.*0 bytes\)"):
+        PromptDataset.from_parquet(str(empty))
+    cut = tmp_path / "cut.parquet"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["1+1="] * 50, "answer": ["2"] * 50}), str(cut))
+    cut.write_bytes(cut.read_bytes()[:-40])  # an interrupted copy: the footer is gone
+    with pytest.raises(DataError, match=r"cut\.parquet: not a readable Parquet file"):
+        PromptDataset.from_parquet(str(cut))

@@ -3,7 +3,8 @@
 A cycle (config importing every section's module, each importing ConfigError back) only shows when
 a module is the *first* one imported, e.g. `python -c "import megatron_gspo.optim"`: so each module
 gets its own interpreter. And the config package is a leaf: importing it loads nothing else of
-megatron_gspo but `errors`.
+megatron_gspo but the leaves `errors` and `textfile` (reading files as UTF-8, with the file and line
+of a bad byte).
 """
 
 import os
@@ -49,5 +50,5 @@ def test_config_is_a_leaf():
             "print(sorted(m for m in sys.modules if m.startswith('megatron_gspo')))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = eval(p.stdout.strip().splitlines()[-1])
-    allowed = {"megatron_gspo", "megatron_gspo.errors"}
+    allowed = {"megatron_gspo", "megatron_gspo.errors", "megatron_gspo.textfile"}
     assert [m for m in loaded if m not in allowed and not m.startswith("megatron_gspo.config")] == []

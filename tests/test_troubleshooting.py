@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "troubleshooting.md"
 LAUNCHER = ROOT / "launch" / "pretrain_gspo.sh"
 ANNOTATION = re.compile(r"<!-- (check|no-check): (.+?) -->")
-UNLESS = re.compile(r"\s*\(unless (\w+) is installed\)$")
+UNLESS = re.compile(r"\s*\((unless|if) (\w+) is installed\)$")
 
 
 def catalogue() -> list[tuple[int, str, str, str]]:
@@ -84,9 +84,10 @@ CHECKS = [pytest.param(n, msg, cmd, id=f"line{n}") for n, msg, kind, cmd in cata
 @pytest.mark.parametrize("line, message, command", CHECKS)
 def test_catalogue_entry(line, message, command, isolated, monkeypatch, capsys):
     unless = UNLESS.search(command)
-    if unless:
-        if importlib.util.find_spec(unless.group(1)) is not None:
-            pytest.skip(f"{unless.group(1)} is installed here")
+    if unless:  # "(unless X is installed)": the message without X; "(if X is installed)": with it
+        installed = importlib.util.find_spec(unless.group(2)) is not None
+        if installed == (unless.group(1) == "unless"):
+            pytest.skip(f"{unless.group(2)} is {'' if installed else 'not '}installed here")
         command = command[:unless.start()]
     words = shlex.split(command)
     while re.fullmatch(r"[A-Z_]+=\S*", words[0]):

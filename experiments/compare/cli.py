@@ -122,10 +122,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from experiments.compare.run import run_comparison
 
+    from megatron_gspo.errors import USER_ERRORS
+
     args.config = args.config or DEMO_CONFIG
-    overrides = build_overrides(args.config, args.overrides, steps=args.steps, stress=args.stress,
-                                stress_minibatches=args.stress_minibatches, stress_lr_mult=args.stress_lr_mult)
-    meta = run_comparison(args, overrides)
+    try:  # every variant's config is validated before anything runs: a mistake is one line, exit 2
+        overrides = build_overrides(args.config, args.overrides, steps=args.steps, stress=args.stress,
+                                    stress_minibatches=args.stress_minibatches, stress_lr_mult=args.stress_lr_mult)
+        meta = run_comparison(args, overrides)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     res = report(os.path.abspath(args.out), docs_dir=args.docs_dir)
     print(f"[compare] {len(meta['variants'])} variants in {meta['total_wall_s'] / 60:.1f} min; summary: {res['summary']}"
           + (f"; docs: {res['docs']}" if "docs" in res else ""), flush=True)

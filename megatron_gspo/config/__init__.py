@@ -4,7 +4,8 @@ Every section is a dataclass validated in ``__post_init__`` with a message that 
 (``ConfigError: model.num_attention_heads=...``). Field names follow Megatron-LM's argument names
 where one exists (``tensor_model_parallel_size``, ``num_query_groups``, ``moe_router_topk`` ...).
 
-This package is a leaf: it imports nothing of megatron_gspo but ``errors``; every subsystem imports
+This package is a leaf: it imports nothing of megatron_gspo but the leaves ``errors`` and ``textfile``
+(UTF-8 files read with a bad byte's file and line); every subsystem imports
 its section from here (tests/test_imports.py imports each module alone in a fresh interpreter).
 
     model.py     ModelConfig, the presets, a Hugging Face config.json -> ModelConfig

@@ -8,10 +8,18 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from megatron_gspo.config.checks import check
-from megatron_gspo.config.loader import apply_overrides, from_dict, load_yaml, parse_overrides
+from megatron_gspo.config.loader import (
+    apply_overrides,
+    from_dict,
+    load_yaml,
+    looks_like_a_key,
+    no_value_message,
+    parse_overrides,
+)
 from megatron_gspo.config.model import ModelConfig, model_config_from_preset
 from megatron_gspo.config.rollout import RolloutConfig, check_rollout
 from megatron_gspo.config.sections import (
+    MIN_SAMPLING_TEMPERATURE,
     TOKEN_RATIO_LOSSES,
     CheckpointConfig,
     DataConfig,
@@ -56,8 +64,6 @@ class JobConfig:
                    f"train.routing_replay={t.routing_replay!r} is for the losses with per-token ratios "
                    f"({', '.join(TOKEN_RATIO_LOSSES)}); loss.name={self.loss.name!r} uses GSPO's sequence ratio "
                    "(GSPO needs no routing replay). Set train.routing_replay=off")
-        if t.advantage_estimator in ("grpo",) and g.n_samples_per_prompt < 2:
-            raise ConfigError("generation.n_samples_per_prompt must be >= 2 for group-relative advantages")
         # the warm start learns the reference answers (a built-in task always has them); refused
         # here rather than with a traceback at its first batch
         check(not (t.sft_steps > 0 and self.data.answer_key is None
@@ -78,12 +84,34 @@ class JobConfig:
         check(not (t.dynamic_sampling and g.n_samples_per_prompt < 2),
               "train.dynamic_sampling=true needs generation.n_samples_per_prompt >= 2: a group of one response "
               "always has equal rewards and would always be dropped")
+        # every estimator is group-relative (advantages.py: dr_grpo and mean_only subtract the group mean
+        # too): a group of one has advantage 0 whatever its reward, and no loss trains on that
+        check(g.n_samples_per_prompt >= 2,
+              f"generation.n_samples_per_prompt must be >= 2 for group-relative advantages, got "
+              f"{g.n_samples_per_prompt}: with train.advantage_estimator={t.advantage_estimator} a group of one "
+              "response has advantage r - mean(r) = 0 whatever its reward, so nothing would train")
         # greedy decoding gives every sample of a prompt the same response: every group's rewards are
         # equal and its advantages 0 (evaluation refuses eval.temperature=0 with pass@k likewise)
         check(not (g.temperature == 0 and g.n_samples_per_prompt > 1),
               f"generation.temperature=0 (greedy) with generation.n_samples_per_prompt={g.n_samples_per_prompt}: "
               "every sample of a prompt would be the same response, so every group has equal rewards and zero "
               "advantage and nothing trains; use a temperature > 0 (e.g. 1.0)")
+        # the same in all but name, and the loss's log-probs are log-softmax(logits / T): any change of
+        # a logit (one optimizer step) moves them 1/T times as much, so the ratios and the KL explode
+        check(not 0 < g.temperature < MIN_SAMPLING_TEMPERATURE,
+              f"generation.temperature={g.temperature:g} is below {MIN_SAMPLING_TEMPERATURE:g}: sampling at it is "
+              "greedy in all but name (the samples of a prompt are the same response: zero advantage), and the "
+              f"loss's log-probs, log-softmax(logits / T), move {1 / g.temperature:.3g} times as much as the logits, "
+              "so one update makes log-ratios and loss/approx_kl explode; use a temperature >= "
+              f"{MIN_SAMPLING_TEMPERATURE:g} (e.g. 1.0)")
+        check(not (g.top_k == 1 and g.n_samples_per_prompt > 1),
+              f"generation.top_k=1 with generation.n_samples_per_prompt={g.n_samples_per_prompt}: only the most "
+              "likely token can be drawn (greedy decoding), so every sample of a prompt would be the same response, "
+              "every group has equal rewards and zero advantage and nothing trains; use top_k=0 (off) or >= 2")
+        check(not (g.top_p <= 1 / self.model.vocab_size and g.n_samples_per_prompt > 1),
+              f"generation.top_p={g.top_p:g} <= 1 / model.vocab_size: the most likely token alone always reaches it "
+              "(greedy decoding), so every sample of a prompt would be the same response and every group has zero "
+              "advantage; use a larger top_p (1 = off)")
         # overlong filtering masks out responses that reach max_new_tokens without a stop token; these
         # settings make every response one of them, and then no step ever trains anything
         check(not (t.overlong_filtering and g.ignore_eos),
@@ -206,6 +234,11 @@ def old_logprob_source(cfg: JobConfig, device) -> tuple[bool, str]:
 
 def load_job_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> JobConfig:
     """YAML (optional) + ``section.key=value`` overrides -> validated JobConfig."""
+    if path and not os.path.isfile(path) and looks_like_a_key(os.path.basename(path)):
+        # `train.num_steps` alone was taken for the config file (it comes first and holds no "=")
+        section = os.path.basename(path).split(".")[0]
+        if section in {f.name for f in fields(JobConfig)}:
+            raise ConfigError(no_value_message(os.path.basename(path)))
     data = load_yaml(path) if path else {}
     data = apply_overrides(data, parse_overrides(list(overrides or [])))
     return from_dict(JobConfig, data)

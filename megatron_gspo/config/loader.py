@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
 import os
+import re
 import types
 import typing
 from dataclasses import fields
@@ -17,6 +19,7 @@ from typing import Any
 
 from megatron_gspo.config.model import MODEL_PRESETS, ModelConfig
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.textfile import read_text
 
 
 def _resolve_type(tp: Any) -> tuple[Any, bool]:
@@ -140,11 +143,25 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
                 i += 2
                 continue
         if "=" not in tok:
+            if looks_like_a_key(tok):  # a setting without its value (train.num_steps)
+                raise ConfigError(no_value_message(tok))
             raise ConfigError(f"cannot parse override {argv[i]!r}; expected section.key=value")
         k, v = tok.split("=", 1)
         out.append((k, v))
         i += 1
     return out
+
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+def looks_like_a_key(word: str) -> bool:
+    """``section.key`` (dotted names, not a file's name: no folder, no .yaml / .yml / .json end)."""
+    return bool(_DOTTED.fullmatch(word)) and not word.lower().endswith((".yaml", ".yml", ".json"))
+
+
+def no_value_message(word: str) -> str:
+    return f"an override needs key=value: {word!r} has no value (e.g. {word}=<value>)"
 
 
 def _yaml_scalar(text: str) -> Any:
@@ -176,11 +193,12 @@ def load_yaml(path: str | os.PathLike) -> dict:
 
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    text = io.StringIO(read_text(path, ConfigError))  # a byte that is not UTF-8: file:line, not a traceback
+    text.name = str(path)  # YAML's error marks name the file
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     return data

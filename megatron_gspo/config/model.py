@@ -3,13 +3,13 @@ the mapping from a Hugging Face ``config.json``."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_gspo.config.checks import check, choice
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.textfile import read_json_object
 
 
 @dataclass
@@ -167,8 +167,7 @@ def model_config_from_hf(config_json: str | os.PathLike | dict, **overrides: Any
         path = os.path.join(src, "config.json") if os.path.isdir(src) else src
         if not os.path.isfile(path):
             raise ConfigError(f"HF config not found: {path}")
-        with open(path, encoding="utf-8") as f:
-            hf = json.load(f)
+        hf = read_json_object(path, ConfigError)
     model_type = hf.get("model_type")
     if model_type != "qwen3_moe":
         raise ConfigError(f"{src}: model_type={model_type!r}; only 'qwen3_moe' is supported")

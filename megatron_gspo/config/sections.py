@@ -34,6 +34,11 @@ DEVICES = ("auto", "cuda", "cpu")  # parallel.resolve_device
 # would only repeat itself for hours (the cap's fill-up then trains on constant groups anyway).
 DYNAMIC_SAMPLING_ROUNDS_LIMIT = 32
 
+# The lowest sampling temperature above 0 a job may use (generation.temperature, eval.temperature):
+# below it sampling is greedy decoding in all but name, and log-softmax(logits / T) amplifies every
+# change of the logits by 1 / T (vLLM clamps temperatures below the same 1e-2 for its numerics).
+MIN_SAMPLING_TEMPERATURE = 0.01
+
 # Paper defaults: GSPO §5.1 uses 3e-4 / 4e-4 (sequence ratios live very close to 1 because they
 # are geometric means); GRPO/PPO use 0.2 / 0.2 (DAPO's clip-higher is 0.2 / 0.28). LUSPO §5.1: 2e-3 /
 # 2.5e-3. CISPO truncates the importance weight at 1 + 4 = 5 with no lower bound (1 - 1 = 0):
@@ -208,7 +213,8 @@ class GenerationConfig:
     """Sampling settings of a rollout."""
 
     max_new_tokens: int = 256
-    # 0 = greedy (argmax); otherwise logits are divided by it before sampling.
+    # 0 = greedy (argmax); otherwise logits are divided by it before sampling. A job's rollouts need
+    # one >= 0.01 (MIN_SAMPLING_TEMPERATURE: greedy samples give every group zero advantage).
     temperature: float = 1.0
     # Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off).
     top_p: float = 1.0
@@ -621,7 +627,7 @@ class EvalConfig:
     num_samples: int = 8
     # k of pass@k.
     k: int = 4
-    # Sampling temperature of the pass@k samples (the accuracy is always greedy).
+    # Sampling temperature of the pass@k samples (the accuracy is always greedy); >= 0.01.
     temperature: float = 1.0
     # Seed of the pass@k samples' noise, apart from generation.seed: evaluation never moves the
     # training rollouts' noise.
@@ -638,5 +644,9 @@ class EvalConfig:
               f"eval.num_samples={self.num_samples} must be >= eval.k={self.k} (or 0: greedy only)")
         check(finite(self.temperature) and self.temperature > 0,
               f"eval.temperature must be a finite number > 0, got {self.temperature!r}")
+        check(self.num_samples == 0 or self.temperature >= MIN_SAMPLING_TEMPERATURE,
+              f"eval.temperature={self.temperature:g} is below {MIN_SAMPLING_TEMPERATURE:g}: the pass@k samples would "
+              "all be the greedy response (pass@k = the greedy accuracy, measured already); use a temperature >= "
+              f"{MIN_SAMPLING_TEMPERATURE:g} (e.g. 1.0), or eval.num_samples=0 for greedy accuracy only")
         check(self.source is None or (isinstance(self.source, str) and self.source),
               f"eval.source must be a file path, a builtin:<task> or null, got {self.source!r}")

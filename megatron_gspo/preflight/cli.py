@@ -4,6 +4,7 @@ the checks in order, one line each as it finishes, the table at the end, exit 0 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -84,6 +85,22 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"--json {args.json}: folder {folder} does not exist; create it or give another path")
         if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
             raise ConfigError(f"--json {args.json}: cannot write there (permission denied)")
+        _try_writing(args.json, path)
+
+
+def _try_writing(arg: str, path: str) -> None:
+    """Open ``path`` for appending (nothing in it changes) and close it, removing it again if it did
+    not exist: the one test that holds for every file system and user (root passes os.access on a
+    read-only file of /proc or a read-only mount)."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--json {arg}: cannot write there ({e.strerror or e})") from None
+    if not existed:
+        with contextlib.suppress(FileNotFoundError):  # every rank tries: another may have removed it
+            os.remove(path)
 
 
 def _workdir() -> str:
@@ -136,6 +153,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.json:
             meta = {"exit_code": code, "quick": args.quick, "device": str(ctx.device),
                     "world_size": int(os.environ.get("WORLD_SIZE", 1)), "overrides": args.overrides}
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(to_json(results, meta))
+            try:  # writable when the run began (check_args); a disk that filled up since is said in one line
+                with open(args.json, "w", encoding="utf-8") as f:
+                    f.write(to_json(results, meta))
+            except OSError as e:
+                log.error("error: --json %s: cannot write the results there (%s); the table above has them",
+                          args.json, e.strerror or e)
+                return EXIT_USAGE
     return code
