@@ -11,15 +11,21 @@ counter-based sampler of sampling.py draws no torch RNG state), it runs no routi
 trainer reseeds every step anyway; tests/test_evaluation.py checks a run's training metrics are
 bit-identical with evaluation on and off. Every rank generates every held-out row (the result needs
 no reduction and is the same under any layout; held-out sets are small).
+
+A stop signal cuts an evaluation short (``should_stop``, read in the decode loop and voted on after each
+generation): it raises ``EvaluationAbandoned`` on every rank; the step it follows stands, only its
+eval/* metrics are missing, and the trainer goes on to save and stop.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable, Optional
 
 import torch
 
+from megatron_gspo import comm
 from megatron_gspo.generation import generate
 from megatron_gspo.oom import explain_oom
 from megatron_gspo.rewards import compute_rewards
@@ -33,6 +39,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+class EvaluationAbandoned(Exception):
+    """Raised on every rank at once when a stop signal cut an evaluation short (``where``: which pass)."""
+
+    def __init__(self, step: int, where: str):
+        super().__init__(f"evaluation after step {step} abandoned in its {where}")
+        self.step, self.where = step, where
 
 
 class Evaluator:
@@ -56,21 +70,27 @@ class Evaluator:
         every = self.ecfg.interval
         return every > 0 and (step % every == 0 or step == self.cfg.train.num_steps)
 
-    def _answer(self, prompts, gen_cfg, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(correct [N] bool, response lengths [N]) of one response per prompt."""
+    def _answer(self, prompts, gen_cfg, seed: int, step: int, where: str,
+                should_stop: Optional[Callable[[], bool]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(correct [N] bool, response lengths [N]) of one response per prompt; EvaluationAbandoned
+        (every rank) when ``should_stop`` says so on any rank."""
         with explain_oom("generation", self.cfg, self.state, f"evaluation: {len(prompts)} rows"):
             out = generate(self.model, [p.ids for p in prompts], gen_cfg, vocab_size=self.cfg.model.vocab_size,
-                           state=self.state, seed=seed, row_keys=list(range(len(prompts))))
+                           state=self.state, seed=seed, row_keys=list(range(len(prompts))), should_stop=should_stop)
+        if should_stop is not None and comm.any_rank(out.abandoned or should_stop(), self.state.device,
+                                                     what="stop vote after an evaluation generation"):
+            raise EvaluationAbandoned(step, where + (", decoding cut short" if out.abandoned else ""))
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
         rewards = compute_rewards(self.reward_fn, [p.text for p in prompts], texts, [p.answer for p in prompts],
                                   device=self.state.device)
         return rewards >= 1.0, out.response_lengths
 
     @torch.no_grad()
-    def run(self, step: int) -> dict[str, float]:
-        """eval/* metrics after RL step ``step``."""
+    def run(self, step: int, should_stop: Optional[Callable[[], bool]] = None) -> dict[str, float]:
+        """eval/* metrics after RL step ``step``. ``should_stop``: this rank's stop flag (module doc)."""
         e, P = self.ecfg, len(self.prompts)
-        correct, lengths = self._answer(self.prompts, self.greedy_cfg, seed=0)  # argmax: no noise drawn
+        # argmax: no noise drawn
+        correct, lengths = self._answer(self.prompts, self.greedy_cfg, 0, step, "greedy pass", should_stop)
         out = {"eval/greedy_accuracy": int(correct.sum()) / P,
                "eval/response_length_mean": int(lengths.sum()) / P,
                "eval/num_prompts": float(P), **self.length_metrics}
@@ -78,7 +98,7 @@ class Evaluator:
             n = e.num_samples
             rows = [p for p in self.prompts for _ in range(n)]  # prompt-major: row i*n + j
             # (eval.seed, step) in one 64-bit key, like Rollouts.sampling_seed with its own base seed
-            ok, _ = self._answer(rows, self.sample_cfg, seed=(e.seed << 32) + step)
+            ok, _ = self._answer(rows, self.sample_cfg, (e.seed << 32) + step, step, "sampled pass", should_stop)
             c = ok.reshape(P, n).sum(dim=1).tolist()
             out[f"eval/pass@{e.k}"] = sum(pass_at_k(n, ci, e.k) for ci in c) / P
             out["eval/sample_accuracy"] = sum(c) / (P * n)

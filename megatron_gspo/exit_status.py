@@ -153,6 +153,17 @@ FORWARDED = GRACEFUL + (signal.SIGQUIT,)
 EXIT_DIR_PREFIX = "gspo-exit-"
 
 
+def ignore_stop_signals() -> None:
+    """A rank's last step once its exit code is decided: the stop signals (GRACEFUL) are ignored from
+    here on, so that one arriving during the interpreter's shutdown cannot turn the code into 130 / 143
+    (Python resets its own handlers to SIG_DFL while finalizing; an ignored signal stays ignored)."""
+    for s in GRACEFUL:
+        try:
+            signal.signal(s, signal.SIG_IGN)
+        except (ValueError, OSError):  # not the main thread: nothing to do there
+            pass
+
+
 def _ignore_graceful() -> None:
     """torchrun's preexec: it (and its workers, until the trainer installs its handler) ignore GRACEFUL."""
     for s in GRACEFUL:

@@ -4,10 +4,12 @@ Preemption: SLURM sends SIGUSR1 (``--signal=B:USR1@300``) or SIGTERM before a jo
 on preemption, ``scancel`` or ``scontrol requeue``. The handler only records the first signal and
 when it came (a signal often arrives twice: SLURM signals every process of a job step and the
 launcher passes it on too; repeats are counted, never acted on twice). The trainer reads the flag at
-step boundaries and inside the long parts of a step (the decode loop, dynamic-sampling rounds: see
-``StepAbandoned``); all ranks agree through an all-reduce, the last completed state is saved and the
-process exits with ``EXIT_PREEMPTED`` (or ``EXIT_PREEMPTED_NOTHING_SAVED`` before any step of this
-run completed) so the batch script can requeue and resume.
+step boundaries, between two SFT warm-start steps, before a step's update and inside the long parts
+(the decode loop, dynamic-sampling rounds: ``StepAbandoned``; an evaluation); all ranks agree through
+an all-reduce, the last completed state is saved (an RL step, or the warm start as far as it went)
+and the process exits with ``EXIT_PREEMPTED`` (or ``EXIT_PREEMPTED_NOTHING_SAVED`` when this run
+completed nothing) so the batch script can requeue and resume. Once the code is decided the entry
+point ignores the stop signals (exit_status.ignore_stop_signals): more of them change nothing.
 
 Fault injection (tests only): ``MEGATRON_GSPO_FAULTS="kind@step[:rank],..."`` with kinds
   nan_logprob  make rank's old log-probs of the first micro-batch of every minibatch non-finite

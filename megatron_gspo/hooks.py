@@ -6,8 +6,9 @@ comparison experiment's routing probe (experiments/compare) all attach here, so 
 
 Call order in ``Trainer.run`` (one RL step is ``at_step_start`` .. ``after_step``)::
 
-    before_training            model built, resume checkpoint chosen (trainer.resumed); no RL
-                               optimizer yet, no KL-reference snapshot yet
+    before_training            model built, resume checkpoint chosen (trainer.resumed: a training
+                               checkpoint; trainer.checkpoints.warm_start: one of an unfinished SFT
+                               warm start); no RL optimizer yet, no KL-reference snapshot yet
     for each step:
         at_step_start
         after_rollout(batch)   rollout, rewards, advantages and old log-probs ready; may edit batch

@@ -8,12 +8,18 @@ Like the RL update, an SFT step's gradient does not depend on the layout or the 
 the loss is normalized by the target tokens of the whole batch over every DP rank, DDP sums, the
 batch is micro-batched with ``train.micro_batch_size`` and the MoE aux loss gets the same weights
 (model.aux_loss_scales). Its optimizer is laid out as the parallel state says, like the RL one.
+
+A stop signal (SLURM's time limit, scancel) ends the warm start between two of its steps, like an RL
+step: the trainer saves it as the checkpoint of step 0 (weights, its optimizer and its data position,
+``SFTRun.state_dict``) and exits 75; a resume continues it where it stopped, with the result of an
+uninterrupted one (tests/test_stop_signals.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,31 +63,58 @@ def build_sft_batch(prompts, tokenizer, pad_id: int, device="cpu") -> tuple[torc
     return tokens.to(device), mask.to(device), lengths.to(device)
 
 
-class SFTWarmStart(TrainerHook):
-    """The warm start as a hook: before the RL optimizer exists (bf16 master weights copy the
-    parameters when it is built), unless the run resumes (the checkpoint holds the warmed-up policy)."""
+class SFTRun:
+    """The warm start's state: its optimizer, its own prompt stream and the steps done, so that a stop
+    signal can cut it short between two steps and a checkpoint of it (trainer.save_warm_start) continues
+    exactly where it stopped. model: the DDP-wrapped policy; cfg: the JobConfig (train.sft_*, optimizer,
+    model, data); pad: the padding token id. ``optimizer=False``: none is built (a finished warm start
+    that only restores its weights)."""
 
-    def before_training(self, trainer) -> None:
-        if trainer.cfg.train.sft_steps > 0 and not trainer.resumed:
-            sft_warm_start(trainer.ddp, trainer.state, trainer.cfg, trainer.sampler.dataset, trainer.tokenizer,
-                           trainer.rollouts.gen_cfg.pad_id)
+    def __init__(self, model, state, cfg, dataset, tokenizer, pad: int, optimizer: bool = True) -> None:
+        self.model, self.state, self.cfg, self.tokenizer, self.pad = model, state, cfg, tokenizer, pad
+        t = cfg.train
+        self.steps = t.sft_steps
+        opt_cfg = dataclasses.replace(cfg.optimizer, lr=t.sft_lr, min_lr=0.0, lr_warmup_steps=0,
+                                      lr_decay_style="constant", weight_decay=0.0)
+        self.optimizer = build_optimizer(opt_cfg, model, state, cfg.model.precision == "bf16") if optimizer else None
+        # draw from the same dataset with a separate stream so the RL data order is untouched
+        self.sampler = PromptSampler(dataset, tokenizer, dataclasses.replace(cfg.data, seed=cfg.data.seed + 7919),
+                                     t.sft_batch_size)
+        self.done = self.first = 0  # steps done; where this process started (a checkpoint's progress)
 
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.steps
 
-def sft_warm_start(model, state, cfg, dataset, tokenizer, pad: int) -> None:
-    """``train.sft_steps`` supervised steps on ``dataset``'s (prompt, answer) pairs. model: the DDP-wrapped
-    policy; cfg: the JobConfig (train.sft_*, optimizer, model, data); pad: the padding token id."""
-    st, t = state, cfg.train
-    opt_cfg = dataclasses.replace(cfg.optimizer, lr=t.sft_lr, min_lr=0.0, lr_warmup_steps=0,
-                                  lr_decay_style="constant", weight_decay=0.0)
-    optimizer = build_optimizer(opt_cfg, model, st, cfg.model.precision == "bf16")
-    # draw from the same dataset with a separate stream so the RL data order is untouched
-    sampler = PromptSampler(dataset, tokenizer, dataclasses.replace(cfg.data, seed=cfg.data.seed + 7919),
-                            t.sft_batch_size)
-    for step in range(t.sft_steps):
-        prompts = sampler.next_batch()
+    @property
+    def progressed(self) -> bool:
+        """This process completed a step of the warm start (a stop has something new to save)."""
+        return self.done > self.first
+
+    def state_dict(self) -> dict:
+        """What a checkpoint of the warm start holds besides the weights and the optimizer."""
+        return {"step": min(self.done, self.steps), "steps": self.steps, "data": self.sampler.state_dict()}
+
+    def load_state_dict(self, sd: dict, accept=lambda key: False) -> None:
+        self.done = self.first = int(sd["step"])
+        self.sampler.load_state_dict(sd["data"], accept=accept)
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> bool:
+        """Steps until ``steps``; True when the warm start is over, False when ``should_stop()`` (a
+        collective vote, read before every step) cut it short."""
+        while not self.finished:
+            if should_stop():
+                return False
+            self.step()
+        return True
+
+    def step(self) -> None:
+        """One supervised step on ``sft_batch_size`` prompts (collective)."""
+        model, st, cfg, t, pad = self.model, self.state, self.cfg, self.cfg.train, self.pad
+        prompts = self.sampler.next_batch()
         per = len(prompts) // st.dp
-        tokens, mask, lengths = build_sft_batch(prompts[st.dp_rank * per:(st.dp_rank + 1) * per], tokenizer, pad,
-                                                st.device)
+        tokens, mask, lengths = build_sft_batch(prompts[st.dp_rank * per:(st.dp_rank + 1) * per], self.tokenizer,
+                                                pad, st.device)
         # one width on every rank (MoE dispatch is a collective) and (T - 1) % TP == 0 under SP
         T = common_length(tokens.shape[1], st.tp if st.sequence_parallel else 1, st.device, group=dist.group.WORLD)
         tokens, mask = pad_columns(tokens, T, pad), pad_columns(mask, T - 1, False)
@@ -90,7 +123,7 @@ def sft_warm_start(model, state, cfg, dataset, tokenizer, pad: int) -> None:
         pad_masks = [input_padding_mask(lengths[sl], T - 1) for sl in micro]
         scales = aux_loss_scales(pad_masks, st, cfg.model.moe_router_load_balancing_type, cfg.model.moe_aux_loss_coeff)
         model.zero_grad_buffer()
-        optimizer.zero_grad()
+        self.optimizer.zero_grad()
         nll = torch.zeros(1, device=st.device)
         for j, sl in enumerate(micro):
             with explain_oom("sft", cfg, st, f"micro-batch of {sl.stop - sl.start} rows x {T - 1} tokens"):
@@ -101,7 +134,41 @@ def sft_warm_start(model, state, cfg, dataset, tokenizer, pad: int) -> None:
                 loss.backward()
             nll += loss.detach()  # this rank's share of the global mean
         finalize_grads(model, st)
-        optimizer_step(optimizer, st.device)
-        if (step + 1) % max(1, t.sft_steps // 10) == 0 or step == t.sft_steps - 1:
+        optimizer_step(self.optimizer, st.device)
+        self.done += 1
+        step = self.done - 1
+        if (step + 1) % max(1, self.steps // 10) == 0 or step == self.steps - 1:
             comm.all_reduce(nll, "sum", st.dp_group, what="SFT: loss over DP")
-            log.info("sft step %d/%d | nll %.4f", step + 1, t.sft_steps, nll.item())
+            log.info("sft step %d/%d | nll %.4f", step + 1, self.steps, nll.item())
+
+
+class SFTWarmStart(TrainerHook):
+    """The warm start as a hook: before the RL optimizer exists (bf16 master weights copy the
+    parameters when it is built), on a fresh start, or continuing a checkpoint of a warm start that a
+    stop signal cut short (trainer.checkpoints.warm_start); not when a training checkpoint is resumed
+    (it holds the warmed-up policy). Every step is preceded by the trainer's stop vote: a stop signal
+    ends the warm start between two steps, and the trainer saves it (Trainer.stop_if_preempted)."""
+
+    def before_training(self, trainer) -> None:
+        progress = trainer.checkpoints.warm_start
+        if trainer.resumed or (trainer.cfg.train.sft_steps <= 0 and progress is None):
+            return
+        finished = progress is not None and progress["step"] >= trainer.cfg.train.sft_steps
+        run = SFTRun(trainer.ddp, trainer.state, trainer.cfg, trainer.sampler.dataset, trainer.tokenizer,
+                     trainer.rollouts.gen_cfg.pad_id, optimizer=not finished)
+        if progress is not None:  # the weights (and, half-way, the optimizer) of the checkpoint
+            info = trainer.checkpoints.restore(trainer.ddp, run.optimizer, None)
+            run.load_state_dict(progress, accept=trainer.checkpoints.change_allowed)
+            log.info("resumed the supervised warm start from %s at SFT step %d of %d", info["path"], run.done,
+                     run.steps)
+        trainer.warm_start = run
+        if not run.run(should_stop=lambda: trainer.stop_requested("preemption vote in the SFT warm start")):
+            trainer.stop_if_preempted(agreed=True)
+        run.optimizer = None  # its memory goes before the RL optimizer is built
+
+
+def sft_warm_start(model, state, cfg, dataset, tokenizer, pad: int) -> None:
+    """``train.sft_steps`` supervised steps on ``dataset``'s (prompt, answer) pairs, without stopping.
+    model: the DDP-wrapped policy; cfg: the JobConfig (train.sft_*, optimizer, model, data); pad: the
+    padding token id."""
+    SFTRun(model, state, cfg, dataset, tokenizer, pad).run()

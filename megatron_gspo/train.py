@@ -13,12 +13,19 @@ import os
 import sys
 from typing import Callable, Optional
 
-from megatron_gspo import comm, exit_status, parallel
-from megatron_gspo.async_rollout.layout import ROLLOUT, role_of
-from megatron_gspo.config import DEMO_CONFIG, load_job_config, split_job_args
-from megatron_gspo.errors import USER_ERRORS
-from megatron_gspo.faults import STOP_SIGNALS, PreemptionFlag
-from megatron_gspo.trainer import Trainer, TrainingStopped, summarize
+from megatron_gspo import exit_status
+from megatron_gspo.faults import STOP_SIGNALS, PreemptionFlag  # standard library only: no torch yet
+
+if __name__ == "__main__":
+    # Before torch and megatron are imported (seconds): from here on a stop signal is kept, not fatal
+    # (``python -m megatron_gspo.train``; under the launcher the ranks start with them ignored).
+    PreemptionFlag.install(STOP_SIGNALS)
+
+from megatron_gspo import comm, parallel  # noqa: E402 (after the handlers: these import torch)
+from megatron_gspo.async_rollout.layout import ROLLOUT, role_of  # noqa: E402
+from megatron_gspo.config import DEMO_CONFIG, load_job_config, split_job_args  # noqa: E402
+from megatron_gspo.errors import USER_ERRORS  # noqa: E402
+from megatron_gspo.trainer import Trainer, TrainingStopped, summarize  # noqa: E402
 
 log = logging.getLogger("megatron_gspo")
 __all__ = ["DEMO_CONFIG", "Trainer", "main", "run_trainer"]
@@ -124,4 +131,12 @@ def run_history(output_dir: str, segment: list[dict], last_step: int) -> tuple[l
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    finally:
+        # The exit code is decided (and recorded for the launcher): a stop signal from now on must not
+        # replace it. Python's finalization puts SIG_DFL back for every signal with a Python handler,
+        # so a second SIGTERM / SIGINT landing there killed the process (143 / 130) after "exiting with
+        # 75"; an ignored signal stays ignored through it.
+        exit_status.ignore_stop_signals()
+    sys.exit(code)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from typing import Iterable
 
@@ -35,7 +36,7 @@ from megatron_gspo.async_rollout.source import AsyncRollouts, RolloutRanksLost
 from megatron_gspo.checkpoint import CheckpointManager, has_manifest, iter_dir
 from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, JobConfig, old_logprob_source, to_dict
 from megatron_gspo.data import build_eval_prompts, build_prompt_sampler
-from megatron_gspo.evaluation import Evaluator
+from megatron_gspo.evaluation import EvaluationAbandoned, Evaluator
 from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, EXIT_TOO_MANY_SKIPS
 from megatron_gspo.faults import FaultInjection, PreemptionFlag, StepAbandoned
 from megatron_gspo.hooks import Hooks, TrainerHook
@@ -151,6 +152,7 @@ class Trainer:
         async_hooks = [self.rollouts.hook] if self.side is not None else []
         self.hooks = Hooks([SFTWarmStart(), FaultInjection(rank=st.rank), *async_hooks, *hooks])
         self.logger = MetricsLogger(t.output_dir, enabled=st.is_main, tensorboard=t.tensorboard)
+        self.warm_start = None  # the SFT warm start of this run (sft.SFTRun), once it began
         self.consecutive_skips = 0
         self.skipped_total = 0
         self.warned_empty = False  # overlong filtering emptied a minibatch (said once)
@@ -170,17 +172,22 @@ class Trainer:
 
     @property
     def resumed(self) -> bool:
+        """A training checkpoint is continued (not: a fresh start, or a checkpoint of the SFT warm start)."""
         return self.checkpoints.resuming
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict:
+        """The warm start, then the RL steps. A stop signal is acted on within a fraction of the phase it
+        lands in: at every step boundary, in the decode loop (StepAbandoned), between the rollout and the
+        update, between two SFT steps, in an evaluation (EvaluationAbandoned); an update and a checkpoint
+        save run to their end first (stop_if_preempted)."""
         t = self.cfg.train
         self.stop_if_preempted()  # a signal during start-up: stop before the SFT warm start and the restore
-        self.hooks.before_training(self)  # the SFT warm start, unless resuming
+        self.hooks.before_training(self)  # the SFT warm start, unless resuming a training checkpoint
         if self.ref_model is not None and not self.resumed:
             self.ref_model.load_state_dict(self.model.state_dict())
         self.setup_optimizer()  # and, when resuming, everything the checkpoint holds
-        self.first_step = self.step  # no step of this run completed yet: a stop now has nothing to save
+        self.first_step = self.step  # no step of this run completed yet: a stop now has no new step to save
         history = []
         while self.step < t.num_steps:
             self.stop_if_preempted()
@@ -191,6 +198,10 @@ class Trainer:
             data_before, data_state = self.sampler.counters(), self.sampler.state_dict()
             try:
                 batch = self.rollouts.collect(self.step)
+                # a signal during the rollout's scoring or its old / reference log-prob passes: leave the step
+                # before the update, which once begun runs to its end (a half-applied step cannot be saved)
+                if self.stop_requested("preemption vote before the update"):
+                    raise StepAbandoned(self.step + 1, "before its update (rollout done)")
             except RolloutRanksLost as e:  # rollout.mode=async: checkpoint and stop, never hang
                 self._stop_without_rollouts(e)
             except StepAbandoned as e:  # a stop signal during generation: nothing of this step was applied
@@ -206,10 +217,8 @@ class Trainer:
             metrics.update(self.perf_metrics(metrics, time.perf_counter() - t0))
             metrics.update(_data_metrics(data_before, self.sampler.counters(), self.step, self.cfg.data, self.state.is_main))
             if (self.evaluator is not None and self.evaluator.due(self.step)
-                    and not comm.any_rank(self.preempt.set, self.state.device, what="preemption vote before evaluation")):
-                t_eval = time.perf_counter()
-                metrics.update(self.evaluator.run(self.step))
-                metrics["perf/eval_s"] = time.perf_counter() - t_eval
+                    and not self.stop_requested("preemption vote before evaluation")):
+                metrics.update(self._evaluate())
             self.hooks.after_step(self, metrics)
             self.logger.log(self.step, metrics)
             history.append({k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor) or v.numel() == 1})
@@ -219,8 +228,26 @@ class Trainer:
                 self.save()
         if not self.checkpoints.due(self.step):
             self.save()  # the end of the run (a no-op without checkpoint.save)
+        if self.preempt.set and self.state.is_main:  # it came too late to cut anything short: nothing is lost
+            log.warning("%s: %s, during the last step or after it: the run is complete (step %d%s); exiting with 0",
+                        self.preempt.name, self.preempt.timing(), self.step,
+                        " saved" if self.cfg.checkpoint.save else "")
         self.logger.close()
         return {"history": history}
+
+    def _evaluate(self) -> dict:
+        """The evaluation after step ``self.step``: eval/* and perf/eval_s, or nothing when a stop signal cut
+        it short (the step stands; the next boundary saves it and stops)."""
+        t_eval = time.perf_counter()
+        try:
+            out = self.evaluator.run(self.step, should_stop=lambda: self.preempt.set)
+        except EvaluationAbandoned as e:
+            if self.state.is_main:
+                log.warning("%s: %s after %.1f s; step %d stands, without eval/* metrics", self.preempt.name, e,
+                            time.perf_counter() - t_eval, self.step)
+            return {}
+        out["perf/eval_s"] = time.perf_counter() - t_eval
+        return out
 
     # ------------------------------------------------------------------------------------------
     def setup_optimizer(self) -> None:
@@ -234,7 +261,9 @@ class Trainer:
                                                 extra_models=self._extra_models())
             self.step = info["step"]
             self.sampler.load_state_dict(info["extra"]["data"], accept=self.checkpoints.change_allowed)
-            log.info("resumed from %s at step %d", info["path"], self.step)
+            skipped = "; ".join(os.path.basename(p) for p, _ in self.checkpoints.skipped)
+            log.info("resumed from %s at step %d%s", info["path"], self.step,
+                     f" (newer, damaged: {skipped}; the steps after {self.step} are trained again)" if skipped else "")
 
     def train_on(self, batch: RolloutBatch) -> dict:
         """num_minibatches optimizer steps over the rollout; returns reduced metrics."""
@@ -383,32 +412,77 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------------------------------
-    def stop_if_preempted(self, abandoned: StepAbandoned | None = None) -> None:
-        """If any rank got a stop signal (SIGTERM, SIGUSR1, ...): all save the last completed step and
-        stop, exit 75; 79 when no step of this run completed (nothing new to save). Called at a step
-        boundary (a collective vote), or with ``abandoned`` when every rank left the step in flight
-        together (already agreed)."""
+    def stop_requested(self, what: str) -> bool:
+        """Whether any rank got a stop signal (a collective vote: every rank calls it at the same point)."""
+        return comm.any_rank(self._stop_signalled(), self.state.device, what=what)
+
+    def _stop_signalled(self) -> bool:
+        """This rank got a stop signal, or (async, trainer rank 0) a rollout rank did and asked to stop."""
+        return self.preempt.set or (self.side is not None and self.rollouts.stop_requested_by_rollout_ranks())
+
+    def _signal_name(self) -> str:
+        """The stop signal, as the stop line names it: this rank's, a rollout rank's that asked the trainer to
+        stop (async), or "(on another rank)"."""
+        if self.preempt.received is None and self.side is not None and self.state.is_main:
+            request = self.rollouts.control.stop_request()
+            if request is not None:
+                return f"{request['signal']} (on rollout rank {request['rank']})"
+        return self.preempt.name
+
+    def stop_if_preempted(self, abandoned: StepAbandoned | None = None, agreed: bool = False) -> None:
+        """If any rank got a stop signal (SIGTERM, SIGUSR1, ...): all save what this run completed and stop,
+        exit 75: the last completed RL step, or else the SFT warm start as far as it went (the checkpoint of
+        step 0, continued by a resume); 79 when this run completed neither an RL step nor an SFT step
+        (nothing new to save). Called at a step boundary (a collective vote), or with ``abandoned`` /
+        ``agreed`` when every rank already agreed (a step left in flight, the warm start's own vote)."""
         st = self.state
-        if abandoned is None and not comm.any_rank(self.preempt.set, st.device, what="preemption vote"):
+        if abandoned is None and not agreed and not self.stop_requested("preemption vote"):
             return
         t_stop = time.perf_counter()
-        step, flag = self.step + 1, self.preempt
+        step, flag, name, ws = self.step + 1, self.preempt, self._signal_name(), self.warm_start
+        in_sft = ws is not None and not ws.finished
+        sft_saved = self.step == self.first_step and ws is not None and ws.progressed
         when = (f"step {step} abandoned {abandoned.where} after {abandoned.elapsed_s:.1f} s" if abandoned is not None
+                else f"in the SFT warm start after SFT step {ws.done} of {ws.steps}" if in_sft
+                else "after the SFT warm start, before step 1" if sft_saved
                 else "during start-up" if self.step == self.first_step else f"between steps {self.step} and {step}")
+        nothing = self.step == self.first_step and not sft_saved
         if st.is_main:
-            log.warning("%s: %s, %s; %s", flag.name, flag.timing(), when,
-                        "nothing to save yet" if self.step == self.first_step else f"saving step {self.step}")
-        if self.step == self.first_step:
-            where = (f"{self.checkpoints.resume_dir} is still the state to resume from" if self.resumed
+            log.warning("%s: %s, %s; %s", name, flag.timing(), when,
+                        "nothing to save yet" if nothing else f"saving SFT step {ws.done}" if sft_saved
+                        else f"saving step {self.step}")
+        if nothing:
+            where = (f"{self.checkpoints.resume_dir} is still the state to resume from"
+                     if self.checkpoints.resume_dir is not None
                      else "no checkpoint yet: a resumed run starts from the beginning")
             raise TrainingStopped(
-                f"preempted by signal {flag.name} {f'in step {step}' if abandoned else 'during start-up'}: nothing "
+                f"preempted by signal {name} {f'in step {step}' if abandoned else 'during start-up'}: nothing "
                 f"to save yet (no step of this run completed; {where}); exiting with {EXIT_PREEMPTED_NOTHING_SAVED}; "
                 f"{flag.timing()}, {when}", EXIT_PREEMPTED_NOTHING_SAVED)
+        if sft_saved:
+            saved = self.save_warm_start()
+            then = (f"the warm start continues at SFT step {ws.done + 1}" if in_sft
+                    else "the warm start is over, step 1 comes next")
+            raise TrainingStopped(
+                f"preempted by signal {name} {'in the SFT warm start' if in_sft else f'before step {step}'}: "
+                f"{saved} (SFT step {ws.done} of {ws.steps}); exiting with {EXIT_PREEMPTED} (resume with "
+                f"checkpoint.resume=true: {then}); {flag.timing()}, {when}, save {time.perf_counter() - t_stop:.1f} s",
+                EXIT_PREEMPTED)
         saved = self._save_last_completed_step()
-        raise TrainingStopped(f"preempted by signal {flag.name} before step {step}: {saved} (step {self.step}); "
+        raise TrainingStopped(f"preempted by signal {name} before step {step}: {saved} (step {self.step}); "
                               f"exiting with {EXIT_PREEMPTED} (resume with checkpoint.resume=true); {flag.timing()}, "
                               f"{when}, save {time.perf_counter() - t_stop:.1f} s", EXIT_PREEMPTED)
+
+    def save_warm_start(self) -> str:
+        """Every rank: the SFT warm start as far as it went, as the checkpoint of step 0 (its weights, its
+        optimizer while it is unfinished, its progress and data position; the KL reference is taken after
+        it, so none). Returns what the stop line says about it."""
+        ck, ws = self.cfg.checkpoint, self.warm_start
+        self.checkpoints.save(0, self.ddp, ws.optimizer, None, extra_models={},
+                              extra={"data": self.sampler.state_dict(), "config": to_dict(self.cfg),
+                                     "sft": ws.state_dict()},
+                              during_save=lambda tmp: self.hooks.during_save(self, tmp))
+        return f"warm start saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
 
     def _stop_without_rollouts(self, e: RolloutRanksLost) -> None:
         # raised on every trainer rank together (AsyncRollouts._stop_everywhere); the save holds the

@@ -152,8 +152,13 @@ JOB = [
 K1 = ["rollout.mode=async", "rollout.world_size=2", "rollout.max_staleness=1", "rollout_correction.mode=tis"]
 
 
-def job(run_dist, out, nproc, *overrides, check=True):
-    return run_dist("run_job.py", nproc, "--out", str(out), "--", *JOB, *overrides, timeout=600, check=check)
+def job(run_dist, out, nproc, *overrides, check=True, script_args=False):
+    """run_job.py with ``overrides``; ``script_args``: the overrides end with run_job.py options (faults)."""
+    opts = []
+    if script_args:
+        first = next(i for i, x in enumerate(overrides) if x.startswith("--"))
+        overrides, opts = overrides[:first], list(overrides[first:])
+    return run_dist("run_job.py", nproc, "--out", str(out), *opts, "--", *JOB, *overrides, timeout=600, check=check)
 
 
 def metrics(out):
@@ -344,8 +349,39 @@ def test_drop_policy_generates_again_under_the_new_weights(two_versions):
     poll, apply = _updates_at(2, model, v1)
     got = _gen(cfg, st, model, version=0, poll=poll, apply=apply, policy="drop")
     assert got.version_start == 1 and got.version_end.tolist() == [1, 1, 1]
-    assert got.dropped_rows == 3 and got.finished_partial == 0 and got.updates == 0
+    # the update was applied while generating (async/mid_generation_updates counts it, whatever the policy)
+    assert got.dropped_rows == 3 and got.finished_partial == 0 and got.updates == 1
     assert torch.equal(got.out.tokens, ref1.tokens) and torch.equal(got.out.logprobs, ref1.logprobs)
+
+
+@pytest.mark.parametrize("policy", ["finish", "drop"])
+def test_async_counts_agree_with_their_definitions(two_versions, policy):
+    """Two updates mid-generation (at the 2nd and the 5th forward), against docs/algorithms.md's async/*:
+    mid_generation_updates = updates applied while generating (2, under either policy: drop used to say 0
+    beside 6 dropped rows); partial_dropped_rows = every row of each generation in flight that was thrown
+    away (drop: 2 x 3); partial_finished_rows = rows in flight at an update that finished under the new
+    weights (finish: 3, never under drop) = mixed_version_rows (rows whose tokens come from two versions);
+    staleness counts from the version a row started with (drop: the last restart's)."""
+    cfg, st, model, v0, v1 = two_versions
+    calls, versions = {"n": 0}, []
+
+    def poll():
+        calls["n"] += 1
+        return calls["n"] in (2, 5), False
+
+    def apply():
+        model.load_state_dict(v1 if len(versions) % 2 == 0 else v0)
+        versions.append(len(versions) + 1)
+        return versions[-1]
+
+    got = _gen(cfg, st, model, version=0, poll=poll, apply=apply, policy=policy)
+    mixed = int((got.version_end != got.version_start).sum())
+    assert got.updates == len(versions) == 2
+    if policy == "drop":
+        assert (got.dropped_rows, got.finished_partial, mixed, got.version_start) == (6, 0, 0, 2)
+    else:
+        assert (got.dropped_rows, got.finished_partial, mixed, got.version_start) == (0, 3, 3, 0)
+        assert got.version_end.tolist() == [2, 2, 2]
 
 
 def test_stop_leaves_generation(two_versions):
@@ -367,3 +403,61 @@ def test_rollout_rank_that_raises_stops_the_trainer_with_its_message(run_dist, t
     assert ("STOPPED exit 1: stopping before step 2: rollout rank 1 failed: RuntimeError: injected fault: rank 1 "
             "raises at step 2") in out, out[-3000:]
     assert latest_complete(f"{tmp_path}/ckpt") == 1
+
+
+def test_heartbeat_timeout_shorter_than_three_beats_is_refused():
+    from megatron_gspo.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_job_config(None, [*ASYNC, "rollout.max_staleness=0", "rollout.heartbeat_timeout_s=0.5"])
+    assert str(e.value).startswith("rollout.heartbeat_timeout_s=0.5 is shorter than 3 s: every rank beats once "
+                                   "every 1 s"), str(e.value)
+    assert load_job_config(None, [*ASYNC, "rollout.max_staleness=0", "rollout.heartbeat_timeout_s=3"])
+
+
+def stopped_line(run_dist, tmp_path, steps: int, *overrides: str) -> str:
+    """Run a 2-rank async job (1 trainer rank, 1 rollout rank, staleness 0, a checkpoint root) with
+    ``overrides`` (then run_job.py fault options); its trainer's ``STOPPED exit ...`` line."""
+    p = job(run_dist, tmp_path / "run", 2, f"train.num_steps={steps}", "rollout.mode=async", "rollout.world_size=1",
+            "rollout.max_staleness=0", f"checkpoint.save={tmp_path}/ckpt", *overrides, check=False, script_args=True)
+    out = p.stdout + p.stderr
+    line = next((x for x in out.splitlines() if x.startswith("STOPPED exit")), "")
+    print(line)
+    assert line.startswith("STOPPED exit 75: "), out[-3000:]
+    return line
+
+
+def test_a_heartbeat_timeout_says_so_in_the_stop_line(run_dist, tmp_path):
+    """The trainer's heartbeat stops at step 2 (a hung trainer, seen from the rollout rank): after
+    rollout.heartbeat_timeout_s the rollout rank leaves, and the trainer's stop line says that a heartbeat
+    timeout ended it, quoting the timeout (it used to say "rollout rank 1 exited: finished")."""
+    line = stopped_line(run_dist, tmp_path, 40, "rollout.heartbeat_timeout_s=3", "--silence-trainer-at", "2")
+    assert line.startswith("STOPPED exit 75: stopping before step "), line
+    assert ("rollout rank 1 exited: declared the trainer dead: trainer rank 0 sent no heartbeat for "
+            in line and "(rollout.heartbeat_timeout_s=3)" in line), line
+    assert f"checkpoint saved to {tmp_path}/ckpt" in line
+    assert latest_complete(f"{tmp_path}/ckpt") >= 1
+
+
+def test_a_rollout_rank_killed_in_a_weight_push_is_named(run_dist, tmp_path):
+    """Rollout rank 1 is SIGKILLed once it received the header of the push of version 2 (the trainer streams
+    the rest of it to a dead peer): the stop line names the rank, not only the failed push; exit 75 with a
+    checkpoint of step 2."""
+    line = stopped_line(run_dist, tmp_path, 6, "rollout.weight_sync_bucket_mb=0.05", "rollout.heartbeat_timeout_s=5",
+                        "--kill-in-push", "2:1")
+    assert line.startswith("STOPPED exit 75: stopping before step 3: "), line
+    # the push fails on the dead peer (gloo: the connection closed), or, had the kernel buffered the rest of
+    # the stream, the wait for its rows times out on its heartbeat: the rank is named either way
+    assert ("rollout rank(s) [1] stopped beating (killed, or their node is gone); the weight push of version 2"
+            in line or "rollout rank 1 sent no heartbeat for" in line), line
+    assert latest_complete(f"{tmp_path}/ckpt") == 2
+
+
+def test_a_stop_signal_to_a_rollout_rank_alone_stops_the_job(run_dist, tmp_path):
+    """SIGTERM to the rollout rank only (`kill <its pid>`), as it begins step 3: it asks the trainer to stop
+    (the control plane), the trainer saves the last trained step and exits 75, the rollout rank follows.
+    (It used to swallow the signal: the job ran on to its end.)"""
+    line = stopped_line(run_dist, tmp_path, 40, "--sigterm-rollout-at", "3:1")
+    assert "preempted by signal SIGTERM (on rollout rank 1)" in line, line
+    saved = latest_complete(f"{tmp_path}/ckpt")
+    assert saved in (2, 3) and [m["step"] for m in metrics(tmp_path / "run")] == list(range(1, saved + 1))

@@ -184,6 +184,66 @@ def test_a_signal_during_start_up_ends_with_nothing_to_save_and_79(tmp_path):
     assert run.leftovers() == []
 
 
+def readme_multi_rank_example() -> list[str]:
+    """The README's multi-rank command (its Configuration section's code block), as words."""
+    import shlex
+
+    text = (Path(ROOT) / "README.md").read_text()
+    block = text.split("## Configuration", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    lines = [ln for ln in block.splitlines() if "torchrun" in ln or "NPROC=" in ln or "pretrain_gspo.sh" in ln]
+    assert len(lines) == 1, block
+    return shlex.split(lines[0])
+
+
+def test_the_readmes_multi_rank_example_stops_cleanly_on_sigterm(tmp_path):
+    """SIGTERM to the process the README's multi-rank example starts (what `kill`, Ctrl-C or a scheduler
+    sends to the command a user ran): the ranks save the step they are at and the command exits 75 with
+    one line, no traceback, nothing left running. (The example used to be a bare torchrun: rc 1 and a
+    SignalException traceback after the ranks saved.)"""
+    words = readme_multi_rank_example()
+    env = {}
+    while re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    assert words[:2] == ["bash", "launch/pretrain_gspo.sh"], f"the README's multi-rank example is not the launcher: {words}"
+    out = tmp_path / "readme"
+    cmd = [BASH, str(LAUNCHER), *words[2:], *JOB, "train.num_steps=40", f"train.output_dir={out}",
+           f"checkpoint.save={out}/ckpt", "checkpoint.save_interval=1"]
+    run = Run(tmp_path, "readme", cmd, **env)
+    wait_for_checkpoint(run, f"{out}/ckpt", 2, timeout=400)
+    run.p.send_signal(signal.SIGTERM)
+    rc, log = run.wait()
+    assert rc == EXIT_PREEMPTED, log[-4000:]
+    assert last_line(log).startswith("pretrain_gspo.sh: exit 75 (preempted: a checkpoint was written"), log[-2000:]
+    for bad in ("Traceback", "SignalException", "ChildFailedError"):
+        assert bad not in log, log[-4000:]
+    step = metric_steps(out)[-1]
+    assert latest_complete(f"{out}/ckpt") == step
+    assert run.leftovers() == []
+
+
+def test_bare_torchrun_on_sigterm_behaves_as_documented(tmp_path):
+    """What README.md and docs/multinode.md say of a bare torchrun: SIGTERM to torchrun reaches every rank,
+    which saves the step it is at (its stop line says exit 75), and torchrun itself ends with its
+    SignalException traceback and status 1."""
+    out = tmp_path / "bare"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "megatron_gspo.train", *JOB, "train.num_steps=40", f"train.output_dir={out}", f"checkpoint.save={out}/ckpt",
+           "checkpoint.save_interval=1"]
+    run = Run(tmp_path, "bare", cmd)
+    wait_for_checkpoint(run, f"{out}/ckpt", 2)
+    run.p.send_signal(signal.SIGTERM)
+    rc, log = run.wait()
+    assert rc == 1 and "SignalException" in log and "Received 15 death signal, shutting down workers" in log, log[-3000:]
+    stops = re.findall(r"^\d\d:\d\d:\d\d (preempted by signal SIGTERM before step (\d+): .*exiting with 75.*)$", log, re.M)
+    assert len(stops) == 1, log[-3000:]
+    assert latest_complete(f"{out}/ckpt") == int(stops[0][1]) - 1
+    assert run.leftovers() == []
+    for doc in ("README.md", "docs/multinode.md"):
+        text = " ".join((Path(ROOT) / doc).read_text().split())
+        assert "SignalException" in text and "status 1" in text, doc
+
+
 def test_sigkill_of_a_rank_leaves_no_process_and_the_newest_checkpoint(tmp_path, straight):
     """A rank killed outright cannot save: the run fails with torchrun's code and report, no
     process of it survives (the checkpoint writer used to leave its helper processes behind), and

@@ -1,12 +1,15 @@
 """The preflight (python -m megatron_gspo.preflight): --quick runs on this CPU machine with every
 item ok or skipped for a stated reason, a bad override exits 2 naming the key, a check that raises
-is reported failed (exit 1) without stopping the others, and under torchrun the EP collectives run."""
+is reported failed (exit 1) without stopping the others, under torchrun the EP collectives run, and a
+stop signal ends it early with its table (exit 79)."""
 
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -76,6 +79,65 @@ def test_main_exits_1_when_a_check_raises(monkeypatch, tmp_path, capsys):
     assert doc["exit_code"] == 1 and doc["checks"]["boom"]["status"] == "failed"
     assert "broken on purpose" in doc["checks"]["boom"]["error"]
     assert "boom" in capsys.readouterr().out
+
+
+@pytest.fixture
+def stop_handlers():
+    """The process-wide stop flag starts unset; this test process's handlers come back afterwards."""
+    from megatron_gspo.faults import PreemptionFlag
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    signal.signal(signal.SIGTERM, lambda *a: None)  # never the test process's death, whatever main() installs
+    PreemptionFlag._process = None
+    yield
+    PreemptionFlag._process = None
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_a_stop_signal_ends_the_preflight_early_with_its_table(monkeypatch, tmp_path, capsys, stop_handlers):
+    """SIGTERM during a check: that check ends (one that fails of it, as a job the trainer stops, is
+    reported skipped, cut short, not failed), the checks left are skipped without running, the table and
+    the JSON are written, exit 79 (stopped, nothing failed)."""
+    ran = []
+
+    def job_cut_short(ctx):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        raise RuntimeError("preempted by signal SIGTERM during start-up: nothing to save yet")
+
+    monkeypatch.setattr(cli, "CHECKS", [Check("env.ok", lambda ctx: ("fine", {})), Check("rl_step", job_cut_short),
+                                        Check("speed.x", lambda ctx: ran.append(1) or ("fast", {}))])
+    out = tmp_path / "out.json"
+    assert cli.main(["--quick", "--json", str(out)]) == 79
+    assert not ran
+    doc = json.loads(out.read_text())
+    assert doc["exit_code"] == 79 and doc["checks"]["env.ok"]["status"] == "ok"
+    assert doc["checks"]["rl_step"]["status"] == "skipped"
+    assert doc["checks"]["rl_step"]["reason"].startswith("cut short by SIGTERM (RuntimeError: preempted by signal")
+    assert doc["checks"]["speed.x"]["reason"] == "not run: stopped by SIGTERM"
+    printed = capsys.readouterr().out
+    assert "0 failed, 2 skipped" in printed and "stopped by SIGTERM: the checks not run are skipped; exit 79" in printed
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_quick_preflight_prints_its_table_and_exits_79(tmp_path):
+    """Ctrl-C (SIGINT) once the first checks have printed: no KeyboardInterrupt traceback, the table with the
+    rest skipped, exit 79, and the scratch directory removed."""
+    p = subprocess.Popen([sys.executable, "-m", "megatron_gspo.preflight", "--quick"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**ENV, "TMPDIR": str(tmp_path)})
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if line.startswith("env.auto_impl"):
+            p.send_signal(signal.SIGINT)
+            break
+    rest, _ = p.communicate(timeout=300)
+    text = "".join(lines) + rest
+    assert p.returncode == 79, (p.returncode, text[-3000:])
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert "not run: stopped by SIGINT" in text and "stopped by SIGINT: the checks not run are skipped; exit 79" in text
+    assert not [d for d in os.listdir(tmp_path) if d.startswith("megatron_gspo_preflight.")]
 
 
 @pytest.fixture

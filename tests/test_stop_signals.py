@@ -9,6 +9,12 @@ test_slurm.py; across TP / EP ranks: tests/dist_scripts/stop_generation.py below
   completed step is saved (exit 75), or "nothing to save yet" (exit 79) before any step completed;
   the abandoned step's prompts are drawn again, so the resumed run ends with the straight run's
   weights.
+- A stop signal in any phase of a job (start-up, the SFT warm start, generation, the update,
+  evaluation, a checkpoint save, after the last step), once or twice (the second in the shutdown the
+  first began), ends it within seconds with the code the phase calls for and a checkpoint the resumed
+  run continues to the straight run's weights; the warm start is saved half-way and continued.
+- The process's exit status is the decided code whatever number of signals arrive while it shuts
+  down (Python resets its handlers to SIG_DFL while finalizing: 130 / 143 before).
 """
 
 import os
@@ -22,7 +28,7 @@ import pytest
 import torch
 
 from megatron_gspo import exit_status
-from megatron_gspo.checkpoint import latest_complete
+from megatron_gspo.checkpoint import iter_dir, latest_complete
 from megatron_gspo.config import ParallelConfig, load_job_config, model_config_from_preset
 from megatron_gspo.faults import PreemptionFlag
 from megatron_gspo.generation import GenerationConfig, generate
@@ -30,7 +36,7 @@ from megatron_gspo.hooks import TrainerHook
 from megatron_gspo.model import build_model
 from megatron_gspo.trainer import TrainingStopped, summarize
 from megatron_gspo.train import run_history
-from test_reliability import JOB, assert_same, final_weights
+from test_reliability import ENV, JOB, assert_same, final_weights
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STOP = (signal.SIGTERM, signal.SIGUSR1)
@@ -214,6 +220,217 @@ def metrics(out) -> list:
     import json
 
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+# ----------------------------------------------------------------------------------------------
+# Every phase of a job, once or twice
+# ----------------------------------------------------------------------------------------------
+
+# 6 SFT steps, 3 RL steps, a checkpoint after each, an evaluation after step 2 (and after the last)
+PHASE_JOB = [*JOB, "train.sft_steps=6", "train.sft_batch_size=8", "eval.interval=2", "eval.num_prompts=8",
+             "eval.num_samples=2", "eval.k=2", "train.num_steps=3", "checkpoint.save_interval=1"]
+# phase -> (exit code, newest checkpoint afterwards (None: no checkpoint directory), its SFT step or None,
+# how the stop line says when the signal came)
+PHASES = {
+    "start-up": (exit_status.EXIT_PREEMPTED_NOTHING_SAVED, None, None, "during start-up"),  # the model's build
+    # as SFT step 3 of 6 begins: that step ends, the warm start is saved as step 0 and continued by the resume
+    "sft": (exit_status.EXIT_PREEMPTED, 0, 3, "in the SFT warm start after SFT step 3 of 6"),
+    "generation": (exit_status.EXIT_PREEMPTED, 1, None, "step 2 abandoned in generation round 1"),
+    # after the generation: advantages, old / reference log-probs; the step is left before its update
+    "rollout-tail": (exit_status.EXIT_PREEMPTED, 1, None, "step 2 abandoned before its update (rollout done)"),
+    "update": (exit_status.EXIT_PREEMPTED, 2, None, "between steps 2 and 3"),  # runs to its end: step 2 saved
+    "evaluation": (exit_status.EXIT_PREEMPTED, 2, None, "between steps 2 and 3"),  # abandoned; step 2 stands
+    "save": (exit_status.EXIT_PREEMPTED, 2, None, "between steps 2 and 3"),  # it ends; not written twice
+    "after-last-step": (0, 3, None, None),  # in the final save: the run is complete, exit 0
+}
+
+
+class PhaseSignal(TrainerHook):
+    """SIGTERM to this process as the job enters ``phase`` (a wrapper around the code of that phase, so
+    it lands there however loaded the machine is) and, with ``twice``, again when the trainer closes:
+    in the shutdown the first signal began, after the exit code was decided."""
+
+    def __init__(self, phase: str, twice: bool, monkeypatch):
+        self.phase, self.twice, self.sent_at = phase, twice, None
+        if phase == "start-up":
+            from megatron_gspo import trainer as trainer_module
+
+            self._wrap_once(monkeypatch, trainer_module, "build_model", lambda: True)
+        elif phase == "sft":  # as SFT step 3 begins (one micro-batch, so one forward, per SFT step)
+            from megatron_gspo import sft
+
+            calls = []
+            self._wrap_once(monkeypatch, sft, "forward_logprobs", lambda: calls.append(1) or len(calls) == 3)
+
+    def _wrap_once(self, monkeypatch, owner, name, when):
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            if self.sent_at is None and when():
+                self.send()
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapped)
+
+    def send(self) -> None:
+        self.sent_at = time.perf_counter()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def before_training(self, trainer) -> None:
+        at_step = lambda n: lambda: trainer.step + 1 == n  # noqa: E731 (inside step n)
+        mp = pytest.MonkeyPatch()  # instance attributes of this trainer only: gone with it
+        if self.phase == "generation":
+            self._wrap_once(mp, trainer.rollouts, "_generate_round", at_step(2))
+        elif self.phase == "rollout-tail":
+            self._wrap_once(mp, trainer.rollouts, "assemble", at_step(2))
+        elif self.phase == "update":
+            self._wrap_once(mp, trainer, "train_on", at_step(2))
+        elif self.phase == "evaluation":
+            self._wrap_once(mp, trainer.evaluator, "_answer", lambda: trainer.step == 2)
+
+    def during_save(self, trainer, tmp_dir: str) -> None:
+        if self.sent_at is None and ((self.phase == "save" and trainer.step == 2)
+                                     or (self.phase == "after-last-step" and trainer.step == 3)):
+            self.send()
+
+    def close(self, trainer) -> None:
+        if self.twice and self.sent_at is not None:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_to_code(tmp_path, name, overrides, hooks=()) -> int:
+    """The job in this process as ``python -m megatron_gspo.train`` runs it (train.run_trainer): its exit code."""
+    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.train import run_trainer
+
+    PreemptionFlag.install()  # first, as train.main does (SIGTERM / SIGUSR1: pytest keeps its Ctrl-C)
+    cfg = load_job_config(None, [*overrides, f"train.output_dir={tmp_path}/{name}", f"checkpoint.save={tmp_path}/{name}/ckpt"])
+    return run_trainer(Trainer(cfg, hooks=hooks))
+
+
+@pytest.fixture(scope="module")
+def phase_straight(tmp_path_factory):
+    """The uninterrupted job: the final weights every resumed one must reach, and its slowest step."""
+    PreemptionFlag._process = None
+    saved = {s: signal.getsignal(s) for s in STOP}
+    tmp = tmp_path_factory.mktemp("phases")
+    assert run_to_code(tmp, "straight", PHASE_JOB) == 0
+    for s, h in saved.items():
+        signal.signal(s, h)
+    PreemptionFlag._process = None
+    slowest = max(r["perf/step_time_s"] + r.get("perf/eval_s", 0.0) for r in metrics(tmp / "straight"))
+    return final_weights(f"{tmp}/straight/ckpt", 3), slowest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "twice"])
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_a_stop_signal_in_any_phase_stops_within_seconds_and_resumes_exactly(fresh_flag, tmp_path, monkeypatch,
+                                                                              phase_straight, phase, twice):
+    from log_capture import LogLines
+
+    weights, slowest = phase_straight
+    code, newest, sft_step, when = PHASES[phase]
+    hook = PhaseSignal(phase, twice, monkeypatch)
+    with LogLines() as said:
+        got = run_to_code(tmp_path, "cut", PHASE_JOB, hooks=[hook])
+    took = time.perf_counter() - hook.sent_at
+    monkeypatch.undo()
+    stop = [line for line in said.lines if line.startswith("preempted by signal")]
+    assert got == code, (got, stop, said.lines[-5:])
+    if code:  # one stop line, naming when the signal came; a second delivery is counted, never acted on
+        assert len(stop) == 1 and f", {when}" in stop[0], (when, said.lines[-8:])
+    else:
+        assert not stop and any("the run is complete (step 3 saved); exiting with 0" in x for x in said.lines)
+    root = f"{tmp_path}/cut/ckpt"
+    if newest is None:
+        assert not os.path.isdir(root)
+    else:
+        assert latest_complete(root) == newest
+        from megatron.core import dist_checkpointing
+
+        extra = dist_checkpointing.load_common_state_dict(iter_dir(root, newest))["extra"]
+        assert (extra.get("sft") or {}).get("step") == sft_step, extra.get("sft")
+    # within seconds: a fraction of what the phase's step takes on this machine, plus its save
+    print(f"{phase} x{1 + twice}: exit {got}, signal -> return {took:.2f} s (slowest straight step {slowest:.2f} s)")
+    assert took < 2 * slowest + 5, (took, slowest)
+    if phase == "evaluation":  # the abandoned evaluation left step 2's row without eval/*, the step stands
+        assert [("eval/greedy_accuracy" in r) for r in metrics(tmp_path / "cut")] == [False, False]
+    PreemptionFlag._process = None  # the resumed run is a new process
+    with LogLines() as said:
+        assert run_to_code(tmp_path, "cut", [*PHASE_JOB, "checkpoint.resume=true"]) == 0
+    if phase == "sft":
+        assert f"resumed the supervised warm start from {iter_dir(root, 0)} at SFT step 3 of 6" in said.lines
+    assert [r["step"] for r in metrics(tmp_path / "cut")] == [1, 2, 3]
+    assert_same(weights, final_weights(root, 3))
+
+
+@pytest.mark.slow
+def test_a_warm_start_stopped_twice_continues_to_the_straight_weights(fresh_flag, tmp_path, monkeypatch,
+                                                                       phase_straight):
+    """Stopped at SFT step 2, resumed, stopped again at SFT step 5 (its checkpoint of step 0 is written
+    again, the older copy moved aside until the new one is in place), resumed: the straight weights."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_gspo import sft
+
+    original = sft.forward_logprobs  # one micro-batch, so one forward, per SFT step
+    root = f"{tmp_path}/cut/ckpt"
+    for stop_after, resume in ((2, []), (5, ["checkpoint.resume=true"])):
+        calls = []
+
+        def forward(*args, stop_at=stop_after - (2 if resume else 0), **kwargs):
+            calls.append(1)
+            if len(calls) == stop_at:  # in the forward of SFT step ``stop_after``: that step ends, then the stop
+                os.kill(os.getpid(), signal.SIGTERM)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(sft, "forward_logprobs", forward)
+        assert run_to_code(tmp_path, "cut", [*PHASE_JOB, *resume]) == exit_status.EXIT_PREEMPTED
+        PreemptionFlag._process = None
+        assert dist_checkpointing.load_common_state_dict(iter_dir(root, 0))["extra"]["sft"]["step"] == stop_after
+        assert sorted(os.listdir(root)) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
+    monkeypatch.undo()
+    assert run_to_code(tmp_path, "cut", [*PHASE_JOB, "checkpoint.resume=true"]) == 0
+    assert_same(phase_straight[0], final_weights(f"{tmp_path}/cut/ckpt", 3))
+
+
+# ----------------------------------------------------------------------------------------------
+# The process's exit status, whatever number of signals arrive
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signals_until_the_process_is_gone_exit_75(tmp_path, sig):
+    """``python -m megatron_gspo.train`` after its second checkpoint: a signal every 50 ms until the process
+    has exited, so that some land in every moment of its shutdown (the save, the teardown, the interpreter's
+    finalization): the status is 75, the stop is said once, no traceback."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_gspo.train", *JOB, "eval.interval=0", "train.num_steps=200",
+           f"train.output_dir={out}", f"checkpoint.save={out}/ckpt", "checkpoint.save_interval=1"]
+    with open(tmp_path / "log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        try:
+            deadline = time.time() + 300
+            while (latest_complete(f"{out}/ckpt") or 0) < 2:
+                assert p.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()[-3000:]
+                time.sleep(0.1)
+            sent = 0
+            while p.poll() is None and sent < 2000:
+                p.send_signal(sig)
+                sent += 1
+                time.sleep(0.05)
+            rc = p.wait(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+    text = (tmp_path / "log").read_text()
+    print(f"{sent} x {sig.name}: exit {rc}")
+    assert rc == exit_status.EXIT_PREEMPTED and sent >= 2, (rc, sent, text[-3000:])
+    assert len([ln for ln in text.splitlines() if " preempted by signal" in ln]) == 1, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert latest_complete(f"{out}/ckpt") >= 2
 
 
 # ----------------------------------------------------------------------------------------------

@@ -251,6 +251,60 @@ def test_resume_reads_each_file_once_and_rotation_reads_none(tmp_path, monkeypat
     assert len(resumed) == len(set(resumed)) == len(files)  # each file of the resumed checkpoint read once
 
 
+def _damage(ckpt_dir: str) -> str:
+    """Cut a checkpoint's first .distcp file short (a disk or copy gone wrong); returns its name."""
+    victim = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".distcp"))[0]
+    path = os.path.join(ckpt_dir, victim)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    return victim
+
+
+def test_resume_refuses_a_root_whose_only_checkpoint_is_damaged(tmp_path):
+    """checkpoint.resume=true over a root whose one checkpoint is truncated: refused (exit 2 from the entry
+    point) naming the directory and what is wrong with it; never a fresh start from step 0 beside it."""
+    from megatron_gspo.checkpoint import CheckpointError
+    from megatron_gspo.trainer import Trainer
+
+    ckpt = f"{tmp_path}/ckpt"
+    common = [f"checkpoint.save={ckpt}", "checkpoint.save_interval=2", "train.tensorboard=false"]
+    run_job(["train.num_steps=2", f"train.output_dir={tmp_path}/a"] + common)
+    victim = _damage(f"{ckpt}/iter_0000002")
+    with pytest.raises(CheckpointError) as e:
+        Trainer(load_job_config(None, TINY_JOB + common + ["train.num_steps=4", "checkpoint.resume=true",
+                                                           f"train.output_dir={tmp_path}/b"]))
+    parallel.destroy()
+    msg = str(e.value)
+    assert msg.startswith(f"{ckpt}: no complete checkpoint (every iter_* directory failed verification): "
+                          f"iter_0000002: file {victim} has "), msg
+    assert "checkpoint.resume=true does not start the run over" in msg and "\n" not in msg, msg
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]  # nothing written
+    assert not os.path.exists(f"{tmp_path}/b/metrics.jsonl")
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_named_and_never_costs_the_new_ones(tmp_path):
+    """Checkpoints of steps 2 and 4, the newer one damaged: the resume continues step 2 (a warning names
+    iter_0000004, the resume line says the steps after 2 are trained again) and, with keep_last=1, its save
+    of step 3 is the one kept: rotation neither counts nor deletes the damaged later directory (it used to
+    keep it as "the newest" and delete the checkpoint just written, leaving nothing to resume from)."""
+    ckpt = f"{tmp_path}/ckpt"
+    common = [f"checkpoint.save={ckpt}", "train.tensorboard=false"]
+    run_job(["train.num_steps=4", "checkpoint.save_interval=2", f"train.output_dir={tmp_path}/a"] + common)
+    victim = _damage(f"{ckpt}/iter_0000004")
+    with LogLines(logging.INFO) as said:
+        run_job(["train.num_steps=3", "checkpoint.save_interval=1", "checkpoint.keep_last=1", "checkpoint.resume=true",
+                 f"train.output_dir={tmp_path}/a"] + common)
+    from megatron_gspo.checkpoint import latest_complete
+
+    assert sorted(os.listdir(ckpt)) == ["iter_0000003", "iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert latest_complete(ckpt) == 3
+    warned = [m for m in said.lines if m.startswith(f"checkpoint {ckpt}/iter_0000004 is incomplete or corrupt")]
+    assert len(warned) == 1 and f"(file {victim} has " in warned[0], said.lines
+    assert warned[0].endswith(f"resuming from {ckpt}/iter_0000002, the newest that verifies"), warned[0]
+    assert (f"resumed from {ckpt}/iter_0000002 at step 2 (newer, damaged: iter_0000004; the steps after 2 are "
+            "trained again)") in said.lines, said.lines
+
+
 # ----------------------------------------------------------------------------------------------
 # A faster step: micro-batches of rows of similar length, no old-log-prob pass where it is redundant
 # ----------------------------------------------------------------------------------------------

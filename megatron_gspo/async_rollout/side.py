@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from megatron_gspo.async_rollout.layout import ROLLOUT, TRAINER, RankSplit, check_world
 from megatron_gspo.config import ConfigError, JobConfig
+from megatron_gspo.config.rollout import HEARTBEAT_PERIOD_S
 
 PREFIX = "gspo/async/"
 
@@ -164,6 +165,8 @@ class Control:
         hb/<rank>          heartbeat counter of a global rank (a thread bumps it every second)
         exit/<rank>        why a global rank ended: {"message", "error"}
         stop               {"reason", "code"}: the trainer ended, the rollout ranks follow
+        stop_request       {"rank", "signal"}: a rollout rank got a stop signal (SIGTERM to it alone, say):
+                           the trainer saves and stops as if it had got it (the first request is kept)
     """
 
     def __init__(self, store, split: RankSplit, global_rank: int) -> None:
@@ -203,6 +206,14 @@ class Control:
     def stopped(self) -> Optional[dict]:
         return self._get_json("stop")
 
+    def request_stop(self, signal_name: str) -> None:
+        """This (rollout) rank got a stop signal: ask the trainer to save and stop."""
+        if not self._has("stop_request"):
+            self._set_json("stop_request", {"rank": self.global_rank, "signal": signal_name})
+
+    def stop_request(self) -> Optional[dict]:
+        return self._get_json("stop_request")
+
     # -- batches ----------------------------------------------------------------------------------
     def mark_ready(self, step: int, leader: int) -> None:
         self.store.set(self._k(f"ready/{step}/{leader}"), "1")
@@ -236,24 +247,40 @@ class Control:
             return 0.0
         return now - last[1]
 
-    def check_peers(self, ranks: list[int], timeout_s: float, what: str) -> Optional[str]:
-        """None while every global rank of ``ranks`` is alive and has not exited, else why not (in words)."""
+    def peer_problem(self, ranks: list[int], timeout_s: float, what: str) -> Optional["PeerProblem"]:
+        """None while every global rank of ``ranks`` is alive and has not exited, else what is wrong."""
         for r in ranks:
             info = self.exit_of(r)
             if info is not None:
-                kind = "failed" if info.get("error") else "exited"
-                return f"{what} rank {r} {kind}: {info.get('message', '')}"
+                failed = bool(info.get("error"))
+                return PeerProblem(f"{what} rank {r} {'failed' if failed else 'exited'}: {info.get('message', '')}",
+                                   failed)
             silent = self.silent_for(r)
             if silent > timeout_s:
-                return (f"{what} rank {r} sent no heartbeat for {silent:.0f} s (rollout.heartbeat_timeout_s="
-                        f"{timeout_s:g}): killed, or its node is gone")
+                return PeerProblem(f"{what} rank {r} sent no heartbeat for {silent:.0f} s (rollout.heartbeat_timeout_s="
+                                   f"{timeout_s:g}): killed, hung, or its node is gone", False)
         return None
+
+    def check_peers(self, ranks: list[int], timeout_s: float, what: str) -> Optional[str]:
+        """``peer_problem`` in words (None: all well)."""
+        problem = self.peer_problem(ranks, timeout_s, what)
+        return problem.message if problem is not None else None
+
+
+@dataclass(frozen=True)
+class PeerProblem:
+    """A rank of the other side is gone: ``message`` says which and why; ``failed``: it raised (a failure,
+    exit 1), else it was killed, went silent or left (a checkpoint and a resume are the remedy, exit 75)."""
+
+    message: str
+    failed: bool
 
 
 class Heartbeat:
-    """Bumps this rank's heartbeat key every second from a daemon thread (alive = the process runs)."""
+    """Bumps this rank's heartbeat key every HEARTBEAT_PERIOD_S from a daemon thread (alive = the process
+    runs); rollout.heartbeat_timeout_s is at least 3 periods."""
 
-    def __init__(self, control: Control, period_s: float = 1.0) -> None:
+    def __init__(self, control: Control, period_s: float = HEARTBEAT_PERIOD_S) -> None:
         self.control, self.period_s = control, period_s
         self._stop = threading.Event()
         control.beat()

@@ -126,17 +126,28 @@ class AsyncRollouts(Rollouts):
     # ------------------------------------------------------------------------------------------
     def _push(self, version: int):
         """Every trainer rank; raises RolloutRanksLost (on every rank) if the stream could not reach them."""
-        why = None
+        why, code = None, EXIT_PREEMPTED
         if self.side.on_bridge:
-            why = self.control.check_peers(self.rollout_ranks, self.cfg.rollout.heartbeat_timeout_s, "rollout")
-            if why is None:
+            problem = self._rollout_problem()
+            if problem is None:
                 self.control.announce_push(version)
+            else:
+                why, code = problem.message, _exit_code(problem)
         stats, err = self.sender.push(version, bridge=why is None)
         if err is not None and why is None:
             why = f"the weight push of version {version} to the rollout ranks failed: {err}"
+            # the push fails on whichever rollout rank died: name it, as the other stops do
+            problem = self._rollout_problem()
+            gone = problem.message if problem is not None else self._gone_ranks()
+            code = _exit_code(problem)
+            if gone:
+                why = f"{gone}; {why}"
         if comm.any_rank(why is not None, self.state.device, what="async: the weight push failed"):
-            self._stop_everywhere(why, _exit_code(why))
+            self._stop_everywhere(why, code)
         return stats
+
+    def _rollout_problem(self):
+        return self.control.peer_problem(self.rollout_ranks, self.cfg.rollout.heartbeat_timeout_s, "rollout")
 
     def _receive(self, step: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Step ``step``'s rows on every trainer rank: (ints, floats, meta); see the module doc."""
@@ -177,10 +188,10 @@ class AsyncRollouts(Rollouts):
             now = time.monotonic()
             if now - last_check > 0.5:
                 last_check = now
-                why = self.control.check_peers(self.rollout_ranks, self.cfg.rollout.heartbeat_timeout_s, "rollout")
-                if why is not None:
-                    return _STOP, (f"{why}; waiting for the rows of step {step + 1}", _exit_code(why))
-                if self.preempt.set:
+                problem = self._rollout_problem()
+                if problem is not None:
+                    return _STOP, (f"{problem.message}; waiting for the rows of step {step + 1}", _exit_code(problem))
+                if self.preempt.set or self.control.stop_request() is not None:
                     return _STOP, (self._signalled(step), EXIT_PREEMPTED)
             if now - t0 > _KEEPALIVE_S:
                 return _WAIT, None
@@ -230,22 +241,40 @@ class AsyncRollouts(Rollouts):
         floats = torch.cat([torch.cat(lps).reshape(-1), torch.cat(rew)])
         return ints, floats, meta
 
+    def stop_requested_by_rollout_ranks(self) -> bool:
+        """A rollout rank got a stop signal and asked the trainer to stop (trainer rank 0 reads it; the
+        trainer's votes spread it)."""
+        return self.state.is_main and self.control.stop_request() is not None
+
+    def _silent_ranks(self, window_s: float = 5.0) -> list[int]:
+        """The rollout ranks whose heartbeat does not move for ``window_s`` (several beats): the dead ones,
+        once the bridge or a signal says something is wrong (trainer rank 0)."""
+        still = set(self.rollout_ranks)
+        deadline = time.monotonic() + window_s
+        first = {r: self.control.silent_for(r) for r in still}  # noqa: F841 (starts the clocks)
+        while still and time.monotonic() < deadline:
+            time.sleep(0.25)
+            still = {r for r in still if self.control.silent_for(r) > 0}
+        return sorted(still)
+
+    def _gone_ranks(self) -> str:
+        """'rollout rank(s) [..] stopped beating (...)' for the ranks _silent_ranks finds, or ''."""
+        gone = self._silent_ranks()
+        return f"rollout rank(s) {gone} stopped beating (killed, or their node is gone)" if gone else ""
+
     def _signalled(self, step: int) -> str:
         """The job got SIGTERM / SIGUSR1 while waiting for the rollout ranks: a preemption, or torchrun
         stopping every rank because one exited. Rollout ranks whose heartbeat stays still for a few seconds
         are named."""
-        still = set(self.rollout_ranks)
-        deadline = time.monotonic() + 5.0
-        first = {r: self.control.silent_for(r) for r in self.rollout_ranks}  # noqa: F841 (starts the clocks)
-        while still and time.monotonic() < deadline:
-            time.sleep(0.25)
-            still = {r for r in still if self.control.silent_for(r) > 0}
+        gone = self._gone_ranks()
         import signal as _signal
 
-        sig = _signal.Signals(self.preempt.received).name if self.preempt.received else "a signal"
-        if still:
-            return (f"rollout rank(s) {sorted(still)} stopped beating (killed, or their node is gone) and the job got "
-                    f"{sig} while waiting for the rows of step {step + 1} (torchrun stops every rank when one exits)")
+        request = self.control.stop_request()
+        sig = (_signal.Signals(self.preempt.received).name if self.preempt.received
+               else f"{request['signal']} (on rollout rank {request['rank']})" if request else "a signal")
+        if gone:
+            return (f"{gone} and the job got {sig} while waiting for the rows of step {step + 1} (torchrun stops "
+                    "every rank when one exits)")
         return f"preempted by signal {sig} while waiting for the rows of step {step + 1}"
 
     # -- trainer-world messages ---------------------------------------------------------------------
@@ -270,10 +299,10 @@ class AsyncRollouts(Rollouts):
         raise RolloutRanksLost(text, code)
 
 
-def _exit_code(why: Optional[str]) -> int:
-    """A rollout rank that raised (its exit message says "failed") is a failure: exit 1. One that is gone
-    (killed, silent, its connection closed): a checkpoint was written and a resume is the remedy."""
-    return 1 if why and " failed: " in why and "weight push" not in why else EXIT_PREEMPTED
+def _exit_code(problem) -> int:
+    """A rollout rank that raised (side.PeerProblem.failed) is a failure: exit 1. One that is gone (killed,
+    silent, left, its connection closed) or none known: a checkpoint was written and a resume is the remedy."""
+    return 1 if problem is not None and problem.failed else EXIT_PREEMPTED
 
 
 class _AsyncHook(TrainerHook):

@@ -68,7 +68,7 @@ class Generated:
     version_end: torch.Tensor  # [B] long: the newest version that drew a token of the row
     finished_partial: int  # rows in flight at a mid-generation update, finished under the new weights
     dropped_rows: int  # rows thrown away by partial_rollouts=drop
-    updates: int  # weight updates applied while generating
+    updates: int  # weight updates applied while generating (under drop: each one restarted the generation)
 
 
 def generate_with_updates(model, prompts, gen_cfg, *, vocab_size: int, state, seed: int, row_keys: list[int],
@@ -79,18 +79,19 @@ def generate_with_updates(model, prompts, gen_cfg, *, vocab_size: int, state, se
     receives the update into ``model`` and returns the new version. policy "finish": the rows go on under
     the new weights; "drop": the generation restarts under them (same noise: the samples are those of a
     generation that began with the new weights)."""
-    dropped = 0
+    dropped = applied = 0
     while True:
         v_start = version
-        updates: list[tuple[int, int]] = []  # (forward index, version after it)
+        updates: list[tuple[int, int]] = []  # (forward index, version after it) of this attempt
 
         def on_forward(idx: int, kind: str, rows) -> None:
-            nonlocal version
+            nonlocal version, applied
             update, stop = poll()
             if stop:
                 raise Stopped("the trainer stopped")
             if update:
                 version = apply()
+                applied += 1  # applied while generating, whatever the policy does with the rows in flight
                 if policy == "drop":
                     raise _Restart()
                 updates.append((idx, version))
@@ -110,7 +111,7 @@ def generate_with_updates(model, prompts, gen_cfg, *, vocab_size: int, state, se
         touched = lengths > idx + 1
         v_end = torch.where(touched, torch.full_like(v_end, v), v_end)
         partial |= touched
-    return Generated(out, v_start, v_end, int(partial.sum()), dropped, len(updates))
+    return Generated(out, v_start, v_end, int(partial.sum()), dropped, applied)
 
 
 class RolloutWorker:
@@ -130,7 +131,8 @@ class RolloutWorker:
             h.setFormatter(logging.Formatter(f"%(asctime)s [rollout rank {side.global_rank}] %(message)s", "%H:%M:%S"))
         side.open_bridge(st.device)
         self.control = side.control
-        self.preempt = PreemptionFlag.install()  # SIGTERM / SIGUSR1: the trainer checkpoints and announces the stop
+        # a stop signal here is passed on to the trainer (_poll), which checkpoints and announces the stop
+        self.preempt = PreemptionFlag.install()
         r, t, g = cfg.rollout, cfg.train, cfg.generation
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         check_vocab_fits(self.tokenizer, cfg.model.vocab_size)
@@ -157,14 +159,17 @@ class RolloutWorker:
         self.lockstep = dist.group.WORLD if st.ep > 1 else (st.tp_group if st.tp > 1 else None)
         self.version = -1
         self.pending: list[tuple[int, list, tuple]] = []  # (step, send works, buffers kept alive)
-        self._last_poll, self._last_pushed, self._stopped = 0.0, -1, False
+        self._last_poll, self._last_pushed = 0.0, -1
+        self._stop_why: Optional[str] = None  # why this rank stops: the trainer's stop, or its silence
+        self._asked_to_stop = False  # this rank's stop signal was passed on to the trainer (Control.request_stop)
         self._clock = {"idle": 0.0, "sync": 0.0}
         self._since = time.perf_counter()
         self.timeout_s = r.heartbeat_timeout_s
 
     # ------------------------------------------------------------------------------------------
-    def run(self) -> None:
-        """The loop (module doc); returns when the trainer stops."""
+    def run(self) -> str:
+        """The loop (module doc); returns when the trainer stops, with why (recorded as this rank's exit, which
+        the trainer's stop line quotes)."""
         cfg, k = self.cfg, self.cfg.rollout.max_staleness
         start = self._idle_until(self.control.start)
         s0 = int(start["step"])
@@ -181,7 +186,10 @@ class RolloutWorker:
                 self._one_step(s)
             self._idle_until(lambda: False)  # serve pushes until the stop
         except Stopped as e:
-            log.info("%s: rollout rank %d ends", e, self.side.global_rank)
+            why = self._stop_why or str(e)  # (a peer of the generation lockstep may have seen it first)
+            log.info("%s: rollout rank %d ends", why, self.side.global_rank)
+            return why
+        return "finished"
 
     def _one_step(self, step: int) -> None:
         st, dev = self.state, self.state.device
@@ -242,13 +250,24 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------------------------------
     def _poll(self) -> tuple[bool, bool]:
-        """(a push is announced, the trainer stopped), from the control plane, at most every 10 ms."""
+        """(a push is announced, the trainer stopped or went silent), from the control plane, at most every 10 ms."""
         now = time.monotonic()
         if now - self._last_poll >= 0.01:
             self._last_poll = now
             self._last_pushed = self.control.pushed_version()
-            self._stopped = self.control.stopped() is not None or self._trainer_gone() is not None
-        return self._last_pushed > self.version, self._stopped
+            if self.preempt.set and not self._asked_to_stop:
+                # a stop signal to this rank: the trainer decides (it checkpoints, then announces the stop);
+                # this rank goes on serving until then, the trainer may be pushing to it
+                self._asked_to_stop = True
+                self.control.request_stop(self.preempt.name)
+            if self._stop_why is None:
+                info = self.control.stopped()
+                gone = None if info is not None else self._trainer_gone()
+                if info is not None:
+                    self._stop_why = f"the trainer stopped ({info['reason']})"
+                elif gone is not None:  # its heartbeat timed out, or it recorded its exit
+                    self._stop_why = f"declared the trainer dead: {gone}"
+        return self._last_pushed > self.version, self._stop_why is not None
 
     def _poll_agreed(self) -> tuple[bool, bool]:
         """``_poll`` agreed over the generation lockstep group (every member calls it once per forward)."""
@@ -283,9 +302,7 @@ class RolloutWorker:
                     return value
                 update, stop = self._poll()
                 if stop:
-                    info = self.control.stopped()
-                    raise Stopped(f"the trainer stopped ({info['reason']})" if info else
-                                  f"the trainer is gone: {self._trainer_gone()}")
+                    raise Stopped(self._stop_why)
                 if update:
                     t1 = time.perf_counter()
                     self._apply_push()
@@ -311,7 +328,7 @@ def run_rollout_rank(cfg: JobConfig) -> int:
     worker = None
     try:
         worker = RolloutWorker(cfg, side)
-        worker.run()
+        why = worker.run()
     except BaseException as e:
         msg = f"{type(e).__name__}: {e}".strip()
         if side.control is None:
@@ -331,7 +348,7 @@ def run_rollout_rank(cfg: JobConfig) -> int:
                       side.global_rank, short_error(e))
             return 1
         raise
-    worker.close("finished", error=False)
+    worker.close(why, error=False)
     parallel.destroy()
-    exit_status.record(0, "finished")
+    exit_status.record(0, why)
     return 0

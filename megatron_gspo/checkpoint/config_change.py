@@ -39,9 +39,13 @@ MAY_CHANGE: tuple[str, ...] = (
     "generation.decode_impl", "model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers",
     "model.attention_impl", "model.transformer_impl", "model.moe_token_dispatcher_type", "model.moe_expert_impl",
     "model.moe_router_fusion", "model.preset",
-    # the supervised warm start runs before step 1 only, never when resuming
+    # the supervised warm start runs before step 1 only, never when resuming a training checkpoint (a
+    # checkpoint of a warm start stopped half-way refuses a changed sft_lr / sft_batch_size: WARM_START)
     "train.sft_steps", "train.sft_lr", "train.sft_batch_size",
 )
+# Keys that may not change when the checkpoint is one of an unfinished warm start (train.sft_steps may:
+# the warm start then runs to the new length, or is over)
+WARM_START: tuple[str, ...] = ("train.sft_lr", "train.sft_batch_size")
 
 
 @dataclass(frozen=True)
@@ -66,11 +70,13 @@ def allowed(key: str, allow: Iterable[str]) -> bool:
     return any(key == a or key.split(".", 1)[0] == a for a in allow)
 
 
-def compare(saved: dict, current: dict, allow: Iterable[str] = ()) -> tuple[list[Change], list[Change]]:
+def compare(saved: dict, current: dict, allow: Iterable[str] = (),
+            fixed: Iterable[str] = ()) -> tuple[list[Change], list[Change]]:
     """(accepted, refused) differences between the checkpoint's job ``saved`` and ``current``, both
     config.to_dict() forms. A key the checkpoint does not have (written by an older version) is
-    accepted; one the current job no longer has is ignored."""
-    allow = list(allow)
+    accepted; one the current job no longer has is ignored. ``fixed``: keys of MAY_CHANGE that this
+    checkpoint cannot take changed (WARM_START)."""
+    allow, fixed = list(allow), set(fixed)
     old, new = flatten(saved), flatten(current)
     accepted, refused = [], []
     for key, value in new.items():
@@ -79,7 +85,7 @@ def compare(saved: dict, current: dict, allow: Iterable[str] = ()) -> tuple[list
             continue
         if old[key] == value:
             continue
-        if any(fnmatch.fnmatchcase(key, p) for p in MAY_CHANGE):
+        if key not in fixed and any(fnmatch.fnmatchcase(key, p) for p in MAY_CHANGE):
             accepted.append(Change(key, old[key], value, "may change at resume"))
         elif allowed(key, allow):
             accepted.append(Change(key, old[key], value, "checkpoint.allow_config_change"))
@@ -88,10 +94,11 @@ def compare(saved: dict, current: dict, allow: Iterable[str] = ()) -> tuple[list
     return accepted, refused
 
 
-def check_resume_config(path: str, saved: dict, current: dict, allow: Iterable[str] = ()) -> list[Change]:
+def check_resume_config(path: str, saved: dict, current: dict, allow: Iterable[str] = (),
+                        fixed: Iterable[str] = ()) -> list[Change]:
     """Raise ConfigError naming every difference that changes the trajectory and is not allowed;
     return the accepted ones (for the log)."""
-    accepted, refused = compare(saved, current, allow)
+    accepted, refused = compare(saved, current, allow, fixed)
     if refused:
         keys = ",".join(c.key for c in refused)
         raise ConfigError(

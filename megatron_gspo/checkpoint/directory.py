@@ -103,16 +103,37 @@ def verify_checkpoint(ckpt_dir: str) -> Optional[str]:
     return None
 
 
-def latest_complete(root: str) -> Optional[int]:
-    """The newest step under ``root`` whose checkpoint verifies; a bad newer one is skipped with a
-    warning naming it (the tracker is a hint, the manifests are the truth)."""
+def scan(root: str) -> tuple[Optional[int], list[tuple[str, str]]]:
+    """(the newest step under ``root`` whose checkpoint verifies or None, [(iter dir, why not)] of every
+    newer one that does not): one full read of the files of each candidate, newest first."""
+    skipped = []
     for step in iter_steps(root):
         why = verify_checkpoint(iter_dir(root, step))
         if why is None:
-            return step
-        log.warning("checkpoint %s is incomplete or corrupt (%s); falling back to an earlier one",
-                    iter_dir(root, step), why)
-    return None
+            return step, skipped
+        skipped.append((iter_dir(root, step), why))
+    return None, skipped
+
+
+def latest_complete(root: str) -> Optional[int]:
+    """The newest step under ``root`` whose checkpoint verifies; a bad newer one is skipped with a
+    warning naming it (the tracker is a hint, the manifests are the truth)."""
+    step, skipped = scan(root)
+    if step is not None:
+        for path, why in skipped:
+            log.warning("checkpoint %s is incomplete or corrupt (%s); falling back to an earlier one", path, why)
+    return step
+
+
+def no_complete_checkpoint(root: str, skipped: list[tuple[str, str]]) -> str:
+    """The one line for a checkpoint root where nothing verifies, naming every damaged directory."""
+    if skipped:
+        damaged = "; ".join(f"{os.path.basename(path)}: {why}" for path, why in skipped)
+    else:
+        tracker = os.path.join(root, TRACKER)
+        named = open(tracker, encoding="utf-8").read().strip() if os.path.isfile(tracker) else "?"
+        damaged = f"{TRACKER} names step {named} but no iter_* directory is there"
+    return f"{root}: no complete checkpoint (every iter_* directory failed verification): {damaged}"
 
 
 def resolve(path: str) -> str:
@@ -120,18 +141,21 @@ def resolve(path: str) -> str:
     if os.path.isfile(os.path.join(path, TRACKER)) or iter_steps(path):
         step = latest_complete(path)
         if step is None:
-            raise CheckpointError(f"{path}: no complete checkpoint (every iter_* directory failed verification)")
+            raise CheckpointError(no_complete_checkpoint(path, scan(path)[1]))
         return iter_dir(path, step)
     return path
 
 
-def rotate(root: str, keep_last: int) -> list[str]:
+def rotate(root: str, keep_last: int, upto: Optional[int] = None) -> list[str]:
     """Delete all but the newest ``keep_last`` complete checkpoints (0 keeps everything). The
     newest complete checkpoint is never deleted, whatever state the others are in. Complete means
-    "has its manifest" (written last by the save): no file is read again here."""
+    "has its manifest" (written last by the save): no file is read again here. ``upto``: the step just
+    saved; directories of later steps are neither counted nor deleted: they are damaged ones a resume
+    skipped (it took the newest that verifies), and counting them would delete the checkpoints of
+    the run that trains those steps again, the one just written included (keep_last=1)."""
     if keep_last <= 0:
         return []
-    complete = [s for s in iter_steps(root) if has_manifest(iter_dir(root, s))]
+    complete = [s for s in iter_steps(root) if (upto is None or s <= upto) and has_manifest(iter_dir(root, s))]
     doomed = complete[max(1, keep_last):]
     for s in doomed:
         shutil.rmtree(iter_dir(root, s), ignore_errors=True)
@@ -139,9 +163,10 @@ def rotate(root: str, keep_last: int) -> list[str]:
 
 
 def remove_leftovers(root: str) -> None:
-    """Delete the iter_*.tmp directories of saves that died half-way (SIGKILL, node failure): one
-    save runs at a time, so once this one is in place every other .tmp is garbage. Until then they
-    sit harmlessly, never taken for a checkpoint."""
+    """Delete the iter_*.tmp directories of saves that died half-way (SIGKILL, node failure), and the
+    iter_*.old ones a save of an existing step moved aside: one save runs at a time, so once this one
+    is in place every other .tmp / .old is garbage. Until then they sit harmlessly, never taken for a
+    checkpoint."""
     for d in os.listdir(root):
-        if d.startswith("iter_") and d.endswith(".tmp") and os.path.isdir(os.path.join(root, d)):
+        if d.startswith("iter_") and d.endswith((".tmp", ".old")) and os.path.isdir(os.path.join(root, d)):
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)

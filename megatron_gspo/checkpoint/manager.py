@@ -5,6 +5,20 @@ manifest (a disk can corrupt a complete checkpoint). That happens once, on rank 
 the step it settled on: at 30B with Adam state a checkpoint is hundreds of GB, and every rank
 re-verifying it (four times over, as the trainer used to) costs minutes of I/O before step 1.
 Saves rotate by manifest (directory.rotate) and never re-read what they keep.
+
+What a resume (``checkpoint.resume=true``) does with what it finds under the root:
+
+* nothing (no iter_* directory, no tracker): a fresh start, the first run of a job;
+* the newest checkpoint verifies: it is continued;
+* the newest does not verify (damaged after it was written: its manifest is written last, so a save
+  that died leaves only an iter_*.tmp) but an older one does: the older one is continued, with a
+  warning naming each damaged directory; the run trains the steps after it again (the same steps: a
+  resume is exact) and its saves replace the damaged directories as it reaches their steps;
+* none verifies: refused (CheckpointError, exit 2) naming every damaged directory, never a fresh start
+  beside them (under a requeue loop that would silently throw the run away).
+
+A checkpoint of step 0 is one of the supervised warm start, saved when a stop signal cut it short (or
+came before step 1 completed): ``warm_start`` is its progress, and the warm start continues from it.
 """
 
 from __future__ import annotations
@@ -16,8 +30,8 @@ from typing import Callable, Optional
 import torch
 
 from megatron_gspo import comm
-from megatron_gspo.checkpoint.config_change import allowed, check_resume_config
-from megatron_gspo.checkpoint.directory import TRACKER, iter_dir, iter_steps, latest_complete
+from megatron_gspo.checkpoint.config_change import WARM_START, allowed, check_resume_config
+from megatron_gspo.checkpoint.directory import TRACKER, iter_dir, iter_steps, no_complete_checkpoint, scan
 from megatron_gspo.checkpoint.storage import check_compatible, load_model
 from megatron_gspo.checkpoint.training import load_checkpoint, save_checkpoint
 from megatron_gspo.config import CheckpointConfig
@@ -33,37 +47,66 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, state) -> None:
         self.cfg, self.state = cfg, state
-        # resume = continue the newest complete checkpoint under save (or load); without one, a
-        # resume request is a fresh start (initial weights from checkpoint.load, if given)
+        self.skipped: list[tuple[str, str]] = []  # (rank 0) damaged checkpoints newer than resume_dir
+        # resume = continue the newest complete checkpoint under save (or load); with no checkpoint there
+        # yet, a resume request is a fresh start (initial weights from checkpoint.load, if given)
         root = (cfg.save or cfg.load) if cfg.resume else None
         self.resume_dir = self._settle(root, required=False) if root else None
         self.initial_weights = None
         if self.resume_dir is None and cfg.load:
             self.initial_weights = self._settle(cfg.load, required=True)
+        self._common: Optional[dict] = None
 
     @property
     def resuming(self) -> bool:
-        return self.resume_dir is not None
+        """A training checkpoint is continued (model, optimizer, schedule, data position and step)."""
+        return self.resume_dir is not None and self.warm_start is None
+
+    @property
+    def warm_start(self) -> Optional[dict]:
+        """The progress {"step", "steps", "data"} of the supervised warm start when ``resume_dir`` is a
+        checkpoint of one (step 0, sft.SFTRun.state_dict), else None."""
+        if self.resume_dir is None:
+            return None
+        return (self.saved_common().get("extra") or {}).get("sft")
+
+    def saved_common(self) -> dict:
+        """The resume checkpoint's non-tensor state (step, extra: data position, config, ...), read once."""
+        if self._common is None:
+            from megatron.core import dist_checkpointing
+
+            self._common = dist_checkpointing.load_common_state_dict(self.resume_dir) if self.resume_dir else {}
+        return self._common
 
     def _settle(self, path: str, required: bool) -> Optional[str]:
         """The iteration directory ``path`` stands for, decided on rank 0 and broadcast: a checkpoint
         root gives its newest checkpoint that verifies; any other directory is itself (initial weights,
-        e.g. a converted HF model) or, for a resume (``required=False``), no checkpoint yet."""
+        e.g. a converted HF model) or, for a resume (``required=False``), no checkpoint yet. A root where
+        nothing verifies is refused, for a resume too (module doc)."""
         is_root = os.path.isfile(os.path.join(path, TRACKER)) or bool(iter_steps(path))
         if not is_root and not required:
             return None
-        code = _ITSELF
+        code, why = _ITSELF, None
         if self.state.is_main and is_root:
-            step = latest_complete(path)  # the one full read of the files, with fallback warnings
+            step, self.skipped = scan(path)  # the one full read of the files
             code = _NONE if step is None else step
+            if step is None:
+                why = no_complete_checkpoint(path, self.skipped)
+            for bad, reason in self.skipped if step is not None else ():
+                log.warning("checkpoint %s is incomplete or corrupt (%s); %s from %s, the newest that verifies",
+                            bad, reason, "resuming" if not required else "loading", iter_dir(path, step))
         t = torch.tensor([code], dtype=torch.long, device=self.state.device)
         code = int(comm.broadcast(t, 0, None, what="checkpoint: the step rank 0 verified").item())
         if code == _ITSELF:
             return path
         if code == _NONE:
+            why = why or (f"{path}: no complete checkpoint (every iter_* directory failed verification; rank 0's "
+                          "error names them)")
             if required:
-                raise CheckpointError(f"{path}: no complete checkpoint (every iter_* directory failed verification)")
-            return None
+                raise CheckpointError(why)
+            raise CheckpointError(
+                f"{why}; checkpoint.resume=true does not start the run over beside a damaged checkpoint: restore "
+                f"it from a copy, or move {path} aside to start afresh")
         return iter_dir(path, code)
 
     def check_config(self, current: dict) -> None:
@@ -72,14 +115,14 @@ class CheckpointManager:
         (ConfigError) unless checkpoint.allow_config_change lists it; the accepted ones are logged."""
         if self.resume_dir is None:
             return
-        from megatron.core import dist_checkpointing
-
-        saved = (dist_checkpointing.load_common_state_dict(self.resume_dir).get("extra") or {}).get("config")
+        saved = (self.saved_common().get("extra") or {}).get("config")
         if saved is None:
             log.warning("%s holds no job config (an older checkpoint): the resumed job cannot be compared with "
                         "the one that wrote it", self.resume_dir)
             return
-        accepted = check_resume_config(self.resume_dir, saved, current, self.cfg.allow_config_change)
+        ws = self.warm_start
+        fixed = WARM_START if ws is not None and ws["step"] < ws["steps"] else ()
+        accepted = check_resume_config(self.resume_dir, saved, current, self.cfg.allow_config_change, fixed)
         changed = [c for c in accepted if c.why != "not in the checkpoint's config"]  # not new keys of the code
         if changed and self.state.is_main:
             log.info("resume: config changed since %s (accepted): %s", self.resume_dir,

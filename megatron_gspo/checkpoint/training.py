@@ -86,13 +86,16 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None,
     comm.barrier()
     if is_main:
         write_manifest(tmp, step)
-        if os.path.exists(final):
-            shutil.rmtree(final)
+        if os.path.exists(final):  # this step again (a warm start saved twice, a damaged one redone):
+            # moved aside, not deleted first, so that no moment is without the older copy
+            if os.path.exists(final + ".old"):
+                shutil.rmtree(final + ".old")
+            os.replace(final, final + ".old")
         os.replace(tmp, final)
         fsync_path(root)
         replace_file(os.path.join(root, TRACKER), str(step))
         remove_leftovers(root)
-        rotate(root, keep_last)
+        rotate(root, keep_last, upto=step)
     comm.barrier()
     return final
 

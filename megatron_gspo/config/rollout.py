@@ -11,6 +11,10 @@ from megatron_gspo.config.checks import check, choice, finite, is_int
 
 ROLLOUT_MODES = ("colocated", "async")
 PARTIAL_ROLLOUT_POLICIES = ("finish", "drop")
+# Every rank of an async job bumps its heartbeat this often (async_rollout.side.Heartbeat). A timeout must
+# span several beats: one beat late (a loaded host, a long GIL hold) must not declare a healthy rank dead.
+HEARTBEAT_PERIOD_S = 1.0
+MIN_HEARTBEAT_TIMEOUT_S = 3 * HEARTBEAT_PERIOD_S
 
 
 @dataclass
@@ -45,7 +49,8 @@ class RolloutConfig:
     # rollout rank hold at once beyond their own shards while weights stream.
     weight_sync_bucket_mb: float = 256.0
     # Seconds without a heartbeat after which a rollout rank (or the trainer, seen from a rollout rank) is
-    # declared dead (async): the trainer checkpoints and stops with a message naming the rank.
+    # declared dead (async): the trainer checkpoints and stops with a message naming the rank and the
+    # timeout. Ranks beat once a second: at least 3.
     heartbeat_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -65,6 +70,10 @@ class RolloutConfig:
               f"rollout.weight_sync_bucket_mb must be a number > 0, got {self.weight_sync_bucket_mb!r}")
         check(finite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0,
               f"rollout.heartbeat_timeout_s must be a number > 0, got {self.heartbeat_timeout_s!r}")
+        check(self.heartbeat_timeout_s >= MIN_HEARTBEAT_TIMEOUT_S,
+              f"rollout.heartbeat_timeout_s={self.heartbeat_timeout_s:g} is shorter than {MIN_HEARTBEAT_TIMEOUT_S:g} "
+              f"s: every rank beats once every {HEARTBEAT_PERIOD_S:g} s, so a healthy rank would be declared dead "
+              f"between two beats or at the first pause; use at least {MIN_HEARTBEAT_TIMEOUT_S:g} (default 60)")
         if self.mode == "async":
             check(self.world_size >= 1, "rollout.mode=async needs rollout.world_size >= 1: the number of ranks "
                                         "(the last ones of the job) that generate")

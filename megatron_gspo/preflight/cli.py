@@ -1,5 +1,7 @@
 """``python -m megatron_gspo.preflight [--quick] [--json out.json] [section.key=value ...]``:
-the checks in order, one line each as it finishes, the table at the end, exit 0 / 1 / 2."""
+the checks in order, one line each as it finishes, the table at the end, exit 0 / 1 / 2, or 79 when a
+stop signal (SIGTERM, Ctrl-C, ...) ended it early: the check in progress ends (a job in it stops as the
+trainer does), the rest are skipped, and the table, the JSON and the cleanup still happen."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import tempfile
 from typing import Optional
 
 from megatron_gspo.errors import USER_ERRORS, ConfigError
+from megatron_gspo.exit_status import EXIT_PREEMPTED_NOTHING_SAVED as EXIT_STOPPED
+from megatron_gspo.faults import PreemptionFlag
 from megatron_gspo.preflight import collectives, environment, memory, numerics, training
 from megatron_gspo.preflight.context import Context, validate_overrides
 from megatron_gspo.preflight.runner import (
@@ -25,6 +29,7 @@ from megatron_gspo.preflight.runner import (
     format_line,
     format_table,
     run_checks,
+    stopped_by,
     to_json,
 )
 
@@ -137,19 +142,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         if rank == 0:
             print(format_line(r), flush=True)
 
+    flag = PreemptionFlag.install()  # the process's (``python -m`` installed it for every stop signal)
+
+    def stop_vote():
+        return flag.name if comm.any_rank(flag.set, ctx.device, what="preflight: stop vote") else None
+
     try:
-        results = run_checks(CHECKS, ctx, on_result=progress)
+        results = run_checks(CHECKS, ctx, on_result=progress, should_stop=stop_vote)
         # one verdict for the job: a check that failed on any rank fails the run everywhere
         failed = comm.any_rank(exit_code(results) == EXIT_FAILED, ctx.device, what="preflight verdict")
+        stopped = stopped_by(results)  # the same on every rank: the votes were collective
     finally:
         parallel.destroy()
         if not args.keep and rank == 0:
             shutil.rmtree(ctx.workdir, ignore_errors=True)
-    code = EXIT_FAILED if failed else EXIT_OK
+    code = EXIT_FAILED if failed else EXIT_STOPPED if stopped else EXIT_OK
     if rank == 0:
         print("\n" + format_table(results))
         if failed and not any(r.status == FAILED for r in results):
             print("(a check failed on another rank: see its log)")
+        if stopped:
+            print(f"stopped by {stopped}: the checks not run are skipped; exit {code}", flush=True)
         if args.json:
             meta = {"exit_code": code, "quick": args.quick, "device": str(ctx.device),
                     "world_size": int(os.environ.get("WORLD_SIZE", 1)), "overrides": args.overrides}

@@ -35,6 +35,7 @@ class Result:
     error: Optional[str] = None  # failed only
     data: dict = field(default_factory=dict)
     seconds: float = 0.0
+    stopped_by: Optional[str] = None  # skipped because a stop signal (its name) ended the run early
 
 
 @dataclass
@@ -58,15 +59,34 @@ def run_check(check: Check, ctx: Any) -> Result:
     return res
 
 
-def run_checks(checks: Iterable[Check], ctx: Any, on_result: Optional[Callable[[Result], None]] = None) -> list[Result]:
-    """Every check in order, each isolated from the others' failures."""
-    out = []
+def run_checks(checks: Iterable[Check], ctx: Any, on_result: Optional[Callable[[Result], None]] = None,
+               should_stop: Optional[Callable[[], Optional[str]]] = None) -> list[Result]:
+    """Every check in order, each isolated from the others' failures.
+
+    ``should_stop()``: None, or why to stop ("SIGTERM"); read before the first check and after each one
+    (under torchrun a collective vote: every rank runs the same checks). Once it says stop, the checks
+    left are skipped ("not run: stopped by SIGTERM") and a check that failed while the signal was
+    pending is reported skipped (cut short by it), not failed: the node is not at fault."""
+    out, stop = [], should_stop() if should_stop is not None else None
     for c in checks:
-        r = run_check(c, ctx)
+        if stop is not None:
+            r = Result(c.name, SKIPPED, f"not run: stopped by {stop}", reason=f"not run: stopped by {stop}",
+                       stopped_by=stop)
+        else:
+            r = run_check(c, ctx)
+            stop = should_stop() if should_stop is not None else None
+            if stop is not None and r.status == FAILED:
+                why = f"cut short by {stop} ({r.error})"
+                r = Result(c.name, SKIPPED, why, reason=why, seconds=r.seconds, stopped_by=stop)
         if on_result is not None:
             on_result(r)
         out.append(r)
     return out
+
+
+def stopped_by(results: Iterable[Result]) -> Optional[str]:
+    """The stop signal that ended the run early (run_checks), or None."""
+    return next((r.stopped_by for r in results if r.stopped_by), None)
 
 
 def exit_code(results: Iterable[Result]) -> int:

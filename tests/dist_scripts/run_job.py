@@ -9,6 +9,12 @@ Writes to DIR (rank 0 unless said otherwise):
   grads_<kind>_mb<N>/        (--grads N,M,..) gradients of a first minibatch instead of training (save_gradients)
   replicas.json              (--check-replicas) the largest difference of any replicated parameter and of
                              its optimizer state across data-parallel replicas (0.0 = bit-identical)
+
+Faults of an asynchronous job, for its tests (rollout.mode=async):
+  --kill-in-push V:R         global rank R (a rollout rank) SIGKILLs itself once it received the header of
+                             the weight push of version V: the trainer is in the middle of streaming to it
+  --silence-trainer-at S     the trainer's heartbeat stops as step S begins (a hung trainer, process alive)
+  --sigterm-rollout-at S:R   global rank R (a rollout rank) sends itself SIGTERM as it begins step S
 """
 
 import argparse
@@ -31,6 +37,51 @@ from megatron_gspo.rollout import micro_batch_slices
 from megatron_gspo.hooks import TrainerHook
 from megatron_gspo.train import DEMO_CONFIG, Trainer
 from megatron_gspo.trainer import TrainingStopped
+
+
+class SilenceHeartbeat(TrainerHook):
+    """The trainer's heartbeat thread stops as step ``step`` begins: seen from the rollout ranks, a hung
+    trainer (its process alive, its work going on)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def at_step_start(self, trainer):
+        if trainer.step + 1 == self.step and trainer.side._heartbeat is not None:
+            trainer.side._heartbeat.stop()
+
+
+def kill_in_push(version):
+    """This rollout rank dies (SIGKILL) right after receiving the header of the push of ``version``."""
+    import signal
+
+    from megatron_gspo import comm
+
+    real = comm.bridge_broadcast
+
+    def broadcast(t, src, group, *, what):
+        out = real(t, src, group, what=what)
+        if what == "weight sync: header" and int(out[0]) == version:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    comm.bridge_broadcast = broadcast
+
+
+def sigterm_at(step):
+    """This rollout rank gets SIGTERM (from itself) as its generation of ``step`` begins."""
+    import signal
+
+    from megatron_gspo.faults import Faults
+
+    real = Faults.at_step_start
+
+    def at_step_start(self, s):
+        if s == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, s)
+
+    Faults.at_step_start = at_step_start
 
 
 class RecordRollouts(TrainerHook):
@@ -166,13 +217,21 @@ def main():
     ap.add_argument("--check-replicas", action="store_true")
     ap.add_argument("--grads", default="", help="comma-separated micro-batch sizes: save gradients instead of training")
     ap.add_argument("--planned-grad", action="store_true", help="save the first minibatch's gradient on the rollout's own plan")
+    ap.add_argument("--kill-in-push", default="", help="V:R: global rank R dies in the weight push of version V")
+    ap.add_argument("--silence-trainer-at", type=int, default=0, help="the trainer's heartbeat stops at this step")
+    ap.add_argument("--sigterm-rollout-at", default="", help="S:R: global rank R gets SIGTERM as it begins step S")
     a = ap.parse_args(argv[:split])
     overrides = argv[split + 1:] + [f"train.output_dir={a.out}", "train.tensorboard=false"]
     cfg = load_job_config(DEMO_CONFIG, overrides)
     os.makedirs(a.out, exist_ok=True)
     if role_of(cfg) == ROLLOUT:  # rollout.mode=async: this rank generates for the trainer's ranks
+        if a.kill_in_push and int(a.kill_in_push.split(":")[1]) == int(os.environ["RANK"]):
+            kill_in_push(int(a.kill_in_push.split(":")[0]))
+        if a.sigterm_rollout_at and int(a.sigterm_rollout_at.split(":")[1]) == int(os.environ["RANK"]):
+            sigterm_at(int(a.sigterm_rollout_at.split(":")[0]))
         sys.exit(run_rollout_rank(cfg))
-    trainer = Trainer(cfg, hooks=[RecordRollouts(a.out)])
+    hooks = [SilenceHeartbeat(a.silence_trainer_at)] if a.silence_trainer_at else []
+    trainer = Trainer(cfg, hooks=[RecordRollouts(a.out), *hooks])
     try:
         if a.grads:
             save_gradients(trainer, a.out, [int(x) for x in a.grads.split(",")])
