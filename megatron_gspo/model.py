@@ -293,14 +293,19 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Ten
     padding_mask [b, s] bool, True at positions that hold no real token: megatron leaves them out of
     the MoE load-balancing statistics (and counts), so the aux loss does not depend on how much
     padding a batch or a layout adds. Under sequence parallelism megatron splits the sequence over
-    the TP ranks and needs s % TP == 0: a shorter input is right-padded here (the extra columns are
+    the TP ranks and needs s % TP == 0, and FP8 GEMMs need b x s / TP divisible by the recipe's
+    alignment (fp8_alignment.py): a shorter input is right-padded here (the extra columns are
     padding) and the logits are cut back to s columns; causal attention keeps the extra columns from
-    touching real positions. (Routing replay needs the caller to pad instead: its routes are per
-    position of the input it was given.)
+    touching real positions. (The trainer's micro-batches come aligned: rollout.forward_width_multiple.
+    Routing replay needs the caller to pad instead: its routes are per position of the input it was
+    given.)
     """
+    from megatron_gspo import fp8_alignment
+
     b, s = tokens.shape
     cfg = unwrap(model).config
-    extra = (-s) % cfg.tensor_model_parallel_size if cfg.sequence_parallel else 0
+    sp = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+    extra = fp8_alignment.padded_length(s, b, sp, fp8_alignment.token_alignment(cfg)) - s
     if extra:
         tokens = F.pad(tokens, (0, extra))
         if padding_mask is None:
@@ -309,9 +314,9 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Ten
         if position_ids is not None:
             position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, extra + 1, device=tokens.device)], 1)
         if attention_mask is not None:
-            raise ValueError(f"forward_logits: sequence length {s} is not divisible by the tensor-parallel size "
-                             f"{cfg.tensor_model_parallel_size} (sequence parallel) and an explicit attention_mask was "
-                             "given: pad the input (and its mask) to a multiple of it")
+            raise ValueError(f"forward_logits: an input of {b} x {s} tokens needs {extra} padding column(s) (sequence "
+                             f"parallel over TP={sp}, FP8 token alignment {fp8_alignment.token_alignment(cfg)}) and an "
+                             f"explicit attention_mask was given: pad the input (and its mask) to {s + extra} columns")
     n = s + extra
     if position_ids is None:
         position_ids = torch.arange(n, device=tokens.device).unsqueeze(0).expand(b, n)
