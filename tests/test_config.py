@@ -214,7 +214,7 @@ def test_config_names_match_the_registries():
     (["parallel.expert_model_parallel_size=2"], r"got parallel\.expert_model_parallel_size=2"),
     (["parallel.tensor_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1"],
      r"got parallel\.tensor_model_parallel_size=2"),
-    (["model.transformer_impl=transformer_engine"], r"model\.transformer_impl='transformer_engine'"),
+    (["model.moe_router_fusion=true"], r"fused router top-k \(model\.moe_router_fusion=true\)"),
 ])
 def test_lean_decode_on_a_layout_it_cannot_run_is_refused(overrides, match):
     from megatron_gspo.config import load_job_config
@@ -223,6 +223,8 @@ def test_lean_decode_on_a_layout_it_cannot_run_is_refused(overrides, match):
         load_job_config(None, ["generation.decode_impl=lean"] + overrides)
     load_job_config(None, ["generation.decode_impl=auto"] + overrides)  # auto picks megatron's path there
     load_job_config(None, ["generation.decode_impl=lean"])
+    # the Transformer Engine spec is decoded by the lean path too (its weights read as they are)
+    load_job_config(None, ["generation.decode_impl=lean", "model.transformer_impl=transformer_engine"])
 
 
 def test_greedy_rollouts_with_several_samples_are_refused():

@@ -102,9 +102,9 @@ class JobConfig:
         check_rollout(self)  # rollout.mode=async against the other sections
 
     def _check_lean_decode(self) -> None:
-        """generation.decode_impl=lean runs on one rank of model parallelism with megatron's local
-        layers (decode.lean_decode_unsupported); what the config alone shows is refused here, by key,
-        rather than on every rank after the model is built."""
+        """generation.decode_impl=lean runs on one rank of model parallelism, on the local or the
+        Transformer Engine spec's weights (decode.lean_decode_unsupported); what the config alone shows
+        is refused here, by key, rather than on every rank after the model is built."""
         p, m = self.parallel, self.model
         for key, bad in (
             ("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size),
@@ -119,9 +119,8 @@ class JobConfig:
                         "(parallel.sequence_parallel=true); use generation.decode_impl=auto or megatron")
         check(m.fp8 is None, f"generation.decode_impl=lean does not support FP8 (model.fp8={m.fp8!r}); "
                              "use generation.decode_impl=auto or megatron")
-        check(m.transformer_impl != "transformer_engine",
-              "generation.decode_impl=lean computes attention itself and does not replace Transformer Engine's "
-              "(model.transformer_impl='transformer_engine'); use generation.decode_impl=auto or megatron")
+        check(not m.moe_router_fusion, "generation.decode_impl=lean does not run Transformer Engine's fused router "
+                                       "top-k (model.moe_router_fusion=true); use generation.decode_impl=auto or megatron")
 
     def _check_allow_config_change(self) -> None:
         """checkpoint.allow_config_change names sections or section.key of this job (a typo would
