@@ -1,8 +1,10 @@
 """Config loading, presets, parameter-count formulas, and every invalid layout/config error."""
 
 import json
+import re
 
 import pytest
+import torch
 
 from megatron_gspo.config import (
     ConfigError,
@@ -277,3 +279,34 @@ def test_a_config_error_is_the_last_line_printed(args):
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
     assert lines and lines[-1].startswith("error: "), lines
     assert len(lines) == 1, lines
+
+
+@pytest.mark.parametrize("override", ["model.transformer_impl=transformer_engine", "model.precision=bf16 model.fp8=e4m3",
+                                      "model.moe_expert_impl=te_grouped", "model.moe_router_fusion=true"])
+def test_transformer_engine_choices_on_the_cpu_device_are_refused_at_load(override):
+    """Transformer Engine runs on a GPU only: a job asking for it with parallel.device=cpu is refused when its
+    config loads (by key), not when every rank builds the model (issue 29)."""
+    from megatron_gspo.config import load_job_config
+
+    key = override.split()[-1].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}=.* needs Transformer Engine's CUDA kernels, but "
+                                          r"parallel\.device='cpu'"):
+        load_job_config(None, ["parallel.device=cpu", *override.split()])
+    load_job_config(None, ["parallel.device=cpu", "model.transformer_impl=local"])
+
+
+def test_a_te_request_the_job_cannot_run_names_the_reason(monkeypatch):
+    """model.transformer_impl=transformer_engine where it cannot run: the reason is TE's own (compat.te_status)
+    or the device, never a bare boolean."""
+    from megatron_gspo import compat
+    from megatron_gspo.model import resolve_impl
+
+    cfg = model_config_from_preset("tiny", transformer_impl="transformer_engine")
+    monkeypatch.setattr(compat, "te_status", lambda: (False, "`import transformer_engine.pytorch` failed: OSError: libcudnn.so.9"))
+    monkeypatch.setattr("megatron_gspo.model.te_status", compat.te_status)
+    with pytest.raises(ConfigError, match=r"cannot run here: `import transformer_engine\.pytorch` failed: OSError: libcudnn"):
+        resolve_impl(cfg, torch.device("cuda", 0))
+    monkeypatch.setattr("megatron_gspo.model.te_status", lambda: (True, "TE 2.20.2 imports"))
+    with pytest.raises(ConfigError, match=r"the job runs on cpu and Transformer Engine's kernels need a CUDA device"):
+        resolve_impl(cfg, torch.device("cpu"))
+    assert resolve_impl(cfg, torch.device("cuda", 0)) == "transformer_engine"

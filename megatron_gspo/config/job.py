@@ -91,6 +91,8 @@ class JobConfig:
               f"train.overlong_filtering=true with generation.min_new_tokens={g.min_new_tokens} >= "
               f"generation.max_new_tokens={g.max_new_tokens}: no response can end with a stop token, so overlong "
               "filtering would mask every response out of the loss; lower generation.min_new_tokens")
+        if self.parallel.device == "cpu":
+            self._check_cpu_device()
         if g.decode_impl == "lean":
             self._check_lean_decode()
         self._check_allow_config_change()
@@ -100,6 +102,19 @@ class JobConfig:
             check(budget >= need, f"train.max_tokens_per_micro_batch={budget} cannot hold one row of up to "
                                   f"data.max_prompt_length + generation.max_new_tokens = {need} tokens")
         check_rollout(self)  # rollout.mode=async against the other sections
+
+    def _check_cpu_device(self) -> None:
+        """parallel.device=cpu with a choice only Transformer Engine on a GPU can run: refused here, by key,
+        rather than when the model is built on every rank (model.resolve_impl says the same there). TE-spec
+        models are built on the CPU only construct-only, by tests (model.build_model), never by a job."""
+        m = self.model
+        for key, bad in (("model.transformer_impl", m.transformer_impl == "transformer_engine"),
+                         ("model.fp8", m.fp8 is not None),
+                         ("model.moe_expert_impl", m.moe_expert_impl == "te_grouped"),
+                         ("model.moe_router_fusion", m.moe_router_fusion)):
+            check(not bad, f"{key}={getattr(m, key.split('.')[1])!r} needs Transformer Engine's CUDA kernels, but "
+                           "parallel.device='cpu': Transformer Engine does not run on the CPU; use parallel.device=auto "
+                           "or cuda on a GPU machine, or the local spec on the CPU (model.transformer_impl=local or auto)")
 
     def _check_lean_decode(self) -> None:
         """generation.decode_impl=lean runs on one rank of model parallelism, on the local or the
