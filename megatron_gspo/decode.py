@@ -122,8 +122,10 @@ def lean_decode_unsupported(m) -> Optional[str]:
         # above from the config)
         if not (isinstance(core, DotProductAttention) or type(core).__name__ == "TEDotProductAttention"):
             return f"core attention {type(core).__name__}"
-        if getattr(core, "attn_mask_type", None) is not None and core.attn_mask_type.name != "causal":
-            return f"attention mask {core.attn_mask_type.name}"
+        mask = getattr(core, "attn_mask_type", None)
+        mask = getattr(mask, "name", mask)  # megatron's AttnMaskType, or TE's string
+        if mask is not None and mask != "causal":
+            return f"attention mask {mask}"
         if hasattr(layer, "cross_attention") and type(layer.cross_attention).__name__ != "IdentityOp":
             return "cross attention"
         fused = hasattr(att.linear_qkv, "layer_norm_weight")  # TE's LayerNormLinear: the input norm inside
