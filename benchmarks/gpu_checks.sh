@@ -93,7 +93,7 @@ start=$(date +%s)
 
 # ---- setup: torch (with CUDA unless --cpu), megatron-core (from carried wheels if absent), the rest ---
 wheels="${GSPO_WHEELS:-$root/.whl}"
-if ! "$py" -c 'import megatron.core' > /dev/null 2>&1; then
+if ! "$py" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("megatron") is None)' > /dev/null 2>&1; then
     if ls "$wheels"/*.whl > /dev/null 2>&1; then
         "$py" -m pip install -q --no-index --no-deps "$wheels"/*.whl > "$out/setup.log" 2>&1
     fi
