@@ -37,14 +37,18 @@ def _prompts(kind: str):
 
 
 def _te_calls(m, mp):
-    """Calls of Transformer Engine code during the block: TE modules' forwards (construct-only models
-    refuse them anyway) and megatron's TE GEMM in the router (moe_utils.te_general_gemm)."""
+    """Calls of Transformer Engine code: TE modules' forwards raise on construct-only models anyway;
+    megatron's router calls TE's GEMM (moe_utils.te_general_gemm) whenever TE imported at megatron's
+    import: bound here to a recorder that raises, so a router that used it fails the test."""
     from megatron.core.transformer.moe import moe_utils
 
     calls = []
-    gemm = getattr(moe_utils, "te_general_gemm", None)
-    if gemm is not None:
-        mp.setattr(moe_utils, "te_general_gemm", lambda *a, **k: calls.append("te_general_gemm") or gemm(*a, **k))
+
+    def te_general_gemm(*a, **k):
+        calls.append("te_general_gemm")
+        raise AssertionError("the router ran Transformer Engine's GEMM")
+
+    mp.setattr(moe_utils, "te_general_gemm", te_general_gemm, raising=False)
     return calls
 
 
@@ -54,9 +58,6 @@ def test_the_te_spec_is_decoded_by_the_lean_path(both):
     layer = te_model.decoder.layers[0]
     assert type(layer.self_attention.core_attention).__name__ == "TEDotProductAttention"
     assert type(layer.mlp.experts).__name__ == "TEGroupedMLP"
-    from megatron.core.transformer.moe import moe_utils
-
-    assert moe_utils.te_general_gemm is not None  # megatron's router would call TE's GEMM: the decoder must not
     with pytest.raises(RuntimeError, match="construct-only|ConstructOnly"):
         layer.pre_mlp_layernorm(torch.zeros(1, 1, 64))  # the tier's TE modules cannot run: the decoder may not call them
 
@@ -77,10 +78,11 @@ def test_lean_generation_on_te_weights_equals_the_local_spec(both, monkeypatch, 
 
 
 @pytest.mark.parametrize("kind", list(PROMPTS))
-def test_prefill_and_decode_logits_equal_the_local_spec(both, kind):
+def test_prefill_and_decode_logits_equal_the_local_spec(both, monkeypatch, kind):
     """The decoder's logits of the prefill and of each decode step, on the two specs, fed the same
     tokens (greedy continuation of the local model)."""
     te_model, local, _ = both
+    calls = _te_calls(te_model, monkeypatch)
     prompts = _prompts(kind)
     B, P = len(prompts), max(map(len, prompts))
     tokens = torch.zeros(B, P, dtype=torch.long)
@@ -99,6 +101,7 @@ def test_prefill_and_decode_logits_equal_the_local_spec(both, kind):
         for j in range(6):
             nxt = steps[-1][0].argmax(-1)
             steps.append([d.decode(nxt, P + j) for d in decs])
+    assert not calls
     for want, got in steps:
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
