@@ -102,7 +102,7 @@ VOCAB = 100
 @pytest.fixture(scope="module")
 def tiny():
     cfg = model_config_from_preset("tiny", vocab_size=VOCAB, moe_aux_loss_coeff=0.0)
-    par = ParallelConfig(seed=3)
+    par = ParallelConfig(seed=3, device="cpu")  # what is compared is arithmetic, bitwise on the CPU
     st = parallel.initialize(cfg, par)
     m = build_model(cfg, par, st)
     yield m, st
@@ -155,7 +155,7 @@ JOB = [
     "generation.max_new_tokens=6", "train.micro_batch_size=2", "train.num_minibatches=2",
     "reward.name=digit_match", "optimizer.lr=1e-3", "train.tensorboard=false", "loss.kl_coef=0.05",
     "train.sft_steps=2", "train.sft_batch_size=6", "eval.interval=2", "eval.num_prompts=3", "eval.num_samples=2",
-    "eval.k=2", "train.old_logprobs=recompute", "generation.compact_finished_rows=0.5",
+    "eval.k=2", "train.old_logprobs=recompute", "generation.compact_finished_rows=0.5", "parallel.device=cpu",
 ]
 VARIANTS = {"gspo": ["loss.name=gspo"], "grpo-R3": ["loss.name=grpo", "train.routing_replay=R3"]}
 
