@@ -28,10 +28,14 @@ GEMM, the allgather dispatcher, CPU initialization) are *configuration*, keyed o
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
 
 # What each workaround prevents (the symptom without it), by name; ``needed`` returns these names.
 WORKAROUNDS = {
@@ -60,13 +64,46 @@ class Environment:
     have_te: bool  # transformer_engine and megatron's TE extension import
 
 
-def have_te() -> bool:
+@functools.lru_cache(maxsize=1)
+def te_status() -> tuple[bool, str]:
+    """(whether Transformer Engine can serve megatron-core here, why), decided once per process.
+
+    Two imports must succeed: ``transformer_engine.pytorch`` (TE itself, its CUDA libraries and its
+    PyTorch extension built for this torch) and ``megatron.core.extensions.transformer_engine`` (megatron's
+    wrappers, which check TE's version). Anything else that fails there (a TE built for another torch,
+    a missing libcudnn, a megatron that does not know this TE) means the local spec runs; the reason is
+    logged once, with the import that failed and its exception, instead of vanishing: a container
+    whose TE silently does not import trains on the slower local spec."""
+    import importlib
+
     try:
-        import transformer_engine  # noqa: F401
-        import megatron.core.extensions.transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+        import transformer_engine
+    except ModuleNotFoundError as e:
+        if e.name != "transformer_engine":  # TE is there but something it needs is not
+            why = f"`import transformer_engine` failed: {type(e).__name__}: {e}"
+            log.warning("Transformer Engine unusable, the local spec runs: %s", why)
+            return False, why
+        why = "Transformer Engine is not installed (no module transformer_engine)"
+        log.info("%s: the local spec runs", why)
+        return False, why
+    except Exception as e:  # noqa: BLE001 - any import failure is the reason TE cannot serve
+        why = f"`import transformer_engine` failed: {type(e).__name__}: {e}"
+        log.warning("Transformer Engine unusable, the local spec runs: %s", why)
+        return False, why
+    version = getattr(transformer_engine, "__version__", "?")
+    for name in ("transformer_engine.pytorch", "megatron.core.extensions.transformer_engine"):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - see above
+            why = f"Transformer Engine {version} is installed but `import {name}` failed: {type(e).__name__}: {e}"
+            log.warning("Transformer Engine unusable, the local spec runs: %s", why)
+            return False, why
+    return True, f"Transformer Engine {version} imports with megatron-core's TE extension"
+
+
+def have_te() -> bool:
+    """Whether Transformer Engine and megatron's TE extension import (te_status says why not)."""
+    return te_status()[0]
 
 
 def environment(device: torch.device) -> Environment:
@@ -140,6 +177,25 @@ def _inference_tracker(mrandom) -> bool:
     tracker = getattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
     return tracker is not None and type(tracker).__name__ == "InferenceCudaRNGStatesTracker"
 
+
+
+@contextlib.contextmanager
+def te_modules_on_cpu():
+    """Scope in which Transformer Engine's modules *construct* with their parameters on the CPU, for
+    model.build_model(construct_only=True) (tests of the TE spec's names, checkpoints and conversions
+    on a machine without a GPU); undone on exit.
+
+    TE's linear, grouped-linear and attention modules refuse to be built unless
+    ``torch.cuda.is_available()`` (transformer_engine/pytorch/module/base.py: "TransformerEngine needs
+    CUDA."), although with megatron's ``use_cpu_initialization`` they allocate nothing on a GPU. That one
+    answer is the only thing faked, and only while the modules are built; nothing here can make a TE
+    kernel run (the model's forward is refused: model.build_model). Everything else a CPU job needs is
+    ``apply(cpu)``'s, as for any CPU job."""
+    _patch(torch.cuda, "is_available", lambda: True, "torch.cuda.is_available")
+    try:
+        yield
+    finally:
+        _restore(torch.cuda, "is_available", "torch.cuda.is_available")
 
 
 class _CudaTensorsOnCPU(TorchFunctionMode):

@@ -35,23 +35,53 @@ Routes (R3 and the routing metrics): with ``record_routes`` each forward also wr
 top-k expert ids ([b, s, k], the router's own routing map) into a buffer, so a replayed graph
 records them too; ``last_routes()`` hands them to generation's ``on_forward`` callback.
 
+Both specs, one computation
+    The local spec (megatron's DotProductAttention or our SDPAttention, our RMSNorm modules,
+    BatchedSequentialMLP experts) and the Transformer Engine spec (the NGC container's: the input
+    norm fused into ``linear_qkv`` as ``linear_qkv.layer_norm_weight``, TE's RMSNorm modules for the
+    q/k, pre-MLP and final norms, ``TEGroupedMLP`` experts with ``linear_fc1.weight0..N``, TE's
+    attention) are read as they are: the weights in place, never converted. The step runs its own
+    torch ops on them and never a TE kernel: TE norms are computed here with TE's formula (fp32,
+    ``zero_centered_gamma`` honoured), TE's grouped experts go through the same device-side dispatch
+    and ``torch._grouped_mm`` (or, where there is none, a loop of GEMMs over host-side counts: eager
+    only), and for the duration of a generation every router's gating GEMM is torch's
+    (``torch_router_gating``: megatron's router calls TE's ``general_gemm`` whenever TE imports).
+    So the fast path, and its CUDA graphs, are the default in the container too. Its numerics are
+    the decoder's own (summation orders differ from TE's kernels by rounding): in bf16 the old
+    log-probs are recomputed by a training forward anyway (config.old_logprob_source), and FP8 is
+    not decoded here (it keeps megatron's path, where TE runs the FP8 GEMMs the policy trains with).
+
 It covers the layouts generation uses on one rank of model parallelism: TP = PP = CP = EP = 1,
-RoPE, the local spec's core attention (megatron's DotProductAttention or our SDPAttention; the
-lean step computes attention itself, so Transformer Engine's is not silently replaced), no MLA /
-gated attention, no sequence parallelism.
+RoPE, no MLA / gated attention, no sequence parallelism, RMSNorm.
 Anything else is refused by ``lean_decode_unsupported`` with the reason, and ``generate`` keeps
 megatron's path (``generation.decode_impl=auto``) or raises (``decode_impl=lean``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import contextlib
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-__all__ = ["DeviceMoE", "LeanDecoder", "device_moe_unsupported", "lean_decode_unsupported"]
+__all__ = ["DeviceMoE", "LeanDecoder", "device_moe_unsupported", "lean_decode_unsupported", "rms_norm",
+           "torch_router_gating"]
+
+
+def _is_te(module) -> bool:
+    """A Transformer Engine module (or megatron's wrapper of one): its forward would run TE kernels."""
+    return any(c.__module__.startswith(("transformer_engine", "megatron.core.extensions.transformer_engine"))
+               for c in type(module).__mro__)
+
+
+def _te_norm_unsupported(norm) -> Optional[str]:
+    """Why a TE norm module (or TE's norm fused into linear_qkv) cannot be computed here, else None."""
+    kind = getattr(norm, "normalization", None) or type(norm).__name__
+    if kind != "RMSNorm":
+        return f"Transformer Engine {kind} (the lean decoder computes RMSNorm only)"
+    return None
 
 
 def lean_decode_unsupported(m) -> Optional[str]:
@@ -73,6 +103,8 @@ def lean_decode_unsupported(m) -> Optional[str]:
         (getattr(cfg, "window_size", None) is not None, "sliding-window attention"),
         (getattr(cfg, "softmax_type", "vanilla") != "vanilla", "softmax offsets"),
         (cfg.apply_query_key_layer_scaling, "query-key layer scaling"),
+        (getattr(cfg, "moe_router_fusion", False), "the fused router top-k (Transformer Engine's kernel)"),
+        (getattr(cfg, "normalization", "RMSNorm") != "RMSNorm", f"normalization {getattr(cfg, 'normalization', None)}"),
     ]
     for bad, why in checks:
         if bad:
@@ -84,16 +116,130 @@ def lean_decode_unsupported(m) -> Optional[str]:
         att = layer.self_attention
         if type(att).__name__ != "SelfAttention":
             return f"attention module {type(att).__name__}"
-        if not isinstance(att.core_attention, DotProductAttention):  # e.g. Transformer Engine's: its kernels, its numerics
-            return f"core attention {type(att.core_attention).__name__}"
+        core = att.core_attention
+        # the step computes attention itself: megatron's (or our SDPA) core attention, or TE's with the
+        # plain causal mask (its kernels are never called; sliding windows / softmax offsets are refused
+        # above from the config)
+        if not (isinstance(core, DotProductAttention) or type(core).__name__ == "TEDotProductAttention"):
+            return f"core attention {type(core).__name__}"
+        mask = getattr(core, "attn_mask_type", None)
+        mask = getattr(mask, "name", mask)  # megatron's AttnMaskType, or TE's string
+        if mask is not None and mask != "causal":
+            return f"attention mask {mask}"
         if hasattr(layer, "cross_attention") and type(layer.cross_attention).__name__ != "IdentityOp":
             return "cross attention"
+        fused = hasattr(att.linear_qkv, "layer_norm_weight")  # TE's LayerNormLinear: the input norm inside
+        if fused and type(layer.input_layernorm).__name__ != "IdentityOp":
+            return "an input norm both fused into linear_qkv and separate"
+        if fused and getattr(att.linear_qkv, "layer_norm_bias", None) is not None:
+            return "a norm bias in linear_qkv"
+        norms = [att.linear_qkv if fused else layer.input_layernorm, att.q_layernorm, att.k_layernorm,
+                 layer.pre_mlp_layernorm]
+        for norm in norms:
+            if norm is not None and (fused and norm is att.linear_qkv or _is_te(norm)):
+                why = _te_norm_unsupported(norm)
+                if why:
+                    return why
+        if _is_te(layer.mlp) or any(_is_te(mod) for mod in layer.mlp.modules()):
+            why = device_moe_unsupported(layer.mlp)
+            if why is not None:  # megatron's layer would run TE's kernels: nothing to fall back on
+                return f"MLP: {why}"
+    final = getattr(m.decoder, "final_layernorm", None)
+    if final is not None and _is_te(final) and _te_norm_unsupported(final):
+        return _te_norm_unsupported(final)
     return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Transformer Engine's modules computed with torch ops on their own weights
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False) -> torch.Tensor:
+    """Transformer Engine's RMSNorm (TE's rmsnorm_fwd; its reference: ops/basic/rmsnorm.py): in fp32,
+    x / rms(x) times the weight (plus 1 with zero-centered gamma), cast back to x's dtype."""
+    xf = x.float()
+    w = weight.float() + 1 if zero_centered_gamma else weight.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
+
+
+def norm_op(module, weight_name: str = "weight") -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """The norm ``module`` as a function: TE's (a norm module, or the norm fused into a LayerNormLinear,
+    ``weight_name="layer_norm_weight"``) computed by ``rms_norm`` on its own weight; anything else is
+    called (the local spec's modules: their own numerics, bitwise megatron's forward)."""
+    if module is None or type(module).__name__ == "IdentityOp":
+        return None
+    if not _is_te(module):
+        return module
+    eps, zc = module.eps, bool(getattr(module, "zero_centered_gamma", False))
+    return lambda x: rms_norm(x, getattr(module, weight_name), eps, zc)
+
+
+def _bias(linear) -> Optional[torch.Tensor]:
+    """A linear layer's bias, or None (TE keeps an empty tensor when there is none)."""
+    b = getattr(linear, "bias", None)
+    return None if b is None or b.numel() == 0 else b
+
+
+def _torch_gating(router):
+    """megatron's router gating (moe_utils.RouterGatingLinearFunction's torch branch: the input and
+    weight in the router dtype, one GEMM), which megatron runs with TE's general_gemm when TE imports."""
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(router.config.moe_router_dtype)
+
+    def gating(inp: torch.Tensor) -> torch.Tensor:
+        dt = dtype or inp.dtype
+        x = inp.reshape(-1, inp.shape[-1]).to(dt)
+        w = router.weight.to(dt).t()
+        out = torch.mm(x, w) if router.bias is None else torch.addmm(router.bias.to(dt), x, w)
+        return out.view(*inp.shape[:-1], -1)
+
+    return gating
+
+
+@contextlib.contextmanager
+def torch_router_gating(m) -> Iterator[None]:
+    """For the duration of the block, every MoE router of ``m`` computes its gating GEMM with torch (an
+    instance attribute shadows ``TopKRouter.gating``; routing, hooks and the routing map are megatron's)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = [mod for mod in m.modules() if isinstance(mod, TopKRouter)]
+    for r in routers:
+        r.gating = _torch_gating(r)
+    try:
+        yield
+    finally:
+        for r in routers:
+            r.__dict__.pop("gating", None)
 
 
 # ----------------------------------------------------------------------------------------------
 # MoE layer on one rank, expert counts on the device
 # ----------------------------------------------------------------------------------------------
+
+
+def _expert_weights(ex) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each local expert's fc1 [2F, H] and fc2 [H, F] weight, as the module stores them: SequentialMLP's
+    ``local_experts.N.linear_fc{1,2}.weight`` or TE's grouped linears' ``linear_fc{1,2}.weightN``."""
+    if type(ex).__name__ == "TEGroupedMLP":
+        n = ex.num_local_experts
+        return ([getattr(ex.linear_fc1, f"weight{i}") for i in range(n)],
+                [getattr(ex.linear_fc2, f"weight{i}") for i in range(n)])
+    return [e.linear_fc1.weight for e in ex.local_experts], [e.linear_fc2.weight for e in ex.local_experts]
+
+
+def _te_experts_unsupported(ex) -> Optional[str]:
+    c = ex.config
+    if getattr(c, "use_te_activation_func", False):
+        return "TEGroupedMLP with Transformer Engine's activation function"
+    if getattr(ex.linear_fc1, "use_bias", False) or getattr(ex.linear_fc2, "use_bias", False):
+        return "TEGroupedMLP with biases"
+    if getattr(ex.linear_fc1, "single_grouped_weight", False) or not hasattr(ex.linear_fc1, "weight0"):
+        return "TEGroupedMLP weights in one grouped tensor"
+    if c.fp8 or getattr(c, "fp4", None):
+        return "FP8 / FP4 experts"
+    if not c.gated_linear_unit and getattr(c, "use_fused_weighted_squared_relu", False):
+        return "TEGroupedMLP's fused squared ReLU"
+    return None
 
 
 def device_moe_unsupported(mlp) -> Optional[str]:
@@ -116,18 +262,49 @@ def device_moe_unsupported(mlp) -> Optional[str]:
     if c.moe_expert_capacity_factor is not None:
         return "expert capacity (token dropping)"
     ex = mlp.experts
+    if type(ex).__name__ == "TEGroupedMLP":
+        # TE's grouped experts: no megatron layer to fall back on without TE's kernels, so a missing
+        # grouped_mm means the loop of GEMMs over host-side counts (DeviceMoE.sync_free False)
+        return _te_experts_unsupported(ex)
     if type(ex) is not BatchedSequentialMLP or not ex._batchable():
         return f"expert module {type(ex).__name__} (not the batched grouped-GEMM path)"
     if ex.gemm_impl not in ("auto", "grouped_mm"):
         return f"BatchedSequentialMLP.gemm_impl={ex.gemm_impl!r}"
-    w1 = [e.linear_fc1.weight for e in ex.local_experts]
-    w2 = [e.linear_fc2.weight for e in ex.local_experts]
+    w1, w2 = _expert_weights(ex)
     if not grouped_mm_available(w1[0].device, w1[0].dtype):
         return f"no torch._grouped_mm for {w1[0].device.type} {w1[0].dtype}"
     probe = torch.empty(0, w1[0].shape[1], dtype=w1[0].dtype, device=w1[0].device)
     if not _aligned_for_grouped_mm(probe, w1, w2):
         return "expert shapes not 16-byte aligned for grouped_mm"
     return None
+
+
+def _expert_stack(params: list[torch.Tensor]) -> tuple[Optional[torch.Tensor], bool]:
+    """The experts' weights as one [E, out, in] tensor *without a copy*, and whether it holds them in
+    reverse expert order; (None, False) when there is no such view.
+
+    Views exist when the parameters are consecutive equal slices of one storage: BatchedSequentialMLP
+    packs its experts so at construction, and megatron's DDP buffer (distributed optimizer) lays
+    parameters out in reverse module order, experts N-1 .. 0. Parameters that each own their storage
+    (TE's weight0..N as built) are packed into one buffer first (experts._pack: the same Parameter
+    objects, their ``.data`` views of it), which nothing else can observe."""
+    from megatron_gspo.experts import _pack, _packed_view
+
+    for rev in (False, True):
+        view = _packed_view(params[::-1] if rev else params)
+        if view is not None:
+            return view, rev
+    if all(p.storage_offset() == 0 and p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in params):
+        _pack(params)
+        return _packed_view(params), False
+    return None, False
+
+
+def _grouped_mm_ok(w1: list[torch.Tensor], w2: list[torch.Tensor]) -> bool:
+    from megatron_gspo.experts import _aligned_for_grouped_mm, grouped_mm_available
+
+    probe = torch.empty(0, w1[0].shape[1], dtype=w1[0].dtype, device=w1[0].device)
+    return grouped_mm_available(w1[0].device, w1[0].dtype) and _aligned_for_grouped_mm(probe, w1, w2)
 
 
 class DeviceMoE:
@@ -138,8 +315,13 @@ class DeviceMoE:
     tokens in order: a stable sort of the routing map) and the grouped GEMM's offsets are computed on
     the device, with static shapes (every token has exactly top-k experts: no token dropping). The
     router, the experts' weights and their activation are the layer's own modules and functions
-    (BatchedSequentialMLP's), and the un-permutation is megatron's scatter-add: outputs equal the
-    megatron layer's (bitwise on the CPU, tests/test_decode.py)."""
+    (megatron's expert activation: experts.expert_activation), and the un-permutation is megatron's
+    scatter-add: outputs equal the megatron layer's (bitwise on the CPU, tests/test_decode.py).
+
+    The experts are the local spec's BatchedSequentialMLP or Transformer Engine's TEGroupedMLP (its
+    ``weight0..N`` read in place; its TE kernels never run). Where ``torch._grouped_mm`` cannot take
+    the weights (CUDA fp32, older torch), TE's experts run as a loop of GEMMs over counts read on the
+    host: ``sync_free`` is then False (eager steps only; no CUDA graph)."""
 
     def __init__(self, mlp) -> None:
         reason = device_moe_unsupported(mlp)
@@ -148,14 +330,25 @@ class DeviceMoE:
         self.mlp = mlp
         self.topk = mlp.config.moe_router_topk
         self.num_experts = mlp.config.num_moe_experts
+        self.w1, self.w2 = _expert_weights(mlp.experts)  # the parameters themselves: updates are seen
+        self.sync_free = _grouped_mm_ok(self.w1, self.w2)
+        # [E, out, in] views of the weights for grouped_mm (no per-step copy); where there is none, the
+        # weights are stacked at every forward (one copy of the experts per layer and step)
+        self.reversed, self.stacks = False, None
+        if self.sync_free and len(self.w1) > 1:
+            (s1, r1), (s2, r2) = _expert_stack(self.w1), _expert_stack(self.w2)
+            if s1 is not None and s2 is not None and r1 == r2:
+                self.stacks, self.reversed = (s1, s2), r1
 
     def __call__(self, h: torch.Tensor, hooks: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """h [s, b, H] -> (output [s, b, H], routing map [s*b, E] bool). ``hooks=False`` calls the
         router's forward directly (forward hooks are Python: they cannot run in a replayed graph)."""
-        from megatron_gspo.experts import grouped_linear
+        from megatron_gspo.experts import expert_activation, grouped_linear
 
         mlp = self.mlp
-        probs, rmap = mlp.router(h) if hooks else mlp.router.forward(h)
+        probs, routing_map = mlp.router(h) if hooks else mlp.router.forward(h)
+        # experts in the order of their weights in memory (reversed: DDP's buffer order)
+        rmap, probs = (routing_map.flip(1), probs.flip(1)) if self.reversed else (routing_map, probs)
         x = h.reshape(-1, h.shape[-1])  # [t, H], the dispatcher's token order (sequence-major)
         t, E = rmap.shape
         # megatron's permute: for each expert in order, its tokens in order (masked_select of the
@@ -164,24 +357,40 @@ class DeviceMoE:
         sel = torch.argsort(flat.logical_not().to(torch.uint8), stable=True)[: t * self.topk]
         tok = sel % t
         permuted_probs = probs.t().reshape(-1).index_select(0, sel)
-        offs = rmap.sum(dim=0).cumsum(0).to(torch.int32)  # grouped GEMM offsets, on the device
+        counts = rmap.sum(dim=0)
         xp = x.index_select(0, tok)
-        ex = mlp.experts
-        if ex.config.moe_apply_probs_on_input:
+        config = mlp.experts.config
+        if config.moe_apply_probs_on_input:
             xp = (permuted_probs.unsqueeze(-1) * xp).to(x.dtype)
             permuted_probs = torch.ones_like(permuted_probs)
-        w1 = [e.linear_fc1.weight for e in ex.local_experts]
-        w2 = [e.linear_fc2.weight for e in ex.local_experts]
-        y = grouped_linear(xp, w1, (), "grouped_mm", offs)
-        y = ex._activation(y, permuted_probs)
-        y = grouped_linear(y, w2, (), "grouped_mm", offs)
+        if self.sync_free:
+            offs = counts.cumsum(0).to(torch.int32)  # grouped GEMM offsets, on the device
+            w1, w2 = ([s] for s in self.stacks) if self.stacks is not None else (self.w1, self.w2)
+            y = _grouped(xp, w1, offs)
+            y = expert_activation(config, y, permuted_probs)
+            y = _grouped(y, w2, offs)
+        else:
+            n = counts.tolist()  # the one host sync of this path
+            y = grouped_linear(xp, self.w1, n, "loop")
+            y = expert_activation(config, y, permuted_probs)
+            y = grouped_linear(y, self.w2, n, "loop")
         # megatron's unpermute (no probs: they were applied in the experts)
         out = torch.zeros((t, y.shape[-1]), dtype=y.dtype, device=y.device)
         if torch.are_deterministic_algorithms_enabled():
             out.index_add_(0, tok, y)
         else:
             out.scatter_add_(0, tok.unsqueeze(1).expand(-1, y.shape[-1]), y)
-        return out.to(y.dtype).view(h.shape), rmap
+        return out.to(y.dtype).view(h.shape), routing_map
+
+
+def _grouped(x: torch.Tensor, weights: list[torch.Tensor], offs: torch.Tensor) -> torch.Tensor:
+    """x [N, in] grouped by expert (int32 cumulative ``offs``) times each expert's weight: ``weights`` is
+    the [E, out, in] stack alone, or one [out, in] tensor per expert (stacked here: a copy)."""
+    from megatron_gspo.experts import grouped_linear
+
+    if len(weights) == 1 and weights[0].dim() == 3:
+        return torch._grouped_mm(x, weights[0].transpose(1, 2), offs=offs)
+    return grouped_linear(x, weights, (), "grouped_mm", offs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,13 +457,22 @@ class LeanDecoder:
         self.moe = []
         for layer in self.layers:
             self.moe.append(DeviceMoE(layer.mlp) if device_moe_unsupported(layer.mlp) is None else None)
+        # each layer's norms as functions (local modules called; TE's computed here, see norm_op)
+        self.norms = []
+        for layer in self.layers:
+            att = layer.self_attention
+            fused = hasattr(att.linear_qkv, "layer_norm_weight")
+            self.norms.append((norm_op(att.linear_qkv, "layer_norm_weight") if fused else norm_op(layer.input_layernorm),
+                               norm_op(att.q_layernorm), norm_op(att.k_layernorm), norm_op(layer.pre_mlp_layernorm)))
+        self.final_norm = norm_op(getattr(m.decoder, "final_layernorm", None))
         self.graphs = graphs
         self.static = static or graphs
         if graphs:
-            missing = [i for i, d in enumerate(self.moe) if d is None]
+            missing = [i for i, d in enumerate(self.moe) if d is None or not d.sync_free]
             if missing:
+                why = device_moe_unsupported(self.layers[missing[0]].mlp) or "no torch._grouped_mm for its weights"
                 raise ValueError(f"generation.cuda_graphs=true: layer {missing[0]}'s MLP cannot run without host "
-                                 f"synchronisation ({device_moe_unsupported(self.layers[missing[0]].mlp)})")
+                                 f"synchronisation ({why})")
             if graph_factory is None and dev.type != "cuda":
                 raise ValueError(f"generation.cuda_graphs=true needs a CUDA device, the model is on {dev}")
         self._graph_factory = graph_factory
@@ -296,7 +514,8 @@ class LeanDecoder:
     def _mlp(self, i: int, layer, x: torch.Tensor, routes_out: Optional[torch.Tensor]) -> torch.Tensor:
         """The layer's MLP on x [s, b, h]; its top-k expert ids [b, s, k] go to ``routes_out`` (a
         buffer view, decode) or the prefill list (``routes_out`` None) when routes are recorded."""
-        h = layer.pre_mlp_layernorm(x)
+        pre_mlp = self.norms[i][3]
+        h = x if pre_mlp is None else pre_mlp(x)
         moe = self.moe[i]
         if moe is not None:
             out, rmap = moe(h, hooks=not self._capturing)
@@ -326,31 +545,32 @@ class LeanDecoder:
         hn, np_, ng = self.hn, self.np, self.ng
         for i, layer in enumerate(self.layers):
             att = layer.self_attention
-            h = layer.input_layernorm(x)
-            qkv = F.linear(h, att.linear_qkv.weight, att.linear_qkv.bias)  # [s, b, ng*(np/ng+2)*hn]
+            in_norm, q_norm, k_norm, _ = self.norms[i]
+            h = x if in_norm is None else in_norm(x)
+            qkv = F.linear(h, att.linear_qkv.weight, _bias(att.linear_qkv))  # [s, b, ng*(np/ng+2)*hn]
             qkv = qkv.view(s, b, ng, -1)
             q, k, v = torch.split(qkv, [np_ // ng * hn, hn, hn], dim=3)
             q = q.reshape(s, b, np_, hn)
-            if att.q_layernorm is not None:
-                q = att.q_layernorm(q)
-            if att.k_layernorm is not None:
-                k = att.k_layernorm(k)
+            if q_norm is not None:
+                q = q_norm(q)
+            if k_norm is not None:
+                k = k_norm(k)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hn]
             write(self.k[i], self._rope(k, cos, sin))
             write(self.v[i], v)
             ctx = self._attend(self._rope(q, cos, sin), self.k[i][:b, :, :kv_len], self.v[i][:b, :, :kv_len], bias)
             ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
             out = F.linear(ctx, att.linear_proj.weight)
-            if att.linear_proj.bias is not None:
-                out = out + att.linear_proj.bias
+            if _bias(att.linear_proj) is not None:
+                out = out + _bias(att.linear_proj)
             x = self._mlp(i, layer, x + out, None if routes is None else routes[i])
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         m = self.m
         last = x[-1]  # [b, h]: only the last position's logits are used
-        if getattr(m.decoder, "final_layernorm", None) is not None:
-            last = m.decoder.final_layernorm(last)
+        if self.final_norm is not None:
+            last = self.final_norm(last)
         weight = m.shared_embedding_or_output_weight() if self.shared else m.output_layer.weight
         return F.linear(last, weight)
 
@@ -439,6 +659,11 @@ class LeanDecoder:
             return graph, out
         finally:
             self._capturing = False
+
+    def torch_routers(self) -> contextlib.AbstractContextManager:
+        """The context of this decoder's forwards: the routers' gating GEMM in torch, not TE's
+        (torch_router_gating; generate() enters it through decode_backends.LeanBackend.context)."""
+        return torch_router_gating(self.m)
 
     def last_routes(self, b: int, prefill: bool = False) -> torch.Tensor:
         """Top-k expert ids of the last forward: [L, b, s, k] (a copy; needs ``record_routes``)."""

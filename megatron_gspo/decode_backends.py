@@ -4,7 +4,8 @@ A ``DecodeBackend`` runs a prefill forward over the left-padded prompt block and
 decode forwards against its KV cache, for the rows still in the decode batch; ``generate()`` owns
 everything else (sampling, stop tokens, lockstep, which rows finished). Two back-ends:
 
-``LeanBackend``      megatron_gspo/decode.py's ``LeanDecoder``: the model's own modules and weights,
+``LeanBackend``      megatron_gspo/decode.py's ``LeanDecoder``: the model's own modules and weights
+                     (local spec or Transformer Engine spec, read as they are; no TE kernel runs),
                      a KV cache of roped keys, device-side MoE dispatch, a graph-ready decode step
                      (optionally captured with CUDA graphs: ``generation.cuda_graphs``); one rank of
                      model parallelism (TP = EP = PP = 1).
@@ -72,6 +73,9 @@ class LeanBackend(DecodeBackend):
                                record_routes=record_routes and all(d is not None for d in _device_moes(m)))
         self.dec.set_left_pad(left_pad)
         self.records_routes = self.dec.record_routes
+
+    def context(self):
+        return self.dec.torch_routers()  # no TE kernel in the lean step, the router's GEMM included
 
     def prefill(self, tokens, positions, masked):
         return self.dec.prefill(tokens, positions, masked)

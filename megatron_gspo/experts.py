@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-__all__ = ["BatchedSequentialMLP", "grouped_linear", "grouped_mm_available"]
+__all__ = ["BatchedSequentialMLP", "expert_activation", "grouped_linear", "grouped_mm_available"]
 
 _GROUPED_MM_OK: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -200,6 +200,34 @@ def stacked_weights(params: Sequence[torch.Tensor]) -> torch.Tensor:
     return packed
 
 
+def expert_activation(c, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """The experts' activation + per-token scale of megatron 0.16 (MLP.forward's non-TE branches, which
+    TEGroupedMLP.forward repeats: the fused weighted SwiGLU / quick-GeGLU with bias_activation_fusion,
+    else the gated unit in the activation dtype times the probs) on h [n, 2F or F], probs [n]; c is
+    the TransformerConfig."""
+    if c.bias_activation_fusion:
+        from megatron.core.transformer import mlp as mlp_mod
+
+        if c.activation_func == F.silu and c.gated_linear_unit:
+            return mlp_mod.weighted_bias_swiglu_impl(h, None, probs.unsqueeze(-1),
+                                                     c.activation_func_fp8_input_store)
+        if c.activation_func == mlp_mod.quick_gelu and c.gated_linear_unit:
+            return mlp_mod.weighted_bias_quick_geglu_impl(
+                h, None, probs.unsqueeze(-1), c.activation_func_fp8_input_store,
+                c.glu_linear_offset, c.activation_func_clamp_value)
+        raise ValueError("Only support fusion of swiglu and quick_gelu with per_token_scale in MLP.")
+    if c.gated_linear_unit:
+        x_glu, x_linear = torch.chunk(h, 2, dim=-1)
+        if (val := c.activation_func_clamp_value) is not None:
+            x_glu = x_glu.clamp(min=None, max=val)
+            x_linear = x_linear.clamp(min=-val, max=val)
+        h = c.activation_func(x_glu) * (x_linear + c.glu_linear_offset)
+    else:
+        h = c.activation_func(h)
+    dtype = h.dtype
+    return (h * probs.unsqueeze(-1)).to(dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # The module
 # ----------------------------------------------------------------------------------------------
@@ -228,29 +256,7 @@ class BatchedSequentialMLP(SequentialMLP):
         return all(hasattr(mlp, n) and hasattr(getattr(mlp, n), "weight") for n in ("linear_fc1", "linear_fc2"))
 
     def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """megatron MLP.forward's activation + per-token scale (non-TE branches), over all rows."""
-        c = self.config
-        if c.bias_activation_fusion:
-            from megatron.core.transformer import mlp as mlp_mod
-
-            if c.activation_func == F.silu and c.gated_linear_unit:
-                return mlp_mod.weighted_bias_swiglu_impl(h, None, probs.unsqueeze(-1),
-                                                         c.activation_func_fp8_input_store)
-            if c.activation_func == mlp_mod.quick_gelu and c.gated_linear_unit:
-                return mlp_mod.weighted_bias_quick_geglu_impl(
-                    h, None, probs.unsqueeze(-1), c.activation_func_fp8_input_store,
-                    c.glu_linear_offset, c.activation_func_clamp_value)
-            raise ValueError("Only support fusion of swiglu and quick_gelu with per_token_scale in MLP.")
-        if c.gated_linear_unit:
-            x_glu, x_linear = torch.chunk(h, 2, dim=-1)
-            if (val := c.activation_func_clamp_value) is not None:
-                x_glu = x_glu.clamp(min=None, max=val)
-                x_linear = x_linear.clamp(min=-val, max=val)
-            h = c.activation_func(x_glu) * (x_linear + c.glu_linear_offset)
-        else:
-            h = c.activation_func(h)
-        dtype = h.dtype
-        return (h * probs.unsqueeze(-1)).to(dtype)
+        return expert_activation(self.config, h, probs)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):

@@ -110,6 +110,13 @@ Finished rows (``generation.compact_finished_rows``)
     unfinished rows move to the front of every layer's KV cache and the decode batch shrinks to them
     (under EP to the largest count any lockstep rank still has, topped up with finished rows). Every
     per-row tensor stays indexed by the original row, so results are those of the static batch.
+
+FP8 (Transformer Engine)
+    FP8 GEMMs refuse token counts that are not a multiple of 8 / 16 (fp8_alignment.py cites TE's
+    assertions). Under ``model.fp8`` the batch is padded with filler rows (done from the start, like
+    the EP dummy rows: never returned) to a multiple of the recipe's alignment, and compaction keeps
+    a multiple of it, so the prefill (rows x prompt block) and every decode step (rows x 1) divide.
+    ``decode_row_steps`` counts the rows fed, fillers included (the work done).
 """
 
 from __future__ import annotations
@@ -123,7 +130,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import comm
+from megatron_gspo import comm, fp8_alignment
 from megatron_gspo.config import GenerationConfig
 from megatron_gspo.decode_backends import make_backend
 from megatron_gspo.sampling import counter_uniform, sample_tokens
@@ -364,7 +371,10 @@ def generate(
     # every rank of the lockstep group needs the same [batch, prompt block] shapes
     shape = sync.all_reduce_max(torch.tensor([n_real, int(lens_real.max())], dtype=torch.long, device=device),
                                 what="generate(): batch and prompt-block shape")
-    B, P = int(shape[0]), int(shape[1])
+    # FP8 GEMMs need rows x tokens divisible by the recipe's alignment (fp8_alignment.py): filler rows,
+    # like the EP lockstep's dummy rows, make every decode step (rows x 1) and the prefill divide
+    align = fp8_alignment.token_alignment(m.config)
+    B, P = fp8_alignment.padded_rows(int(shape[0]), align), int(shape[1])
     S = P + cfg.max_new_tokens  # columns of the internal grid; the KV cache needs S - 1 slots
     max_len = getattr(m, "max_sequence_length", None)
     if max_len is not None and S - 1 > max_len:
@@ -473,11 +483,13 @@ def generate(
                     break
                 if n_live == 0:
                     break
-                if compact_at > 0 and n_live <= (1 - compact_at) * rows.numel():
+                keep = fp8_alignment.padded_rows(n_live, align, cap=rows.numel())  # FP8: a multiple of align
+                if compact_at > 0 and n_live <= (1 - compact_at) * rows.numel() and keep < rows.numel():
                     # this rank's unfinished rows first, then finished fillers so every rank of the
-                    # lockstep group has the same batch; the KV cache's row order is kept
-                    order = torch.argsort(done[rows].long(), stable=True)[:n_live]
-                    backend.compact(order, n_live)
+                    # lockstep group has the same batch (and FP8 an aligned one); the KV cache's row
+                    # order is kept
+                    order = torch.argsort(done[rows].long(), stable=True)[:keep]
+                    backend.compact(order, keep)
                     live = rows = rows[order]
             logits = backend.decode(grid[rows, col], col, live)[:, :vocab_size]
             n_fwd += 1

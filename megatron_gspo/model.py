@@ -9,12 +9,14 @@ Two implementations share one TransformerConfig:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from megatron_gspo.compat import have_te
+from megatron_gspo import compat
+from megatron_gspo.compat import have_te, te_status
 from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_gspo.parallel import ParallelState
 
@@ -27,16 +29,35 @@ def _is_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def resolve_impl(cfg: ModelConfig, device: torch.device) -> str:
-    """"local" or "transformer_engine" for a job on ``device``; an explicit TE request without TE fails."""
-    te_ok = have_te() and _is_cuda(device)
+def resolve_impl(cfg: ModelConfig, device: torch.device, construct_only: bool = False) -> str:
+    """"local" or "transformer_engine" for a job on ``device``; an explicit TE request that cannot run
+    here fails with the reason (TE not importable: compat.te_status; or no CUDA device).
+
+    ``construct_only`` (tests: build_model's construct-only path) is the Transformer Engine spec with
+    its parameters on the CPU and no forward: it needs ``transformer_impl='transformer_engine'``, TE
+    importable and a CPU device, and is never what a job gets (jobs pass no such flag; a job config
+    with transformer_impl='transformer_engine' and parallel.device=cpu is refused up front)."""
+    te_importable, te_why = te_status()
+    if construct_only:
+        if cfg.transformer_impl != "transformer_engine":
+            raise ConfigError("construct_only builds the Transformer Engine spec on the CPU: it needs "
+                              f"model.transformer_impl='transformer_engine', got {cfg.transformer_impl!r}")
+        if _is_cuda(device):
+            raise ConfigError(f"construct_only builds the Transformer Engine spec with its parameters on the CPU, "
+                              f"but this job's device is {device}, where the TE spec builds and runs for real: "
+                              "build it without construct_only")
+        if not te_importable:
+            raise ConfigError(f"construct_only needs Transformer Engine: {te_why}")
+        return "transformer_engine"
+    te_ok = te_importable and _is_cuda(device)
     if cfg.transformer_impl == "auto":
         return "transformer_engine" if te_ok else "local"
     if cfg.transformer_impl == "transformer_engine" and not te_ok:
-        raise ConfigError(
-            "model.transformer_impl='transformer_engine' needs Transformer Engine and a CUDA device "
-            f"(TE importable: {have_te()}, job device: {device}); use 'local' or 'auto'"
-        )
+        why = te_why if not te_importable else (
+            f"the job runs on {device} and Transformer Engine's kernels need a CUDA device (TE-spec models "
+            "can be built on the CPU only construct-only, for tests: model.build_model(construct_only=True), "
+            "which runs no forward)")
+        raise ConfigError(f"model.transformer_impl='transformer_engine' cannot run here: {why}; use 'local' or 'auto'")
     return cfg.transformer_impl
 
 
@@ -101,13 +122,14 @@ class QKRMSNorm(RMSNorm):
 
 
 def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, device: torch.device, routing_replay: bool = False,
-                             deterministic: bool = False, **overrides):
+                             deterministic: bool = False, construct_only: bool = False, **overrides):
     """megatron's TransformerConfig for this model and layout on ``device``; ``deterministic``: megatron's
-    deterministic mode (train.deterministic); ``overrides`` set TransformerConfig fields directly (tests)."""
+    deterministic mode (train.deterministic); ``construct_only``: see build_model; ``overrides`` set
+    TransformerConfig fields directly (tests)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cuda = _is_cuda(device)
-    impl = resolve_impl(cfg, device)
+    impl = resolve_impl(cfg, device, construct_only)
     expert_impl = resolve_expert_impl(cfg, impl)
     resolve_attention_impl(cfg, impl)  # refuse a local-spec attention choice on the TE spec early
     if cfg.moe_router_fusion and routing_replay:
@@ -182,15 +204,17 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, device: torc
     return TransformerConfig(**kw)
 
 
-def build_layer_spec(tcfg, cfg: ModelConfig, device: torch.device, pp_rank: Optional[int] = None):
-    """TransformerBlockSubmodules for this pipeline stage of a job on ``device``."""
+def build_layer_spec(tcfg, cfg: ModelConfig, device: torch.device, pp_rank: Optional[int] = None,
+                     construct_only: bool = False):
+    """TransformerBlockSubmodules for this pipeline stage of a job on ``device`` (``construct_only``: see
+    build_model)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
 
-    impl = resolve_impl(cfg, device)
+    impl = resolve_impl(cfg, device, construct_only)
     if impl == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -232,11 +256,19 @@ def build_layer_spec(tcfg, cfg: ModelConfig, device: torch.device, pp_rank: Opti
 
 
 def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, routing_replay: bool = False,
-                init_from_seed: bool = True, deterministic: bool = False, **config_overrides):
+                init_from_seed: bool = True, deterministic: bool = False, construct_only: bool = False,
+                **config_overrides):
     """Build this rank's shard of the GPTModel on ``state.device``, its weights drawn from ``par.seed``
     alone whatever the layout (init_weights.py; ``init_from_seed=False`` keeps megatron's own,
     layout-dependent init). ``state`` comes from parallel.initialize, which also applied compat.py's
-    workarounds for that device."""
+    workarounds for that device.
+
+    ``construct_only=True`` (tests, and tools that only move weights): the Transformer Engine spec
+    (``cfg.transformer_impl='transformer_engine'``) built on a CPU ``state`` where TE is installed but no
+    GPU runs it: TE's modules with their parameters on the CPU (compat.te_modules_on_cpu, during
+    construction only), megatron's CPU choices otherwise (CPU initialization, the allgather dispatcher, no
+    fusions), the same init, state-dict and sharded-state-dict names as on a GPU. Its forward is refused
+    (ConstructOnlyError): TE's kernels need CUDA. The model says so in ``model.construct_only``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -246,22 +278,23 @@ def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, rou
     if routing_replay:
         RouterReplay.clear_global_router_replay_instances()
     tcfg = build_transformer_config(cfg, par, state.device, routing_replay=routing_replay,
-                                    deterministic=deterministic, **config_overrides)
+                                    deterministic=deterministic, construct_only=construct_only, **config_overrides)
     pp_rank = state.pp_rank
-    spec = build_layer_spec(tcfg, cfg, state.device, pp_rank=pp_rank)
-    model = GPTModel(
-        config=tcfg,
-        transformer_layer_spec=spec,
-        vocab_size=cfg.padded_vocab_size,
-        max_sequence_length=cfg.max_position_embeddings,
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == state.pp - 1,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
-        position_embedding_type="rope",
-        rotary_base=int(cfg.rotary_base),
-        pg_collection=state.pg,
-    )
+    spec = build_layer_spec(tcfg, cfg, state.device, pp_rank=pp_rank, construct_only=construct_only)
+    with compat.te_modules_on_cpu() if construct_only else contextlib.nullcontext():
+        model = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=spec,
+            vocab_size=cfg.padded_vocab_size,
+            max_sequence_length=cfg.max_position_embeddings,
+            pre_process=pp_rank == 0,
+            post_process=pp_rank == state.pp - 1,
+            parallel_output=True,
+            share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+            position_embedding_type="rope",
+            rotary_base=int(cfg.rotary_base),
+            pg_collection=state.pg,
+        )
     if model.post_process:
         from megatron_gspo.output_layer import use_batch_first_output
 
@@ -276,7 +309,36 @@ def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, rou
 
         init_weights(model, par.seed, state, init_method_std=cfg.init_method_std, num_layers=cfg.num_layers,
                      gated_linear_unit=tcfg.gated_linear_unit)
+    model.construct_only = construct_only
+    if construct_only:
+        _refuse_forward(model)
     return model
+
+
+class ConstructOnlyError(RuntimeError):
+    """A forward on a model built with build_model(construct_only=True)."""
+
+
+def _is_te_module(module: torch.nn.Module) -> bool:
+    return any(c.__module__.startswith(("transformer_engine.", "megatron.core.extensions.transformer_engine"))
+               for c in type(module).__mro__)
+
+
+def _refuse_forward(model: torch.nn.Module) -> None:
+    """A construct-only model's forward (and any TE module's inside it, called directly) raises
+    ConstructOnlyError before TE reaches for a CUDA kernel ("CUDA driver version is insufficient", or
+    worse, a half-run step)."""
+
+    def refuse(module, args):
+        raise ConstructOnlyError(
+            f"{type(module).__name__}.forward on a model built construct-only (build_model(construct_only=True): "
+            "the Transformer Engine spec with its parameters on the CPU): Transformer Engine's kernels need a CUDA "
+            "device, so this model serves state dicts, checkpoints, conversions and weight reading only; build it "
+            "on a CUDA device to run it, or use model.transformer_impl='local' on the CPU")
+
+    for module in model.modules():
+        if module is model or _is_te_module(module):
+            module.register_forward_pre_hook(refuse)
 
 
 def causal_attention_mask(seq_len: int, device) -> torch.Tensor:
@@ -293,14 +355,19 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Ten
     padding_mask [b, s] bool, True at positions that hold no real token: megatron leaves them out of
     the MoE load-balancing statistics (and counts), so the aux loss does not depend on how much
     padding a batch or a layout adds. Under sequence parallelism megatron splits the sequence over
-    the TP ranks and needs s % TP == 0: a shorter input is right-padded here (the extra columns are
+    the TP ranks and needs s % TP == 0, and FP8 GEMMs need b x s / TP divisible by the recipe's
+    alignment (fp8_alignment.py): a shorter input is right-padded here (the extra columns are
     padding) and the logits are cut back to s columns; causal attention keeps the extra columns from
-    touching real positions. (Routing replay needs the caller to pad instead: its routes are per
-    position of the input it was given.)
+    touching real positions. (The trainer's micro-batches come aligned: rollout.forward_width_multiple.
+    Routing replay needs the caller to pad instead: its routes are per position of the input it was
+    given.)
     """
+    from megatron_gspo import fp8_alignment
+
     b, s = tokens.shape
     cfg = unwrap(model).config
-    extra = (-s) % cfg.tensor_model_parallel_size if cfg.sequence_parallel else 0
+    sp = cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1
+    extra = fp8_alignment.padded_length(s, b, sp, fp8_alignment.token_alignment(cfg)) - s
     if extra:
         tokens = F.pad(tokens, (0, extra))
         if padding_mask is None:
@@ -309,9 +376,9 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Ten
         if position_ids is not None:
             position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, extra + 1, device=tokens.device)], 1)
         if attention_mask is not None:
-            raise ValueError(f"forward_logits: sequence length {s} is not divisible by the tensor-parallel size "
-                             f"{cfg.tensor_model_parallel_size} (sequence parallel) and an explicit attention_mask was "
-                             "given: pad the input (and its mask) to a multiple of it")
+            raise ValueError(f"forward_logits: an input of {b} x {s} tokens needs {extra} padding column(s) (sequence "
+                             f"parallel over TP={sp}, FP8 token alignment {fp8_alignment.token_alignment(cfg)}) and an "
+                             f"explicit attention_mask was given: pad the input (and its mask) to {s + extra} columns")
     n = s + extra
     if position_ids is None:
         position_ids = torch.arange(n, device=tokens.device).unsqueeze(0).expand(b, n)

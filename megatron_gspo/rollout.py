@@ -33,12 +33,12 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_gspo import comm
+from megatron_gspo import comm, fp8_alignment
 from megatron_gspo.faults import StepAbandoned
 from megatron_gspo.generation import generate
 from megatron_gspo.metrics import Metric, MetricAccumulator
 from megatron_gspo.oom import explain_oom
-from megatron_gspo.model import forward_logprobs, input_padding_mask
+from megatron_gspo.model import forward_logprobs, input_padding_mask, unwrap
 from megatron_gspo.dynamic_sampling import informative_groups, prune_groups
 from megatron_gspo.overlong import loss_mask, overlong_penalty, truncated
 from megatron_gspo.rewards import compute_rewards
@@ -118,6 +118,14 @@ def common_length(length: int, multiple_of: int, device: torch.device, group=Non
     return 1 + math.ceil((T - 1) / multiple_of) * multiple_of
 
 
+def forward_width_multiple(model, state) -> int:
+    """The forward input width (token-grid width - 1) of every micro-batch is a multiple of this: the
+    sequence-parallel size (megatron splits the input over TP) times the model's FP8 token alignment
+    (fp8_alignment.py; 1 without FP8), so rows x width / TP suits TE's FP8 GEMMs for any rows."""
+    sp = state.tp if state.sequence_parallel else 1
+    return fp8_alignment.width_multiple(sp, fp8_alignment.token_alignment(unwrap(model).config))
+
+
 def local_rows(num_rows: int, num_minibatches: int, dp_size: int, dp_rank: int) -> list[int]:
     """Global row indices held by DP rank ``dp_rank``: its contiguous share of every minibatch.
 
@@ -159,7 +167,8 @@ def plan_micro_batches(seq_lengths: list[int], num_minibatches: int, micro_batch
     ``micro_batch_size`` rows, or, with a ``max_tokens`` budget, of as many rows as keep
     rows x width <= max_tokens. Returns (perm: the new order of the rows, per minibatch its
     micro-batches as slices of the permuted rows, each micro-batch's width: its longest row,
-    rounded up so that (width - 1) % multiple_of == 0, the sequence-parallel split of the input)."""
+    rounded up so that (width - 1) % multiple_of == 0: forward_width_multiple, the sequence-parallel
+    split of the input times FP8's token alignment)."""
     n = len(seq_lengths)
     per = n // num_minibatches
     round_up = lambda w: 1 + math.ceil((max(w, 2) - 1) / multiple_of) * multiple_of  # noqa: E731
@@ -334,15 +343,16 @@ class Rollouts:
         # 5. rows of similar length share a micro-batch as wide as its longest row; under expert
         # parallelism every MoE forward is a collective: the widths are agreed over all ranks
         seq_lengths = out.prompt_lengths + out.response_lengths
-        sp = st.tp if st.sequence_parallel else 1
+        # widths: the sequence-parallel split of the input, and FP8's token alignment (fp8_alignment.py)
+        multiple = forward_width_multiple(self.model, st)
         perm, plan, widths = plan_micro_batches(seq_lengths.tolist(), t.num_minibatches, t.micro_batch_size,
-                                                t.max_tokens_per_micro_batch, sp)
+                                                t.max_tokens_per_micro_batch, multiple)
         if st.ep > 1 and t.max_tokens_per_micro_batch is not None:
             # a token budget cuts each rank's rows its own way: plan once, on the longest length at
             # each rank of the sorted order over every rank, so all ranks run the same shapes
             _, plan, widths = plan_micro_batches(agreed_length_profile(seq_lengths.tolist(), t.num_minibatches, dev),
                                                  t.num_minibatches, t.micro_batch_size,
-                                                 t.max_tokens_per_micro_batch, sp)
+                                                 t.max_tokens_per_micro_batch, multiple)
         elif st.ep > 1:
             agreed = torch.tensor(widths, dtype=torch.long, device=dev)
             widths = comm.all_reduce(agreed, "max", None, what="micro-batch widths (EP lockstep)").tolist()

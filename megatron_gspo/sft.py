@@ -37,7 +37,7 @@ from megatron_gspo.model import (
 )
 from megatron_gspo.oom import explain_oom
 from megatron_gspo.optim import build_optimizer, optimizer_step
-from megatron_gspo.rollout import common_length, micro_batch_slices, pad_columns
+from megatron_gspo.rollout import common_length, forward_width_multiple, micro_batch_slices, pad_columns
 
 log = logging.getLogger("megatron_gspo")
 
@@ -115,8 +115,9 @@ class SFTRun:
         per = len(prompts) // st.dp
         tokens, mask, lengths = build_sft_batch(prompts[st.dp_rank * per:(st.dp_rank + 1) * per], self.tokenizer,
                                                 pad, st.device)
-        # one width on every rank (MoE dispatch is a collective) and (T - 1) % TP == 0 under SP
-        T = common_length(tokens.shape[1], st.tp if st.sequence_parallel else 1, st.device, group=dist.group.WORLD)
+        # one width on every rank (MoE dispatch is a collective); (T - 1) % TP == 0 under SP, and a
+        # multiple of FP8's token alignment under FP8 (rollout.forward_width_multiple)
+        T = common_length(tokens.shape[1], forward_width_multiple(model, st), st.device, group=dist.group.WORLD)
         tokens, mask = pad_columns(tokens, T, pad), pad_columns(mask, T - 1, False)
         n = comm.all_reduce(mask.sum().to(torch.float32).reshape(1), "sum", st.dp_group, what="SFT: target tokens over DP")
         micro = micro_batch_slices(per, 1, t.micro_batch_size)[0]

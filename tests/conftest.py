@@ -41,15 +41,24 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 300, check: boo
 def pytest_collection_modifyitems(config, items):
     """Every test that starts torchrun ranks is in the slow tier (``-m "not slow"`` skips it):
     process start-up and gloo rendezvous dominate their time, not what they check. ``gpu`` tests are
-    skipped where torch sees no CUDA device."""
+    skipped where torch sees no CUDA device; ``te`` tests (tests/te/) where Transformer Engine does not
+    import (tests/test_te_tier.py then runs them in their own venv: te_tier.py)."""
     import torch
 
+    from te_tier import te_in_process
+
     no_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False here)")
+    no_te = pytest.mark.skip(reason="needs Transformer Engine in this interpreter: tests/test_te_tier.py runs "
+                                    "tests/te/ in the venv of .ci/setup-te-venv instead")
     for item in items:
         if "run_dist" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
+        if os.sep + os.path.join("tests", "te") + os.sep in str(item.fspath):
+            item.add_marker(pytest.mark.te)  # tests/te/ is the tier, whatever its files declare
+        if "te" in item.keywords and not te_in_process():
+            item.add_marker(no_te)
 
 
 @pytest.fixture(scope="session")

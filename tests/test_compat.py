@@ -99,3 +99,72 @@ def test_the_device_is_decided_in_one_place():
                               if isinstance(n, ast.Attribute) and n.attr == "is_available"
                               and ast.unparse(n.value).endswith("cuda")]
     assert not offenders, f"device decisions outside parallel.resolve_device: {offenders}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Whether Transformer Engine serves megatron here, and why not: said once, never swallowed (issue 29)
+# ----------------------------------------------------------------------------------------------
+
+
+class _BrokenTE:
+    """A meta-path finder standing in for a Transformer Engine that is installed but does not import: a
+    ``transformer_engine`` package whose ``.pytorch`` fails the way a TE built for another torch does."""
+
+    def __init__(self, monkeypatch):
+        import sys
+        import types
+
+        te = types.ModuleType("transformer_engine")
+        te.__version__ = "2.99.0"
+        te.__path__ = []
+        monkeypatch.setitem(sys.modules, "transformer_engine", te)
+        for name in ("transformer_engine.pytorch", "megatron.core.extensions.transformer_engine"):
+            monkeypatch.delitem(sys.modules, name, raising=False)
+        monkeypatch.setattr(sys, "meta_path", [self] + sys.meta_path)
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "transformer_engine.pytorch":
+            raise OSError("transformer_engine_torch.so: undefined symbol: _ZN3c104cuda9SetDevice")
+        return None
+
+
+@pytest.fixture
+def fresh_te_status():
+    compat.te_status.cache_clear()
+    yield
+    compat.te_status.cache_clear()
+
+
+def test_a_broken_transformer_engine_is_reported_with_its_import_error_once(monkeypatch, fresh_te_status):
+    import logging
+
+    from log_capture import LogLines
+
+    _BrokenTE(monkeypatch)
+    with LogLines(logging.WARNING) as said:
+        ok, why = compat.te_status()
+        assert compat.have_te() is False and compat.te_status() == (ok, why)
+    assert not ok
+    assert why == ("Transformer Engine 2.99.0 is installed but `import transformer_engine.pytorch` failed: OSError: "
+                   "transformer_engine_torch.so: undefined symbol: _ZN3c104cuda9SetDevice")
+    assert said.lines == [f"Transformer Engine unusable, the local spec runs: {why}"]  # once, with the reason
+
+
+def test_transformer_engine_absent_is_said_as_such(monkeypatch, fresh_te_status):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # what an uninstalled package looks like to import
+    assert compat.te_status() == (False, "Transformer Engine is not installed (no module transformer_engine)")
+
+
+def test_te_modules_on_cpu_stands_in_for_cuda_only_inside_and_undoes_it():
+    """model.build_model(construct_only=True)'s one stand-in: torch.cuda.is_available answers True while TE's
+    modules are built, and the real answer is back afterwards, also when construction fails."""
+    real = torch.cuda.is_available
+    with compat.te_modules_on_cpu():
+        assert torch.cuda.is_available() is True
+    assert torch.cuda.is_available is real
+    with pytest.raises(ZeroDivisionError):
+        with compat.te_modules_on_cpu():
+            1 / 0
+    assert torch.cuda.is_available is real and "torch.cuda.is_available" not in compat._ORIGINAL

@@ -1,8 +1,10 @@
 """Config loading, presets, parameter-count formulas, and every invalid layout/config error."""
 
 import json
+import re
 
 import pytest
+import torch
 
 from megatron_gspo.config import (
     ConfigError,
@@ -218,7 +220,7 @@ def test_config_names_match_the_registries():
     (["parallel.expert_model_parallel_size=2"], r"got parallel\.expert_model_parallel_size=2"),
     (["parallel.tensor_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1"],
      r"got parallel\.tensor_model_parallel_size=2"),
-    (["model.transformer_impl=transformer_engine"], r"model\.transformer_impl='transformer_engine'"),
+    (["model.moe_router_fusion=true"], r"fused router top-k \(model\.moe_router_fusion=true\)"),
 ])
 def test_lean_decode_on_a_layout_it_cannot_run_is_refused(overrides, match):
     from megatron_gspo.config import load_job_config
@@ -227,6 +229,8 @@ def test_lean_decode_on_a_layout_it_cannot_run_is_refused(overrides, match):
         load_job_config(None, ["generation.decode_impl=lean"] + overrides)
     load_job_config(None, ["generation.decode_impl=auto"] + overrides)  # auto picks megatron's path there
     load_job_config(None, ["generation.decode_impl=lean"])
+    # the Transformer Engine spec is decoded by the lean path too (its weights read as they are)
+    load_job_config(None, ["generation.decode_impl=lean", "model.transformer_impl=transformer_engine"])
 
 
 def test_greedy_rollouts_with_several_samples_are_refused():
@@ -312,3 +316,34 @@ def test_a_config_error_is_the_last_line_printed(args):
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
     assert lines and lines[-1].startswith("error: "), lines
     assert len(lines) == 1, lines
+
+
+@pytest.mark.parametrize("override", ["model.transformer_impl=transformer_engine", "model.precision=bf16 model.fp8=e4m3",
+                                      "model.moe_expert_impl=te_grouped", "model.moe_router_fusion=true"])
+def test_transformer_engine_choices_on_the_cpu_device_are_refused_at_load(override):
+    """Transformer Engine runs on a GPU only: a job asking for it with parallel.device=cpu is refused when its
+    config loads (by key), not when every rank builds the model (issue 29)."""
+    from megatron_gspo.config import load_job_config
+
+    key = override.split()[-1].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}=.* needs Transformer Engine's CUDA kernels, but "
+                                          r"parallel\.device='cpu'"):
+        load_job_config(None, ["parallel.device=cpu", *override.split()])
+    load_job_config(None, ["parallel.device=cpu", "model.transformer_impl=local"])
+
+
+def test_a_te_request_the_job_cannot_run_names_the_reason(monkeypatch):
+    """model.transformer_impl=transformer_engine where it cannot run: the reason is TE's own (compat.te_status)
+    or the device, never a bare boolean."""
+    from megatron_gspo import compat
+    from megatron_gspo.model import resolve_impl
+
+    cfg = model_config_from_preset("tiny", transformer_impl="transformer_engine")
+    monkeypatch.setattr(compat, "te_status", lambda: (False, "`import transformer_engine.pytorch` failed: OSError: libcudnn.so.9"))
+    monkeypatch.setattr("megatron_gspo.model.te_status", compat.te_status)
+    with pytest.raises(ConfigError, match=r"cannot run here: `import transformer_engine\.pytorch` failed: OSError: libcudnn"):
+        resolve_impl(cfg, torch.device("cuda", 0))
+    monkeypatch.setattr("megatron_gspo.model.te_status", lambda: (True, "TE 2.20.2 imports"))
+    with pytest.raises(ConfigError, match=r"the job runs on cpu and Transformer Engine's kernels need a CUDA device"):
+        resolve_impl(cfg, torch.device("cpu"))
+    assert resolve_impl(cfg, torch.device("cuda", 0)) == "transformer_engine"

@@ -166,7 +166,8 @@ def test_te_attention_gets_the_padding_mask_of_ragged_prompts(tiny, monkeypatch,
     import megatron_gspo.decode_backends as decode_backends
 
     model, st = tiny
-    cfg = GenerationConfig(max_new_tokens=6, temperature=0.0)
+    # megatron's path: the one that calls TE's attention (the lean decoder computes attention itself)
+    cfg = GenerationConfig(max_new_tokens=6, temperature=0.0, decode_impl="megatron")
     want = generate(model, _prompts(), cfg, vocab_size=VOCAB, state=st)
     if not remap:
         monkeypatch.setattr(decode_backends, "_padding_mask_honored", lambda m: contextlib.nullcontext())

@@ -28,7 +28,8 @@ from megatron_gspo.preflight.runner import (
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
-CUDA_ONLY = ["env.fp8", "numerics.te_vs_local", "rl_step.fp8", "speed.train_fp8", "speed.mfu_fp8"]
+CUDA_ONLY = ["env.fp8", "numerics.te_vs_local", "rl_step.fp8", "speed.train_fp8", "speed.mfu_fp8",
+             "numerics.fused_logprobs", "numerics.fp8_unaligned", "decode.cuda_graphs", "decode.te_spec"]
 
 
 def _preflight(*args, timeout=240, torchrun=0, env=None):
@@ -201,6 +202,8 @@ def test_quick_on_this_machine(tmp_path):
     assert checks["env.versions"]["data"]["torch"] == torch.__version__
     assert checks["env.auto_impl"]["data"]["transformer_impl"] in ("local", "transformer_engine")
     assert checks["numerics.experts"]["status"] == "ok"
+    resume = checks["checkpoint.resume"]
+    assert resume["status"] == "ok" and "bit for bit" in resume["value"] and "impl=local" in resume["data"]["model"]
     step = checks["rl_step"]["data"]
     assert math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"]) and step["grad_norm"] > 0
     if checks["speed.train_bf16"]["status"] == "ok":
@@ -259,3 +262,94 @@ def test_weights_map_from_the_local_spec_to_te_names():
     assert set(te.loaded) == {k for k in te.sd if not k.endswith("_extra_state")}
     with pytest.raises(RuntimeError, match="do not map"):
         copy_weights(_FakeModel({"extra.weight": t}), te)
+
+
+# ----------------------------------------------------------------------------------------------
+# The GPU-only items' measurements, run on the CPU (the items themselves skip here: "no CUDA")
+# ----------------------------------------------------------------------------------------------
+
+VOCAB = 100
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import dataclasses
+
+    from megatron_gspo import parallel
+    from megatron_gspo.config import ParallelConfig, model_config_from_preset
+    from megatron_gspo.model import build_model
+
+    cfg = model_config_from_preset("tiny", vocab_size=VOCAB)
+    par = ParallelConfig(seed=4, device="cpu")
+    st = parallel.initialize(cfg, par)
+    twin = build_model(dataclasses.replace(cfg), par, st).eval()
+    yield build_model(cfg, par, st).eval(), twin, st
+    parallel.destroy()
+
+
+def test_decode_graphs_measurement(tiny):
+    """decode.cuda_graphs' measurement with the CPU stand-in for CUDA graphs (tests/test_decode.py): the
+    captured step replays the eager step's logits."""
+    from test_decode import StandInGraph
+
+    from megatron_gspo.preflight.decoding import measure_decode_graphs
+
+    m, _, _ = tiny
+    StandInGraph.captures = []
+    r = measure_decode_graphs(m, VOCAB, rows=6, prompt=5, steps=4, graph_factory=StandInGraph)
+    assert StandInGraph.captures == [6]  # one bucket, captured once, replayed every step
+    assert r["argmax_agreement"] == 1.0 and r["max_abs_logit_diff"] < 1e-4 < r["max_abs_logit"]
+    assert r["ms_per_step_eager"] > 0 and r["ms_per_step_graphs"] > 0 and r["dtype"] == "float32"
+
+
+def test_decode_paths_measurement(tiny):
+    """decode.te_spec's measurement on the local spec: both decode paths, uniform and ragged prompts."""
+    from megatron_gspo.preflight.decoding import _prompts, measure_decode_paths
+
+    m, _, st = tiny
+    assert sorted(set(map(len, _prompts(5, 16, True, VOCAB)))) == [2, 5, 9, 12, 16]
+    r = measure_decode_paths(m, st, VOCAB, rows=4, prompt=6, new=3)
+    for impl in ("lean", "megatron"):
+        for kind in ("uniform", "ragged"):
+            x = r[f"{impl}_{kind}"]
+            assert x["forwards"] == 3 and x["ms_per_step"] > 0 and x["peak_gib"] is None
+    assert r["agreement_uniform"] == r["agreement_ragged"] == 1.0  # fp32: the two paths pick the same tokens
+
+
+def test_fused_logprobs_measurement():
+    import torch
+
+    from megatron_gspo.preflight.numerics import FUSED_TOLERANCE, measure_fused_logprobs
+
+    r = measure_fused_logprobs(torch.device("cpu"), torch.float32, tokens=48, hidden=32, vocab=1000)
+    tol = FUSED_TOLERANCE["float32"]
+    assert r["max_abs_diff"] < tol["value"] and r["grad_hidden_rel"] < tol["grad"] and r["grad_weight_rel"] < tol["grad"]
+    assert r["fused_ms"] > 0 and r["logits_ms"] > 0 and r["fused_peak_gib"] is None
+
+
+def test_fp8_unaligned_measurement_with_the_alignment_forced(tiny, monkeypatch):
+    """numerics.fp8_unaligned's measurement on two local-spec twins with FP8's alignment forced (the
+    padding code path FP8 takes; no FP8 here): finite forwards, backwards and generation at unaligned
+    shapes, and no difference between the twins."""
+    from megatron_gspo import fp8_alignment
+    from megatron_gspo.preflight.fp8 import measure_fp8_unaligned
+
+    m, twin, st = tiny
+    monkeypatch.setattr(fp8_alignment, "token_alignment", lambda config: 16)
+    r = measure_fp8_unaligned(m, twin, st, VOCAB)
+    assert r["unpadded"] == "accepted"  # the local spec has no FP8 assertion
+    assert set(r["shapes"]) == {"3x13", "5x37"} and r["max_abs_diff"] == 0
+    assert r["generation"]["rows"] == 5 and r["generation"]["tokens"] > 0
+    m.zero_grad(set_to_none=True)
+    twin.zero_grad(set_to_none=True)
+
+
+def test_resume_check_reports_a_resumed_step_that_differs(monkeypatch, tmp_path):
+    from megatron_gspo.preflight import resume, training
+    from megatron_gspo.preflight.context import Context
+
+    runs = iter([{"loss/loss": 1.0, "train/grad_norm": 2.0, "rollout/reward_mean": 0.5, "loss/seq_ratio/max": 1.0},
+                 {}, {"loss/loss": 1.0, "train/grad_norm": 2.5, "rollout/reward_mean": 0.5, "loss/seq_ratio/max": 1.0}])
+    monkeypatch.setattr(training, "run_steps", lambda cfg: (next(runs), {}))
+    with pytest.raises(RuntimeError, match="resumed step differs from the uninterrupted one: train/grad_norm 2.5 vs 2"):
+        resume.check_resume(Context(quick=True, overrides=[], workdir=str(tmp_path)))

@@ -122,6 +122,8 @@ class JobConfig:
               f"train.overlong_filtering=true with generation.min_new_tokens={g.min_new_tokens} >= "
               f"generation.max_new_tokens={g.max_new_tokens}: no response can end with a stop token, so overlong "
               "filtering would mask every response out of the loss; lower generation.min_new_tokens")
+        if self.parallel.device == "cpu":
+            self._check_cpu_device()
         if g.decode_impl == "lean":
             self._check_lean_decode()
         self._check_allow_config_change()
@@ -132,10 +134,23 @@ class JobConfig:
                                   f"data.max_prompt_length + generation.max_new_tokens = {need} tokens")
         check_rollout(self)  # rollout.mode=async against the other sections
 
+    def _check_cpu_device(self) -> None:
+        """parallel.device=cpu with a choice only Transformer Engine on a GPU can run: refused here, by key,
+        rather than when the model is built on every rank (model.resolve_impl says the same there). TE-spec
+        models are built on the CPU only construct-only, by tests (model.build_model), never by a job."""
+        m = self.model
+        for key, bad in (("model.transformer_impl", m.transformer_impl == "transformer_engine"),
+                         ("model.fp8", m.fp8 is not None),
+                         ("model.moe_expert_impl", m.moe_expert_impl == "te_grouped"),
+                         ("model.moe_router_fusion", m.moe_router_fusion)):
+            check(not bad, f"{key}={getattr(m, key.split('.')[1])!r} needs Transformer Engine's CUDA kernels, but "
+                           "parallel.device='cpu': Transformer Engine does not run on the CPU; use parallel.device=auto "
+                           "or cuda on a GPU machine, or the local spec on the CPU (model.transformer_impl=local or auto)")
+
     def _check_lean_decode(self) -> None:
-        """generation.decode_impl=lean runs on one rank of model parallelism with megatron's local
-        layers (decode.lean_decode_unsupported); what the config alone shows is refused here, by key,
-        rather than on every rank after the model is built."""
+        """generation.decode_impl=lean runs on one rank of model parallelism, on the local or the
+        Transformer Engine spec's weights (decode.lean_decode_unsupported); what the config alone shows
+        is refused here, by key, rather than on every rank after the model is built."""
         p, m = self.parallel, self.model
         for key, bad in (
             ("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size),
@@ -150,9 +165,8 @@ class JobConfig:
                         "(parallel.sequence_parallel=true); use generation.decode_impl=auto or megatron")
         check(m.fp8 is None, f"generation.decode_impl=lean does not support FP8 (model.fp8={m.fp8!r}); "
                              "use generation.decode_impl=auto or megatron")
-        check(m.transformer_impl != "transformer_engine",
-              "generation.decode_impl=lean computes attention itself and does not replace Transformer Engine's "
-              "(model.transformer_impl='transformer_engine'); use generation.decode_impl=auto or megatron")
+        check(not m.moe_router_fusion, "generation.decode_impl=lean does not run Transformer Engine's fused router "
+                                       "top-k (model.moe_router_fusion=true); use generation.decode_impl=auto or megatron")
 
     def _check_allow_config_change(self) -> None:
         """checkpoint.allow_config_change names sections or section.key of this job (a typo would

@@ -17,7 +17,7 @@ from typing import Optional
 from megatron_gspo.errors import USER_ERRORS, ConfigError
 from megatron_gspo.exit_status import EXIT_PREEMPTED_NOTHING_SAVED as EXIT_STOPPED
 from megatron_gspo.faults import PreemptionFlag
-from megatron_gspo.preflight import collectives, environment, memory, numerics, training
+from megatron_gspo.preflight import collectives, decoding, environment, fp8, memory, numerics, resume, training
 from megatron_gspo.preflight.context import Context, validate_overrides
 from megatron_gspo.preflight.runner import (
     EXIT_FAILED,
@@ -46,8 +46,13 @@ CHECKS = [
     Check("env.auto_impl", environment.check_auto_impl),
     Check("numerics.te_vs_local", numerics.check_te_vs_local),
     Check("numerics.experts", numerics.check_experts),
+    Check("numerics.fused_logprobs", numerics.check_fused_logprobs),
+    Check("numerics.fp8_unaligned", fp8.check_fp8_unaligned),
     Check("rl_step", training.check_rl_step),
     Check("rl_step.fp8", training.check_rl_step_fp8),
+    Check("checkpoint.resume", resume.check_resume),
+    Check("decode.cuda_graphs", decoding.check_cuda_graphs),
+    Check("decode.te_spec", decoding.check_te_decode),
     Check("speed.train_bf16", training.check_train_bf16),
     Check("speed.mfu_bf16", training.check_mfu_bf16),
     Check("speed.generation", training.check_generation),

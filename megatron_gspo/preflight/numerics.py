@@ -1,6 +1,7 @@
 """Two implementations of the same model on the same weights must give the same log-probs: the
-Transformer Engine spec against the local spec, and the fast expert path that ``auto`` picks
-(TE grouped GEMM, or the local spec's batched experts) against megatron's per-expert loop.
+Transformer Engine spec against the local spec, the fast expert path that ``auto`` picks
+(TE grouped GEMM, or the local spec's batched experts) against megatron's per-expert loop, and the
+fused output-layer log-probs against the logits path (values, gradients, time and memory).
 
 Weights are copied in memory, renamed between the specs' parameter names, so the check needs no
 shared filesystem under torchrun."""
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
 import torch
 
-from megatron_gspo.preflight.context import Context, need_te
+from megatron_gspo.preflight.context import Context, need_cuda, need_te
 
 # log-prob tolerances, by compute dtype: bf16 rounds every GEMM output to 8 bits of mantissa and the
 # two paths sum in different orders; fp32 differences are summation order only.
@@ -108,3 +110,81 @@ def check_experts(ctx: Context):
     r = compare_logprobs(ctx, dataclasses.replace(m, moe_expert_impl="sequential"), fast)
     r["expert_impl"] = impl
     return _value(f"{impl} experts vs sequential loop", r), r
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused log-probs (output layer inside the chunked log-prob) against the logits path
+# ----------------------------------------------------------------------------------------------
+
+FUSED_FULL = {"tokens": 16384, "hidden": 2048, "vocab": 151936}  # 2B proxy / 30B output layer, 64 x 256 tokens
+FUSED_QUICK = {"tokens": 512, "hidden": 256, "vocab": 32000}
+# fused vs logits path, by dtype: values (max |d log-prob|) and gradients (relative norm of the difference)
+FUSED_TOLERANCE = {"bfloat16": {"value": 0.05, "grad": 0.02}, "float32": {"value": 1e-4, "grad": 1e-4}}
+
+
+def measure_fused_logprobs(device: torch.device, dtype: torch.dtype, tokens: int, hidden: int, vocab: int,
+                           seed: int = 0) -> dict:
+    """Output layer + log-probs + backward two ways on the same [tokens, hidden] states and [vocab, hidden]
+    weight: ``F.linear`` -> [tokens, vocab] logits -> ``vocab_parallel_logprobs`` (the path before issue
+    23), and ``fused_logprobs.output_layer_logprobs`` (vocabulary chunks, no logits tensor). Returns the
+    log-prob and gradient differences, each path's wall ms (second of two runs) and, on CUDA, its peak
+    memory above the inputs (GiB)."""
+    import torch.nn.functional as F
+
+    from megatron_gspo.fused_logprobs import output_layer_logprobs
+    from megatron_gspo.logprobs import vocab_parallel_logprobs
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    h0 = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
+    w0 = (0.02 * torch.randn(vocab, hidden, generator=g, device=device)).to(dtype)
+    target = torch.randint(0, vocab, (tokens,), generator=g, device=device)
+    cuda = device.type == "cuda"
+
+    def logits_path(h, w):
+        return vocab_parallel_logprobs(F.linear(h, w), target, vocab, with_entropy=False)[0]
+
+    def fused_path(h, w):
+        return output_layer_logprobs(h, w, target, vocab, None, with_entropy=False)[0]
+
+    out = {"tokens": tokens, "hidden": hidden, "vocab": vocab, "dtype": str(dtype).replace("torch.", "")}
+    results = {}
+    for name, fn in (("logits", logits_path), ("fused", fused_path)):
+        for _ in range(2):  # the second run is timed (the first pays for kernel selection)
+            h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            t0 = time.perf_counter()
+            lp = fn(h, w)
+            lp.sum().backward()
+            if cuda:
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+        out[f"{name}_ms"] = 1e3 * dt
+        out[f"{name}_peak_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30 if cuda else None
+        results[name] = (lp.detach().float(), h.grad.float(), w.grad.float())
+        del h, w, lp
+    (lp_a, gh_a, gw_a), (lp_b, gh_b, gw_b) = results["logits"], results["fused"]
+    out["max_abs_diff"] = float((lp_a - lp_b).abs().max())
+    out["grad_hidden_rel"] = float((gh_a - gh_b).norm() / gh_a.norm())
+    out["grad_weight_rel"] = float((gw_a - gw_b).norm() / gw_a.norm())
+    if not all(torch.isfinite(t).all() for r in results.values() for t in r):
+        raise RuntimeError("non-finite log-probs or gradients")
+    return out
+
+
+def check_fused_logprobs(ctx: Context):
+    """On CUDA only: values and gradients are tested on the CPU (tests/test_logprobs.py); the speed and
+    the memory, what the fused path is for, mean something on the GPU."""
+    need_cuda(ctx)
+    shape = FUSED_QUICK if ctx.quick else FUSED_FULL
+    r = measure_fused_logprobs(ctx.device, torch.bfloat16, **shape)
+    tol = FUSED_TOLERANCE[r["dtype"]]
+    if r["max_abs_diff"] > tol["value"] or max(r["grad_hidden_rel"], r["grad_weight_rel"]) > tol["grad"]:
+        raise RuntimeError(f"fused log-probs differ from the logits path: max |d| {r['max_abs_diff']:.3g} (tol "
+                           f"{tol['value']}), gradient rel. {r['grad_hidden_rel']:.3g} / {r['grad_weight_rel']:.3g} "
+                           f"(tol {tol['grad']})")
+    return (f"fused {r['fused_ms']:.1f} ms, {r['fused_peak_gib']:.2f} GiB vs logits path {r['logits_ms']:.1f} ms, "
+            f"{r['logits_peak_gib']:.2f} GiB ({r['tokens']} tokens x vocab {r['vocab']}, {r['dtype']}); max |d log-prob| "
+            f"{r['max_abs_diff']:.2g}, gradient rel. diff {max(r['grad_hidden_rel'], r['grad_weight_rel']):.2g}"), r

@@ -1,0 +1,45 @@
+"""Where the Transformer Engine tier (tests marked ``te``, in tests/te/) runs.
+
+TE's kernels need a GPU, but its PyTorch modules can be *constructed* on the CPU (parameters on the CPU,
+no forward pass), which is enough to check everything the TE spec names, saves, converts and loads. TE
+cannot be installed beside this project's CPU torch (it needs the CUDA build of torch 2.14.1), so the
+tier runs in a virtualenv of its own made by ``bash .ci/setup-te-venv``:
+
+* in an interpreter where TE imports (that venv, or an NGC container), tests/te/ runs in-process;
+* anywhere else, tests/test_te_tier.py runs tests/te/ in that venv and fails with its output when any of
+  them fails; without the venv it skips, saying how to make it (or fails under GSPO_REQUIRE_TE=1, which
+  .ci/run sets once the venv is built, so CI never skips the tier silently).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.lru_cache(maxsize=1)
+def te_in_process() -> bool:
+    """True when Transformer Engine's PyTorch part and megatron's TE extension import here."""
+    try:
+        import torch  # noqa: F401  (before TE, or libnccl is not found)
+        import transformer_engine.pytorch  # noqa: F401
+        import megatron.core.extensions.transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def te_venv() -> str:
+    """The TE tier's virtualenv: $GSPO_TE_VENV, else .te-venv in the repository root."""
+    return os.environ.get("GSPO_TE_VENV") or os.path.join(ROOT, ".te-venv")
+
+
+def te_venv_python() -> str | None:
+    py = os.path.join(te_venv(), "bin", "python")
+    return py if os.access(py, os.X_OK) else None
+
+
+def te_required() -> bool:
+    return os.environ.get("GSPO_REQUIRE_TE", "") not in ("", "0")
