@@ -10,6 +10,11 @@ generator keyed by ``(seed, unit)``, where a unit is the layout-free identity of
     decoder.layers.<global layer>.self_attention.linear_qkv.weight
     embedding.word_embeddings.weight ...
 
+Units are spec-free too: the local spec's ``input_layernorm.weight`` is the unit the Transformer Engine
+spec fuses into ``self_attention.linear_qkv.layer_norm_weight`` (the name both specs' checkpoints use,
+model.build_layer_spec), and TE's grouped experts ``linear_fc1.weight<e>`` are expert ``e``'s unit. So
+both specs draw the same numbers from one seed, and weight sync streams between them (tests/te/).
+
 The full unit tensor (its TP=1 shape) is drawn and this rank keeps its tensor-parallel shard, cut
 exactly as megatron cuts the full tensor (``partition_dim``; the SwiGLU ``linear_fc1`` is cut in its
 gate and up halves separately). So a TP=2 x EP=2 model holds, shard for shard, the one-rank model's
@@ -35,6 +40,8 @@ from typing import Optional
 import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# the local spec's input norm: fused into linear_qkv by the TE spec, saved under TE's name by both
+_INPUT_NORM = re.compile(r"\.input_layernorm\.weight$")
 # megatron SequentialMLP (and our BatchedSequentialMLP): ...experts.local_experts.<e>.linear_fc1.weight
 _LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 # Transformer Engine grouped GEMM experts: ...experts.linear_fc1.weight<e>
@@ -44,7 +51,8 @@ _OUTPUT_PROJ = re.compile(r"(linear_proj\.weight|linear_fc2\.weight\d*)$")
 
 
 def unit_name(name: str, layer_numbers: dict[int, int], expert_offset: int) -> str:
-    """Layout-free name of local parameter ``name``: global layer and global expert indices.
+    """Layout- and spec-free name of local parameter ``name``: global layer and global expert indices, TE's
+    name for the input norm.
 
     layer_numbers: local layer index -> global 0-based layer; expert_offset: global index of this
     rank's local expert 0 (ep_rank x experts per EP rank)."""
@@ -57,7 +65,7 @@ def unit_name(name: str, layer_numbers: dict[int, int], expert_offset: int) -> s
     m = _GROUPED_EXPERT.search(name)
     if m:
         name = name[:m.start()] + f".experts.{expert_offset + int(m.group(2))}.{m.group(1)}.weight"
-    return name
+    return _INPUT_NORM.sub(".self_attention.linear_qkv.layer_norm_weight", name)
 
 
 def init_std(name: str, std: float, num_layers: int) -> Optional[float]:
