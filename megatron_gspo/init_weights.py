@@ -46,6 +46,8 @@ _INPUT_NORM = re.compile(r"\.input_layernorm\.weight$")
 _LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 # Transformer Engine grouped GEMM experts: ...experts.linear_fc1.weight<e>
 _GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.weight(\d+)$")
+# expert linears of the Transformer Engine spec: grouped (linear_fc1.weight<e>) or per expert
+_TE_EXPERT_LINEAR = re.compile(r"\.experts\.(?:local_experts\.\d+\.)?(linear_fc[12])\.weight\d*$")
 _NORM = re.compile(r"(layernorm\.weight|layer_norm_weight|final_layernorm\.weight|norm\.weight)$")
 _OUTPUT_PROJ = re.compile(r"(linear_proj\.weight|linear_fc2\.weight\d*)$")
 
@@ -126,9 +128,17 @@ def shard_spec(name: str, p: torch.Tensor, state, gated_linear_unit: bool = True
         size, rank = dist.get_world_size(group), dist.get_rank(group)
     else:
         group, size, rank = state.tp_group, state.tp, state.tp_rank
+    glu = gated_linear_unit and re.search(r"linear_fc1\.weight\d*$", name) is not None
+    if size > 1 and not hasattr(p, "tensor_model_parallel"):
+        m = _TE_EXPERT_LINEAR.search(name)
+        if m:
+            # megatron builds the Transformer Engine spec's expert linears (TEGroupedLinear, and TE's linears
+            # inside SequentialMLP) with parallel_mode=None and does the expert-TP split itself
+            # ("explicit_expert_comm"), so TE never marks their weights; the cut is megatron's column
+            # (linear_fc1, SwiGLU halves apart) / row (linear_fc2) split, as its sharded state dict describes.
+            return ShardSpec(size, rank, 0 if m.group(1) == "linear_fc1" else 1, glu, group)
     if not getattr(p, "tensor_model_parallel", False) or size == 1:
         return ShardSpec(1, 0, 0, False, group)
-    glu = gated_linear_unit and re.search(r"linear_fc1\.weight\d*$", name) is not None
     return ShardSpec(size, rank, int(getattr(p, "partition_dim", 0)), glu, group)
 
 
