@@ -34,11 +34,11 @@ def test_init_std_table():
 
 def test_same_distributions_as_megatrons_own_init_and_reproducible(single_rank):
     cfg = model_config_from_preset("tiny", num_moe_experts=8, hidden_size=128, moe_ffn_hidden_size=128)
-    par = ParallelConfig(seed=3)
+    par = ParallelConfig(device="cpu", seed=3)
     st = single_rank(cfg, par)
     ours = dict(build_model(cfg, par, st).named_parameters())
     again = dict(build_model(cfg, par, st).named_parameters())
-    other_seed = dict(build_model(cfg, ParallelConfig(seed=4), st).named_parameters())
+    other_seed = dict(build_model(cfg, ParallelConfig(device="cpu", seed=4), st).named_parameters())
     torch.manual_seed(0)
     megatron = dict(build_model(cfg, par, st, init_from_seed=False).named_parameters())
     assert ours.keys() == megatron.keys()

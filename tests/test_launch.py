@@ -723,13 +723,16 @@ def test_tiny_cpu_recipe_is_the_default_job():
     describe the same run."""
     import dataclasses
 
-    from megatron_gspo.config import load_job_config
+    from megatron_gspo.config import load_job_config, resolve_precision
     from megatron_gspo.train import DEMO_CONFIG
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     a = load_job_config(os.path.join(root, "launch", "recipes", "tiny_cpu.yaml"))
     b = load_job_config(DEMO_CONFIG)
     a.train = dataclasses.replace(a.train, output_dir=b.train.output_dir)
+    # the recipe says fp32, the demo "auto": the same on the CPU (config.resolve_precision), bf16 on a GPU
+    assert a.model.precision == "fp32" and b.model.precision == "auto"
+    b.model = dataclasses.replace(b.model, precision=resolve_precision(b.model.precision, "cpu", True)[0])
     assert a == b
 
 

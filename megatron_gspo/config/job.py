@@ -9,7 +9,7 @@ from typing import Optional
 
 from megatron_gspo.config.checks import check
 from megatron_gspo.config.loader import apply_overrides, from_dict, load_yaml, parse_overrides
-from megatron_gspo.config.model import ModelConfig, model_config_from_preset
+from megatron_gspo.config.model import ModelConfig, model_config_from_preset, resolve_precision
 from megatron_gspo.config.rollout import RolloutConfig, check_rollout
 from megatron_gspo.config.sections import (
     CheckpointConfig,
@@ -208,8 +208,11 @@ def old_logprob_source(cfg: JobConfig, device) -> tuple[bool, str]:
         return True, "auto: routing replay R2 records its routes in the old-log-prob pass"
     if t.dynamic_sampling:
         return True, "auto: dynamic sampling keeps rows of several generation rounds"
-    if m.precision != "fp32" or m.fp8:
-        return True, (f"auto: in {m.precision}{' + FP8' if m.fp8 else ''} the decode's rounding differs from the training "
+    # (model.precision=auto: the Trainer resolved it for its device already; a caller that did not gets the
+    # same answer for a device with bf16)
+    precision, _ = resolve_precision(m.precision, "cuda" if str(device).startswith("cuda") else "cpu", True)
+    if precision != "fp32" or m.fp8:
+        return True, (f"auto: in {precision}{' + FP8' if m.fp8 else ''} the decode's rounding differs from the training "
                       "forward's by more than the on-policy tolerance")
     if str(device).startswith("cuda"):
         return True, "auto: fp32 rollout-vs-training agreement is not measured on a GPU"
