@@ -13,13 +13,15 @@ from megatron_gspo.model import build_model
 
 
 def test_unit_names_are_layout_free():
-    # local layer 0 of a stage whose first layer is global 5; local expert 1 of EP rank 1 (2 per rank)
+    # local layer 0 of a stage whose first layer is global 5; local expert 1 of EP rank 1 (2 per rank).
+    # (The Transformer Engine spec's names, read from TE-spec models: tests/te/test_te_names.py.)
     layers = {0: 5, 1: 6}
     assert unit_name("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", layers, 2) == \
         "decoder.layers.5.mlp.experts.3.linear_fc1.weight"
-    assert unit_name("decoder.layers.1.mlp.experts.linear_fc2.weight1", layers, 2) == \
-        "decoder.layers.6.mlp.experts.3.linear_fc2.weight"  # TE grouped-GEMM names
     assert unit_name("output_layer.weight", layers, 2) == "output_layer.weight"
+    # the input norm under the name both specs' checkpoints use (model.build_layer_spec)
+    assert unit_name("decoder.layers.1.input_layernorm.weight", layers, 2) == \
+        "decoder.layers.6.self_attention.linear_qkv.layer_norm_weight"
 
 
 def test_init_std_table():
