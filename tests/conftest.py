@@ -80,7 +80,8 @@ def _device_guard_message(nodeid: str) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def in_process_tests_state_their_device():
-    """Fails any in-process test (not marked ``gpu``) that initializes a job with ``parallel.device=auto``.
+    """Fails any in-process test (not marked ``gpu`` or ``any_device``) that initializes a job with
+    ``parallel.device=auto``.
 
     ``ParallelConfig()`` means "this machine's GPU and, where Transformer Engine imports, the TE spec"; on the
     CPU machines that is the CPU and the local spec, so a test that forgot to say which it means passes here and
@@ -93,7 +94,8 @@ def in_process_tests_state_their_device():
 
     def initialize(model, par, side=None):
         item = _RUNNING.get("item")
-        if par.device == "auto" and not (item is not None and item.get_closest_marker("gpu")):
+        allowed = item is not None and (item.get_closest_marker("gpu") or item.get_closest_marker("any_device"))
+        if par.device == "auto" and not allowed:
             pytest.fail(_device_guard_message(item.nodeid if item is not None else "?"), pytrace=False)
         return real(model, par, side=side)
 

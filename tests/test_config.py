@@ -279,8 +279,7 @@ def test_a_config_error_is_the_last_line_printed(args):
     assert len(lines) == 1, lines
 
 
-@pytest.mark.parametrize("override", ["model.transformer_impl=transformer_engine", "model.precision=bf16 model.fp8=e4m3",
-                                      "model.moe_expert_impl=te_grouped", "model.moe_router_fusion=true"])
+@pytest.mark.parametrize("override", ["model.transformer_impl=transformer_engine", "model.precision=bf16 model.fp8=e4m3"])
 def test_transformer_engine_choices_on_the_cpu_device_are_refused_at_load(override):
     """Transformer Engine runs on a GPU only: a job asking for it with parallel.device=cpu is refused when its
     config loads (by key), not when every rank builds the model (issue 29)."""
