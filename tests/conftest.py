@@ -127,3 +127,31 @@ def single_rank():
     yield make
     parallel.destroy()
 
+
+# ``cpu_models`` lives here rather than in tests/te/conftest.py: a second conftest module would shadow this one for
+# the tests that ``import conftest`` (a directory without __init__.py imports its conftest as "conftest").
+@pytest.fixture
+def cpu_models():
+    """The Transformer Engine tier's models (tests/te/): make(cfg, spec, seed=3) -> (model, state) of one rank on
+    the CPU, built through the project's own code (parallel.initialize, model.build_model, init_weights); spec "te"
+    (construct-only: parameters on the CPU, forward refused) or "local". Every model of one test shares the first
+    call's parallel state (its layout); torn down afterwards."""
+    from megatron_gspo import parallel
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.model import build_model
+
+    states = {}
+
+    def make(cfg, spec: str, seed: int = 3, **par_kw):
+        import dataclasses
+
+        impl = {"te": "transformer_engine", "local": "local"}[spec]
+        cfg = dataclasses.replace(cfg, transformer_impl=impl)
+        par = ParallelConfig(device="cpu", seed=seed, **par_kw)
+        if "state" not in states:
+            states["state"] = parallel.initialize(cfg, par)
+        st = states["state"]
+        return build_model(cfg, par, st, construct_only=spec == "te"), st
+
+    yield make
+    parallel.destroy()
