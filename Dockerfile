@@ -24,8 +24,8 @@
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3
 FROM ${BASE_IMAGE}
 
-# The megatron-core release the project is tested with (setup.py allows any 0.16+ on Python 3.12,
-# which the NGC images run).
+# The megatron-core release the project is tested with (setup.py pins the 0.16 line on every Python,
+# the NGC images' 3.12 included).
 ARG MCORE_VERSION=0.16.1
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \

@@ -19,7 +19,8 @@ GEMM, the allgather dispatcher, CPU initialization) are *configuration*, keyed o
   on the CPU (model.build_transformer_config);
 * megatron's WrappedTorchNorm refuses sequence parallel: model.RMSNorm on any device;
 * the default causal-mask path assumes CUDA: model.forward_logits passes CPU inputs an explicit mask;
-* megatron's optimizer creates CUDA tensors: ``optimizer_context`` below scopes a redirect to its calls;
+* megatron's optimizer creates CUDA tensors, and with TE installed takes TE's CUDA-only Adam and
+  multi-tensor kernels: ``optimizer_context`` below scopes a redirect and torch's kernels to its calls;
 * its DistributedOptimizer reloads checkpoints only with TE's / apex's fused Adam
   (parallel.distributed_optimizer_support);
 * the async checkpoint writer spawns processes: entry points keep a ``__main__`` guard.
@@ -51,6 +52,11 @@ WORKAROUNDS = {
         "the RNG tracker's fork() swaps CUDA RNG states (attention forks it even at dropout 0) and "
         "activation recompute saves/restores the CUDA RNG state: 'cuda rng state model-parallel-rng is "
         "not added' / 'Torch not compiled with CUDA enabled'",
+    "cpu_optimizer_without_te_kernels":
+        "with Transformer Engine installed, megatron's optimizer takes TE's FusedAdam and its multi-tensor "
+        "grad-norm / scale / copy kernels, CUDA kernels, for a CPU job too: 'CUDA driver version is "
+        "insufficient' at the first step (TE without a GPU), or CPU tensors handed to a CUDA kernel (a CPU job "
+        "in an NGC container); found by the Transformer Engine test tier",
     # Transformer Engine absent (any device) -----------------------------------------------------
     "te_general_gemm_none":
         "moe_utils.router_gating_linear references te_general_gemm, bound only when TE imports: "
@@ -115,6 +121,8 @@ def needed(env: Environment) -> list[str]:
     out = []
     if env.device_type != "cuda":
         out += ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "rng_tracker_without_cuda"]
+        if env.have_te:
+            out.append("cpu_optimizer_without_te_kernels")  # applied by optimizer_context, scoped
     if not env.have_te:
         out.append("te_general_gemm_none")
     return out
@@ -217,5 +225,39 @@ def optimizer_context(device: torch.device):
 
     On a CPU job: FP32Optimizer.__init__ and clip_grads create ``torch.tensor(..., device='cuda')``
     ("Torch not compiled with CUDA enabled", or a CUDA tensor beside CPU gradients on a GPU machine)
-    and clip_grad_by_total_norm_fp32 asserts on the grad's CUDA type name. On CUDA it does nothing."""
-    return _CudaTensorsOnCPU() if torch.device(device).type != "cuda" else contextlib.nullcontext()
+    and clip_grad_by_total_norm_fp32 asserts on the grad's CUDA type name; where Transformer Engine is
+    installed, megatron also picks TE's CUDA-only Adam and multi-tensor kernels (WORKAROUNDS
+    "cpu_optimizer_without_te_kernels"): torch's Adam and megatron's own multi-tensor functions instead,
+    for the calls inside this context only (a CUDA job in the same process keeps TE's). On CUDA it does
+    nothing."""
+    if torch.device(device).type == "cuda":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    if "cpu_optimizer_without_te_kernels" in needed(environment(device)):
+        stack.enter_context(_torch_optimizer_kernels())
+    stack.enter_context(_CudaTensorsOnCPU())
+    return stack
+
+
+@contextlib.contextmanager
+def _torch_optimizer_kernels():
+    """megatron's optimizer as it is built without TE / apex: torch's Adam(W) (USING_PYTORCH_OPTIMIZER) and
+    megatron.core.utils' multi-tensor applier, l2 norm and scale, which run on any device."""
+    from megatron.core import optimizer as mopt
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads, optimizer as mopt_optimizer
+
+    swaps = [(mopt, "USING_PYTORCH_OPTIMIZER", True),
+             (clip_grads, "multi_tensor_applier", mutils.local_multi_tensor_applier),
+             (clip_grads, "l2_norm_impl", mutils.local_multi_tensor_l2_norm),
+             (clip_grads, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale),
+             (mopt_optimizer, "multi_tensor_applier", mutils.local_multi_tensor_applier),
+             (mopt_optimizer, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in swaps]
+    for obj, name, value in swaps:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)

@@ -10,6 +10,11 @@ generator keyed by ``(seed, unit)``, where a unit is the layout-free identity of
     decoder.layers.<global layer>.self_attention.linear_qkv.weight
     embedding.word_embeddings.weight ...
 
+Units are spec-free too: the local spec's ``input_layernorm.weight`` is the unit the Transformer Engine
+spec fuses into ``self_attention.linear_qkv.layer_norm_weight`` (the name both specs' checkpoints use,
+model.build_layer_spec), and TE's grouped experts ``linear_fc1.weight<e>`` are expert ``e``'s unit. So
+both specs draw the same numbers from one seed, and weight sync streams between them (tests/te/).
+
 The full unit tensor (its TP=1 shape) is drawn and this rank keeps its tensor-parallel shard, cut
 exactly as megatron cuts the full tensor (``partition_dim``; the SwiGLU ``linear_fc1`` is cut in its
 gate and up halves separately). So a TP=2 x EP=2 model holds, shard for shard, the one-rank model's
@@ -35,16 +40,21 @@ from typing import Optional
 import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# the local spec's input norm: fused into linear_qkv by the TE spec, saved under TE's name by both
+_INPUT_NORM = re.compile(r"\.input_layernorm\.weight$")
 # megatron SequentialMLP (and our BatchedSequentialMLP): ...experts.local_experts.<e>.linear_fc1.weight
 _LOCAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 # Transformer Engine grouped GEMM experts: ...experts.linear_fc1.weight<e>
 _GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.weight(\d+)$")
+# expert linears of the Transformer Engine spec: grouped (linear_fc1.weight<e>) or per expert
+_TE_EXPERT_LINEAR = re.compile(r"\.experts\.(?:local_experts\.\d+\.)?(linear_fc[12])\.weight\d*$")
 _NORM = re.compile(r"(layernorm\.weight|layer_norm_weight|final_layernorm\.weight|norm\.weight)$")
 _OUTPUT_PROJ = re.compile(r"(linear_proj\.weight|linear_fc2\.weight\d*)$")
 
 
 def unit_name(name: str, layer_numbers: dict[int, int], expert_offset: int) -> str:
-    """Layout-free name of local parameter ``name``: global layer and global expert indices.
+    """Layout- and spec-free name of local parameter ``name``: global layer and global expert indices, TE's
+    name for the input norm.
 
     layer_numbers: local layer index -> global 0-based layer; expert_offset: global index of this
     rank's local expert 0 (ep_rank x experts per EP rank)."""
@@ -57,7 +67,7 @@ def unit_name(name: str, layer_numbers: dict[int, int], expert_offset: int) -> s
     m = _GROUPED_EXPERT.search(name)
     if m:
         name = name[:m.start()] + f".experts.{expert_offset + int(m.group(2))}.{m.group(1)}.weight"
-    return name
+    return _INPUT_NORM.sub(".self_attention.linear_qkv.layer_norm_weight", name)
 
 
 def init_std(name: str, std: float, num_layers: int) -> Optional[float]:
@@ -118,9 +128,17 @@ def shard_spec(name: str, p: torch.Tensor, state, gated_linear_unit: bool = True
         size, rank = dist.get_world_size(group), dist.get_rank(group)
     else:
         group, size, rank = state.tp_group, state.tp, state.tp_rank
+    glu = gated_linear_unit and re.search(r"linear_fc1\.weight\d*$", name) is not None
+    if size > 1 and not hasattr(p, "tensor_model_parallel"):
+        m = _TE_EXPERT_LINEAR.search(name)
+        if m:
+            # megatron builds the Transformer Engine spec's expert linears (TEGroupedLinear, and TE's linears
+            # inside SequentialMLP) with parallel_mode=None and does the expert-TP split itself
+            # ("explicit_expert_comm"), so TE never marks their weights; the cut is megatron's column
+            # (linear_fc1, SwiGLU halves apart) / row (linear_fc2) split, as its sharded state dict describes.
+            return ShardSpec(size, rank, 0 if m.group(1) == "linear_fc1" else 1, glu, group)
     if not getattr(p, "tensor_model_parallel", False) or size == 1:
         return ShardSpec(1, 0, 0, False, group)
-    glu = gated_linear_unit and re.search(r"linear_fc1\.weight\d*$", name) is not None
     return ShardSpec(size, rank, int(getattr(p, "partition_dim", 0)), glu, group)
 
 

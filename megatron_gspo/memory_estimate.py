@@ -118,7 +118,7 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     expert_dp = world_size // (ep * etp * pp)
     p = _param_counts(m, par)
     n_params = p["dense"] + p["expert"]
-    bf16 = m.precision == "bf16"
+    bf16 = m.precision in ("bf16", "auto")  # per GPU: "auto" is bf16 there (config.resolve_precision)
     w_bytes = 2 if bf16 else 4
     adam = job_cfg.optimizer.optimizer == "adam"
     opt_bytes = (4 if bf16 else 0) + (8 if adam else 4)  # master copy + (m, v) | momentum

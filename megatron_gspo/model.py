@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megatron_gspo import compat
 from megatron_gspo.compat import have_te, te_status
-from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig, resolve_precision
 from megatron_gspo.parallel import ParallelState
 
 # Every choice below that depends on the machine takes the job's device (ParallelState.device, decided
@@ -59,6 +59,30 @@ def resolve_impl(cfg: ModelConfig, device: torch.device, construct_only: bool = 
             "which runs no forward)")
         raise ConfigError(f"model.transformer_impl='transformer_engine' cannot run here: {why}; use 'local' or 'auto'")
     return cfg.transformer_impl
+
+
+def impl_reason(cfg: ModelConfig, device: torch.device) -> str:
+    """Why ``resolve_impl`` picks the spec it picks for a job on ``device``, in words (the job's first log
+    lines, the preflight's env.auto_impl)."""
+    impl = resolve_impl(cfg, device)
+    if cfg.transformer_impl != "auto":
+        return f"model.transformer_impl={cfg.transformer_impl}"
+    if impl == "transformer_engine":
+        return f"auto: {te_status()[1]}, on {device}"
+    if not _is_cuda(device):
+        return f"auto: the job runs on {device} (Transformer Engine's kernels need CUDA)"
+    return f"auto: {te_status()[1]}"
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """Whether the job's device runs bf16 matmuls (every CPU torch does, slowly; a GPU from Ampere on)."""
+    return not _is_cuda(device) or torch.cuda.is_bf16_supported()
+
+
+def job_precision(cfg: ModelConfig, device: torch.device) -> tuple[str, str]:
+    """(``cfg.precision`` resolved for a job on ``device``: "fp32" | "bf16", why): config.resolve_precision
+    with this device's bf16 support."""
+    return resolve_precision(cfg.precision, torch.device(device).type, bf16_supported(device))
 
 
 def resolve_expert_impl(cfg: ModelConfig, impl: str) -> str:
@@ -139,7 +163,8 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, device: torc
                           "the fused top-k path skips RouterReplay in megatron-core 0.16")
     if cfg.moe_router_fusion and impl != "transformer_engine":
         raise ConfigError("model.moe_router_fusion=true needs Transformer Engine")
-    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    precision, _ = job_precision(cfg, device)  # "auto": a job's Trainer resolved it already; direct builds here
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     kw = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -166,7 +191,7 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, device: torc
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not cuda,
         params_dtype=dtype,
-        bf16=cfg.precision == "bf16",
+        bf16=precision == "bf16",
         fp8=cfg.fp8,
         fp8_recipe=cfg.fp8_recipe,
         # MoE
@@ -529,7 +554,7 @@ def model_summary(cfg: ModelConfig, device: torch.device) -> str:
             f"{cfg.num_moe_experts} experts top-{cfg.moe_router_topk}, "
             f"{_human(cfg.num_parameters())} params ({_human(cfg.num_parameters(active=True))} active), "
             f"impl={impl}, attention={resolve_attention_impl(cfg, impl)}, experts={resolve_expert_impl(cfg, impl)}, "
-            f"precision={cfg.precision}")
+            f"precision={job_precision(cfg, device)[0]}")
 
 
 def wrap_ddp(model, state: ParallelState):

@@ -50,7 +50,10 @@ from megatron_gspo.model import (
     build_model,
     finalize_grads,
     forward_logprobs,
+    impl_reason,
+    job_precision,
     model_summary,
+    resolve_impl,
     set_aux_loss_scale,
     wrap_ddp,
 )
@@ -96,6 +99,12 @@ class Trainer:
             self.side = join_async_job(cfg, "trainer")
         self.state = st = parallel.initialize(cfg.model, cfg.parallel, side=self.side)
         setup_logging(st.rank)
+        # the numerics this device runs fast (model.precision=auto), decided once: everything below reads it
+        precision, precision_why = job_precision(cfg.model, st.device)
+        if precision != cfg.model.precision:
+            self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=precision))
+        log.info("numerics: %s on %s (%s); %s spec (%s)", precision, st.device, precision_why,
+                 resolve_impl(cfg.model, st.device), impl_reason(cfg.model, st.device))
         if self.side is not None:
             self.side.open_bridge(st.device)
         cfg.check_data_parallel(st.dp)  # the same checks as launch/pretrain_gspo.sh --dry-run

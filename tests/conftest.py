@@ -61,6 +61,49 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_te)
 
 
+# The test running now (its setup included, where module fixtures build their models): read by the
+# device guard below.
+_RUNNING: dict = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _RUNNING["item"] = item
+
+
+def _device_guard_message(nodeid: str) -> str:
+    return (f"{nodeid}: parallel.initialize with parallel.device=auto in an in-process test. Every in-process test "
+            "states the device it means (ParallelConfig(device='cpu'), 'parallel.device=cpu'), or is marked gpu: on a "
+            "GPU machine with Transformer Engine (the NGC container) auto is CUDA and the TE spec, which a test written "
+            "for the CPU's local spec (lean decoder, batched experts, fp32 numbers) does not mean")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def in_process_tests_state_their_device():
+    """Fails any in-process test (not marked ``gpu`` or ``any_device``) that initializes a job with
+    ``parallel.device=auto``.
+
+    ``ParallelConfig()`` means "this machine's GPU and, where Transformer Engine imports, the TE spec"; on the
+    CPU machines that is the CPU and the local spec, so a test that forgot to say which it means passes here and
+    fails by construction in the container (issue 29). The CPU device also fixes the spec: model.resolve_impl
+    never picks Transformer Engine for a CPU job. Session-scoped, so module fixtures' models are checked too;
+    torchrun ranks are pinned by multi_rank_env (no GPU visible)."""
+    from megatron_gspo import parallel
+
+    real = parallel.initialize
+
+    def initialize(model, par, side=None):
+        item = _RUNNING.get("item")
+        allowed = item is not None and (item.get_closest_marker("gpu") or item.get_closest_marker("any_device"))
+        if par.device == "auto" and not allowed:
+            pytest.fail(_device_guard_message(item.nodeid if item is not None else "?"), pytrace=False)
+        return real(model, par, side=side)
+
+    parallel.initialize = initialize
+    yield initialize
+    parallel.initialize = real
+
+
 @pytest.fixture(scope="session")
 def run_dist():
     return torchrun
@@ -68,7 +111,8 @@ def run_dist():
 
 @pytest.fixture
 def single_rank():
-    """A one-process megatron parallel state for in-process model tests, torn down afterwards."""
+    """A one-process megatron parallel state for in-process model tests, torn down afterwards: one CPU rank
+    (so megatron's local spec) unless the test passes another ParallelConfig, stating its device."""
     from megatron_gspo import parallel
 
     created = []
@@ -76,10 +120,38 @@ def single_rank():
     def make(model_cfg, par_cfg=None):
         from megatron_gspo.config import ParallelConfig
 
-        st = parallel.initialize(model_cfg, par_cfg or ParallelConfig())
+        st = parallel.initialize(model_cfg, par_cfg or ParallelConfig(device="cpu"))
         created.append(st)
         return st
 
     yield make
     parallel.destroy()
 
+
+# ``cpu_models`` lives here rather than in tests/te/conftest.py: a second conftest module would shadow this one for
+# the tests that ``import conftest`` (a directory without __init__.py imports its conftest as "conftest").
+@pytest.fixture
+def cpu_models():
+    """The Transformer Engine tier's models (tests/te/): make(cfg, spec, seed=3) -> (model, state) of one rank on
+    the CPU, built through the project's own code (parallel.initialize, model.build_model, init_weights); spec "te"
+    (construct-only: parameters on the CPU, forward refused) or "local". Every model of one test shares the first
+    call's parallel state (its layout); torn down afterwards."""
+    from megatron_gspo import parallel
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.model import build_model
+
+    states = {}
+
+    def make(cfg, spec: str, seed: int = 3, **par_kw):
+        import dataclasses
+
+        impl = {"te": "transformer_engine", "local": "local"}[spec]
+        cfg = dataclasses.replace(cfg, transformer_impl=impl)
+        par = ParallelConfig(device="cpu", seed=seed, **par_kw)
+        if "state" not in states:
+            states["state"] = parallel.initialize(cfg, par)
+        st = states["state"]
+        return build_model(cfg, par, st, construct_only=spec == "te"), st
+
+    yield make
+    parallel.destroy()

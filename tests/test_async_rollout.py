@@ -104,8 +104,8 @@ def one_rank_weights(tmp_path_factory):
     out = {}
     for precision in ("fp32", "bf16"):
         cfg = load_job_config(None, [f"model.precision={precision}"])
-        st = parallel.initialize(cfg.model, ParallelConfig())
-        m = build_model(cfg.model, ParallelConfig(), st)
+        st = parallel.initialize(cfg.model, ParallelConfig(device="cpu"))
+        m = build_model(cfg.model, ParallelConfig(device="cpu"), st)
         init_weights(m, 777, st, init_method_std=cfg.model.init_method_std, num_layers=cfg.model.num_layers)
         path = str(tmp_path_factory.mktemp("one_rank") / precision)
         save_model(m, path)
@@ -261,8 +261,8 @@ def two_versions(single_rank):
 
     cfg = load_job_config(None, [])
     st = single_rank(cfg.model)
-    model = build_model(cfg.model, ParallelConfig(), st)
-    other = build_model(cfg.model, ParallelConfig(), st)
+    model = build_model(cfg.model, ParallelConfig(device="cpu"), st)
+    other = build_model(cfg.model, ParallelConfig(device="cpu"), st)
     init_weights(other, 777, st, init_method_std=cfg.model.init_method_std, num_layers=cfg.model.num_layers)
     weights = lambda m: {k: v.detach().clone() for k, v in m.named_parameters()}  # noqa: E731
     return cfg, st, _Loadable(model), weights(model), weights(other)

@@ -38,7 +38,7 @@ def _core_attentions(model):
 
 def _pair(single_rank, **kw):
     cfg = _tiny(attention_impl="unfused", **kw)
-    par = ParallelConfig()
+    par = ParallelConfig(device="cpu")
     st = single_rank(cfg, par)
     ref = build_model(cfg, par, st)
     fast = build_model(dataclasses.replace(cfg, attention_impl="sdpa"), par, st)
@@ -134,7 +134,7 @@ def test_attention_impl_resolution():
 
 def test_batch_first_output_layer_skips_the_transpose_copy(single_rank):
     cfg = _tiny()
-    par = ParallelConfig()
+    par = ParallelConfig(device="cpu")
     st = single_rank(cfg, par)
     model = build_model(cfg, par, st)
     assert type(model.output_layer) is BatchFirstOutputLayer

@@ -22,6 +22,7 @@ ROOT = os.path.dirname(HERE)
 STEPS = 3
 MINIBATCHES = 2
 JOB = [
+    "parallel.device=cpu",  # the CPU path on any machine (tests/conftest.py: in-process tests state their device)
     "train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generation.max_new_tokens=4",
     "train.micro_batch_size=8", f"train.num_minibatches={MINIBATCHES}", "train.sft_steps=2",
     "train.sft_batch_size=16",
@@ -193,7 +194,7 @@ def test_clip_fraction_units(comparison):
 # ----------------------------------------------------------------------------------------------
 
 PROBE_STEPS = 3
-PROBE_JOB = ["train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generation.max_new_tokens=4",
+PROBE_JOB = ["parallel.device=cpu", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generation.max_new_tokens=4",
              "train.micro_batch_size=8", f"train.num_minibatches={MINIBATCHES}", "train.sft_steps=0",
              f"train.num_steps={PROBE_STEPS}", f"reward.name={HERE}/reward_plugins.py:digit_fraction",
              "optimizer.lr=1e-2"]

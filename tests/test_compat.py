@@ -21,7 +21,9 @@ CPU_ONES = ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "rng_tracker_
 @pytest.mark.parametrize("device_type,have_te,expected", [
     ("cuda", True, []),
     ("cuda", False, ["te_general_gemm_none"]),  # the H100 without TE
-    ("cpu", True, CPU_ONES),  # a CPU job on a machine with TE (an NGC container asked for parallel.device=cpu)
+    # a CPU job on a machine with TE (an NGC container asked for parallel.device=cpu): also torch's Adam and
+    # megatron's own multi-tensor kernels instead of TE's CUDA ones (found by the TE tier, tests/te/)
+    ("cpu", True, CPU_ONES + ["cpu_optimizer_without_te_kernels"]),
     ("cpu", False, CPU_ONES + ["te_general_gemm_none"]),
 ])
 def test_workarounds_are_keyed_on_what_is_missing(device_type, have_te, expected):

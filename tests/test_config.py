@@ -45,7 +45,7 @@ def test_tiny_preset_matches_built_model(single_rank):
     from megatron_gspo.model import build_model
 
     cfg = model_config_from_preset("tiny", vocab_size=100)  # padded to 128 in the model
-    par = ParallelConfig()
+    par = ParallelConfig(device="cpu")
     st = single_rank(cfg, par)
     model = build_model(cfg, par, st)
     n = sum(p.numel() for p in model.parameters())
@@ -128,7 +128,7 @@ def test_layout_error_comes_before_any_distributed_setup(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     cfg = model_config_from_preset("tiny")
     with pytest.raises(ConfigError, match="not divisible by tensor_model_parallel_size=3"):
-        parallel.initialize(cfg, ParallelConfig(tensor_model_parallel_size=3))
+        parallel.initialize(cfg, ParallelConfig(device="cpu", tensor_model_parallel_size=3))
     assert not dist.is_initialized()
 
 
@@ -318,8 +318,7 @@ def test_a_config_error_is_the_last_line_printed(args):
     assert len(lines) == 1, lines
 
 
-@pytest.mark.parametrize("override", ["model.transformer_impl=transformer_engine", "model.precision=bf16 model.fp8=e4m3",
-                                      "model.moe_expert_impl=te_grouped", "model.moe_router_fusion=true"])
+@pytest.mark.parametrize("override", ["model.transformer_impl=transformer_engine", "model.precision=bf16 model.fp8=e4m3"])
 def test_transformer_engine_choices_on_the_cpu_device_are_refused_at_load(override):
     """Transformer Engine runs on a GPU only: a job asking for it with parallel.device=cpu is refused when its
     config loads (by key), not when every rank builds the model (issue 29)."""
@@ -347,3 +346,31 @@ def test_a_te_request_the_job_cannot_run_names_the_reason(monkeypatch):
     with pytest.raises(ConfigError, match=r"the job runs on cpu and Transformer Engine's kernels need a CUDA device"):
         resolve_impl(cfg, torch.device("cpu"))
     assert resolve_impl(cfg, torch.device("cuda", 0)) == "transformer_engine"
+
+
+@pytest.mark.parametrize("precision, device, bf16, want", [
+    ("auto", "cpu", True, "fp32"),  # the CPU default job keeps its numbers
+    ("auto", "cuda", True, "bf16"),  # TE's kernels and torch._grouped_mm experts run bf16 on a GPU
+    ("auto", "cuda", False, "fp32"),  # a GPU without bf16
+    ("fp32", "cuda", True, "fp32"), ("bf16", "cpu", True, "bf16"),  # an explicit choice is kept
+])
+def test_precision_auto_is_fp32_on_the_cpu_and_bf16_on_a_gpu(precision, device, bf16, want):
+    from megatron_gspo.config import resolve_precision
+
+    got, why = resolve_precision(precision, device, bf16)
+    assert got == want and why
+    assert why.startswith("auto:") == (precision == "auto")
+
+
+def test_the_default_job_is_fp32_on_the_cpu_and_bf16_on_a_gpu():
+    """The README's default job (no YAML: the demo on the tiny preset) asks for "auto" precision: its CPU
+    numbers stay fp32, a GPU runs bf16 (issue 29: the tiny preset was fp32 everywhere, the per-expert loop
+    on a GPU without TE, the TE spec in fp32 in the container)."""
+    from megatron_gspo.config import load_job_config, resolve_precision
+
+    m = load_job_config(None, []).model
+    assert m.precision == "auto" and model_config_from_preset("tiny").precision == "auto"
+    assert resolve_precision(m.precision, "cpu", True)[0] == "fp32"
+    assert resolve_precision(m.precision, "cuda", True)[0] == "bf16"
+    # the 30B recipes keep their explicit bf16; the memory estimate of an "auto" job is that of bf16 (per GPU)
+    assert model_config_from_preset("qwen3-30b-a3b").precision == "bf16"

@@ -28,7 +28,7 @@ def _prompts():
 def model(request):
     cfg = model_config_from_preset("tiny", vocab_size=VOCAB, moe_aux_loss_coeff=0.0,
                                    untie_embeddings_and_output_weights=request.param)
-    par = ParallelConfig(seed=5)
+    par = ParallelConfig(device="cpu", seed=5)
     st = parallel.initialize(cfg, par)
     m = build_model(cfg, par, st)
     yield m, st

@@ -226,3 +226,69 @@ def test_sft_batch_is_built_on_the_state_device():
         tokens, mask, lengths = build_sft_batch(prompts, tok, pad_id=0, device=torch.device("cuda", 0))
         assert tokens.device.type == mask.device.type == lengths.device.type == "cuda"
     assert lengths.tolist() == [6, 7] and mask.sum(1).tolist() == [2, 3]  # answer + eos
+
+
+# ----------------------------------------------------------------------------------------------
+# In-process tests state their device: on "a GPU machine with Transformer Engine" they still build
+# the CPU model of megatron's local spec they were written for (issue 29)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu_and_te(monkeypatch):
+    """This machine as an NGC container looks to the project's device and spec decisions: one visible GPU
+    (torch.cuda.is_available / device_count, what parallel.resolve_device asks) and a Transformer Engine that
+    imports (model.resolve_impl's answer from compat.te_status). Nothing else is faked (megatron's own
+    workarounds still see the TE this machine really lacks), so whatever a test builds under it is built for
+    real, on the CPU if it means it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr("megatron_gspo.model.te_status", lambda: (True, "Transformer Engine (stood in for) imports"))
+
+
+def test_auto_on_a_gpu_machine_with_te_is_cuda_and_the_te_spec(gpu_and_te):
+    """Why tests must say what they mean: the defaults there are a CUDA job on the TE spec."""
+    from megatron_gspo import parallel
+    from megatron_gspo.config import ParallelConfig, model_config_from_preset
+    from megatron_gspo.model import resolve_expert_impl, resolve_impl
+
+    dev = parallel.resolve_device(ParallelConfig(), local_rank=0)
+    cfg = model_config_from_preset("tiny")
+    assert dev == torch.device("cuda", 0) and resolve_impl(cfg, dev) == "transformer_engine"
+    assert resolve_expert_impl(cfg, resolve_impl(cfg, dev)) == "te_grouped"
+    assert resolve_impl(cfg, parallel.resolve_device(ParallelConfig(device="cpu"))) == "local"
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_in_process_fixtures_build_the_local_cpu_model_on_a_gpu_machine_with_te(gpu_and_te, single_rank, tied):
+    """The single_rank fixture and the module fixtures' ParallelConfig(device="cpu", ...) (test_decode.py,
+    test_experts.py, ...) under the GPU + TE stand-in: a CPU state, every parameter on the CPU, the local spec
+    with the project's own modules, and a model the lean decoder takes."""
+    from megatron_gspo.attention import SDPAttention
+    from megatron_gspo.config import ParallelConfig, model_config_from_preset
+    from megatron_gspo.decode import lean_decode_unsupported
+    from megatron_gspo.experts import BatchedSequentialMLP
+    from megatron_gspo.model import RMSNorm, build_model
+
+    cfg = model_config_from_preset("tiny", vocab_size=100, untie_embeddings_and_output_weights=not tied)
+    st = single_rank(cfg)  # the fixture's own default
+    assert st.device == torch.device("cpu")
+    for par in (ParallelConfig(device="cpu", seed=5), ParallelConfig(device="cpu")):
+        m = build_model(cfg, par, st)
+        assert not m.construct_only and all(p.device.type == "cpu" for p in m.parameters())
+        layer = m.decoder.layers[0]
+        assert isinstance(layer.input_layernorm, RMSNorm)
+        assert isinstance(layer.self_attention.core_attention, SDPAttention)
+        assert isinstance(layer.mlp.experts, BatchedSequentialMLP)
+        assert lean_decode_unsupported(m) is None
+    # (no forward under the stand-in: torch itself then believes in a GPU, e.g. torch.compile saves CUDA RNG
+    # states; the same fixtures' forwards run in their own tests)
+
+
+def test_an_in_process_test_that_does_not_state_its_device_fails(in_process_tests_state_their_device):
+    """tests/conftest.py's guard: parallel.device=auto from a test not marked gpu fails the test, on every
+    machine, so a forgotten device shows on the CPU too."""
+    from megatron_gspo.config import ParallelConfig, model_config_from_preset
+
+    with pytest.raises(pytest.fail.Exception, match=r"parallel\.device=auto in an in-process test"):
+        in_process_tests_state_their_device(model_config_from_preset("tiny"), ParallelConfig())

@@ -84,7 +84,7 @@ def test_dynamic_sampling_is_refused_with_r3_and_single_samples():
 # In the trainer
 # ----------------------------------------------------------------------------------------------
 
-JOB = ["train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generation.max_new_tokens=4",
+JOB = ["parallel.device=cpu", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generation.max_new_tokens=4",
        "train.micro_batch_size=8", "train.num_minibatches=2", "train.tensorboard=false", "data.shuffle=false"]
 
 

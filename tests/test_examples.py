@@ -68,7 +68,7 @@ def test_the_example_job_runs_and_evaluates(in_root, tmp_path):
         def after_rollout(self, trainer, batch):
             self.seen.append(batch)
 
-    cfg = load_job_config(CONFIG, [f"train.output_dir={tmp_path}", "train.num_steps=1", "train.prompts_per_step=2",
+    cfg = load_job_config(CONFIG, ["parallel.device=cpu", f"train.output_dir={tmp_path}", "train.num_steps=1", "train.prompts_per_step=2",
                                    "generation.n_samples_per_prompt=2", "generation.max_new_tokens=8",
                                    "reward.overlong_buffer_len=4", "eval.num_prompts=2", "eval.num_samples=2",
                                    "eval.k=1", "train.tensorboard=false"])

@@ -69,7 +69,7 @@ def _expert_modules(model):
 
 def test_module_equals_sequential_mlp(single_rank):
     cfg = _tiny(moe_expert_impl="sequential")
-    par = ParallelConfig()
+    par = ParallelConfig(device="cpu")
     st = single_rank(cfg, par)
     seq = build_model(cfg, par, st)
     bat = build_model(dataclasses.replace(cfg, moe_expert_impl="batched"), par, st)
@@ -110,7 +110,7 @@ def test_module_equals_sequential_mlp(single_rank):
 
 def test_checkpoint_roundtrip_and_model_parity(single_rank, tmp_path):
     cfg = _tiny(moe_expert_impl="sequential")
-    par = ParallelConfig()
+    par = ParallelConfig(device="cpu")
     st = single_rank(cfg, par)
     seq = build_model(cfg, par, st)
     save_model(seq, str(tmp_path / "seq"))

@@ -41,7 +41,7 @@ def _prompts():
 @pytest.fixture(scope="module")
 def tiny():
     cfg = model_config_from_preset("tiny", vocab_size=VOCAB, moe_aux_loss_coeff=0.0)
-    par = ParallelConfig(seed=5)
+    par = ParallelConfig(device="cpu", seed=5)
     st = parallel.initialize(cfg, par)
     model = build_model(cfg, par, st)
     yield model, st

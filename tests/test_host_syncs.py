@@ -18,6 +18,7 @@ from host_syncs import HostSyncCounter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_JOB = [
+    "parallel.device=cpu",  # host syncs of the CPU path (a CUDA device has its own: test_gpu.py)
     "train.num_steps=1", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4",
     "generation.max_new_tokens=4", "train.micro_batch_size=4", "train.tensorboard=false",
     f"reward.name={HERE}/reward_plugins.py:digit_fraction", "optimizer.lr=1e-3",
@@ -62,7 +63,7 @@ def tiny_model():
     from megatron_gspo.model import build_model
 
     cfg = model_config_from_preset("tiny", vocab_size=100)
-    par = ParallelConfig(seed=5)
+    par = ParallelConfig(device="cpu", seed=5)
     st = parallel.initialize(cfg, par)
     yield build_model(cfg, par, st), st
     parallel.destroy()

@@ -13,13 +13,15 @@ from megatron_gspo.model import build_model
 
 
 def test_unit_names_are_layout_free():
-    # local layer 0 of a stage whose first layer is global 5; local expert 1 of EP rank 1 (2 per rank)
+    # local layer 0 of a stage whose first layer is global 5; local expert 1 of EP rank 1 (2 per rank).
+    # (The Transformer Engine spec's names, read from TE-spec models: tests/te/test_te_names.py.)
     layers = {0: 5, 1: 6}
     assert unit_name("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", layers, 2) == \
         "decoder.layers.5.mlp.experts.3.linear_fc1.weight"
-    assert unit_name("decoder.layers.1.mlp.experts.linear_fc2.weight1", layers, 2) == \
-        "decoder.layers.6.mlp.experts.3.linear_fc2.weight"  # TE grouped-GEMM names
     assert unit_name("output_layer.weight", layers, 2) == "output_layer.weight"
+    # the input norm under the name both specs' checkpoints use (model.build_layer_spec)
+    assert unit_name("decoder.layers.1.input_layernorm.weight", layers, 2) == \
+        "decoder.layers.6.self_attention.linear_qkv.layer_norm_weight"
 
 
 def test_init_std_table():
@@ -34,11 +36,11 @@ def test_init_std_table():
 
 def test_same_distributions_as_megatrons_own_init_and_reproducible(single_rank):
     cfg = model_config_from_preset("tiny", num_moe_experts=8, hidden_size=128, moe_ffn_hidden_size=128)
-    par = ParallelConfig(seed=3)
+    par = ParallelConfig(device="cpu", seed=3)
     st = single_rank(cfg, par)
     ours = dict(build_model(cfg, par, st).named_parameters())
     again = dict(build_model(cfg, par, st).named_parameters())
-    other_seed = dict(build_model(cfg, ParallelConfig(seed=4), st).named_parameters())
+    other_seed = dict(build_model(cfg, ParallelConfig(device="cpu", seed=4), st).named_parameters())
     torch.manual_seed(0)
     megatron = dict(build_model(cfg, par, st, init_from_seed=False).named_parameters())
     assert ours.keys() == megatron.keys()

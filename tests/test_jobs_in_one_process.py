@@ -16,7 +16,7 @@ from megatron_gspo import parallel
 from megatron_gspo.config import load_job_config
 
 # short jobs of the demo's task; three shapes, shallow first (a stale tracker is too short for the next)
-BASE = ["train.num_steps=2", "train.sft_steps=0", "train.tensorboard=false", "eval.interval=0",
+BASE = ["parallel.device=cpu", "train.num_steps=2", "train.sft_steps=0", "train.tensorboard=false", "eval.interval=0",
         "train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "train.micro_batch_size=8",
         "reward.name=digit_match"]
 SHAPES = {
@@ -90,7 +90,7 @@ def test_the_preflight_runs_after_other_jobs_in_the_same_process(tmp_path):
 
     _run(SHAPES["deeper_wider_more_experts"], tmp_path / "before")
     parallel.destroy()
-    code = cli.main(["--quick", "--json", str(tmp_path / "pf.json")])
+    code = cli.main(["--quick", "--json", str(tmp_path / "pf.json"), "parallel.device=cpu"])
     report = json.loads((tmp_path / "pf.json").read_text())
     failed = {k: v.get("error") for k, v in report["checks"].items() if v["status"] == "failed"}
     assert code == 0 and not failed, failed

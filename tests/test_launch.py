@@ -738,11 +738,35 @@ def test_tiny_cpu_recipe_is_the_default_job():
     describe the same run."""
     import dataclasses
 
-    from megatron_gspo.config import load_job_config
+    from megatron_gspo.config import load_job_config, resolve_precision
     from megatron_gspo.train import DEMO_CONFIG
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     a = load_job_config(os.path.join(root, "launch", "recipes", "tiny_cpu.yaml"))
     b = load_job_config(DEMO_CONFIG)
     a.train = dataclasses.replace(a.train, output_dir=b.train.output_dir)
+    # the recipe says fp32, the demo "auto": the same on the CPU (config.resolve_precision), bf16 on a GPU
+    assert a.model.precision == "fp32" and b.model.precision == "auto"
+    b.model = dataclasses.replace(b.model, precision=resolve_precision(b.model.precision, "cpu", True)[0])
     assert a == b
+
+
+def test_megatron_core_is_pinned_to_the_tested_line_on_every_python():
+    """setup.py's megatron-core requirement, evaluated for each Python a user may run (3.12: the NGC and GPU
+    images), admits the release the Dockerfile installs and no untested minor line (with Python 3.12 a fresh
+    box used to get megatron-core 0.19; issue 29)."""
+    import ast
+
+    from packaging.requirements import Requirement
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    reqs = next(ast.literal_eval(k.value) for n in ast.walk(tree) if isinstance(n, ast.Call)
+                for k in n.keywords if k.arg == "install_requires")
+    mcore = dict(a.split("=", 1) for w, a in dockerfile_instructions() if w == "ARG")["MCORE_VERSION"]
+    for py in ("3.10", "3.11", "3.12", "3.13"):
+        env = {"python_version": py, "python_full_version": f"{py}.0"}
+        found = [r for r in map(Requirement, reqs) if r.name == "megatron-core" and (r.marker is None or r.marker.evaluate(env))]
+        assert len(found) == 1, (py, found)
+        spec = found[0].specifier
+        assert spec.contains(mcore), (py, str(spec), mcore)
+        assert not any(spec.contains(v) for v in ("0.15.3", "0.17.0", "0.19.0", "1.0.0")), (py, str(spec))

@@ -254,8 +254,8 @@ def test_forward_logprobs_equals_the_logits_path_on_the_model(single_rank, tied)
 
     cfg = model_config_from_preset("tiny", vocab_size=100, moe_aux_loss_coeff=1e-2,
                                    untie_embeddings_and_output_weights=not tied)
-    st = single_rank(cfg, ParallelConfig(seed=3))
-    m = build_model(cfg, ParallelConfig(seed=3), st)
+    st = single_rank(cfg, ParallelConfig(device="cpu", seed=3))
+    m = build_model(cfg, ParallelConfig(device="cpu", seed=3), st)
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, 100, (3, 11), generator=g).to(st.device)
     pad = input_padding_mask(torch.tensor([11, 7, 9], device=st.device), 10)

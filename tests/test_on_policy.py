@@ -11,7 +11,7 @@ from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, load_job_config
 from job_runner import run_job_rows
 
 # the demo job's settings, shortened; every default of the loss and the old-log-prob source kept
-SHORT = ["train.num_steps=2", "train.sft_steps=0", "eval.interval=0", "train.tensorboard=false",
+SHORT = ["parallel.device=cpu", "train.num_steps=2", "train.sft_steps=0", "eval.interval=0", "train.tensorboard=false",
          "train.prompts_per_step=8", "reward.name=digit_match", "generation.max_new_tokens=8"]
 
 

@@ -12,6 +12,7 @@ from megatron_gspo.errors import USER_ERRORS, MemoryBudgetError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = [
+    "parallel.device=cpu",
     "train.num_steps=1", "train.prompts_per_step=2", "generation.n_samples_per_prompt=2",
     "generation.max_new_tokens=4", "train.micro_batch_size=2", "train.num_minibatches=1", "train.tensorboard=false",
     "eval.interval=0", "train.sft_steps=0", f"reward.name={HERE}/reward_plugins.py:digit_fraction",

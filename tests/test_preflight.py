@@ -243,23 +243,15 @@ class _FakeModel:
         self.loaded = sd
 
 
-def test_weights_map_from_the_local_spec_to_te_names():
-    """The GPU-only TE comparison copies weights by name: the renames are checked here on the CPU."""
+def test_weight_copy_between_specs_refuses_a_partial_copy():
+    """The GPU-only TE comparison copies weights by name; the renames are checked on real TE-spec models in
+    the TE tier (tests/te/test_te_names.py), the refusal of a copy that leaves weights out here."""
     import torch
 
     from megatron_gspo.preflight.numerics import copy_weights
 
     t = torch.zeros(1)
-    local = _FakeModel({"decoder.layers.0.input_layernorm.weight": t,
-                        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight": t,
-                        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight": t,
-                        "output_layer.weight": t})
-    te = _FakeModel({"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": t,
-                     "decoder.layers.0.mlp.experts.linear_fc1.weight3": t,
-                     "decoder.layers.0.mlp.experts.linear_fc2.weight3": t,
-                     "decoder.layers.0.mlp.experts.linear_fc1._extra_state": None, "output_layer.weight": t})
-    copy_weights(local, te)
-    assert set(te.loaded) == {k for k in te.sd if not k.endswith("_extra_state")}
+    te = _FakeModel({"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": t, "output_layer.weight": t})
     with pytest.raises(RuntimeError, match="do not map"):
         copy_weights(_FakeModel({"extra.weight": t}), te)
 
@@ -353,3 +345,25 @@ def test_resume_check_reports_a_resumed_step_that_differs(monkeypatch, tmp_path)
     monkeypatch.setattr(training, "run_steps", lambda cfg: (next(runs), {}))
     with pytest.raises(RuntimeError, match="resumed step differs from the uninterrupted one: train/grad_norm 2.5 vs 2"):
         resume.check_resume(Context(quick=True, overrides=[], workdir=str(tmp_path)))
+
+
+def test_env_item_says_which_spec_runs_and_why_on_a_gpu_with_a_broken_te(monkeypatch, tmp_path):
+    """On a GPU where Transformer Engine is installed but does not import, env.auto_impl names the local spec,
+    TE's import error as the reason, and bf16 (issue 29: have_te() used to swallow the error)."""
+    import torch
+
+    from megatron_gspo.preflight.context import Context
+    from megatron_gspo.preflight.environment import check_auto_impl
+
+    broken = "Transformer Engine 2.9.0 is installed but `import transformer_engine.pytorch` failed: OSError: libcudnn.so.9"
+    monkeypatch.setattr("megatron_gspo.model.te_status", lambda: (False, broken))
+    monkeypatch.setattr("megatron_gspo.compat.te_status", lambda: (False, broken))
+    monkeypatch.setattr("megatron_gspo.model.bf16_supported", lambda device: True)  # an H100 as torch reports it
+    monkeypatch.setattr("megatron_gspo.experts.grouped_mm_available", lambda device, dtype: dtype == torch.bfloat16)
+    ctx = Context(quick=True, overrides=[], workdir=str(tmp_path), device=torch.device("cuda", 0))
+    value, data = check_auto_impl(ctx)
+    assert data["transformer_impl"] == "local" and data["moe_expert_impl"] == "batched"
+    assert data["precision"] == "bf16" and data["batched_gemm"] == "torch._grouped_mm"
+    assert data["spec_reason"] == f"auto: {broken}"
+    assert value.endswith(f"(local spec: auto: {broken})"), value
+    assert "precision=bf16" in value

@@ -157,7 +157,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-JOB = ["train.num_steps=2", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4",
+JOB = ["parallel.device=cpu", "train.num_steps=2", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4",
        "generation.max_new_tokens=4", "train.micro_batch_size=8", "train.num_minibatches=2",
        f"reward.name={HERE}/reward_plugins.py:digit_fraction", "optimizer.lr=1e-3", "train.tensorboard=false"]
 

@@ -134,7 +134,7 @@ def test_router_fusion_with_replay_is_refused():
 
     cfg = model_config_from_preset("tiny", moe_router_fusion=True)
     with pytest.raises(ConfigError, match="moe_router_fusion=true cannot be combined with routing replay"):
-        build_transformer_config(cfg, ParallelConfig(), torch.device("cpu"), routing_replay=True)
+        build_transformer_config(cfg, ParallelConfig(device="cpu"), torch.device("cpu"), routing_replay=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def test_r2_replay_single_rank(single_rank):
     from megatron_gspo.model import build_model, forward_logits
 
     cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=0.0)
-    par = ParallelConfig(seed=5)
+    par = ParallelConfig(device="cpu", seed=5)
     st = single_rank(cfg, par)
 
     # rebuilding resets megatron's class-level instance list; a replay bound to the old model refuses
@@ -273,8 +273,8 @@ def test_monitor_without_replay_matches_megatron_aux_loss(single_rank):
     from megatron_gspo.model import build_model, forward_logits
 
     cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=1e-2)
-    st = single_rank(cfg, ParallelConfig(seed=9))
-    model = build_model(cfg, ParallelConfig(seed=9), st, routing_replay=False)
+    st = single_rank(cfg, ParallelConfig(device="cpu", seed=9))
+    model = build_model(cfg, ParallelConfig(device="cpu", seed=9), st, routing_replay=False)
     with pytest.raises(RoutingReplayError, match="routing_replay=True"):
         RoutingReplay.from_model("R2", model, st)
     assert RoutingReplay.from_model("off", model, st).mode == "off"
@@ -297,8 +297,8 @@ def test_r2_replay_inside_activation_recompute(single_rank, monkeypatch):
 
     cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=0.0, recompute_granularity="full",
                                    recompute_method="uniform", recompute_num_layers=1)
-    st = single_rank(cfg, ParallelConfig(seed=7))
-    model = build_model(cfg, ParallelConfig(seed=7), st, routing_replay=True)
+    st = single_rank(cfg, ParallelConfig(device="cpu", seed=7))
+    model = build_model(cfg, ParallelConfig(device="cpu", seed=7), st, routing_replay=True)
     assert model.config.recompute_granularity == "full"
     replay = RoutingReplay.from_model("R2", model, st)
     assert replay.recompute
@@ -366,8 +366,8 @@ def test_r3_routes_from_generation_replay_exactly(single_rank):
     from megatron_gspo.routing import RolloutRecorder
 
     cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=0.0)
-    st = single_rank(cfg, ParallelConfig(seed=3))
-    model = build_model(cfg, ParallelConfig(seed=3), st, routing_replay=True)
+    st = single_rank(cfg, ParallelConfig(device="cpu", seed=3))
+    model = build_model(cfg, ParallelConfig(device="cpu", seed=3), st, routing_replay=True)
     replay = RoutingReplay.from_model("R3", model, st)
     rec, mon = RolloutRecorder(model), RoutingMonitor(model)
     gcfg = generation.GenerationConfig(max_new_tokens=6, n_samples_per_prompt=2, temperature=1.0,

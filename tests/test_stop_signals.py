@@ -76,8 +76,8 @@ def tiny_model():
     from megatron_gspo import parallel
 
     cfg = model_config_from_preset("tiny", vocab_size=100, moe_aux_loss_coeff=0.0)
-    st = parallel.initialize(cfg, ParallelConfig(seed=3))
-    yield build_model(cfg, ParallelConfig(seed=3), st), st
+    st = parallel.initialize(cfg, ParallelConfig(device="cpu", seed=3))
+    yield build_model(cfg, ParallelConfig(device="cpu", seed=3), st), st
     parallel.destroy()
 
 
@@ -159,7 +159,7 @@ def run_job(tmp_path, name, overrides, hooks=()):
     from megatron_gspo import parallel
     from megatron_gspo.trainer import Trainer
 
-    cfg = load_job_config(None, [*overrides, f"train.output_dir={tmp_path}/{name}", f"checkpoint.save={tmp_path}/{name}/ckpt"])
+    cfg = load_job_config(None, ["parallel.device=cpu", *overrides, f"train.output_dir={tmp_path}/{name}", f"checkpoint.save={tmp_path}/{name}/ckpt"])
     t = Trainer(cfg, hooks=hooks)
     try:
         t.run()

@@ -16,6 +16,7 @@ from job_runner import built_trainers
 from log_capture import LogLines
 
 TINY_JOB = [
+    "parallel.device=cpu",  # the CPU path on any machine (tests/conftest.py: in-process tests state their device)
     "train.num_steps=3", "train.prompts_per_step=4", "generation.n_samples_per_prompt=4",
     "generation.max_new_tokens=4", "train.micro_batch_size=8", "train.num_minibatches=2",
     # a dense reward so a random model already gets non-zero advantages
@@ -418,3 +419,17 @@ def test_old_logprobs_choice_is_checked():
         TrainConfig(old_logprobs="sometimes")
     # a token budget under expert parallelism is planned across the ranks (rollout.agreed_length_profile)
     load_job_config(None, ["train.max_tokens_per_micro_batch=4096", "parallel.expert_model_parallel_size=2"])
+
+
+def test_the_jobs_first_lines_say_its_numerics_and_spec(tmp_path):
+    """The default job's precision is "auto" (the tiny preset): on the CPU fp32, said with the spec and why in
+    the job's first log line (issue 29; on a GPU the same line says bf16 and the TE or local spec:
+    config.resolve_precision, tested as a pure function in test_config.py)."""
+    with LogLines(logging.INFO) as said, built_trainers(TINY_JOB, tmp_path) as build:
+        t = build([])
+        assert t.cfg.model.precision == "fp32" and t.model.config.params_dtype == torch.float32
+    numerics = [i for i, line in enumerate(said.lines) if line.startswith("numerics:")]
+    # first, or second after compat's one-off "Transformer Engine is not installed" of this process
+    assert numerics and numerics[0] <= 1, said.lines[:3]
+    assert said.lines[numerics[0]] == ("numerics: fp32 on cpu (auto: fp32 on the CPU); local spec (auto: the job "
+                                       "runs on cpu (Transformer Engine's kernels need CUDA))")

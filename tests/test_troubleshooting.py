@@ -81,6 +81,9 @@ def isolated(monkeypatch):
 CHECKS = [pytest.param(n, msg, cmd, id=f"line{n}") for n, msg, kind, cmd in catalogue() if kind == "check"]
 
 
+# The commands run as a user types them, on this machine (the page's device-dependent entries ask for the CPU
+# themselves, or say "unless ... is installed").
+@pytest.mark.any_device
 @pytest.mark.parametrize("line, message, command", CHECKS)
 def test_catalogue_entry(line, message, command, isolated, monkeypatch, capsys):
     unless = UNLESS.search(command)

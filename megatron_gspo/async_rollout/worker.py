@@ -119,13 +119,17 @@ class RolloutWorker:
 
     def __init__(self, cfg: JobConfig, side: Side) -> None:
         from megatron_gspo.data import build_prompt_sampler
-        from megatron_gspo.model import build_model
+        from megatron_gspo.model import build_model, job_precision
         from megatron_gspo.tokenizer import build_tokenizer, check_vocab_fits
 
         assert side.role == ROLLOUT
         self.cfg, self.side = cfg, side
         par = rollout_parallel_config(cfg)
         self.state = st = parallel.initialize(cfg.model, par, side=side)
+        # the trainer's numerics on this device (model.precision=auto: trainer.Trainer resolves it the same way)
+        precision, _ = job_precision(cfg.model, st.device)
+        if precision != cfg.model.precision:
+            self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=precision))
         setup_logging(st.rank)
         for h in logging.getLogger().handlers:  # say which side speaks
             h.setFormatter(logging.Formatter(f"%(asctime)s [rollout rank {side.global_rank}] %(message)s", "%H:%M:%S"))

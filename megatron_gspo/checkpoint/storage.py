@@ -8,6 +8,7 @@ state dict must be built the same way on save and load: ``model.sharded_state_di
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Optional
 
@@ -16,6 +17,8 @@ import torch
 from megatron_gspo.checkpoint.directory import resolve
 from megatron_gspo.errors import CheckpointError
 from megatron_gspo.model import unwrap
+
+log = logging.getLogger(__name__)
 
 
 def model_sharded_state_dict(model, prefix: str = ""):
@@ -95,46 +98,124 @@ def save_model(model, ckpt_dir: str, extra_common: Optional[dict] = None) -> Non
     dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=save_strategy())
 
 
-def check_compatible(model, ckpt_dir: str) -> None:
-    """Compare every tensor's global shape with the checkpoint's metadata before loading, so a
-    checkpoint of another model shape fails with the key and both shapes, not deep in torch."""
-    from megatron.core.dist_checkpointing import load_tensors_metadata
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
+def checkpoint_metadata(ckpt_dir: str) -> dict:
+    """{global key: ShardedTensor} and {unique key: ShardedObject} of what a torch_dist checkpoint holds
+    (no data); CheckpointError when it is not one or its metadata cannot be read."""
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
         raise CheckpointError(f"{ckpt_dir}: not a dist_checkpointing checkpoint (no metadata.json)")
     try:
-        meta = load_tensors_metadata(ckpt_dir)
+        return load_sharded_metadata(ckpt_dir)
     except Exception as e:  # unreadable / truncated .metadata
         raise CheckpointError(f"{ckpt_dir}: cannot read checkpoint metadata: {e}") from e
+
+
+def _sharded_leaves(entry) -> list:
+    """The ShardedTensors / ShardedObjects of one sharded-state-dict entry (factories built: megatron's
+    SwiGLU linear_fc1 is a ShardedTensorFactory whose tensors are what the checkpoint holds)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    out = []
+    for sh in nested_values(entry) if isinstance(entry, (dict, list)) else [entry]:
+        if isinstance(sh, ShardedTensorFactory):
+            out += _sharded_leaves(sh.build())
+        elif isinstance(sh, (ShardedTensor, ShardedObject)):
+            out.append(sh)
+    return out
+
+
+def _in_checkpoint(key: str, meta: dict) -> Optional[str]:
+    return next((k for k in (f"model.{key}", key) if k in meta), None)
+
+
+def is_optional_extra_state(name: str) -> bool:
+    """A module's ``_extra_state`` (Transformer Engine's FP8 scaling state, megatron's placeholders): the
+    local spec has none for its norms, the TE spec one per TE module; a checkpoint that lacks it loads with
+    the module's own (fresh) extra state."""
+    return name.endswith("._extra_state")
+
+
+def missing_extra_states(sharded_sd: dict, meta: dict) -> list[str]:
+    """The local names of ``sharded_sd`` (a model's sharded state dict) whose every shard is an optional
+    extra state the checkpoint does not hold (TE's norm extra states in a local-spec checkpoint)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    out = []
+    for name, entry in sharded_sd.items():
+        leaves = _sharded_leaves(entry)
+        if (leaves and is_optional_extra_state(name) and all(isinstance(sh, ShardedObject) for sh in leaves)
+                and any(_in_checkpoint(sh.unique_key, meta) is None for sh in leaves)):
+            out.append(name)
+    return out
+
+
+def check_compatible(model, ckpt_dir: str, meta: Optional[dict] = None) -> None:
+    """Compare every tensor's global shape with the checkpoint's metadata before loading, so a
+    checkpoint of another model shape fails with the key and both shapes, not deep in torch; a missing
+    tensor or object fails likewise, except optional extra states (is_optional_extra_state), which a
+    load fills from the model (``load_model_state``): a checkpoint moves between the local and the
+    Transformer Engine spec."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    meta = checkpoint_metadata(ckpt_dir) if meta is None else meta
+    sharded_sd = model_sharded_state_dict(model)
+    optional = set(missing_extra_states(sharded_sd, meta))
     missing = []
-    for sh in nested_values(model_sharded_state_dict(model)):
-        if not isinstance(sh, ShardedTensor):
+    for name, entry in sharded_sd.items():
+        if name in optional:
             continue
-        key = f"model.{sh.key}" if f"model.{sh.key}" in meta else sh.key
-        if key not in meta:
-            missing.append(sh.key)
-            continue
-        have = tuple(meta[key].global_shape)
-        if have != tuple(sh.global_shape):
-            raise CheckpointError(
-                f"{ckpt_dir}: tensor {sh.key} has shape {have} in the checkpoint but the model "
-                f"expects {tuple(sh.global_shape)}; was it saved from a different model config?"
-            )
+        for sh in _sharded_leaves(entry):
+            key = _in_checkpoint(sh.unique_key if isinstance(sh, ShardedObject) else sh.key, meta)
+            if key is None:
+                missing.append(sh.key)
+                continue
+            if isinstance(sh, ShardedObject):
+                continue
+            have = tuple(meta[key].global_shape)
+            if have != tuple(sh.global_shape):
+                raise CheckpointError(
+                    f"{ckpt_dir}: tensor {sh.key} has shape {have} in the checkpoint but the model "
+                    f"expects {tuple(sh.global_shape)}; was it saved from a different model config?"
+                )
     if missing:
+        missing = sorted(set(missing))
         raise CheckpointError(f"{ckpt_dir}: checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}")
 
 
+def sharded_state_dict_to_load(model, ckpt_dir: str, meta: dict, sharded_sd: Optional[dict] = None,
+                               prefix: str = "") -> tuple[dict, dict]:
+    """(the sharded state dict to request from ``ckpt_dir``, the optional extra states it lacks, filled from
+    the model: {local name: value}); ``load_model_state`` puts them together for a strict load."""
+    sharded_sd = model_sharded_state_dict(model, prefix=prefix) if sharded_sd is None else sharded_sd
+    absent = missing_extra_states(sharded_sd, meta)
+    if not absent:
+        return sharded_sd, {}
+    own = unwrap(model).state_dict()
+    filled = {name: own[name] for name in absent}
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        log.info("%s holds no extra state for %d module(s) of this model (a checkpoint of the local spec loaded "
+                 "into the Transformer Engine spec): they keep their fresh state (no FP8 scaling history), e.g. %s",
+                 ckpt_dir, len(absent), absent[0])
+    return {k: v for k, v in sharded_sd.items() if k not in filled}, filled
+
+
+def load_model_state(model, loaded: dict, filled: dict) -> None:
+    """Strict load of what the checkpoint gave plus the extra states it lacked (sharded_state_dict_to_load)."""
+    unwrap(model).load_state_dict({**loaded, **filled}, strict=True)
+
+
 def load_model(model, ckpt_dir: str) -> dict:
-    """Collective. Loads weights into ``model`` (any layout); returns the non-tensor extras."""
+    """Collective. Loads weights into ``model`` (any layout, either spec); returns the non-tensor extras."""
     from megatron.core import dist_checkpointing
 
     ckpt_dir = resolve(ckpt_dir)
-    check_compatible(model, ckpt_dir)
-    sd = {"model": model_sharded_state_dict(model)}
-    loaded = dist_checkpointing.load(sd, ckpt_dir)
-    unwrap(model).load_state_dict(loaded.pop("model"), strict=True)
+    meta = checkpoint_metadata(ckpt_dir)
+    check_compatible(model, ckpt_dir, meta)
+    model_sd, filled = sharded_state_dict_to_load(model, ckpt_dir, meta)
+    loaded = dist_checkpointing.load({"model": model_sd}, ckpt_dir)
+    load_model_state(model, loaded.pop("model"), filled)
     return loaded
 
 

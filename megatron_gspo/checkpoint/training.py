@@ -21,7 +21,14 @@ from megatron_gspo.checkpoint.directory import (
     verify_checkpoint,
     write_manifest,
 )
-from megatron_gspo.checkpoint.storage import check_compatible, model_sharded_state_dict, save_strategy
+from megatron_gspo.checkpoint.storage import (
+    check_compatible,
+    checkpoint_metadata,
+    load_model_state,
+    model_sharded_state_dict,
+    save_strategy,
+    sharded_state_dict_to_load,
+)
 from megatron_gspo.errors import CheckpointError
 from megatron_gspo.model import unwrap
 
@@ -112,7 +119,8 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None, extra_mode
         why = verify_checkpoint(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None
         if why is not None:
             raise CheckpointError(f"{path}: {why}")
-    check_compatible(model, path)
+    meta = checkpoint_metadata(path)
+    check_compatible(model, path, meta)
     if optimizer is not None:
         # Weights and Adam moments are stored under global, layout-free keys, but megatron keeps
         # one optimizer per parameter family (dense / expert), and how many exist depends on the
@@ -125,10 +133,15 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None, extra_mode
                 "expert_model_parallel_size > 1); resume with the saving layout's EP, or start from these "
                 f"weights with a fresh optimizer: checkpoint.load={path} checkpoint.resume=false")
     sd = _training_sharded_state_dict(model, optimizer, is_loading=True, extra_models=extra_models)
+    # a checkpoint of the other spec lacks the Transformer Engine extra states (storage.py): requested
+    # only where it holds them, the model's own kept for the rest
+    filled = {}
+    for name, m in [("model", model), *(extra_models or {}).items()]:
+        sd[name], filled[name] = sharded_state_dict_to_load(m, path, meta, sharded_sd=sd[name])
     loaded = dist_checkpointing.load(sd, path)
-    unwrap(model).load_state_dict(loaded["model"], strict=True)
+    load_model_state(model, loaded["model"], filled["model"])
     for name, m in (extra_models or {}).items():
-        unwrap(m).load_state_dict(loaded[name], strict=True)
+        load_model_state(m, loaded[name], filled[name])
     if optimizer is not None:
         if "optimizer" not in loaded:
             raise CheckpointError(f"{path}: has no optimizer state (a weights-only checkpoint?); "

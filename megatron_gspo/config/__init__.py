@@ -27,7 +27,14 @@ from megatron_gspo.config.job import (
 )
 from megatron_gspo.config.loader import apply_overrides, from_dict, load_yaml, parse_overrides, to_dict
 from megatron_gspo.config.rollout import PARTIAL_ROLLOUT_POLICIES, ROLLOUT_MODES, RolloutConfig
-from megatron_gspo.config.model import MODEL_PRESETS, ModelConfig, model_config_from_hf, model_config_from_preset
+from megatron_gspo.config.model import (
+    MODEL_PRESETS,
+    PRECISIONS,
+    ModelConfig,
+    model_config_from_hf,
+    model_config_from_preset,
+    resolve_precision,
+)
 from megatron_gspo.config.sections import (
     ADVANTAGE_ESTIMATOR_NAMES,
     AGG_MODE_LOSSES,
@@ -58,7 +65,7 @@ from megatron_gspo.errors import ConfigError
 
 __all__ = [
     "ADVANTAGE_ESTIMATOR_NAMES", "AGG_MODE_LOSSES", "DEFAULT_CLIP_RATIOS", "DEMO_CONFIG", "LOSS_AGG_MODES", "LOSS_NAMES", "MODEL_PRESETS",
-    "ON_POLICY_RATIO_TOLERANCE", "old_logprob_source",
+    "ON_POLICY_RATIO_TOLERANCE", "PRECISIONS", "old_logprob_source", "resolve_precision",
     "OLD_LOGPROB_SOURCES", "OVERLONG_POLICIES", "ROLLOUT_CORRECTION_LEVELS", "ROLLOUT_CORRECTION_MODES",
     "ROUTING_REPLAY_MODES", "SAPO_TAUS", "TOKEN_RATIO_LOSSES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
     "DataConfig", "EvalConfig", "GenerationConfig", "JobConfig", "LossConfig", "ModelConfig", "OptimizerConfig",

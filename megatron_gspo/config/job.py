@@ -16,7 +16,7 @@ from megatron_gspo.config.loader import (
     no_value_message,
     parse_overrides,
 )
-from megatron_gspo.config.model import ModelConfig, model_config_from_preset
+from megatron_gspo.config.model import ModelConfig, model_config_from_preset, resolve_precision
 from megatron_gspo.config.rollout import RolloutConfig, check_rollout
 from megatron_gspo.config.sections import (
     MIN_SAMPLING_TEMPERATURE,
@@ -139,10 +139,10 @@ class JobConfig:
         rather than when the model is built on every rank (model.resolve_impl says the same there). TE-spec
         models are built on the CPU only construct-only, by tests (model.build_model), never by a job."""
         m = self.model
+        # (te_grouped experts and the fused router are refused for the local spec when the model is built, with
+        # their own messages, on any device)
         for key, bad in (("model.transformer_impl", m.transformer_impl == "transformer_engine"),
-                         ("model.fp8", m.fp8 is not None),
-                         ("model.moe_expert_impl", m.moe_expert_impl == "te_grouped"),
-                         ("model.moe_router_fusion", m.moe_router_fusion)):
+                         ("model.fp8", m.fp8 is not None)):
             check(not bad, f"{key}={getattr(m, key.split('.')[1])!r} needs Transformer Engine's CUDA kernels, but "
                            "parallel.device='cpu': Transformer Engine does not run on the CPU; use parallel.device=auto "
                            "or cuda on a GPU machine, or the local spec on the CPU (model.transformer_impl=local or auto)")
@@ -238,8 +238,11 @@ def old_logprob_source(cfg: JobConfig, device) -> tuple[bool, str]:
         return True, "auto: routing replay R2 records its routes in the old-log-prob pass"
     if t.dynamic_sampling:
         return True, "auto: dynamic sampling keeps rows of several generation rounds"
-    if m.precision != "fp32" or m.fp8:
-        return True, (f"auto: in {m.precision}{' + FP8' if m.fp8 else ''} the decode's rounding differs from the training "
+    # (model.precision=auto: the Trainer resolved it for its device already; a caller that did not gets the
+    # same answer for a device with bf16)
+    precision, _ = resolve_precision(m.precision, "cuda" if str(device).startswith("cuda") else "cpu", True)
+    if precision != "fp32" or m.fp8:
+        return True, (f"auto: in {precision}{' + FP8' if m.fp8 else ''} the decode's rounding differs from the training "
                       "forward's by more than the on-policy tolerance")
     if str(device).startswith("cuda"):
         return True, "auto: fp32 rollout-vs-training agreement is not measured on a GPU"

@@ -12,6 +12,28 @@ from megatron_gspo.errors import ConfigError
 from megatron_gspo.textfile import read_json_object
 
 
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def resolve_precision(precision: str, device_type: str, bf16_supported: bool) -> tuple[str, str]:
+    """The precision a job runs in: ``model.precision`` for a job on ``device_type`` ("cpu" | "cuda"), whose
+    device runs bf16 matmuls (``bf16_supported``) or not -> ("fp32" | "bf16", why, in words for the log).
+
+    "auto" is fp32 on the CPU (the CPU path's measured numbers: fp32 rollout and training log-probs agree to
+    float noise, docs/algorithms.md) and bf16 on a GPU that has it: Transformer Engine's spec runs bf16 GEMMs
+    and fused attention, and without TE the local spec's experts run torch._grouped_mm, which on CUDA takes
+    bf16 only (experts.grouped_mm_available); in fp32 they fall back to a loop over experts with a host sync
+    per layer (2.81 ms vs 6.12 ms per expert layer on an H100, ../shared/notes/h100-first-run.md)."""
+    if precision != "auto":
+        return precision, f"model.precision={precision}"
+    if device_type != "cuda":
+        return "fp32", "auto: fp32 on the CPU"
+    if not bf16_supported:
+        return "fp32", "auto: this GPU has no bf16"
+    return "bf16", ("auto: bf16 on a GPU (Transformer Engine's kernels and torch._grouped_mm experts run in bf16; "
+                    "set model.precision=fp32 for fp32)")
+
+
 @dataclass
 class ModelConfig:
     """Architecture of a Qwen3-MoE-family decoder (all layers MoE), in Megatron's argument names."""
@@ -55,8 +77,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     # Implementation: "auto" picks Transformer Engine when TE and CUDA are both present.
     transformer_impl: str = "auto"
-    # Numerics: "fp32" | "bf16". FP8 (TE only) is "e4m3" | "hybrid" with a recipe.
-    precision: str = "fp32"
+    # Numerics: "fp32" | "bf16" | "auto" (fp32 on the CPU, bf16 on a GPU that has it: resolve_precision).
+    # FP8 (TE only) is "e4m3" | "hybrid" with a recipe, in bf16.
+    precision: str = "auto"
     fp8: Optional[str] = None
     fp8_recipe: str = "delayed"
     # Activation recompute (Megatron names): None | "selective" | "full".
@@ -89,7 +112,7 @@ class ModelConfig:
         choice("model.moe_expert_impl", self.moe_expert_impl, ("auto", "sequential", "batched", "te_grouped"))
         choice("model.attention_impl", self.attention_impl, ("auto", "sdpa", "unfused"))
         choice("model.transformer_impl", self.transformer_impl, ("auto", "local", "transformer_engine"))
-        choice("model.precision", self.precision, ("fp32", "bf16"))
+        choice("model.precision", self.precision, PRECISIONS)
         choice("model.fp8", self.fp8, (None, "e4m3", "hybrid"))
         choice("model.fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise", "mxfp8", "blockwise"))
         choice("model.recompute_granularity", self.recompute_granularity, (None, "selective", "full"))
@@ -147,7 +170,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
         vocab_size=128, make_vocab_size_divisible_by=128, max_position_embeddings=512,
         rotary_base=10000.0, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
-        precision="fp32",
+        precision="auto",  # fp32 on the CPU (the tested CPU numbers), bf16 on a GPU (resolve_precision)
     ),
 }
 

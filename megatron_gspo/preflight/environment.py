@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo.preflight.context import NO_CUDA, NO_TE, Context, bf16_support, need_fp8
+from megatron_gspo.preflight.context import Context, bf16_support, need_fp8
 from megatron_gspo.preflight.runner import Skip
 from megatron_gspo.sysinfo import machine_info, package_version
 
@@ -52,18 +52,24 @@ def check_fp8(ctx: Context):
 
 
 def check_auto_impl(ctx: Context):
-    """What ``auto`` resolves to for the job's model here, and why (TE needs TE and CUDA)."""
+    """Which spec, experts and precision the job's model runs here, and why (model.resolve_impl / impl_reason
+    and job_precision: the code the trainer runs). Where Transformer Engine is installed but does not import,
+    the reason is its import error (compat.te_status), not a bare "not installed"."""
+    from megatron_gspo.compat import te_status
     from megatron_gspo.experts import grouped_mm_available
-    from megatron_gspo.model import have_te, resolve_dispatcher, resolve_expert_impl, resolve_impl
+    from megatron_gspo.model import impl_reason, job_precision, resolve_dispatcher, resolve_expert_impl, resolve_impl
 
     cfg = ctx.job("auto_impl").model
     impl = resolve_impl(cfg, ctx.device)
     experts = resolve_expert_impl(cfg, impl)
+    precision, precision_why = job_precision(cfg, ctx.device)
     data = {"transformer_impl": impl, "moe_expert_impl": experts,
-            "moe_token_dispatcher_type": resolve_dispatcher(cfg, ctx.device)}
+            "moe_token_dispatcher_type": resolve_dispatcher(cfg, ctx.device), "precision": precision}
     if experts == "batched":
-        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         data["batched_gemm"] = "torch._grouped_mm" if grouped_mm_available(ctx.device, dtype) else "loop of torch.mm"
-    why = None if impl == "transformer_engine" else (NO_CUDA if not ctx.cuda else NO_TE if not have_te() else None)
-    value = ", ".join(f"{k}={v}" for k, v in data.items()) + (f" (local spec: {why})" if why else "")
+    why = impl_reason(cfg, ctx.device)
+    data.update(spec_reason=why, precision_reason=precision_why, transformer_engine=te_status()[1])
+    shown = ("transformer_impl", "moe_expert_impl", "moe_token_dispatcher_type", "precision", "batched_gemm")
+    value = ", ".join(f"{k}={data[k]}" for k in shown if k in data) + f" ({impl} spec: {why})"
     return value, data

@@ -48,30 +48,33 @@ def run_steps(cfg) -> tuple[dict, dict]:
     return history[-1], shapes.steps[-1]
 
 
-def _step_summary(m: dict, shape: dict, cfg) -> tuple[str, dict]:
+def _step_summary(m: dict, shape: dict, cfg, device) -> tuple[str, dict]:
+    from megatron_gspo.model import job_precision
+
+    precision = job_precision(cfg.model, device)[0]  # what the job ran in (model.precision=auto resolved)
     loss, gnorm = m["loss/loss"], m["train/grad_norm"]
     if not (math.isfinite(loss) and math.isfinite(gnorm)) or m["train/skipped_updates"]:
         raise RuntimeError(f"non-finite step: loss {loss}, grad norm {gnorm}, {m['train/skipped_updates']:.0f} "
                            "update(s) skipped")
     data = {"loss": loss, "grad_norm": gnorm, "reward_mean": m["rollout/reward_mean"],
             "rows": shape["rows"], "seq_len": shape["width"] + 1, "step_time_s": m["perf/step_time_s"],
-            "model": cfg.model.preset, "precision": cfg.model.precision, "fp8": cfg.model.fp8}
+            "model": cfg.model.preset, "precision": precision, "fp8": cfg.model.fp8}
     value = (f"loss {loss:.4g}, grad norm {gnorm:.3g}, reward {data['reward_mean']:.3f}, {shape['rows']} rows x "
-             f"{data['seq_len']} tokens, {data['step_time_s']:.2f} s ({cfg.model.preset}, {cfg.model.precision}"
+             f"{data['seq_len']} tokens, {data['step_time_s']:.2f} s ({cfg.model.preset}, {precision}"
              f"{', fp8 ' + cfg.model.fp8 if cfg.model.fp8 else ''})")
     return value, data
 
 
 def check_rl_step(ctx: Context):
     cfg = ctx.job("rl_step")
-    return _step_summary(*run_steps(cfg), cfg)
+    return _step_summary(*run_steps(cfg), cfg, ctx.device)
 
 
 def check_rl_step_fp8(ctx: Context):
     need_fp8(ctx)
     # the demo's tiny model in bf16 + FP8 GEMMs (TE needs the bf16 path under FP8)
     cfg = ctx.job("rl_step_fp8", "model.precision=bf16", *FP8)
-    return _step_summary(*run_steps(cfg), cfg)
+    return _step_summary(*run_steps(cfg), cfg, ctx.device)
 
 
 # ----------------------------------------------------------------------------------------------

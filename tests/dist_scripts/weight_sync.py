@@ -8,9 +8,14 @@ trainer from another seed (the "trained" weights: every tensor differs before th
 streams its weights (tiny buckets: many of them, and tensors larger than a bucket) and each side saves
 its weights with dist_checkpointing (global keys) to DIR/<pair>/trainer and DIR/<pair>/rollout.
 Prints SYNCED <pair> <rank> <bytes> <buckets> per rank.
+
+``--te SIDES`` (once per pair, in order; tests/te/, where Transformer Engine imports): the sides named
+("trainer", "rollout", "both" or "none") build the Transformer Engine spec construct-only on the CPU
+(model.build_model(construct_only=True)) instead of the local spec.
 """
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -32,7 +37,9 @@ def main():
     ap.add_argument("--rollout-ranks", type=int, required=True)
     ap.add_argument("--pair", action="append", required=True)
     ap.add_argument("--bucket-mb", type=float, default=0.01)
+    ap.add_argument("--te", action="append", default=[], choices=("none", "trainer", "rollout", "both"))
     a = ap.parse_args()
+    te_sides = a.te + ["none"] * (len(a.pair) - len(a.te))
     base = ["rollout.mode=async", f"rollout.world_size={a.rollout_ranks}", "rollout.max_staleness=0",
             f"rollout.weight_sync_bucket_mb={a.bucket_mb}"]
     side = None
@@ -46,7 +53,9 @@ def main():
         st = parallel.initialize(cfg.model, par, side=side)
         if side.control is None:
             side.open_bridge(st.device)
-        model = build_model(cfg.model, par, st)
+        te = te_sides[i] in ("both", side.role)
+        model_cfg = dataclasses.replace(cfg.model, transformer_impl="transformer_engine") if te else cfg.model
+        model = build_model(model_cfg, par, st, construct_only=te)
         bucket = int(cfg.rollout.weight_sync_bucket_mb * 2**20)
         if side.role == ROLLOUT:
             end = WeightReceiver(model, st, side.sync_pg, bucket)
