@@ -41,7 +41,6 @@ __all__ = ["DecodeBackend", "LeanBackend", "MegatronBackend", "make_backend"]
 class DecodeBackend:
     """See the module docstring."""
 
-    name = "?"
     records_routes = False
 
     def context(self) -> contextlib.AbstractContextManager:
@@ -63,13 +62,11 @@ class DecodeBackend:
 class LeanBackend(DecodeBackend):
     """decode.LeanDecoder behind the interface (its left padding is a buffer of the decoder)."""
 
-    name = "lean"
-
     def __init__(self, m, batch: int, slots: int, max_position: int, left_pad: torch.Tensor, *,
-                 static: bool = False, graphs: bool = False, record_routes: bool = False) -> None:
+                 graphs: bool = False, record_routes: bool = False) -> None:
         from megatron_gspo.decode import LeanDecoder
 
-        self.dec = LeanDecoder(m, batch, slots, max_position, static=static, graphs=graphs,
+        self.dec = LeanDecoder(m, batch, slots, max_position, graphs=graphs,
                                record_routes=record_routes and all(d is not None for d in _device_moes(m)))
         self.dec.set_left_pad(left_pad)
         self.records_routes = self.dec.record_routes
@@ -98,8 +95,6 @@ def _device_moes(m) -> list:
 
 class MegatronBackend(DecodeBackend):
     """GPTModel.forward with megatron's StaticInferenceContext (see generation.py's module doc)."""
-
-    name = "megatron"
 
     def __init__(self, m, batch: int, slots: int, positions: torch.Tensor, key_pad: torch.Tensor, ragged: bool) -> None:
         from megatron.core.inference.contexts import StaticInferenceContext
@@ -148,7 +143,7 @@ def make_backend(m, cfg, batch: int, slots: int, positions: torch.Tensor, key_pa
     real prompts are left-padded; record_routes: the caller wants each forward's routes."""
     from megatron_gspo.decode import lean_decode_unsupported
 
-    graphs = getattr(cfg, "cuda_graphs", False)
+    graphs = cfg.cuda_graphs
     if cfg.decode_impl != "megatron":
         # Routing recorders work on either path: the lean step hands its routes over explicitly and
         # calls each layer's router module (forward hooks included) in eager steps.

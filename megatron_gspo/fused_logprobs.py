@@ -2,7 +2,7 @@
 
 ``vocab_parallel_logprobs`` (logprobs.py) starts from logits, so the [tokens, V/tp] logits exist in
 full: for a 2B-class model at micro-batch 64 x 576 tokens they are 11 GB in bf16, and their
-gradient as much again (the H100 run of issue 23 ran out of memory there). Here the output layer's
+gradient as much again (enough to run an 80 GB H100 out of memory). Here the output layer's
 GEMM runs inside the log-prob function, one vocabulary chunk at a time:
 
     forward   for each chunk c of this rank's vocabulary rows W_c [v_c, h]:

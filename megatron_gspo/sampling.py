@@ -19,9 +19,8 @@ Counter-based noise
 Work per draw (b rows, vocabulary V)
     one fp32 copy of the logits (scaled in place by the temperature), one logsumexp reduction for the
     recorded log-prob, the softmax of the (filtered) draw distribution, its float64 cumulative sum and
-    a binary search per row. Until issue 23 the log-prob came from a materialized [b, V] log-softmax
-    (one more [b, V] write and a separate temperature copy); the drawn tokens are unchanged
-    (tests/test_sampling.py compares them with that implementation, draw for draw).
+    a binary search per row; no [b, V] log-softmax is materialised (tests/test_sampling.py checks the
+    drawn tokens against a reference that does materialise it, draw for draw).
 
 Drawing
     Inverse-CDF sampling: the token is the first ``v`` whose cumulative probability (float64 cumsum)

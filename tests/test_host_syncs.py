@@ -1,12 +1,12 @@
-"""No host synchronisation in the hot loops that a device-side flag or a batched check can replace
-(issue 23), counted on the CPU with tests/host_syncs.py (what would wait for the GPU on CUDA):
+"""No host synchronisation in the hot loops that a device-side flag or a batched check can replace,
+counted on the CPU with tests/host_syncs.py (what would wait for the GPU on CUDA):
 
-- the trainer's minibatch: the non-finite guard is one vote per minibatch (was: one ``bool()`` per
-  parameter, and a ``nonzero().tolist()`` per micro-batch);
+- the trainer's minibatch: the non-finite guard is one vote per minibatch (not a ``bool()`` per
+  parameter, nor a ``nonzero().tolist()`` per micro-batch);
 - the decode loop: finished rows are checked every ``generation.finished_check_interval`` tokens
-  (was: an ``.item()`` per token), the lean decode step (its MoE layers included) and the R3 route
-  recorder make none (was: megatron's expert-count ``.cpu()`` / ``.tolist()`` per layer and a
-  ``.cpu()`` of the rows per step after compaction).
+  (not an ``.item()`` per token), the lean decode step (its MoE layers included) and the R3 route
+  recorder make none (no expert-count ``.cpu()`` / ``.tolist()`` per layer as megatron's MoE layer
+  makes, no ``.cpu()`` of the rows per step after compaction).
 """
 
 import os
