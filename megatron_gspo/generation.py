@@ -298,6 +298,58 @@ class _Lockstep:
 # ----------------------------------------------------------------------------------------------
 
 
+class Generator:
+    """Generation on one model, call after call: a rollout source, an evaluator and an asynchronous
+    rollout rank each keep one for the job (``generate()`` alone builds a throwaway one).
+
+    The lean decoder (decode.LeanDecoder: its RoPE table, its MoE wrappers, its buffers) is built at the
+    first call and kept. With ``generation.cuda_graphs`` its KV cache and its captured decode steps are
+    kept too (a graph reads the buffers it was captured on), so the steps are captured once per job;
+    a call that needs more rows or KV slots than the decoder holds grows it once (logged: the steps are
+    captured again). Without graphs the KV cache is allocated per call, sized to it, and freed after
+    (training reuses that memory). The weights are read where they are at each call (an optimizer step
+    updates them in place; decode.LeanDecoder.begin). megatron's path (``MegatronBackend``) keeps
+    nothing: its context is built per call.
+
+    model / vocab_size / state: as ``generate``'s. rows / slots: the most rows and KV slots (prompt
+    block + max_new_tokens - 1) the caller will ask for, when it knows them (sizes a graph-mode decoder
+    at its first call so that it never grows; 0: the first call's). graph_factory: the capture
+    mechanism (None: CUDA graphs; tests pass a CPU stand-in)."""
+
+    def __init__(self, model, *, vocab_size: int, state=None, rows: int = 0, slots: int = 0,
+                 graph_factory: Optional[Callable[[], object]] = None) -> None:
+        self.model, self.vocab_size, self.state = model, vocab_size, state
+        self.rows, self.slots, self.graph_factory = rows, slots, graph_factory
+        self._dec = None
+        self._dec_graphs: Optional[bool] = None  # the cuda_graphs setting the kept decoder was built for
+
+    def generate(self, prompts: Sequence[Union[Sequence[int], torch.Tensor]], cfg: GenerationConfig,
+                 **kw) -> GenerationOutput:
+        """``generate(model, prompts, cfg, ...)`` on the kept decoder (keywords: seed, row_keys,
+        on_forward, should_stop, poll, on_update). ``cfg`` may change between calls (the evaluator's
+        greedy and sampled passes); a change of ``cuda_graphs`` builds the decoder again."""
+        return generate(self.model, prompts, cfg, vocab_size=self.vocab_size, state=self.state, generator=self, **kw)
+
+    def lean_decoder(self, graphs: bool, batch: int, slots: int):
+        """The kept LeanDecoder for a call of ``batch`` rows and ``slots`` KV slots (built at the first
+        call, or when cuda_graphs changed; ``LeanDecoder.begin`` grows it)."""
+        from megatron_gspo.decode import LeanDecoder
+        from megatron_gspo.model import unwrap
+
+        if self._dec is None or self._dec_graphs != graphs:
+            if graphs:
+                batch, slots = max(batch, self.rows), max(slots, self.slots)
+            self._dec = None  # a graph-mode decoder's buffers go before the next one's are allocated
+            self._dec = LeanDecoder(unwrap(self.model), batch, slots, slots, graphs=graphs,
+                                    graph_factory=self.graph_factory)
+            self._dec_graphs = graphs
+        return self._dec
+
+    def close(self) -> None:
+        """Free the kept decoder (its KV cache and captured graphs); a later call builds a new one."""
+        self._dec = self._dec_graphs = None
+
+
 def _takes_routes(fn: Callable) -> bool:
     """Whether an on_forward callback accepts the forward's routes (a ``routes`` keyword)."""
     try:
@@ -318,281 +370,226 @@ def generate(
     *,
     vocab_size: int,
     state=None,
-    **kw,
+    seed: Optional[int] = None,
+    row_keys: Optional[Sequence[int]] = None,
+    on_forward: Optional[OnForward] = None,
+    should_stop: Optional[Callable[[], bool]] = None,
+    poll: Optional[Callable[[], tuple[bool, bool]]] = None,
+    on_update: Optional[Callable[[int], None]] = None,
+    generator: Optional["Generator"] = None,
 ) -> GenerationOutput:
-    """``Generator(model, ...).generate(prompts, cfg, **kw)`` once: a throwaway decoder (tests, tools,
-    one-off generations; a job keeps a Generator for its rollouts)."""
-    return Generator(model, vocab_size=vocab_size, state=state).generate(prompts, cfg, **kw)
+    """Sample ``cfg.n_samples_per_prompt`` responses for every prompt with a KV cache.
 
+    Args:
+        model: this rank's GPTModel shard (DDP/Float16Module wrappers are unwrapped); its training
+            mode and sequence-parallel attributes are restored on return.
+        prompts: token-id lists (or 1-D tensors), at least one token each; any lengths.
+            Every rank of a TP group must pass the same prompts; DP ranks pass their own.
+        cfg: sampling settings.
+        vocab_size: the real vocabulary size (padded embedding columns are never sampled).
+        state: ``parallel.ParallelState`` (None: one process, no model parallelism).
+        seed: overrides ``cfg.seed`` (e.g. a function of ``cfg.seed`` and the step for fresh samples each step).
+        row_keys: one non-negative integer per output row (len(prompts) x n_samples_per_prompt) naming
+            the sample for the sampling noise (sampling.counter_uniform); the trainer passes global
+            row indices, so a sample's tokens do not depend on which rank draws it or beside which rows.
+            Default: 0, 1, 2, ... in output-row order.
+        on_forward: ``f(step_idx, kind, rows)`` called after each model forward (see the module doc).
+        should_stop: read at every check of finished rows (every ``finished_check_interval`` decode
+            steps; a flag, no work); once it is True on any rank of the lockstep group, decoding stops
+            there on all of them and the output is ``abandoned``. The decision rides on the check's
+            existing "rows still generating" all-reduce (no extra collective); without TP/EP the rank
+            decides alone.
+        poll / on_update: weight updates between decode steps (an asynchronous rollout rank): ``poll()``
+            -> (an update is pending, stop) on this rank, read once at every check in place of
+            ``should_stop``; when any rank of the lockstep group has an update pending, every rank calls
+            ``on_update(step)`` there, between decode forward ``step`` (the last under the old weights)
+            and the next. Both ride on the same vote (one more element in its all-reduce).
+        generator: the ``Generator`` whose lean decoder this call runs (``Generator.generate`` passes
+            itself; None: a throwaway one, for a one-off generation).
+    Collective when ``state`` has TP or EP > 1: every rank of the layout must call it.
+    """
+    from megatron_gspo.model import unwrap
 
-class Generator:
-    """Generation on one model, call after call: a rollout source, an evaluator and an asynchronous
-    rollout rank each keep one for the job.
+    if poll is not None and (should_stop is not None or on_update is None):
+        raise ValueError("generate(): poll replaces should_stop and needs on_update")
+    if generator is None:
+        generator = Generator(model, vocab_size=vocab_size, state=state)
+    t_start = time.perf_counter()
+    m = unwrap(model)
+    ids = [_as_list(p) for p in prompts]
+    if not ids:
+        raise ValueError("generate(): no prompts")
+    for i, p in enumerate(ids):
+        if len(p) == 0:
+            raise ValueError(f"generate(): prompt {i} is empty")
+        if min(p) < 0 or max(p) >= vocab_size:
+            raise ValueError(f"generate(): prompt {i} has a token id outside [0, vocab_size={vocab_size})")
+    sync = _Lockstep(state)
+    G, pad = cfg.n_samples_per_prompt, cfg.pad_id
+    device = state.device if state is not None else next(m.parameters()).device
+    n_real = len(ids) * G
+    lens_real = torch.tensor([len(p) for p in ids], dtype=torch.long, device=device).repeat_interleave(G)
+    keys = torch.arange(n_real, dtype=torch.long) if row_keys is None else torch.as_tensor(list(row_keys), dtype=torch.long)
+    if keys.shape != (n_real,) or bool((keys < 0).any()):
+        raise ValueError(f"generate(): row_keys needs {n_real} non-negative integers (one per output row), "
+                         f"got {tuple(keys.shape)}")
 
-    The lean decoder (decode.LeanDecoder: its RoPE table, its MoE wrappers, its buffers) is built at the
-    first call and kept. With ``generation.cuda_graphs`` its KV cache and its captured decode steps are
-    kept too (a graph reads the buffers it was captured on), so the steps are captured once per job;
-    a call that needs more rows or KV slots than the decoder holds grows it once (logged: the steps are
-    captured again). Without graphs the KV cache is allocated per call, sized to it, and freed after
-    (training reuses that memory). The weights are read where they are at each call (an optimizer step
-    updates them in place; decode.LeanDecoder.begin). megatron's path (``MegatronBackend``) keeps
-    nothing: its context is built per call.
+    # every rank of the lockstep group needs the same [batch, prompt block] shapes
+    shape = sync.all_reduce_max(torch.tensor([n_real, int(lens_real.max())], dtype=torch.long, device=device),
+                                what="generate(): batch and prompt-block shape")
+    # FP8 GEMMs need rows x tokens divisible by the recipe's alignment (fp8_alignment.py): filler rows,
+    # like the EP lockstep's dummy rows, make every decode step (rows x 1) and the prefill divide
+    align = fp8_alignment.token_alignment(m.config)
+    B, P = fp8_alignment.padded_rows(int(shape[0]), align), int(shape[1])
+    S = P + cfg.max_new_tokens  # columns of the internal grid; the KV cache needs S - 1 slots
+    max_len = getattr(m, "max_sequence_length", None)
+    if max_len is not None and S - 1 > max_len:
+        raise ValueError(f"generate(): longest prompt ({P}) + generation.max_new_tokens ({cfg.max_new_tokens}) "
+                         f"- 1 = {S - 1} exceeds the model's max_position_embeddings={max_len}")
 
-    model: this rank's GPTModel shard (DDP/Float16Module wrappers are unwrapped); its training mode and
-    sequence-parallel attributes are restored after each call. vocab_size: the real vocabulary size
-    (padded embedding columns are never sampled). state: ``parallel.ParallelState`` (None: one process,
-    no model parallelism).
-    rows / slots: the most rows and KV slots (prompt block + max_new_tokens - 1) the caller will ask
-    for, when it knows them (sizes a graph-mode decoder at its first call so that it never grows;
-    0: the first call's). graph_factory: the capture mechanism (tests: a CPU stand-in)."""
+    lens = torch.ones(B, dtype=torch.long, device=device)  # dummy rows (EP shape padding): one pad token
+    lens[:n_real] = lens_real
+    # dummy rows get keys past every real one (their draws are never returned)
+    keys = torch.cat([keys, int(keys.max()) + 1 + torch.arange(B - n_real, dtype=torch.long)]).to(device)
+    grid = torch.full((B, S), pad, dtype=torch.long)
+    for i, p in enumerate(ids):  # built on the host row by row, moved once
+        grid[i * G:(i + 1) * G, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+    grid = grid.to(device)
+    sync.check_same_prompts_in_tp(grid[:n_real, :P], lens_real)
+    left_pad = P - lens  # [B]
+    slots = torch.arange(S - 1, device=device)
+    key_pad = slots[None, :] < left_pad[:, None]  # [B, S-1], True = padding slot, never attended
+    positions = (slots[None, :] - left_pad[:, None]).clamp(min=0)  # true position of each slot
 
-    def __init__(self, model, *, vocab_size: int, state=None, rows: int = 0, slots: int = 0,
-                 graph_factory: Optional[Callable[[], object]] = None) -> None:
-        self.model, self.vocab_size, self.state = model, vocab_size, state
-        self.rows, self.slots, self.graph_factory = rows, slots, graph_factory
-        self._dec = None
-        self._dec_graphs: Optional[bool] = None  # the cuda_graphs setting the kept decoder was built for
+    stop = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    done[n_real:] = True
+    stopped = torch.zeros(B, dtype=torch.bool, device=device)
+    resp_len = torch.zeros(B, dtype=torch.long, device=device)
+    lp_grid = torch.zeros(B, cfg.max_new_tokens, dtype=torch.float32, device=device)
 
-    def _lean_decoder(self, graphs: bool, batch: int, slots: int):
-        """The kept LeanDecoder (built at the first call, or when cuda_graphs changes between calls)."""
-        from megatron_gspo.decode import LeanDecoder
-        from megatron_gspo.model import unwrap
+    noise_seed = cfg.seed if seed is None else seed
+    # the per-step checks of finished rows (and the lockstep vote) cost a host sync each: every
+    # ``every`` tokens (rows that finish in between are fed pad tokens; results do not change)
+    every = cfg.finished_check_interval or (4 if device.type == "cuda" else 1)
+    no_stop = None
+    if cfg.min_new_tokens > 0 and stop.numel():  # the draw only: log-probs stay unrestricted
+        no_stop = torch.ones(vocab_size, dtype=torch.bool, device=device)
+        no_stop[stop] = False
+    all_rows = torch.arange(B, device=device)
+    wants_routes = on_forward is not None and _takes_routes(on_forward)
+    n_fwd, prefill_s, row_steps, abandoned = 0, 0.0, 0, False
+    # The rows in the decode batch, in the KV cache's row order (None: all B, in order). Finished rows
+    # leave it (compaction, below); every per-row tensor stays indexed by the original row.
+    live: Optional[torch.Tensor] = None
+    compact_at = cfg.compact_finished_rows
 
-        if self._dec is None or self._dec_graphs != graphs:
-            if graphs:
-                batch, slots = max(batch, self.rows), max(slots, self.slots)
-            self._dec = None  # (a graph-mode decoder's buffers go before the next one's are allocated)
-            self._dec = LeanDecoder(unwrap(self.model), batch, slots, slots, graphs=graphs,
-                                    graph_factory=self.graph_factory)
-            self._dec_graphs = graphs
-        return self._dec
+    def pick(logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row_keys = keys if live is None else keys[live]
+        noise = None if cfg.greedy else counter_uniform(noise_seed, row_keys, position)
+        allowed = no_stop if position < cfg.min_new_tokens else None
+        tok, lp = sample_tokens(logits, cfg.temperature, cfg.top_k, cfg.top_p, noise, allowed=allowed)
+        if sync.tp_group is not None:  # one sample per TP group, bitwise (logits may differ in the last bit)
+            packed = sync.broadcast_tp(torch.stack([tok.double(), lp.double()]))
+            tok, lp = packed[0].long(), packed[1].float()
+        return tok, lp
 
-    def close(self) -> None:
-        """Free the kept decoder (its KV cache and captured graphs); a later call builds a new one."""
-        self._dec = self._dec_graphs = None
+    def notify(step: int, kind: str) -> None:
+        if on_forward is None:
+            return
+        if wants_routes:
+            on_forward(step, kind, live, routes=backend.last_routes(B if live is None else live.numel(),
+                                                                    prefill=kind == "prefill"))
+        else:
+            on_forward(step, kind, live)
 
-    def generate(
-        self,
-        prompts: Sequence[Union[Sequence[int], torch.Tensor]],
-        cfg: GenerationConfig,
-        *,
-        seed: Optional[int] = None,
-        row_keys: Optional[Sequence[int]] = None,
-        on_forward: Optional[OnForward] = None,
-        should_stop: Optional[Callable[[], bool]] = None,
-        poll: Optional[Callable[[], tuple[bool, bool]]] = None,
-        on_update: Optional[Callable[[int], None]] = None,
-    ) -> GenerationOutput:
-        """Sample ``cfg.n_samples_per_prompt`` responses for every prompt with a KV cache.
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
+        stack.enter_context(_eval_mode(m))
+        stack.enter_context(_without_sequence_parallel(m))
+        backend = make_backend(m, cfg, B, S - 1, positions, key_pad, left_pad,
+                               ragged=bool((left_pad[:n_real] > 0).any()), record_routes=wants_routes,
+                               lean_decoder=generator.lean_decoder)
+        stack.enter_context(backend.context())
 
-        Args:
-            prompts: token-id lists (or 1-D tensors), at least one token each; any lengths.
-                Every rank of a TP group must pass the same prompts; DP ranks pass their own.
-            cfg: sampling settings (``decode_impl`` / ``cuda_graphs`` may change between calls: the kept
-                decoder is then built again).
-            seed: overrides ``cfg.seed`` (e.g. a function of ``cfg.seed`` and the step for fresh samples each step).
-            row_keys: one non-negative integer per output row (len(prompts) x n_samples_per_prompt) naming
-                the sample for the sampling noise (sampling.counter_uniform); the trainer passes global
-                row indices, so a sample's tokens do not depend on which rank draws it or beside which rows.
-                Default: 0, 1, 2, ... in output-row order.
-            on_forward: ``f(step_idx, kind, rows)`` called after each model forward (see the module doc).
-            should_stop: read at every check of finished rows (every ``finished_check_interval`` decode
-                steps; a flag, no work); once it is True on any rank of the lockstep group, decoding stops
-                there on all of them and the output is ``abandoned``. The decision rides on the check's
-                existing "rows still generating" all-reduce (no extra collective); without TP/EP the rank
-                decides alone.
-            poll / on_update: weight updates between decode steps (an asynchronous rollout rank): ``poll()``
-                -> (an update is pending, stop) on this rank, read once at every check in place of
-                ``should_stop``; when any rank of the lockstep group has an update pending, every rank calls
-                ``on_update(step)`` there, between decode forward ``step`` (the last under the old weights)
-                and the next. Both ride on the same vote (one more element in its all-reduce).
-        Collective when ``state`` has TP or EP > 1: every rank of the layout must call it.
-        """
-        if poll is not None and (should_stop is not None or on_update is None):
-            raise ValueError("generate(): poll replaces should_stop and needs on_update")
-        return self._generate(prompts, cfg, seed, row_keys, on_forward, should_stop, poll, on_update)
-
-    def _generate(self, prompts, cfg, seed, row_keys, on_forward, should_stop, poll, on_update) -> GenerationOutput:
-        # (the body of generate(); one function so that the loop below reads top to bottom)
-        from megatron_gspo.model import unwrap
-
-        vocab_size, state = self.vocab_size, self.state
-        t_start = time.perf_counter()
-        m = unwrap(self.model)
-        ids = [_as_list(p) for p in prompts]
-        if not ids:
-            raise ValueError("generate(): no prompts")
-        for i, p in enumerate(ids):
-            if len(p) == 0:
-                raise ValueError(f"generate(): prompt {i} is empty")
-            if min(p) < 0 or max(p) >= vocab_size:
-                raise ValueError(f"generate(): prompt {i} has a token id outside [0, vocab_size={vocab_size})")
-        sync = _Lockstep(state)
-        G, pad = cfg.n_samples_per_prompt, cfg.pad_id
-        device = state.device if state is not None else next(m.parameters()).device
-        n_real = len(ids) * G
-        lens_real = torch.tensor([len(p) for p in ids], dtype=torch.long, device=device).repeat_interleave(G)
-        keys = torch.arange(n_real, dtype=torch.long) if row_keys is None else torch.as_tensor(list(row_keys), dtype=torch.long)
-        if keys.shape != (n_real,) or bool((keys < 0).any()):
-            raise ValueError(f"generate(): row_keys needs {n_real} non-negative integers (one per output row), "
-                             f"got {tuple(keys.shape)}")
-
-        # every rank of the lockstep group needs the same [batch, prompt block] shapes
-        shape = sync.all_reduce_max(torch.tensor([n_real, int(lens_real.max())], dtype=torch.long, device=device),
-                                    what="generate(): batch and prompt-block shape")
-        # FP8 GEMMs need rows x tokens divisible by the recipe's alignment (fp8_alignment.py): filler rows,
-        # like the EP lockstep's dummy rows, make every decode step (rows x 1) and the prefill divide
-        align = fp8_alignment.token_alignment(m.config)
-        B, P = fp8_alignment.padded_rows(int(shape[0]), align), int(shape[1])
-        S = P + cfg.max_new_tokens  # columns of the internal grid; the KV cache needs S - 1 slots
-        max_len = getattr(m, "max_sequence_length", None)
-        if max_len is not None and S - 1 > max_len:
-            raise ValueError(f"generate(): longest prompt ({P}) + generation.max_new_tokens ({cfg.max_new_tokens}) "
-                             f"- 1 = {S - 1} exceeds the model's max_position_embeddings={max_len}")
-
-        lens = torch.ones(B, dtype=torch.long, device=device)  # dummy rows (EP shape padding): one pad token
-        lens[:n_real] = lens_real
-        # dummy rows get keys past every real one (their draws are never returned)
-        keys = torch.cat([keys, int(keys.max()) + 1 + torch.arange(B - n_real, dtype=torch.long)]).to(device)
-        grid = torch.full((B, S), pad, dtype=torch.long)
-        for i, p in enumerate(ids):  # built on the host row by row, moved once
-            grid[i * G:(i + 1) * G, P - len(p):P] = torch.tensor(p, dtype=torch.long)
-        grid = grid.to(device)
-        sync.check_same_prompts_in_tp(grid[:n_real, :P], lens_real)
-        left_pad = P - lens  # [B]
-        slots = torch.arange(S - 1, device=device)
-        key_pad = slots[None, :] < left_pad[:, None]  # [B, S-1], True = padding slot, never attended
-        positions = (slots[None, :] - left_pad[:, None]).clamp(min=0)  # true position of each slot
-
-        stop = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        done[n_real:] = True
-        stopped = torch.zeros(B, dtype=torch.bool, device=device)
-        resp_len = torch.zeros(B, dtype=torch.long, device=device)
-        lp_grid = torch.zeros(B, cfg.max_new_tokens, dtype=torch.float32, device=device)
-
-        noise_seed = cfg.seed if seed is None else seed
-        # the per-step checks of finished rows (and the lockstep vote) cost a host sync each: every
-        # ``every`` tokens (rows that finish in between are fed pad tokens; results do not change)
-        every = cfg.finished_check_interval or (4 if device.type == "cuda" else 1)
-        no_stop = None
-        if cfg.min_new_tokens > 0 and stop.numel():  # the draw only: log-probs stay unrestricted
-            no_stop = torch.ones(vocab_size, dtype=torch.bool, device=device)
-            no_stop[stop] = False
-        all_rows = torch.arange(B, device=device)
-        wants_routes = on_forward is not None and _takes_routes(on_forward)
-        n_fwd, prefill_s, row_steps, abandoned = 0, 0.0, 0, False
-        # The rows in the decode batch, in the KV cache's row order (None: all B, in order). Finished rows
-        # leave it (compaction, below); every per-row tensor stays indexed by the original row.
-        live: Optional[torch.Tensor] = None
-        compact_at = cfg.compact_finished_rows
-
-        def pick(logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-            row_keys = keys if live is None else keys[live]
-            noise = None if cfg.greedy else counter_uniform(noise_seed, row_keys, position)
-            allowed = no_stop if position < cfg.min_new_tokens else None
-            tok, lp = sample_tokens(logits, cfg.temperature, cfg.top_k, cfg.top_p, noise, allowed=allowed)
-            if sync.tp_group is not None:  # one sample per TP group, bitwise (logits may differ in the last bit)
-                packed = sync.broadcast_tp(torch.stack([tok.double(), lp.double()]))
-                tok, lp = packed[0].long(), packed[1].float()
-            return tok, lp
-
-        def notify(step: int, kind: str) -> None:
-            if on_forward is None:
-                return
-            if wants_routes:
-                on_forward(step, kind, live, routes=backend.last_routes(B if live is None else live.numel(),
-                                                                        prefill=kind == "prefill"))
-            else:
-                on_forward(step, kind, live)
-
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
-            stack.enter_context(_eval_mode(m))
-            stack.enter_context(_without_sequence_parallel(m))
-            backend = make_backend(m, cfg, B, S - 1, positions, key_pad, left_pad,
-                                   ragged=bool((left_pad[:n_real] > 0).any()), record_routes=wants_routes,
-                                   lean_decoder=self._lean_decoder)
-            stack.enter_context(backend.context())
-
-            causal = torch.triu(torch.ones(P, P, dtype=torch.bool, device=device), diagonal=1)
-            prefill_mask = (causal[None] | key_pad[:, None, :P])[:, None]  # [B, 1, P, P]
-            t0 = time.perf_counter()
-            logits = backend.prefill(grid[:, :P], positions[:, :P], prefill_mask)[:, :vocab_size]
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            prefill_s = time.perf_counter() - t0
-            n_fwd += 1
-            notify(0, "prefill")
-            tok, lp = pick(logits, 0)
-
-            for step in range(cfg.max_new_tokens):
-                rows = all_rows if live is None else live
-                # the sampled tokens of the rows still generating (device-side bookkeeping, no sync)
-                active = ~done[rows]
-                col = P + step
-                grid[rows, col] = torch.where(active, tok, pad)
-                lp_grid[rows, step] = torch.where(active, lp, 0.0)
-                resp_len[rows] += active.long()
-                if stop.numel() and not cfg.ignore_eos:
-                    hit = active & torch.isin(tok, stop)
-                    stopped[rows] |= hit
-                    done[rows] |= hit
-                if step == cfg.max_new_tokens - 1:
-                    break  # the last sampled token is never fed to the model
-                if (step + 1) % every == 0:
-                    # The loop's per-step decision point (one host sync): the most unfinished rows any rank
-                    # of the lockstep group still has (0: every row is done), and compaction. A rank asked
-                    # to stop adds B + 1, so every rank of the group sees it at the same step.
-                    unfinished = (~done[rows]).sum().reshape(1)
-                    update, stop_now = poll() if poll is not None else (False, should_stop is not None and should_stop())
-                    if stop_now:
-                        unfinished = unfinished + (B + 1)
-                    if poll is None:
-                        n_live = int(sync.all_reduce_max(unfinished, what="generate(): rows still generating").item())
-                    else:  # the update flag rides along (a fill, not a host-to-device copy)
-                        vote = torch.cat([unfinished, unfinished.new_full((1,), int(update))])
-                        n_live, update = sync.all_reduce_max(vote, what="generate(): rows still generating, "
-                                                                        "weight update").tolist()
-                    if n_live > B:
-                        abandoned = True
-                        break
-                    if update:
-                        on_update(step)
-                    if n_live == 0:
-                        break
-                    keep = fp8_alignment.padded_rows(n_live, align, cap=rows.numel())  # FP8: a multiple of align
-                    if compact_at > 0 and n_live <= (1 - compact_at) * rows.numel() and keep < rows.numel():
-                        # this rank's unfinished rows first, then finished fillers so every rank of the
-                        # lockstep group has the same batch (and FP8 an aligned one); the KV cache's row
-                        # order is kept
-                        order = torch.argsort(done[rows].long(), stable=True)[:keep]
-                        backend.compact(order, keep)
-                        live = rows = rows[order]
-                logits = backend.decode(grid[rows, col], col, live)[:, :vocab_size]
-                n_fwd += 1
-                row_steps += rows.numel()
-                notify(step + 1, "decode")
-                tok, lp = pick(logits, step + 1)
-        backend = None  # (the Generator keeps a lean decoder; megatron's context is freed here)
-
-        # left-padded internal grid -> right-padded training grid (real rows only)
-        lens, resp_len = lens[:n_real], resp_len[:n_real]
-        total = lens + resp_len
-        T = int(total.max())
-        cols = torch.arange(T, device=device)[None, :]
-        src = (cols + left_pad[:n_real, None]).clamp(max=S - 1)
-        valid = cols < total[:, None]
-        tokens = torch.where(valid, grid[:n_real].gather(1, src), torch.full_like(src, pad))
-        response_mask = valid & (cols >= lens[:, None])
-        lp_src = (cols - lens[:, None]).clamp(0, cfg.max_new_tokens - 1)
-        logprobs = torch.where(response_mask, lp_grid[:n_real].gather(1, lp_src), torch.zeros((), device=device))
+        causal = torch.triu(torch.ones(P, P, dtype=torch.bool, device=device), diagonal=1)
+        prefill_mask = (causal[None] | key_pad[:, None, :P])[:, None]  # [B, 1, P, P]
+        t0 = time.perf_counter()
+        logits = backend.prefill(grid[:, :P], positions[:, :P], prefill_mask)[:, :vocab_size]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return GenerationOutput(
-            tokens=tokens, prompt_lengths=lens, response_lengths=resp_len, response_mask=response_mask,
-            logprobs=logprobs, stopped=stopped[:n_real],
-            prompt_index=torch.arange(len(ids), device=device).repeat_interleave(G),
-            elapsed_s=time.perf_counter() - t_start, prefill_s=prefill_s, num_forwards=n_fwd,
-            decode_row_steps=row_steps, temperature=cfg.temperature, abandoned=abandoned,
-        )
+        prefill_s = time.perf_counter() - t0
+        n_fwd += 1
+        notify(0, "prefill")
+        tok, lp = pick(logits, 0)
+
+        for step in range(cfg.max_new_tokens):
+            rows = all_rows if live is None else live
+            # the sampled tokens of the rows still generating (device-side bookkeeping, no sync)
+            active = ~done[rows]
+            col = P + step
+            grid[rows, col] = torch.where(active, tok, pad)
+            lp_grid[rows, step] = torch.where(active, lp, 0.0)
+            resp_len[rows] += active.long()
+            if stop.numel() and not cfg.ignore_eos:
+                hit = active & torch.isin(tok, stop)
+                stopped[rows] |= hit
+                done[rows] |= hit
+            if step == cfg.max_new_tokens - 1:
+                break  # the last sampled token is never fed to the model
+            if (step + 1) % every == 0:
+                # The loop's per-step decision point (one host sync): the most unfinished rows any rank
+                # of the lockstep group still has (0: every row is done), and compaction. A rank asked
+                # to stop adds B + 1, so every rank of the group sees it at the same step.
+                unfinished = (~done[rows]).sum().reshape(1)
+                update, stop_now = poll() if poll is not None else (False, should_stop is not None and should_stop())
+                if stop_now:
+                    unfinished = unfinished + (B + 1)
+                if poll is None:
+                    n_live = int(sync.all_reduce_max(unfinished, what="generate(): rows still generating").item())
+                else:  # the update flag rides along (a fill, not a host-to-device copy)
+                    vote = torch.cat([unfinished, unfinished.new_full((1,), int(update))])
+                    n_live, update = sync.all_reduce_max(vote, what="generate(): rows still generating, "
+                                                                    "weight update").tolist()
+                if n_live > B:
+                    abandoned = True
+                    break
+                if update:
+                    on_update(step)
+                if n_live == 0:
+                    break
+                keep = fp8_alignment.padded_rows(n_live, align, cap=rows.numel())  # FP8: a multiple of align
+                if compact_at > 0 and n_live <= (1 - compact_at) * rows.numel() and keep < rows.numel():
+                    # this rank's unfinished rows first, then finished fillers so every rank of the
+                    # lockstep group has the same batch (and FP8 an aligned one); the KV cache's row
+                    # order is kept
+                    order = torch.argsort(done[rows].long(), stable=True)[:keep]
+                    backend.compact(order, keep)
+                    live = rows = rows[order]
+            logits = backend.decode(grid[rows, col], col, live)[:, :vocab_size]
+            n_fwd += 1
+            row_steps += rows.numel()
+            notify(step + 1, "decode")
+            tok, lp = pick(logits, step + 1)
+    backend = None  # frees megatron's KV cache (a Generator keeps the lean decoder: LeanDecoder.end freed its own)
+
+    # left-padded internal grid -> right-padded training grid (real rows only)
+    lens, resp_len = lens[:n_real], resp_len[:n_real]
+    total = lens + resp_len
+    T = int(total.max())
+    cols = torch.arange(T, device=device)[None, :]
+    src = (cols + left_pad[:n_real, None]).clamp(max=S - 1)
+    valid = cols < total[:, None]
+    tokens = torch.where(valid, grid[:n_real].gather(1, src), torch.full_like(src, pad))
+    response_mask = valid & (cols >= lens[:, None])
+    lp_src = (cols - lens[:, None]).clamp(0, cfg.max_new_tokens - 1)
+    logprobs = torch.where(response_mask, lp_grid[:n_real].gather(1, lp_src), torch.zeros((), device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return GenerationOutput(
+        tokens=tokens, prompt_lengths=lens, response_lengths=resp_len, response_mask=response_mask,
+        logprobs=logprobs, stopped=stopped[:n_real],
+        prompt_index=torch.arange(len(ids), device=device).repeat_interleave(G),
+        elapsed_s=time.perf_counter() - t_start, prefill_s=prefill_s, num_forwards=n_fwd,
+        decode_row_steps=row_steps, temperature=cfg.temperature, abandoned=abandoned,
+    )
