@@ -64,6 +64,8 @@ def format_block(r: dict[str, Any]) -> str:
         ("generation (KV cache + prefill)", r["generation"]),
         ("runtime (CUDA/NCCL + fragmentation)", r["runtime"]),
     ]
+    if r.get("kv_cache_kept"):  # generation.cuda_graphs=true: the decoder's KV cache lives for the job
+        rows.insert(-1, ("KV cache kept for CUDA graphs", r["kv_cache_kept"]))
     lines = [BLOCK_BEGIN,
              f"# world size {r['world_size']}: {lay}",
              f"# params/GPU: {_count(r['params_dense_b'] * 1e9)} dense + {_count(r['params_expert_b'] * 1e9)} expert "

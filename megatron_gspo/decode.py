@@ -31,6 +31,13 @@ Graph-ready decode step
     makes no host synchronisation (no ``.item()``, ``.cpu()`` or data-dependent shape) with
     ``DeviceMoE`` in every layer (tests/test_host_syncs.py).
 
+One decoder per job
+    generation.Generator keeps a decoder across generations; ``begin`` readies it for one (its KV
+    cache, the left padding, the weights as they are now) and ``end`` closes it. With graphs the KV
+    caches and the captured steps are kept (captured once per job; grown, and captured again, only
+    when a generation needs more rows or slots, or when a weight moved in memory); without, the KV
+    caches live for one generation.
+
 Routes (R3 and the routing metrics): with ``record_routes`` each forward also writes every layer's
 top-k expert ids ([b, s, k], the router's own routing map) into a buffer, so a replayed graph
 records them too; ``last_routes()`` hands them to generation's ``on_forward`` callback.
@@ -60,11 +67,14 @@ megatron's path (``generation.decode_impl=auto``) or raises (``decode_impl=lean`
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+log = logging.getLogger("megatron_gspo")
 
 __all__ = ["DeviceMoE", "LeanDecoder", "device_moe_unsupported", "lean_decode_unsupported", "rms_norm",
            "torch_router_gating"]
@@ -330,10 +340,17 @@ class DeviceMoE:
         self.mlp = mlp
         self.topk = mlp.config.moe_router_topk
         self.num_experts = mlp.config.num_moe_experts
-        self.w1, self.w2 = _expert_weights(mlp.experts)  # the parameters themselves: updates are seen
+        self.bind()
+
+    def bind(self) -> None:
+        """Take the experts' weights as they are now: the parameters themselves (in-place updates are
+        seen) and ``[E, out, in]`` views of their storage for grouped_mm (no per-step copy; where there is
+        none, the weights are stacked at every forward: one copy of the experts per layer and step).
+        A view is of the storage the parameters had when it was taken: a decoder kept across
+        generations calls this at the start of each one (LeanDecoder.begin), so a parameter rebound
+        since (``p.data = ...``: a checkpoint load, a wrapper's buffer) is read where it now lives."""
+        self.w1, self.w2 = _expert_weights(self.mlp.experts)
         self.sync_free = _grouped_mm_ok(self.w1, self.w2)
-        # [E, out, in] views of the weights for grouped_mm (no per-step copy); where there is none, the
-        # weights are stacked at every forward (one copy of the experts per layer and step)
         self.reversed, self.stacks = False, None
         if self.sync_free and len(self.w1) > 1:
             (s1, r1), (s2, r2) = _expert_stack(self.w1), _expert_stack(self.w2)
@@ -439,21 +456,13 @@ class LeanDecoder:
         self.ng = att.num_query_groups_per_partition
         self.scale = getattr(att.core_attention, "softmax_scale", None) or self.hn ** -0.5
         p = next(m.parameters())
+        self.dtype, self.device = p.dtype, p.device
         dev = p.device
-        # the RoPE table of megatron's own RotaryEmbedding (same frequencies, same cos/sin values)
-        freqs = m.rotary_pos_emb.get_freqs_non_repeated(max(max_position, max_slots) + 1)  # [positions, rot/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # non-interleaved layout, as megatron's get_emb
-        self.cos = torch.cos(emb).to(device=dev, dtype=p.dtype)  # [positions, rot]
-        self.sin = torch.sin(emb).to(device=dev, dtype=p.dtype)
-        self.k = [torch.zeros(batch, self.ng, max_slots, self.hn, dtype=p.dtype, device=dev) for _ in self.layers]
-        self.v = [torch.zeros_like(k) for k in self.k]
         self.shared = m.share_embeddings_and_output_weights
-        self.batch, self.max_slots = batch, max_slots
-        # the decode step's inputs: fed tokens, left padding per cache row, the slot written
-        self.tok_in = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.left_pad = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.cur = torch.zeros(1, dtype=torch.long, device=dev)
-        self.slot_ids = torch.arange(max_slots, device=dev)
+        self.cur = torch.zeros(1, dtype=torch.long, device=dev)  # the slot a decode step writes
+        self.cos = self.sin = None
+        self.batch = self.max_slots = 0
+        self._allocate(batch, max_slots, max_position)
         self.moe = []
         for layer in self.layers:
             self.moe.append(DeviceMoE(layer.mlp) if device_moe_unsupported(layer.mlp) is None else None)
@@ -476,16 +485,91 @@ class LeanDecoder:
             if graph_factory is None and dev.type != "cuda":
                 raise ValueError(f"generation.cuda_graphs=true needs a CUDA device, the model is on {dev}")
         self._graph_factory = graph_factory
-        self._graphs: dict[int, tuple[object, torch.Tensor]] = {}
+        # captured decode steps by (batch-size bucket, routes recorded): they read the buffers above
+        self._graphs: dict[tuple[int, bool], tuple[object, torch.Tensor]] = {}
         self._capturing = False
-        self.record_routes = record_routes
-        topk, L = cfg.moe_router_topk, len(self.layers)
-        if record_routes:
+        self.routes: Optional[torch.Tensor] = None
+        self._prefill_routes: list[torch.Tensor] = []
+        self._set_record_routes(record_routes)
+        self._weights = self._weight_addresses()
+
+    def _allocate(self, batch: int, max_slots: int, max_position: int = 0) -> None:
+        """The buffers of ``batch`` cache rows x ``max_slots`` KV slots: the KV caches ([b, groups, slots,
+        hn], zeros) and the decode step's inputs (fed tokens, left padding per cache row); the RoPE table
+        grows to cover the slots (its rows do not depend on its length)."""
+        dev, dt = self.device, self.dtype
+        positions = max(max_position, max_slots) + 1
+        if self.cos is None or self.cos.shape[0] < positions:
+            # the RoPE table of megatron's own RotaryEmbedding (same frequencies, same cos/sin values)
+            freqs = self.m.rotary_pos_emb.get_freqs_non_repeated(positions)  # [positions, rot/2]
+            emb = torch.cat([freqs, freqs], dim=-1)  # non-interleaved layout, as megatron's get_emb
+            self.cos = torch.cos(emb).to(device=dev, dtype=dt)  # [positions, rot]
+            self.sin = torch.sin(emb).to(device=dev, dtype=dt)
+        self.k = [torch.zeros(batch, self.ng, max_slots, self.hn, dtype=dt, device=dev) for _ in self.layers]
+        self.v = [torch.zeros_like(k) for k in self.k]
+        if batch != self.batch:
+            self.tok_in = torch.zeros(batch, dtype=torch.long, device=dev)
+            self.left_pad = torch.zeros(batch, dtype=torch.long, device=dev)
+        if max_slots != self.max_slots:
+            self.slot_ids = torch.arange(max_slots, device=dev)
+        self.batch, self.max_slots = batch, max_slots
+
+    def _set_record_routes(self, on: bool) -> None:
+        self.record_routes = on
+        if on and (self.routes is None or self.routes.shape[1] != self.batch):
             from megatron_gspo.routing.common import index_dtype
 
-            self._idx_dtype = index_dtype(cfg.num_moe_experts)
-            self.routes = torch.zeros(L, batch, topk, dtype=self._idx_dtype, device=dev)  # decode steps
-        self._prefill_routes: list[torch.Tensor] = []
+            self._idx_dtype = index_dtype(self.cfg.num_moe_experts)
+            self.routes = torch.zeros(len(self.layers), self.batch, self.cfg.moe_router_topk,
+                                      dtype=self._idx_dtype, device=self.device)  # decode steps
+
+    def _weight_addresses(self) -> tuple:
+        """Where every weight the step reads lives (a captured graph reads these addresses)."""
+        stacks = tuple(s.data_ptr() for d in self.moe if d is not None and d.stacks is not None for s in d.stacks)
+        return tuple(p.data_ptr() for p in self.m.parameters()) + stacks
+
+    # -- one generation after another ------------------------------------------------------------
+    def begin(self, batch: int, slots: int, left_pad: torch.Tensor, record_routes: bool = False) -> None:
+        """Ready the decoder for a generation of ``batch`` rows and ``slots`` KV slots (a decoder is kept
+        for a job: generation.Generator).
+
+        With ``graphs`` the KV caches and the captured steps live as long as the decoder (a graph reads
+        the buffers it was captured on): they are reallocated, and the steps captured again, only when a
+        bound grows (logged). Without, the KV caches live for one generation (``end``), sized to it:
+        memory that training reuses in between. The weights are taken as they are now (``DeviceMoE.bind``):
+        an optimizer step updates them in place, which every step (a replayed one included) reads;
+        should a parameter have moved in memory since the last generation, the captured steps, which read
+        the old addresses, are dropped and captured again."""
+        if self.graphs:
+            if batch > self.batch or slots > self.max_slots:
+                log.info("generation: the lean decoder's KV cache grows from %d rows x %d slots to %d x %d; "
+                         "its CUDA graphs are captured again", self.batch, self.max_slots,
+                         max(batch, self.batch), max(slots, self.max_slots))
+                self._allocate(max(batch, self.batch), max(slots, self.max_slots))
+                self._drop_graphs()
+        elif self.k is None or (batch, slots) != (self.batch, self.max_slots):
+            self._allocate(batch, slots)
+        for d in self.moe:
+            if d is not None:
+                d.bind()
+        weights = self._weight_addresses()
+        if weights != self._weights:
+            if self._graphs:
+                log.info("generation: the model's weights moved in memory since the lean decoder's CUDA graphs "
+                         "were captured; capturing them again")
+                self._drop_graphs()
+            self._weights = weights
+        self._set_record_routes(record_routes)
+        self.set_left_pad(left_pad)
+
+    def end(self) -> None:
+        """After a generation: without graphs the KV caches are freed (``begin`` allocates them again)."""
+        if not self.graphs:
+            self.k = self.v = None
+
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._pool = None
 
     # -- pieces ------------------------------------------------------------------------------------
     def _rope(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -631,9 +715,10 @@ class LeanDecoder:
         return self._replay(n)[:b]
 
     def _replay(self, n: int) -> torch.Tensor:
-        if n not in self._graphs:
-            self._graphs[n] = self._capture(n)
-        graph, out = self._graphs[n]
+        key = (n, self.record_routes)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(n)
+        graph, out = self._graphs[key]
         graph.replay()
         return out
 
@@ -650,7 +735,9 @@ class LeanDecoder:
                     self._decode_step(n, self.max_slots)  # lazy initialisations; rewrites the same slot
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=getattr(self, "_pool", None)):
+                # thread_local: a CUDA call another thread makes meanwhile (the async ranks' heartbeat,
+                # NCCL's watchdog, a tensorboard writer) does not invalidate this capture
+                with torch.cuda.graph(graph, pool=getattr(self, "_pool", None), capture_error_mode="thread_local"):
                     out = self._decode_step(n, self.max_slots)
                 self._pool = graph.pool()
                 return graph, out

@@ -60,19 +60,22 @@ class DecodeBackend:
 
 
 class LeanBackend(DecodeBackend):
-    """decode.LeanDecoder behind the interface (its left padding is a buffer of the decoder)."""
+    """A decode.LeanDecoder (kept across generations by generation.Generator) behind the interface, for
+    one generation: ``context()`` readies it (``LeanDecoder.begin``: KV cache, left padding, weights) and
+    releases it (``end``)."""
 
-    def __init__(self, m, batch: int, slots: int, max_position: int, left_pad: torch.Tensor, *,
-                 graphs: bool = False, record_routes: bool = False) -> None:
-        from megatron_gspo.decode import LeanDecoder
+    def __init__(self, dec, batch: int, slots: int, left_pad: torch.Tensor, *, record_routes: bool = False) -> None:
+        self.dec, self.batch, self.slots, self.left_pad = dec, batch, slots, left_pad
+        self.records_routes = record_routes and all(d is not None for d in _device_moes(dec.m))
 
-        self.dec = LeanDecoder(m, batch, slots, max_position, graphs=graphs,
-                               record_routes=record_routes and all(d is not None for d in _device_moes(m)))
-        self.dec.set_left_pad(left_pad)
-        self.records_routes = self.dec.record_routes
-
-    def context(self):
-        return self.dec.torch_routers()  # no TE kernel in the lean step, the router's GEMM included
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        self.dec.begin(self.batch, self.slots, self.left_pad, record_routes=self.records_routes)
+        try:
+            with self.dec.torch_routers():  # no TE kernel in the lean step, the router's GEMM included
+                yield
+        finally:
+            self.dec.end()
 
     def prefill(self, tokens, positions, masked):
         return self.dec.prefill(tokens, positions, masked)
@@ -136,11 +139,13 @@ class MegatronBackend(DecodeBackend):
 
 
 def make_backend(m, cfg, batch: int, slots: int, positions: torch.Tensor, key_pad: torch.Tensor,
-                 left_pad: torch.Tensor, ragged: bool, record_routes: bool) -> DecodeBackend:
+                 left_pad: torch.Tensor, ragged: bool, record_routes: bool,
+                 lean_decoder: Callable[[bool, int, int], object]) -> DecodeBackend:
     """The back-end ``cfg.decode_impl`` asks for on this model (see the module docstring).
 
     cfg: the GenerationConfig; positions / key_pad [B, slots] per slot; left_pad [B]; ragged: some
-    real prompts are left-padded; record_routes: the caller wants each forward's routes."""
+    real prompts are left-padded; record_routes: the caller wants each forward's routes;
+    lean_decoder(graphs, batch, slots): the LeanDecoder to run (generation.Generator keeps one)."""
     from megatron_gspo.decode import lean_decode_unsupported
 
     graphs = cfg.cuda_graphs
@@ -149,8 +154,7 @@ def make_backend(m, cfg, batch: int, slots: int, positions: torch.Tensor, key_pa
         # calls each layer's router module (forward hooks included) in eager steps.
         reason = lean_decode_unsupported(m)
         if reason is None:
-            return LeanBackend(m, batch, slots, int(positions.max()), left_pad, graphs=graphs,
-                               record_routes=record_routes)
+            return LeanBackend(lean_decoder(graphs, batch, slots), batch, slots, left_pad, record_routes=record_routes)
         if cfg.decode_impl == "lean" or graphs:
             knob = "generation.cuda_graphs=true (the lean decode path)" if graphs else "generation.decode_impl=lean"
             raise ValueError(f"{knob} does not support {reason}; use decode_impl=auto or megatron"

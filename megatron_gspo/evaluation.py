@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_gspo import comm
-from megatron_gspo.generation import generate
+from megatron_gspo.generation import Generator
 from megatron_gspo.oom import explain_oom
 from megatron_gspo.rewards import compute_rewards
 
@@ -64,6 +64,10 @@ class Evaluator:
                                "eval/truncated_prompts": float(length_policy[1])}
         self.greedy_cfg = dataclasses.replace(gen_cfg, temperature=0.0, n_samples_per_prompt=1)
         self.sample_cfg = dataclasses.replace(gen_cfg, temperature=self.ecfg.temperature, n_samples_per_prompt=1)
+        # one decoder for every evaluation of the job, sized for its larger pass (the sampled one)
+        self.generator = Generator(model, vocab_size=cfg.model.vocab_size, state=state,
+                                   rows=len(prompts) * max(1, self.ecfg.num_samples),
+                                   slots=max((len(p.ids) for p in prompts), default=0) + gen_cfg.max_new_tokens - 1)
 
     def due(self, step: int) -> bool:
         """After RL step ``step`` (1-based): every eval.interval steps and after the last."""
@@ -75,8 +79,8 @@ class Evaluator:
         """(correct [N] bool, response lengths [N]) of one response per prompt; EvaluationAbandoned
         (every rank) when ``should_stop`` says so on any rank."""
         with explain_oom("generation", self.cfg, self.state, f"evaluation: {len(prompts)} rows"):
-            out = generate(self.model, [p.ids for p in prompts], gen_cfg, vocab_size=self.cfg.model.vocab_size,
-                           state=self.state, seed=seed, row_keys=list(range(len(prompts))), should_stop=should_stop)
+            out = self.generator.generate([p.ids for p in prompts], gen_cfg, seed=seed,
+                                          row_keys=list(range(len(prompts))), should_stop=should_stop)
         if should_stop is not None and comm.any_rank(out.abandoned or should_stop(), self.state.device,
                                                      what="stop vote after an evaluation generation"):
             raise EvaluationAbandoned(step, where + (", decoding cut short" if out.abandoned else ""))

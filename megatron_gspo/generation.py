@@ -298,6 +298,58 @@ class _Lockstep:
 # ----------------------------------------------------------------------------------------------
 
 
+class Generator:
+    """Generation on one model, call after call: a rollout source, an evaluator and an asynchronous
+    rollout rank each keep one for the job (``generate()`` alone builds a throwaway one).
+
+    The lean decoder (decode.LeanDecoder: its RoPE table, its MoE wrappers, its buffers) is built at the
+    first call and kept. With ``generation.cuda_graphs`` its KV cache and its captured decode steps are
+    kept too (a graph reads the buffers it was captured on), so the steps are captured once per job;
+    a call that needs more rows or KV slots than the decoder holds grows it once (logged: the steps are
+    captured again). Without graphs the KV cache is allocated per call, sized to it, and freed after
+    (training reuses that memory). The weights are read where they are at each call (an optimizer step
+    updates them in place; decode.LeanDecoder.begin). megatron's path (``MegatronBackend``) keeps
+    nothing: its context is built per call.
+
+    model / vocab_size / state: as ``generate``'s. rows / slots: the most rows and KV slots (prompt
+    block + max_new_tokens - 1) the caller will ask for, when it knows them (sizes a graph-mode decoder
+    at its first call so that it never grows; 0: the first call's). graph_factory: the capture
+    mechanism (None: CUDA graphs; tests pass a CPU stand-in)."""
+
+    def __init__(self, model, *, vocab_size: int, state=None, rows: int = 0, slots: int = 0,
+                 graph_factory: Optional[Callable[[], object]] = None) -> None:
+        self.model, self.vocab_size, self.state = model, vocab_size, state
+        self.rows, self.slots, self.graph_factory = rows, slots, graph_factory
+        self._dec = None
+        self._dec_graphs: Optional[bool] = None  # the cuda_graphs setting the kept decoder was built for
+
+    def generate(self, prompts: Sequence[Union[Sequence[int], torch.Tensor]], cfg: GenerationConfig,
+                 **kw) -> GenerationOutput:
+        """``generate(model, prompts, cfg, ...)`` on the kept decoder (keywords: seed, row_keys,
+        on_forward, should_stop, poll, on_update). ``cfg`` may change between calls (the evaluator's
+        greedy and sampled passes); a change of ``cuda_graphs`` builds the decoder again."""
+        return generate(self.model, prompts, cfg, vocab_size=self.vocab_size, state=self.state, generator=self, **kw)
+
+    def lean_decoder(self, graphs: bool, batch: int, slots: int):
+        """The kept LeanDecoder for a call of ``batch`` rows and ``slots`` KV slots (built at the first
+        call, or when cuda_graphs changed; ``LeanDecoder.begin`` grows it)."""
+        from megatron_gspo.decode import LeanDecoder
+        from megatron_gspo.model import unwrap
+
+        if self._dec is None or self._dec_graphs != graphs:
+            if graphs:
+                batch, slots = max(batch, self.rows), max(slots, self.slots)
+            self._dec = None  # a graph-mode decoder's buffers go before the next one's are allocated
+            self._dec = LeanDecoder(unwrap(self.model), batch, slots, slots, graphs=graphs,
+                                    graph_factory=self.graph_factory)
+            self._dec_graphs = graphs
+        return self._dec
+
+    def close(self) -> None:
+        """Free the kept decoder (its KV cache and captured graphs); a later call builds a new one."""
+        self._dec = self._dec_graphs = None
+
+
 def _takes_routes(fn: Callable) -> bool:
     """Whether an on_forward callback accepts the forward's routes (a ``routes`` keyword)."""
     try:
@@ -322,6 +374,9 @@ def generate(
     row_keys: Optional[Sequence[int]] = None,
     on_forward: Optional[OnForward] = None,
     should_stop: Optional[Callable[[], bool]] = None,
+    poll: Optional[Callable[[], tuple[bool, bool]]] = None,
+    on_update: Optional[Callable[[int], None]] = None,
+    generator: Optional["Generator"] = None,
 ) -> GenerationOutput:
     """Sample ``cfg.n_samples_per_prompt`` responses for every prompt with a KV cache.
 
@@ -344,10 +399,21 @@ def generate(
             there on all of them and the output is ``abandoned``. The decision rides on the check's
             existing "rows still generating" all-reduce (no extra collective); without TP/EP the rank
             decides alone.
+        poll / on_update: weight updates between decode steps (an asynchronous rollout rank): ``poll()``
+            -> (an update is pending, stop) on this rank, read once at every check in place of
+            ``should_stop``; when any rank of the lockstep group has an update pending, every rank calls
+            ``on_update(step)`` there, between decode forward ``step`` (the last under the old weights)
+            and the next. Both ride on the same vote (one more element in its all-reduce).
+        generator: the ``Generator`` whose lean decoder this call runs (``Generator.generate`` passes
+            itself; None: a throwaway one, for a one-off generation).
     Collective when ``state`` has TP or EP > 1: every rank of the layout must call it.
     """
     from megatron_gspo.model import unwrap
 
+    if poll is not None and (should_stop is not None or on_update is None):
+        raise ValueError("generate(): poll replaces should_stop and needs on_update")
+    if generator is None:
+        generator = Generator(model, vocab_size=vocab_size, state=state)
     t_start = time.perf_counter()
     m = unwrap(model)
     ids = [_as_list(p) for p in prompts]
@@ -442,7 +508,8 @@ def generate(
         stack.enter_context(_eval_mode(m))
         stack.enter_context(_without_sequence_parallel(m))
         backend = make_backend(m, cfg, B, S - 1, positions, key_pad, left_pad,
-                               ragged=bool((left_pad[:n_real] > 0).any()), record_routes=wants_routes)
+                               ragged=bool((left_pad[:n_real] > 0).any()), record_routes=wants_routes,
+                               lean_decoder=generator.lean_decoder)
         stack.enter_context(backend.context())
 
         causal = torch.triu(torch.ones(P, P, dtype=torch.bool, device=device), diagonal=1)
@@ -475,12 +542,20 @@ def generate(
                 # of the lockstep group still has (0: every row is done), and compaction. A rank asked
                 # to stop adds B + 1, so every rank of the group sees it at the same step.
                 unfinished = (~done[rows]).sum().reshape(1)
-                if should_stop is not None and should_stop():
+                update, stop_now = poll() if poll is not None else (False, should_stop is not None and should_stop())
+                if stop_now:
                     unfinished = unfinished + (B + 1)
-                n_live = int(sync.all_reduce_max(unfinished, what="generate(): rows still generating").item())
+                if poll is None:
+                    n_live = int(sync.all_reduce_max(unfinished, what="generate(): rows still generating").item())
+                else:  # the update flag rides along (a fill, not a host-to-device copy)
+                    vote = torch.cat([unfinished, unfinished.new_full((1,), int(update))])
+                    n_live, update = sync.all_reduce_max(vote, what="generate(): rows still generating, "
+                                                                    "weight update").tolist()
                 if n_live > B:
                     abandoned = True
                     break
+                if update:
+                    on_update(step)
                 if n_live == 0:
                     break
                 keep = fp8_alignment.padded_rows(n_live, align, cap=rows.numel())  # FP8: a multiple of align
@@ -496,7 +571,7 @@ def generate(
             row_steps += rows.numel()
             notify(step + 1, "decode")
             tok, lp = pick(logits, step + 1)
-    backend = None  # frees the KV cache
+    backend = None  # frees megatron's KV cache (a Generator keeps the lean decoder: LeanDecoder.end freed its own)
 
     # left-padded internal grid -> right-padded training grid (real rows only)
     lens, resp_len = lens[:n_real], resp_len[:n_real]

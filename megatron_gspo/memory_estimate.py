@@ -42,11 +42,13 @@ What is counted, and how megatron_gspo actually holds it (model.py / optim.py / 
                rows, max_prompt_length + max_new_tokens slots, kv_heads / TP) plus one layer of
                the no-grad prefill over the whole prompt block. Training activations and the
                generation peak never coexist, so the peak takes the larger of the two.
+  kv_cache_kept generation.cuda_graphs=true: the lean decoder's KV cache lives for the job (its captured
+               steps read it: generation.Generator), so it stays resident while training too.
   runtime      CUDA context, NCCL / TE / cuBLAS workspaces: a fixed ``runtime_overhead_gib``, plus
                ``fragmentation`` x the dynamic (activation / generation) peak for the caching
                allocator.
 
-  total = weights + grads + optimizer + ref_model + fp8_cache + routing
+  total = weights + grads + optimizer + ref_model + fp8_cache + routing + kv_cache_kept
           + max(train_act, generation) x (1 + fragmentation) + runtime
 
 It is an estimate for choosing a layout, not a guarantee: sequence lengths are the configured
@@ -175,8 +177,10 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     prefill = prefill_tokens * max(attn_ws, moe_ws) \
         + rows_local * m.padded_vocab_size * 4 * 2  # last-position logits gathered over TP, fp32
     out["generation"] = (kv_cache + prefill) / GIB
+    out["kv_cache_kept"] = kv_cache / GIB if g.cuda_graphs else 0.0
 
-    static = sum(out[x] for x in ("weights", "grads", "optimizer", "ref_model", "fp8_cache", "routing"))
+    static = sum(out[x] for x in ("weights", "grads", "optimizer", "ref_model", "fp8_cache", "routing",
+                                  "kv_cache_kept"))
     dynamic = max(out["train_act"], out["generation"]) * (1 + fragmentation)
     out["runtime"] = runtime_overhead_gib + dynamic - max(out["train_act"], out["generation"])
     out["total"] = static + dynamic + runtime_overhead_gib

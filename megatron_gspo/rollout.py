@@ -35,7 +35,7 @@ import torch
 
 from megatron_gspo import comm, fp8_alignment
 from megatron_gspo.faults import StepAbandoned
-from megatron_gspo.generation import generate
+from megatron_gspo.generation import Generator
 from megatron_gspo.metrics import Metric, MetricAccumulator
 from megatron_gspo.oom import explain_oom
 from megatron_gspo.model import forward_logprobs, input_padding_mask, unwrap
@@ -236,6 +236,9 @@ class Rollouts:
         self.row_gen_cfg = dataclasses.replace(gen_cfg, n_samples_per_prompt=1)
         # log-probs are taken at the sampling temperature (greedy rollouts: the raw policy)
         self.temperature = gen_cfg.temperature or 1.0
+        # one decoder for every rollout of the job (its KV cache and CUDA graphs sized for the longest prompt)
+        self.generator = Generator(model, vocab_size=cfg.model.vocab_size, state=state,
+                                   slots=cfg.data.max_prompt_length + gen_cfg.max_new_tokens - 1)
 
     def sampling_seed(self, step: int) -> int:
         """(generation.seed, step) in one 64-bit key; sampling.py keys every draw by row and position too."""
@@ -254,9 +257,9 @@ class Rollouts:
         shapes = (f"{len(mine)} rows, prompts up to {max(len(p.ids) for p in mine)} tokens + "
                   f"{self.gen_cfg.max_new_tokens} new")
         with self.timer("generate"), self.routing.generating(), explain_oom("generation", cfg, st, shapes):  # 3.
-            out = generate(self.model, [p.ids for p in mine], self.row_gen_cfg, vocab_size=cfg.model.vocab_size,
-                           state=st, seed=self.sampling_seed(step), row_keys=[rnd * R + g for g in rows],
-                           on_forward=self.routing.on_generation_forward, should_stop=self.should_stop)
+            out = self.generator.generate([p.ids for p in mine], self.row_gen_cfg, seed=self.sampling_seed(step),
+                                          row_keys=[rnd * R + g for g in rows],
+                                          on_forward=self.routing.on_generation_forward, should_stop=self.should_stop)
         # A stop signal on any rank: all leave the step here, together (one all-reduce per round; the
         # decode loop itself stopped at once, agreed within its lockstep group at no extra cost)
         if comm.any_rank(out.abandoned or self.should_stop(), dev, what="stop vote after generation"):

@@ -229,3 +229,150 @@ def test_graph_mode_refuses_what_it_cannot_capture(model):
         generate(m, _prompts(), GenerationConfig(max_new_tokens=3, cuda_graphs=True), vocab_size=VOCAB, state=st)
     with pytest.raises(ConfigError, match="generation.cuda_graphs=true captures the lean decode step"):
         GenerationConfig(cuda_graphs=True, decode_impl="megatron")
+
+
+# ----------------------------------------------------------------------------------------------
+# One decoder per job (generation.Generator): built once, graphs captured once, weights read fresh
+# ----------------------------------------------------------------------------------------------
+
+
+def _counting(mp):
+    """Counts of LeanDecoder constructions and KV-cache allocations (``_allocate``) inside ``mp``."""
+    import megatron_gspo.decode as decode
+
+    n = {"decoders": 0, "kv": 0}
+    init, alloc = decode.LeanDecoder.__init__, decode.LeanDecoder._allocate
+
+    def counted_init(self, *a, **kw):
+        n["decoders"] += 1
+        init(self, *a, **kw)
+
+    def counted_alloc(self, *a, **kw):
+        n["kv"] += 1
+        alloc(self, *a, **kw)
+
+    mp.setattr(decode.LeanDecoder, "__init__", counted_init)
+    mp.setattr(decode.LeanDecoder, "_allocate", counted_alloc)
+    return n
+
+
+def _rollout_prompts(seed: int, n: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def test_a_second_rollout_captures_nothing_new_and_allocates_no_kv_cache(model, monkeypatch, caplog):
+    """A job's Generator (cuda_graphs=true, the CPU stand-in for CUDA graphs): the first rollout builds
+    the decoder, allocates its KV cache and captures its decode step; a second rollout of other prompts
+    (within the configured prompt length) builds, allocates and captures nothing, and gives what a
+    fresh decoder gives. A rollout of more rows grows the decoder once, and says so."""
+    from megatron_gspo.generation import Generator
+
+    m, st = model
+    cfg = GenerationConfig(max_new_tokens=6, n_samples_per_prompt=1, seed=7, decode_impl="lean", cuda_graphs=True,
+                           ignore_eos=True)
+    StandInGraph.captures = []
+    with monkeypatch.context() as mp:
+        n = _counting(mp)
+        gen = Generator(m, vocab_size=VOCAB, state=st, slots=10 + 6 - 1, graph_factory=StandInGraph)
+        gen.generate(_rollout_prompts(1), cfg)
+        dec, kv = gen._dec, list(gen._dec.k)
+        after_first = (dict(n), list(StandInGraph.captures))
+        second = gen.generate(_rollout_prompts(2), cfg)
+        assert (dict(n), StandInGraph.captures) == after_first == ({"decoders": 1, "kv": 1}, [8])
+        assert gen._dec is dec and all(a is b for a, b in zip(gen._dec.k, kv))
+        fresh = Generator(m, vocab_size=VOCAB, state=st, graph_factory=StandInGraph).generate(_rollout_prompts(2), cfg)
+        with caplog.at_level("INFO", logger="megatron_gspo"):
+            gen.generate(_rollout_prompts(3, 12), cfg)
+        assert gen._dec is dec and n["kv"] == 3 and "KV cache grows from 8 rows x 15 slots to 12 x 15" in caplog.text
+    assert torch.equal(second.tokens, fresh.tokens) and torch.equal(second.logprobs, fresh.logprobs)
+
+
+def _optimizer_step(m) -> None:
+    """One SGD step on a next-token loss: the parameters change in place, as in training."""
+    tokens = torch.tensor([_rollout_prompts(5, 1)[0] + [1, 2, 3]])
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    m.train()
+    logits = forward_logits(m, tokens)
+    torch.nn.functional.cross_entropy(logits[0, :-1].float(), tokens[0, 1:]).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    m.eval()
+
+
+def _rebind_experts(m) -> None:
+    """Every expert weight moved to new storage (``p.data = ...``: what a checkpoint load or a wrapper's
+    buffer may do): views taken before read the old values."""
+    with torch.no_grad():
+        for layer in m.decoder.layers:
+            for p in layer.mlp.experts.parameters():
+                p.data = p.data.clone() * 1.5
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("change", [_optimizer_step, _rebind_experts], ids=["optimizer-step", "rebound-weights"])
+def test_a_kept_decoder_reads_the_weights_of_each_rollout(model, graphs, change):
+    """Two rollouts through one Generator with a weight change between them (an optimizer step, or the
+    expert weights moved to new storage): the second rollout is bitwise what a fresh decoder gives on
+    the new weights. A captured step reads the weights' addresses: it is kept across an in-place update
+    and captured again when they moved."""
+    from megatron_gspo.generation import Generator
+
+    st = model[1]  # a model of its own (its weights change), in the fixture's parallel state
+    m = build_model(model_config_from_preset("tiny", vocab_size=VOCAB, moe_aux_loss_coeff=0.0),
+                    ParallelConfig(device="cpu", seed=11), st).eval()
+    gcfg = GenerationConfig(max_new_tokens=8, n_samples_per_prompt=2, seed=3, decode_impl="lean", cuda_graphs=graphs)
+    factory = StandInGraph if graphs else None
+    StandInGraph.captures = []
+    gen = Generator(m, vocab_size=VOCAB, state=st, graph_factory=factory)
+    before = gen.generate(_rollout_prompts(4), gcfg)
+    captured = len(StandInGraph.captures)
+    change(m)
+    got = gen.generate(_rollout_prompts(4), gcfg)
+    recaptured = len(StandInGraph.captures) - captured
+    want = Generator(m, vocab_size=VOCAB, state=st, graph_factory=factory).generate(_rollout_prompts(4), gcfg)
+    assert not torch.equal(want.logprobs, before.logprobs)  # the change changed the policy
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
+    if graphs:
+        assert recaptured == (captured if change is _rebind_experts else 0)
+
+
+def test_cuda_graphs_are_captured_thread_local(model, monkeypatch):
+    """The capture is torch.cuda.graph(..., capture_error_mode="thread_local"): a CUDA call from another
+    thread during it (the async ranks' heartbeat, NCCL's watchdog) does not invalidate it. Recorded
+    with stand-ins for torch.cuda's graph and stream API."""
+    import contextlib
+
+    m, _ = model
+    seen = []
+
+    class Graph:
+        def pool(self):
+            return "pool"
+
+        def replay(self):
+            pass
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, **kw):
+        seen.append(kw)
+        yield
+
+    mp = monkeypatch
+    mp.setattr(torch.cuda, "CUDAGraph", Graph)
+    mp.setattr(torch.cuda, "Stream", Stream)
+    mp.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    mp.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    mp.setattr(torch.cuda, "graph", graph)
+    dec = LeanDecoder(m, 2, 8, 8, graphs=True, graph_factory=torch.cuda.CUDAGraph)
+    with torch.no_grad():
+        dec.begin(2, 8, torch.zeros(2, dtype=torch.long))
+        dec.prefill(torch.tensor([[1, 2], [3, 4]]), torch.tensor([[0, 1], [0, 1]]),
+                    torch.triu(torch.ones(2, 2, dtype=torch.bool), 1)[None, None].expand(2, 1, 2, 2))
+        dec.decode(torch.tensor([5, 6]), 2)
+    assert seen == [{"capture_error_mode": "thread_local"}]

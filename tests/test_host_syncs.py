@@ -100,3 +100,43 @@ def test_decode_loop_syncs_every_few_tokens_only(tiny_model, stops):
     assert per_step <= 1 / 4, counts[20].by_site()
     for f in ("decode.py", "decode_backends.py", "sampling.py", "rollout_routes.py"):
         assert counts[20].total(f"megatron_gspo/{f}") == counts[4].total(f"megatron_gspo/{f}"), (f, counts[20].by_site(f))
+
+
+def test_async_weight_update_poll_rides_on_the_finished_row_vote(tiny_model):
+    """An asynchronous rollout rank generates with weight updates (async_rollout.worker.generate_with_updates)
+    in generation lockstep (a state with EP 2: the vote is taken over the world, here one rank): the update
+    poll and its agreement ride on the finished-row check, every 4 tokens, one host sync there and none
+    per token elsewhere; an update applied mid-generation included."""
+    import types
+
+    from megatron_gspo.async_rollout.worker import generate_with_updates
+    from megatron_gspo.generation import GenerationConfig, Generator
+
+    model, st = tiny_model
+    lockstep = types.SimpleNamespace(tp=1, ep=2, tp_group=None, device=st.device)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    gen = Generator(model, vocab_size=100, state=lockstep)
+    counts, forwards, polls = {}, {}, {}
+    for n in (4, 20):
+        cfg = GenerationConfig(max_new_tokens=n, n_samples_per_prompt=4, finished_check_interval=4,
+                               ignore_eos=True, seed=2)
+        calls = {"poll": 0, "apply": 0}
+
+        def poll():
+            calls["poll"] += 1
+            return calls["poll"] == 2, False  # an update is announced once, at the second check
+
+        def apply():
+            calls["apply"] += 1
+            return calls["apply"]
+
+        with HostSyncCounter() as syncs:
+            got = generate_with_updates(model, prompts, cfg, vocab_size=100, state=lockstep, seed=2,
+                                        row_keys=list(range(16)), version=0, poll=poll, apply=apply,
+                                        policy="finish", generator=gen)
+        counts[n], forwards[n], polls[n] = syncs, got.out.num_forwards, dict(calls)
+    assert polls[20] == {"poll": 4, "apply": 1}  # checks after tokens 4, 8, 12, 16; the update at the 2nd
+    steps = forwards[20] - forwards[4]
+    per_step = (counts[20].total() - counts[4].total()) / steps
+    assert per_step <= 1 / 4, counts[20].by_site()
+    assert counts[20].total("megatron_gspo/async_rollout/worker.py") == counts[4].total("megatron_gspo/async_rollout/worker.py")

@@ -632,6 +632,20 @@ def test_memory_estimate_reacts_to_the_layout():
     kl = mem.estimate_memory(load_job_config(path, ["loss.kl_coef=0.01"]), 16)
     assert kl["ref_model"] == pytest.approx(base["weights"])
 
+
+def test_memory_estimate_keeps_the_kv_cache_of_cuda_graphs_resident():
+    """generation.cuda_graphs=true keeps the lean decoder's KV cache for the job (generation.Generator):
+    it counts with the static memory, beside training, and the block says so."""
+    from megatron_gspo.config import load_job_config
+
+    format_block = mem.format_block
+    eager = mem.estimate_memory(load_job_config(None, []), 1)
+    graphs = mem.estimate_memory(load_job_config(None, ["generation.cuda_graphs=true"]), 1)
+    assert eager["kv_cache_kept"] == 0 and "KV cache kept" not in format_block(eager)
+    assert 0 < graphs["kv_cache_kept"] < graphs["generation"]
+    assert graphs["total"] == pytest.approx(eager["total"] + graphs["kv_cache_kept"])
+    assert "KV cache kept for CUDA graphs" in format_block(graphs)
+
 def test_memory_estimate_cli(capsys):
     path = str(RECIPE_DIR / "gspo_qwen3_30b_a3b_16xh100.yaml")
     assert mem.main([path, "--world-size", "8", "train.micro_batch_size=1", "train.prompts_per_step=16"]) == 0

@@ -18,8 +18,9 @@ version >= s - max_staleness, and the trainer, which trains step s with version 
 
 Never blocking in a collective the trainer did not announce: a rank with permission to generate goes
 on generating (a push reaches it between decode steps); ranks in generation lockstep (TP, or the whole
-rollout world under EP) agree on "apply the push now" with one tiny all-reduce per decode step; waits
-poll the control plane (side.Control) and check the trainer's heartbeat.
+rollout world under EP) agree on "apply the push now" in the vote generate() already takes on the
+finished rows every generation.finished_check_interval tokens (no collective, no host sync of its own);
+waits poll the control plane (side.Control) and check the trainer's heartbeat.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import time
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_gspo import comm, parallel
 from megatron_gspo.async_rollout.layout import ROLLOUT, rollout_parallel_config
@@ -39,7 +39,7 @@ from megatron_gspo.async_rollout.side import Side, is_peer_loss, short_error
 from megatron_gspo.async_rollout.weight_sync import WeightReceiver
 from megatron_gspo.config import JobConfig
 from megatron_gspo.faults import Faults, PreemptionFlag
-from megatron_gspo.generation import generate
+from megatron_gspo.generation import Generator
 from megatron_gspo.logger import setup_logging
 from megatron_gspo.overlong import overlong_penalty
 from megatron_gspo.rewards import build_reward_fn, compute_rewards
@@ -72,36 +72,37 @@ class Generated:
 
 
 def generate_with_updates(model, prompts, gen_cfg, *, vocab_size: int, state, seed: int, row_keys: list[int],
-                          version: int, poll, apply, policy: str) -> Generated:
+                          version: int, poll, apply, policy: str, generator: Optional[Generator] = None) -> Generated:
     """``generate`` that takes weight updates between decode steps.
 
-    poll(): (update pending, stop pending), already agreed over the generation lockstep group; apply():
-    receives the update into ``model`` and returns the new version. policy "finish": the rows go on under
-    the new weights; "drop": the generation restarts under them (same noise: the samples are those of a
-    generation that began with the new weights)."""
+    poll(): (update pending, stop pending) on this rank, read at every check of the finished rows (every
+    generation.finished_check_interval decode steps; generate() agrees on both over the generation lockstep
+    group in that check's vote); apply(): receives the update into ``model`` and returns the new version.
+    policy "finish": the rows go on under the new weights; "drop": the generation restarts under them (same
+    noise: the samples are those of a generation that began with the new weights). ``generator``: the
+    rank's Generator on ``model`` (None: a throwaway one)."""
+    if generator is None:
+        generator = Generator(model, vocab_size=vocab_size, state=state)
     dropped = applied = 0
     while True:
         v_start = version
         updates: list[tuple[int, int]] = []  # (forward index, version after it) of this attempt
 
-        def on_forward(idx: int, kind: str, rows) -> None:
+        def on_update(idx: int) -> None:
             nonlocal version, applied
-            update, stop = poll()
-            if stop:
-                raise Stopped("the trainer stopped")
-            if update:
-                version = apply()
-                applied += 1  # applied while generating, whatever the policy does with the rows in flight
-                if policy == "drop":
-                    raise _Restart()
-                updates.append((idx, version))
+            version = apply()
+            applied += 1  # applied while generating, whatever the policy does with the rows in flight
+            if policy == "drop":
+                raise _Restart()
+            updates.append((idx, version))
 
         try:
-            out = generate(model, prompts, gen_cfg, vocab_size=vocab_size, state=state, seed=seed,
-                           row_keys=row_keys, on_forward=on_forward)
+            out = generator.generate(prompts, gen_cfg, seed=seed, row_keys=row_keys, poll=poll, on_update=on_update)
         except _Restart:
             dropped += len(row_keys)
             continue
+        if out.abandoned:
+            raise Stopped("the trainer stopped")
         break
     # forward idx computed the logits of response token idx: tokens idx+1.. came from the new weights
     lengths = out.response_lengths.to(torch.long)
@@ -149,6 +150,9 @@ class RolloutWorker:
             g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
             pad_token_id=g.pad_token_id if g.pad_token_id is not None else self.tokenizer.pad_id)
         self.row_gen_cfg = dataclasses.replace(self.gen_cfg, n_samples_per_prompt=1)
+        # one decoder for every step of this rank (its KV cache and CUDA graphs sized for the longest prompt)
+        self.generator = Generator(self.model, vocab_size=cfg.model.vocab_size, state=st,
+                                   slots=cfg.data.max_prompt_length + g.max_new_tokens - 1)
         self.reward_fn = build_reward_fn(cfg.reward)
         self.receiver = WeightReceiver(self.model, st, side.sync_pg, int(r.weight_sync_bucket_mb * 2**20))
         self.faults = Faults(rank=side.global_rank)
@@ -159,8 +163,6 @@ class RolloutWorker:
         if self.leader and side.split.rollout_leaders[st.dp_rank] != st.rank:
             raise RuntimeError(f"rollout rank {st.rank} is TP rank 0 of data-parallel rank {st.dp_rank}, but the "
                                f"trainer expects that rank's rows from rollout rank {side.split.rollout_leaders[st.dp_rank]}")
-        # generation lockstep: the TP group, or this side's whole world under EP (generation.py)
-        self.lockstep = dist.group.WORLD if st.ep > 1 else (st.tp_group if st.tp > 1 else None)
         self.version = -1
         self.pending: list[tuple[int, list, tuple]] = []  # (step, send works, buffers kept alive)
         self._last_poll, self._last_pushed = 0.0, -1
@@ -203,7 +205,7 @@ class RolloutWorker:
         gen = generate_with_updates(
             self.model, [p.ids for p in mine], self.row_gen_cfg, vocab_size=self.cfg.model.vocab_size, state=st,
             seed=(self.gen_cfg.seed << 32) + step, row_keys=self.rows, version=self.version,
-            poll=self._poll_agreed, apply=self._apply_push, policy=self.cfg.rollout.partial_rollouts)
+            poll=self._poll, apply=self._apply_push, policy=self.cfg.rollout.partial_rollouts, generator=self.generator)
         out = gen.out
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
         rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine], device=dev)
@@ -272,15 +274,6 @@ class RolloutWorker:
                 elif gone is not None:  # its heartbeat timed out, or it recorded its exit
                     self._stop_why = f"declared the trainer dead: {gone}"
         return self._last_pushed > self.version, self._stop_why is not None
-
-    def _poll_agreed(self) -> tuple[bool, bool]:
-        """``_poll`` agreed over the generation lockstep group (every member calls it once per forward)."""
-        update, stop = self._poll()
-        if self.lockstep is not None:
-            flags = torch.tensor([float(update), float(stop)], device=self.state.device)
-            flags = comm.all_reduce(flags, "max", self.lockstep, what="async rollout: apply a weight push now?")
-            update, stop = bool(flags[0]), bool(flags[1])
-        return update, stop
 
     def _apply_push(self) -> int:
         t0 = time.perf_counter()
