@@ -39,8 +39,8 @@ from megatron_gspo.generation import generate
 from megatron_gspo.metrics import Metric, MetricAccumulator
 from megatron_gspo.oom import explain_oom
 from megatron_gspo.model import forward_logprobs, input_padding_mask, unwrap
-from megatron_gspo.dynamic_sampling import informative_groups, prune_groups
-from megatron_gspo.overlong import loss_mask, overlong_penalty, truncated
+from megatron_gspo.algorithms.dynamic_sampling import informative_groups, prune_groups
+from megatron_gspo.algorithms.overlong import loss_mask, overlong_penalty, truncated
 from megatron_gspo.rewards import compute_rewards
 
 log = logging.getLogger("megatron_gspo")

@@ -30,7 +30,7 @@ from typing import Iterable
 import torch
 
 from megatron_gspo import comm, determinism, parallel
-from megatron_gspo.advantages import get_advantage_estimator
+from megatron_gspo.algorithms.advantages import get_advantage_estimator
 from megatron_gspo.async_rollout.side import join as join_async_job
 from megatron_gspo.async_rollout.source import AsyncRollouts, RolloutRanksLost
 from megatron_gspo.checkpoint import CheckpointManager, has_manifest, iter_dir
@@ -41,7 +41,7 @@ from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAV
 from megatron_gspo.faults import FaultInjection, PreemptionFlag, StepAbandoned
 from megatron_gspo.hooks import Hooks, TrainerHook
 from megatron_gspo.logger import MetricsLogger, Timer, progress_line, setup_logging
-from megatron_gspo.losses import batch_normalizer, compute_policy_loss, on_policy_metrics
+from megatron_gspo.algorithms.losses import batch_normalizer, compute_policy_loss, on_policy_metrics
 from megatron_gspo.metrics import MetricAccumulator
 from megatron_gspo.oom import check_model_fits, explain_oom, model_shapes
 from megatron_gspo.model import (
@@ -60,7 +60,7 @@ from megatron_gspo.model import (
 from megatron_gspo.optim import build_optimizer, build_scheduler, optimizer_step
 from megatron_gspo.rewards import build_reward_fn, check_reference_answers
 from megatron_gspo.rollout import RolloutBatch, Rollouts
-from megatron_gspo.rollout_correction import correction_weights, inactive_reason, mismatch_metrics
+from megatron_gspo.algorithms.rollout_correction import correction_weights, inactive_reason, mismatch_metrics
 from megatron_gspo.routing import RoutingPolicy
 from megatron_gspo.sft import SFTWarmStart
 from megatron_gspo.sysinfo import current_rss
