@@ -39,8 +39,8 @@ from megatron_gspo.generation import Generator
 from megatron_gspo.metrics import Metric, MetricAccumulator
 from megatron_gspo.oom import explain_oom
 from megatron_gspo.model import forward_logprobs, input_padding_mask, unwrap
-from megatron_gspo.dynamic_sampling import informative_groups, prune_groups
-from megatron_gspo.overlong import loss_mask, overlong_penalty, truncated
+from megatron_gspo.algorithms.dynamic_sampling import informative_groups, prune_groups
+from megatron_gspo.algorithms.overlong import overlong_penalty, truncated
 from megatron_gspo.rewards import compute_rewards
 
 log = logging.getLogger("megatron_gspo")
@@ -96,11 +96,6 @@ class RolloutBatch:
             ref_logprobs=pick(self.ref_logprobs), sample_ids=ids,
             truncated=None if self.truncated is None else self.truncated[idx],
         )
-
-    def loss_mask(self, overlong_filtering: bool) -> torch.Tensor:
-        """[B, T-1] bool: the tokens the loss trains on (the response mask, minus truncated responses
-        under train.overlong_filtering)."""
-        return loss_mask(self.mask, self.truncated) if overlong_filtering else self.mask
 
     def micro_batch(self, i: int) -> "RolloutBatch":
         """Flat micro-batch ``i`` of the plan, at its own width."""

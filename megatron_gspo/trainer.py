@@ -4,7 +4,8 @@ A step, top to bottom (``Trainer.run``):
   1. rollout: this rank's share of P prompts x G responses, sampled by the training model itself,
      scored, group advantages over every rank's rewards, old log-probs  (rollout.Rollouts.collect)
   2. num_minibatches optimizer steps over it, each the one-rank, one-micro-batch gradient whatever
-     the layout and micro-batch size                                    (Trainer.train_on)
+     the layout and micro-batch size; per micro-batch forward -> objective -> backward
+                                                          (Trainer.train_on, algorithms.objective)
   3. metrics reduced over ranks, logged; a checkpoint every N steps     (logger, checkpoint)
 
 The components, each behind a narrow interface:
@@ -30,7 +31,8 @@ from typing import Iterable
 import torch
 
 from megatron_gspo import comm, determinism, parallel
-from megatron_gspo.advantages import get_advantage_estimator
+from megatron_gspo.algorithms.advantages import get_advantage_estimator
+from megatron_gspo.algorithms.objective import ObjectiveConfig, loss_units, objective
 from megatron_gspo.async_rollout.side import join as join_async_job
 from megatron_gspo.async_rollout.source import AsyncRollouts, RolloutRanksLost
 from megatron_gspo.checkpoint import CheckpointManager, has_manifest, iter_dir
@@ -41,7 +43,6 @@ from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAV
 from megatron_gspo.faults import FaultInjection, PreemptionFlag, StepAbandoned
 from megatron_gspo.hooks import Hooks, TrainerHook
 from megatron_gspo.logger import MetricsLogger, Timer, progress_line, setup_logging
-from megatron_gspo.losses import batch_normalizer, compute_policy_loss, on_policy_metrics
 from megatron_gspo.metrics import MetricAccumulator
 from megatron_gspo.oom import check_model_fits, explain_oom, model_shapes
 from megatron_gspo.model import (
@@ -60,7 +61,7 @@ from megatron_gspo.model import (
 from megatron_gspo.optim import build_optimizer, build_scheduler, optimizer_step
 from megatron_gspo.rewards import build_reward_fn, check_reference_answers
 from megatron_gspo.rollout import RolloutBatch, Rollouts
-from megatron_gspo.rollout_correction import correction_weights, inactive_reason, mismatch_metrics
+from megatron_gspo.algorithms.rollout_correction import inactive_reason
 from megatron_gspo.routing import RoutingPolicy
 from megatron_gspo.sft import SFTWarmStart
 from megatron_gspo.sysinfo import current_rss
@@ -138,6 +139,7 @@ class Trainer:
         if (inactive := inactive_reason(cfg.rollout_correction.mode, recompute)) and st.is_main:
             log.warning("%s", inactive)  # legal (a no-op, bit for bit) but not what a run asking for correction expects
         self.timer = Timer(st.device)
+        self.objective_cfg = ObjectiveConfig.of(cfg)  # what algorithms.objective reads of the job
         g = cfg.generation
         gen_cfg = dataclasses.replace(g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
                                       pad_token_id=g.pad_token_id if g.pad_token_id is not None else self.tokenizer.pad_id)
@@ -319,18 +321,19 @@ class Trainer:
     def accumulate_gradients(self, batch: RolloutBatch, mini: list[int], acc: MetricAccumulator,
                              measure_rollout_gap: bool = False) -> list[tuple[list, torch.Tensor]]:
         """Forward + backward of one minibatch (its flat micro-batch indices ``mini`` in the batch's plan),
-        gradients reduced over DP (finalize_grads). The loss divides by the unit count of the whole
-        minibatch over every DP rank and DDP sums gradients (calculate_per_token_loss), so the gradient is
-        the DP=1, one-micro-batch gradient whatever the split; the MoE aux loss gets the same weight too
+        gradients reduced over DP (finalize_grads): per micro-batch, forward_logprobs -> the RL objective
+        (algorithms.objective: loss mask, rollout correction, the policy loss, its metrics) -> backward.
+        The loss divides by the unit count of the whole minibatch over every DP rank and DDP sums
+        gradients (calculate_per_token_loss), so the gradient is the DP=1, one-micro-batch gradient
+        whatever the split; the MoE aux loss gets the same weight too
         (model.aux_loss_scales). ``measure_rollout_gap``: log rollout/logprob_diff_* from these forwards
         (on the sampling weights: the first minibatch). Returns, per micro-batch, its sample ids and a
         [b] bool device tensor marking the rows whose (current or old) log-probs were not finite
         (``bad_sample_ids`` turns them into ids; kept on the device so that no micro-batch waits)."""
         cfg, st = self.cfg, self.state
-        rc = cfg.rollout_correction
+        obj = self.objective_cfg
         micros = [batch.micro_batch(i) for i in mini]
-        masks = [m.loss_mask(cfg.train.overlong_filtering) for m in micros]
-        units = sum(batch_normalizer(cfg.loss, m) for m in masks).reshape(1)
+        units = sum(loss_units(obj, m) for m in micros).reshape(1)
         norm = comm.all_reduce(units, "sum", st.dp_group, what="loss normalizer (units of the minibatch over DP)")
         # overlong filtering can empty a minibatch: its loss is then 0 / 1, not 0 / 0
         norm = norm.clamp(min=1)
@@ -345,19 +348,8 @@ class Trainer:
                 # log-probs from the final hidden states, output layer fused in: no [b, s, V] logits
                 logp, ent = forward_logprobs(self.ddp, micro.tokens[:, :-1], micro.tokens[:, 1:], cfg.model.vocab_size,
                                              temperature=self.rollouts.temperature, padding_mask=pad_masks[j])
-                ratio = torch.where(micro.mask, logp.detach() - micro.old_logprobs, 0.0)
-                bad_rows.append((micro.sample_ids, ~ratio.isfinite().all(-1)))
-                # rollout correction: pi_old / pi_rollout weights (None when off; all 1.0 when the old
-                # log-probs are the rollout's)
-                weights, rc_metrics = correction_weights(micro.old_logprobs, micro.sample_logprobs, masks[j],
-                                                         rc.mode, rc.level, *rc.bounds)
-                loss, metrics = compute_policy_loss(
-                    cfg.loss, logp, micro.old_logprobs, micro.advantages, masks[j],
-                    ref_logp=micro.ref_logprobs, entropy=ent, global_batch_normalizer=norm[0], is_weights=weights)
-                metrics.update(rc_metrics)
-                if measure_rollout_gap:  # generation ran on these weights: float noise, or a real mismatch
-                    metrics.update(mismatch_metrics(logp, micro.sample_logprobs, micro.mask, *rc.bounds))
-                    metrics.update(on_policy_metrics(logp, micro.old_logprobs, masks[j], metrics))
+                bad_rows.append((micro.sample_ids, nonfinite_rows(micro, logp)))
+                loss, metrics = objective(obj, micro, logp, ent, norm[0], on_sampling_weights=measure_rollout_gap)
             set_aux_loss_scale(scales[j], st.device)
             with explain_oom("training", cfg, st, "backward of the " + shape), self.routing.backward():
                 loss.backward()
@@ -548,6 +540,12 @@ def nonfinite_grads(ddp) -> torch.Tensor:
     if not bufs:
         return torch.zeros((), dtype=torch.bool, device=next(ddp.parameters()).device)
     return torch.stack([torch.stack(torch.aminmax(g)) for g in bufs]).isfinite().all().logical_not()
+
+
+def nonfinite_rows(micro: RolloutBatch, logp: torch.Tensor) -> torch.Tensor:
+    """[b] bool on logp's device: the rows of a micro-batch whose current or old log-probs are not finite
+    on a response token (no host sync: ``bad_sample_ids`` reads them only when the update is skipped)."""
+    return ~torch.where(micro.mask, logp.detach() - micro.old_logprobs, 0.0).isfinite().all(-1)
 
 
 def bad_sample_ids(bad_rows: list[tuple[list, torch.Tensor]]) -> list[str]:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.advantages import (
+from megatron_gspo.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     dr_grpo_advantages,
     get_advantage_estimator,

@@ -197,8 +197,8 @@ def test_hf_router_normalization_and_expert_key_spellings():
 def test_config_names_match_the_registries():
     """The config validates names without importing the subsystems; each registry offers exactly them."""
     from megatron_gspo import config
-    from megatron_gspo.advantages import ADVANTAGE_ESTIMATORS
-    from megatron_gspo.losses import POLICY_LOSSES
+    from megatron_gspo.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from megatron_gspo.algorithms.losses import POLICY_LOSSES
     from megatron_gspo.tokenizer import build_tokenizer  # noqa: F401 (TOKENIZER_TYPES is its dispatch)
 
     assert tuple(POLICY_LOSSES) == config.LOSS_NAMES

@@ -90,7 +90,7 @@ def test_every_collective_of_the_package_goes_through_comm():
 ])
 def test_losses_metrics_and_their_reduction_stay_on_cuda(nccl, name, extra):
     from megatron_gspo.config import from_dict
-    from megatron_gspo.losses import LossConfig, batch_normalizer, compute_policy_loss
+    from megatron_gspo.algorithms.losses import LossConfig, batch_normalizer, compute_policy_loss
     from megatron_gspo.metrics import MetricAccumulator
 
     cfg = from_dict(LossConfig, {"name": name, **{k.split(".")[1]: v for k, v in extra.items()}})
@@ -119,7 +119,7 @@ def test_losses_metrics_and_their_reduction_stay_on_cuda(nccl, name, extra):
 
 
 def test_advantages_and_rewards_to_tensor_on_cuda():
-    from megatron_gspo.advantages import ADVANTAGE_ESTIMATORS
+    from megatron_gspo.algorithms.advantages import ADVANTAGE_ESTIMATORS
     from megatron_gspo.rewards import compute_rewards
 
     with cuda_on_cpu():
@@ -185,8 +185,8 @@ def test_sampling_noise_and_draw_on_cuda():
 
 
 def test_rollout_helpers_make_their_tensors_on_the_state_device(nccl):
-    from megatron_gspo.advantages import grpo_advantages
-    from megatron_gspo.losses import LossConfig, batch_normalizer
+    from megatron_gspo.algorithms.advantages import grpo_advantages
+    from megatron_gspo.algorithms.losses import LossConfig, batch_normalizer
     from megatron_gspo.model import aux_loss_scales, input_padding_mask
     from megatron_gspo.rollout import RolloutBatch, common_length, global_advantages, local_rows
 

@@ -106,7 +106,7 @@ _METRIC = re.compile(r"(?<![\w/.-])((?:" + _PREFIXES + r")/[A-Za-z0-9_/@]*[A-Za-
 
 
 def _known_metrics() -> set[str]:
-    from megatron_gspo.losses import LossConfig, compute_policy_loss, on_policy_metrics
+    from megatron_gspo.algorithms.losses import LossConfig, compute_policy_loss, on_policy_metrics
     from megatron_gspo.routing import RoutingStats
 
     g = torch.Generator().manual_seed(0)
@@ -127,10 +127,10 @@ def _known_metrics() -> set[str]:
     stats.tokens_per_expert += 1
     stats.compared += 1
     keys |= set(stats.summary(prefix="routing/"))
-    from megatron_gspo.rollout_correction import correction_weights, mismatch_metrics
+    from megatron_gspo.algorithms.rollout_correction import correction_weights, mismatch_metrics
 
     keys |= set(mismatch_metrics(logp, old, mask, 0.5, 2.0))
-    from megatron_gspo.losses import on_policy_metrics
+    from megatron_gspo.algorithms.losses import on_policy_metrics
 
     keys |= {f"loss/{k}" for k in on_policy_metrics(logp, old, mask, metrics)}
     for mode in ("tis", "mis"):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_gspo.config import ConfigError, load_job_config
-from megatron_gspo.dynamic_sampling import informative_groups, pick_groups
-from megatron_gspo.overlong import loss_mask, overlong_penalty, truncated
+from megatron_gspo.algorithms.dynamic_sampling import informative_groups, pick_groups
+from megatron_gspo.algorithms.overlong import loss_mask, overlong_penalty, truncated
 from job_runner import built_trainers, run_job_rows
 from log_capture import LogLines
 
@@ -224,7 +224,7 @@ def test_dynamic_sampling_logs_each_round_and_keeps_only_what_it_can_pick(traine
 
 
 def test_pruned_groups_are_the_ones_pick_groups_would_pick():
-    from megatron_gspo.dynamic_sampling import prune_groups
+    from megatron_gspo.algorithms.dynamic_sampling import prune_groups
 
     rounds = [[False, True, False, False], [False, False, True, False], [True, True, True, True]]
     for needed in (1, 2, 3, 4):

@@ -58,7 +58,7 @@ def test_the_chat_template_renders_the_question(in_root):
 def test_the_example_job_runs_and_evaluates(in_root, tmp_path):
     from megatron_gspo import parallel
     from megatron_gspo.hooks import TrainerHook
-    from megatron_gspo.overlong import overlong_penalty
+    from megatron_gspo.algorithms.overlong import overlong_penalty
     from megatron_gspo.trainer import Trainer
 
     class Batches(TrainerHook):

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from megatron_gspo.losses import cispo_loss, gmpo_loss, luspo_loss, sapo_loss
+from megatron_gspo.algorithms.losses import cispo_loss, gmpo_loss, luspo_loss, sapo_loss
 
 pytestmark = pytest.mark.slow  # a subprocess that builds TRL trainers (~30-80 s on the shared CPU)
 

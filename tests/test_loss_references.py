@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_gspo.config import LossConfig
-from megatron_gspo.losses import (
+from megatron_gspo.algorithms.losses import (
     SAPO_GATED_WEIGHT,
     batch_normalizer,
     cispo_loss,

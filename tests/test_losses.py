@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.losses import (
+from megatron_gspo.algorithms.losses import (
     POLICY_LOSSES,
     LossConfig,
     batch_normalizer,

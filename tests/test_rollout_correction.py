@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from megatron_gspo.config import ConfigError, LossConfig, RolloutCorrectionConfig, load_job_config
-from megatron_gspo.losses import compute_policy_loss
+from megatron_gspo.algorithms.losses import compute_policy_loss
 from megatron_gspo.metrics import reduce_metrics
-from megatron_gspo.rollout_correction import correction_weights, log_rho, mismatch_metrics
+from megatron_gspo.algorithms.rollout_correction import correction_weights, log_rho, mismatch_metrics
 from log_capture import LogLines
 
 LN = math.log
@@ -223,7 +223,7 @@ def test_a_correction_that_cannot_correct_anything_says_so(tmp_path):
         "rollout_correction.mode=tis corrects nothing in this job: the old log-probs are the rollout's"), said
     assert "train.old_logprobs=recompute" in said["rollout"][0]
     assert said["recompute"] == [] and said["off"] == []
-    from megatron_gspo.rollout_correction import inactive_reason
+    from megatron_gspo.algorithms.rollout_correction import inactive_reason
 
     assert inactive_reason("off", False) is None and inactive_reason("tis", True) is None
     assert inactive_reason("mis", False).startswith("rollout_correction.mode=mis corrects nothing in this job")

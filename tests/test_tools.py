@@ -165,14 +165,15 @@ def test_walk_of_the_default_step_is_deterministic_and_reads_the_step():
     """Two traces of one RL step of the default job (fewer rows: the same code path, a shorter step) give
     the same walk, which starts and ends in train.run_trainer, goes through the trainer, the rollout and
     the loss, and never into the runtime."""
-    small = ["train.prompts_per_step=4", "generation.n_samples_per_prompt=2", "train.micro_batch_size=4"]
+    small = ["train.prompts_per_step=4", "generation.n_samples_per_prompt=2", "train.micro_batch_size=4",
+             "parallel.device=cpu"]  # the CPU path, stated (conftest refuses device=auto in-process)
     tops = [step_walk.trace_default_step(small) for _ in range(2)]
     walks = [[str(s) for s in step_walk.walk(t)] for t in tops]
     assert walks[0] == walks[1]
     assert walks[0][0].startswith("megatron_gspo/train.py:run_trainer")
     assert walks[0][-1] == "megatron_gspo/train.py:run_trainer"
     files = {w.split(":")[0] for w in walks[0]}
-    assert {"megatron_gspo/trainer.py", "megatron_gspo/rollout.py", "megatron_gspo/losses.py",
+    assert {"megatron_gspo/trainer.py", "megatron_gspo/rollout.py", "megatron_gspo/algorithms/losses.py",
             "megatron_gspo/generation.py"} <= files
     assert not [f for f in files if any(__import__("fnmatch").fnmatch(f, p) for p in step_walk.STEP_OVER)]
     s = step_walk.summarize(step_walk.walk(tops[0]), step_walk.import_graph())

@@ -41,7 +41,7 @@ from megatron_gspo.config import JobConfig
 from megatron_gspo.faults import Faults, PreemptionFlag
 from megatron_gspo.generation import Generator
 from megatron_gspo.logger import setup_logging
-from megatron_gspo.overlong import overlong_penalty
+from megatron_gspo.algorithms.overlong import overlong_penalty
 from megatron_gspo.rewards import build_reward_fn, compute_rewards
 from megatron_gspo.rollout import local_rows
 

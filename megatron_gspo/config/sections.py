@@ -13,13 +13,13 @@ from megatron_gspo.errors import ConfigError
 
 # Names the registries must offer (tests/test_config.py checks each registry against its tuple):
 # the config validates names without importing the subsystems that implement them.
-LOSS_NAMES = ("gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo", "luspo")  # losses.POLICY_LOSSES
+LOSS_NAMES = ("gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo", "luspo")  # algorithms/losses.py: POLICY_LOSSES
 # Losses whose importance ratios are per token: routing noise enters each token's ratio, so routing
 # replay (train.routing_replay) applies to them. The others use GSPO's sequence ratio, which needs none.
 TOKEN_RATIO_LOSSES = ("grpo", "sapo", "cispo", "gmpo")
 # Losses that take loss.loss_agg_mode (the others fix their aggregation to their paper's).
 AGG_MODE_LOSSES = ("grpo", "cispo")
-ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "mean_only")  # advantages.ADVANTAGE_ESTIMATORS
+ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "mean_only")  # algorithms/advantages.py: ADVANTAGE_ESTIMATORS
 TOKENIZER_TYPES = ("builtin", "hf", "sentencepiece")  # tokenizer.build_tokenizer
 ROUTING_REPLAY_MODES = ("off", "R2", "R3")  # routing.RoutingPolicy
 OLD_LOGPROB_SOURCES = ("auto", "rollout", "recompute")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-from megatron_gspo.losses import LossConfig, batch_normalizer, compute_policy_loss
+from megatron_gspo.algorithms.losses import LossConfig, batch_normalizer, compute_policy_loss
 from megatron_gspo.metrics import Metric, MetricAccumulator, reduce_metrics
 
 WORLD = 2

@@ -28,6 +28,23 @@ import torch
 
 AdvantageEstimator = Callable[[torch.Tensor, int], torch.Tensor]
 
+# name -> estimator, in registration order; config.ADVANTAGE_ESTIMATOR_NAMES lists the same names (the
+# config is a leaf and cannot import this file: tests/test_config.py checks they agree)
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_advantage(*names: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator: register an estimator under each of ``names`` (the values of
+    ``train.advantage_estimator``; more than one: aliases); called as ``fn(rewards, group_size)``."""
+    def register(fn: AdvantageEstimator) -> AdvantageEstimator:
+        for name in names:
+            if name in ADVANTAGE_ESTIMATORS:
+                raise ValueError(f"advantage estimator {name!r} is registered twice "
+                                 f"({ADVANTAGE_ESTIMATORS[name].__qualname__} and {fn.__qualname__})")
+            ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+    return register
+
 
 def _validate(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Check the layout and values; return rewards as [P, G] float64."""
@@ -84,21 +101,16 @@ def group_advantages(
     return adv.reshape(-1).to(dtype=out_dtype, device=src.device)
 
 
+@register_advantage("grpo")
 def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """(r - group mean) / (group std + eps); the estimator of GRPO and GSPO."""
     return group_advantages(rewards, group_size, normalize_std=True, eps=eps)
 
 
+@register_advantage("dr_grpo", "mean_only")
 def dr_grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """r - group mean (Dr. GRPO: dividing by the std up-weights near-constant groups)."""
     return group_advantages(rewards, group_size, normalize_std=False)
-
-
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "grpo": grpo_advantages,
-    "dr_grpo": dr_grpo_advantages,
-    "mean_only": dr_grpo_advantages,
-}
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:

@@ -61,6 +61,38 @@ Metrics = dict[str, Metric]
 Normalizer = Optional[Union[float, Tensor]]
 
 # ----------------------------------------------------------------------------------------------
+# Registry (verl's register_policy_loss): a new loss is one decorated function in this file
+# ----------------------------------------------------------------------------------------------
+
+PolicyLoss = Callable[..., tuple[Tensor, Metrics]]
+
+# name -> loss function, in registration order (the order of this file); config.LOSS_NAMES lists the
+# same names (the config is a leaf and cannot import this file: tests/test_config.py checks they agree)
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: register a policy loss under ``name`` (the value of ``loss.name``). The function is
+    called as ``fn(logp, old_logp, advantages, mask, *, ref_logp, entropy, global_batch_normalizer,
+    is_weights, **loss_kwargs(cfg))`` and returns ``(loss, metrics)`` (see the module doc)."""
+    def register(fn: PolicyLoss) -> PolicyLoss:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered twice ({POLICY_LOSSES[name].__qualname__} "
+                             f"and {fn.__qualname__})")
+        POLICY_LOSSES[name] = fn
+        return fn
+    return register
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The loss registered under ``name``."""
+    try:
+        return POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy loss {name!r}; valid names: {list(POLICY_LOSSES)}") from None
+
+
+# ----------------------------------------------------------------------------------------------
 # Shared plumbing
 # ----------------------------------------------------------------------------------------------
 
@@ -305,6 +337,7 @@ def _gspo_sequence_objective(b: _Batch, low: float, high: float, bound: float,
     return obj, metrics
 
 
+@register_policy_loss("gspo")
 def gspo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     clip_ratio_low: float = 3e-4, clip_ratio_high: float = 4e-4, log_ratio_bound: float = 20.0,
@@ -335,6 +368,7 @@ def gspo_loss(
                    global_batch_normalizer=global_batch_normalizer, metrics=metrics)
 
 
+@register_policy_loss("gspo_token")
 def gspo_token_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     clip_ratio_low: float = 3e-4, clip_ratio_high: float = 4e-4, log_ratio_bound: float = 20.0,
@@ -385,6 +419,7 @@ def gspo_token_loss(
 # ----------------------------------------------------------------------------------------------
 
 
+@register_policy_loss("grpo")
 def grpo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, log_ratio_bound: float = 20.0,
@@ -486,6 +521,7 @@ def _check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
 
+@register_policy_loss("sapo")
 def sapo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     tau_pos: float = SAPO_TAUS[0], tau_neg: float = SAPO_TAUS[1], log_ratio_bound: float = 20.0,
@@ -544,6 +580,7 @@ def sapo_loss(
                    global_batch_normalizer=global_batch_normalizer, metrics=metrics)
 
 
+@register_policy_loss("cispo")
 def cispo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     clip_ratio_low: float = 1.0, clip_ratio_high: float = 4.0, log_ratio_bound: float = 20.0,
@@ -596,6 +633,7 @@ def cispo_loss(
                    bound=log_ratio_bound, global_batch_normalizer=global_batch_normalizer, metrics=metrics)
 
 
+@register_policy_loss("gmpo")
 def gmpo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     clip_ratio_low: float = 0.4, clip_ratio_high: float = 0.4, log_ratio_bound: float = 20.0,
@@ -660,6 +698,7 @@ def gmpo_loss(
                    global_batch_normalizer=global_batch_normalizer, metrics=metrics)
 
 
+@register_policy_loss("luspo")
 def luspo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
     clip_ratio_low: float = 2e-3, clip_ratio_high: float = 2.5e-3, log_ratio_bound: float = 20.0,
@@ -691,27 +730,8 @@ def luspo_loss(
 
 
 # ----------------------------------------------------------------------------------------------
-# Registry and dispatch
+# Dispatch
 # ----------------------------------------------------------------------------------------------
-
-PolicyLoss = Callable[..., tuple[Tensor, Metrics]]
-
-POLICY_LOSSES: dict[str, PolicyLoss] = {
-    "gspo": gspo_loss,
-    "gspo_token": gspo_token_loss,
-    "grpo": grpo_loss,
-    "sapo": sapo_loss,
-    "cispo": cispo_loss,
-    "gmpo": gmpo_loss,
-    "luspo": luspo_loss,
-}
-
-
-def get_policy_loss(name: str) -> PolicyLoss:
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; valid names: {list(POLICY_LOSSES)}") from None
 
 
 def batch_normalizer(cfg: LossConfig, mask: Tensor) -> Tensor:
