@@ -153,6 +153,7 @@ def apply(device: torch.device) -> list[str]:
     cpu = "cuda_current_device_is_cpu" in want
     if cpu:
         # `.to("cpu")` / device="cpu" where megatron asks for the current CUDA device
+        _dynamo_keeps_the_real_cuda_device()
         _patch(torch.cuda, "current_device", lambda: "cpu", "torch.cuda.current_device")
         _patch(torch.cuda, "synchronize", lambda *a, **k: None, "torch.cuda.synchronize")
         if not _inference_tracker(mrandom):
@@ -163,6 +164,7 @@ def apply(device: torch.device) -> list[str]:
         _patch(mrandom, "_set_cuda_rng_state", lambda *a, **k: None, "mrandom._set_cuda_rng_state")
     else:
         _restore(torch.cuda, "current_device", "torch.cuda.current_device")
+        _restore_dynamo_device()
         _restore(torch.cuda, "synchronize", "torch.cuda.synchronize")
         _restore(mrandom, "_get_cuda_rng_state", "mrandom._get_cuda_rng_state")
         _restore(mrandom, "_set_cuda_rng_state", "mrandom._set_cuda_rng_state")
@@ -178,6 +180,34 @@ def apply(device: torch.device) -> list[str]:
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None
     return want
+
+
+def _dynamo_keeps_the_real_cuda_device() -> None:
+    """A CPU job on a machine with a GPU (the tests in the NGC container, ``parallel.device=cpu`` there):
+    megatron's ``jit_fuser`` is torch.compile (the router's ``_apply_expert_bias``), and dynamo asks whether
+    Triton can use the GPU through ``torch.cuda.current_device()``, which the workaround above answers
+    "cpu"; dynamo then indexes its device list with it ("TypeError: list indices must be integers or
+    slices, not str", every in-process MoE test on an H100 with torch 2.11). Dynamo reads its own cache of
+    the current device first: give it the real one (the device CUDA calls would use; 0 before CUDA is
+    initialized), taken out again by _restore_dynamo_device."""
+    if torch.cuda.device_count() == 0 or "dynamo.current_device" in _ORIGINAL:  # no GPU: dynamo never asks
+        return
+    try:
+        from torch._dynamo import device_interface
+    except ImportError:  # an older torch without the cache reads torch.cuda directly
+        return
+    cache = getattr(device_interface, "caching_worker_current_devices", None)
+    if not isinstance(cache, dict) or "cuda" in cache:
+        return
+    index = _ORIGINAL.get("torch.cuda.current_device", torch.cuda.current_device)() if torch.cuda.is_initialized() else 0
+    cache["cuda"] = index
+    _ORIGINAL["dynamo.current_device"] = cache
+
+
+def _restore_dynamo_device() -> None:
+    cache = _ORIGINAL.pop("dynamo.current_device", None)
+    if cache is not None:
+        cache.pop("cuda", None)
 
 
 def _inference_tracker(mrandom) -> bool:

@@ -170,3 +170,33 @@ def test_te_modules_on_cpu_stands_in_for_cuda_only_inside_and_undoes_it():
         with compat.te_modules_on_cpu():
             1 / 0
     assert torch.cuda.is_available is real and "torch.cuda.is_available" not in compat._ORIGINAL
+
+
+def test_a_cpu_job_on_a_gpu_machine_leaves_torch_compiles_device_checks_working(monkeypatch):
+    """Found by benchmarks/gpu_checks.sh on an H100 (torch 2.11): every in-process MoE test (pinned to the CPU)
+    and `parallel.device=cpu` jobs failed in megatron's torch.compile'd router (`_apply_expert_bias`) with
+    "InternalTorchDynamoError: TypeError: list indices must be integers or slices, not str": dynamo's Triton
+    check (torch.utils._triton.has_triton) indexes the GPU list with torch.cuda.current_device(), which the CPU
+    workaround answers "cpu". Reproduced here by making this machine look like one with a GPU and Triton to
+    that check, with the same call dynamo makes."""
+    import types
+
+    from torch._dynamo import device_interface
+    from torch.utils import _triton
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(major=9, index=i))
+    monkeypatch.setattr(_triton, "has_triton_package", lambda: True)
+    monkeypatch.setattr(device_interface, "caching_worker_current_devices", {})
+    monkeypatch.setattr(device_interface, "caching_worker_device_properties", {})
+    _triton.has_triton.cache_clear()
+    try:
+        compat.apply(torch.device("cpu"))
+        assert torch.cuda.current_device() == "cpu"  # what megatron's tensor factories still get
+        assert _triton.has_triton() is True  # was: TypeError: list indices must be integers or slices, not str
+        assert device_interface.CudaInterface.Worker.get_device_properties().index == 0
+    finally:
+        _triton.has_triton.cache_clear()
+        compat._restore_dynamo_device()

