@@ -233,7 +233,13 @@ def test_dead_rollout_rank_checkpoints_stops_and_resumes(run_dist, tmp_path, uni
     p = job(run_dist, tmp_path / "run", 3, "train.num_steps=4", *K1, *ck, check=False)
     out = p.stdout + p.stderr
     assert p.returncode != 0 and time.time() - t0 < 240, out[-3000:]
-    assert "STOPPED exit 75: stopping before step" in out and "rollout" in out, out[-3000:]
+    # Who sees the death first is a race: the trainer (its stop line names the rollout rank), or torchrun,
+    # which SIGTERMs the survivors when a rank dies (the trainer then stops as preempted, and torchrun's
+    # report names rank 1 and its SIGKILL). Both save and exit 75; seen both ways on a loaded machine.
+    by_trainer = "STOPPED exit 75: stopping before step" in out and "rollout" in out
+    by_torchrun = ("STOPPED exit 75: preempted by signal SIGTERM" in out and "rank      : 1" in out
+                   and "Signal 9 (SIGKILL)" in out)
+    assert by_trainer or by_torchrun, out[-3000:]
     assert f"checkpoint saved to {tmp_path}/ckpt" in out
     saved = latest_complete(f"{tmp_path}/ckpt")
     assert saved in (1, 2), saved  # step 2's rows may have died with the rank before the trainer read them

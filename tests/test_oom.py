@@ -39,7 +39,7 @@ def test_oom_names_the_phase_knobs_and_estimate(tmp_path, monkeypatch, capfd, wh
     if where == "training":
         monkeypatch.setattr(trainer_mod, "forward_logprobs", _raise_oom)
     elif where == "generation":
-        monkeypatch.setattr(rollout, "generate", _raise_oom)
+        monkeypatch.setattr(rollout.Generator, "generate", _raise_oom)  # the rollout source's kept generator
     else:
         monkeypatch.setattr(rollout, "forward_logprobs", _raise_oom)
     extra = ["train.old_logprobs=recompute"] if where == "old_logprobs" else []

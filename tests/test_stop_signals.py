@@ -304,7 +304,7 @@ def run_to_code(tmp_path, name, overrides, hooks=()) -> int:
     from megatron_gspo.train import run_trainer
 
     PreemptionFlag.install()  # first, as train.main does (SIGTERM / SIGUSR1: pytest keeps its Ctrl-C)
-    cfg = load_job_config(None, [*overrides, f"train.output_dir={tmp_path}/{name}", f"checkpoint.save={tmp_path}/{name}/ckpt"])
+    cfg = load_job_config(None, ["parallel.device=cpu", *overrides, f"train.output_dir={tmp_path}/{name}", f"checkpoint.save={tmp_path}/{name}/ckpt"])
     return run_trainer(Trainer(cfg, hooks=hooks))
 
 
