@@ -524,9 +524,9 @@ class LeanDecoder:
                                       dtype=self._idx_dtype, device=self.device)  # decode steps
 
     def _weight_addresses(self) -> tuple:
-        """Where every weight the step reads lives (a captured graph reads these addresses)."""
-        stacks = tuple(s.data_ptr() for d in self.moe if d is not None and d.stacks is not None for s in d.stacks)
-        return tuple(p.data_ptr() for p in self.m.parameters()) + stacks
+        """Where every weight the step reads lives (a captured graph reads these addresses; the experts'
+        stacked views are of the parameters' own storage, so the parameters' addresses decide theirs)."""
+        return tuple(p.data_ptr() for p in self.m.parameters())
 
     # -- one generation after another ------------------------------------------------------------
     def begin(self, batch: int, slots: int, left_pad: torch.Tensor, record_routes: bool = False) -> None:
