@@ -53,7 +53,7 @@
 #
 # Signals and exit codes (ways 2 and 3): the last step is `exec python3 <this file>
 # --gspo-supervise <the torchrun command>`: this shell becomes a small supervisor
-# (megatron_gspo/exit_status.py) that runs torchrun in a session of its own and delivers every stop
+# (launch/supervisor.py) that runs torchrun in a session of its own and delivers every stop
 # signal it gets (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2: Ctrl-C, scancel, srun passing on the sbatch
 # trap's SIGUSR1) to each rank itself, once, also to ranks still starting up. torchrun runs with those
 # signals ignored (SLURM signals every process of a job step: torchrun's own handling logged
@@ -237,10 +237,13 @@ def _checkout_on_path() -> None:
 
 
 def _supervise(cmd: list) -> int:
-    """What the bash part exec's: torchrun under megatron_gspo.exit_status.supervise."""
+    """What the bash part exec's: torchrun under supervisor.supervise (launch/supervisor.py, beside this file)."""
     _checkout_on_path()
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
     try:
-        from megatron_gspo.exit_status import supervise
+        from supervisor import supervise
     except ImportError as e:  # a launcher copy with no megatron_gspo for this interpreter
         print(f"pretrain_gspo.sh: {e}; running torchrun without the exit-code supervisor", file=sys.stderr)
         import signal

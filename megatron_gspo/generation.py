@@ -359,10 +359,6 @@ def _takes_routes(fn: Callable) -> bool:
     return "routes" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def _as_list(p: Union[Sequence[int], torch.Tensor]) -> list[int]:
-    return p.tolist() if isinstance(p, torch.Tensor) else [int(t) for t in p]
-
-
 def generate(
     model,
     prompts: Sequence[Union[Sequence[int], torch.Tensor]],
@@ -390,20 +386,17 @@ def generate(
         state: ``parallel.ParallelState`` (None: one process, no model parallelism).
         seed: overrides ``cfg.seed`` (e.g. a function of ``cfg.seed`` and the step for fresh samples each step).
         row_keys: one non-negative integer per output row (len(prompts) x n_samples_per_prompt) naming
-            the sample for the sampling noise (sampling.counter_uniform); the trainer passes global
-            row indices, so a sample's tokens do not depend on which rank draws it or beside which rows.
-            Default: 0, 1, 2, ... in output-row order.
+            the sample for the sampling noise (sampling.counter_uniform; default 0, 1, 2, ...); the trainer
+            passes global row indices: a sample's tokens do not depend on which rank draws it or beside what.
         on_forward: ``f(step_idx, kind, rows)`` called after each model forward (see the module doc).
         should_stop: read at every check of finished rows (every ``finished_check_interval`` decode
-            steps; a flag, no work); once it is True on any rank of the lockstep group, decoding stops
-            there on all of them and the output is ``abandoned``. The decision rides on the check's
-            existing "rows still generating" all-reduce (no extra collective); without TP/EP the rank
-            decides alone.
+            steps; a flag, no work); once True on any rank of the lockstep group, decoding stops there on
+            all of them and the output is ``abandoned``. It rides on the check's "rows still generating"
+            all-reduce (no extra collective); without TP/EP the rank decides alone.
         poll / on_update: weight updates between decode steps (an asynchronous rollout rank): ``poll()``
-            -> (an update is pending, stop) on this rank, read once at every check in place of
-            ``should_stop``; when any rank of the lockstep group has an update pending, every rank calls
-            ``on_update(step)`` there, between decode forward ``step`` (the last under the old weights)
-            and the next. Both ride on the same vote (one more element in its all-reduce).
+            -> (an update is pending, stop), read at every check in place of ``should_stop``; when any
+            rank of the lockstep group has an update pending, every rank calls ``on_update(step)`` between
+            decode forward ``step`` (the last under the old weights) and the next (on the same vote).
         generator: the ``Generator`` whose lean decoder this call runs (``Generator.generate`` passes
             itself; None: a throwaway one, for a one-off generation).
     Collective when ``state`` has TP or EP > 1: every rank of the layout must call it.
@@ -412,10 +405,48 @@ def generate(
 
     if poll is not None and (should_stop is not None or on_update is None):
         raise ValueError("generate(): poll replaces should_stop and needs on_update")
-    if generator is None:
-        generator = Generator(model, vocab_size=vocab_size, state=state)
+    generator = generator or Generator(model, vocab_size=vocab_size, state=state)  # a throwaway one
     t_start = time.perf_counter()
     m = unwrap(model)
+    sync = _Lockstep(state)
+    device = state.device if state is not None else next(m.parameters()).device
+    grid = _LeftPaddedGrid(m, _check_prompts(prompts, vocab_size), cfg, sync, device, row_keys)
+    run = _Decoding(grid, cfg, sync, vocab_size, cfg.seed if seed is None else seed, on_forward)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
+        stack.enter_context(_eval_mode(m))
+        stack.enter_context(_without_sequence_parallel(m))
+        backend = make_backend(m, cfg, grid.B, grid.S - 1, grid.positions, grid.key_pad, grid.left_pad,
+                               ragged=grid.ragged(), record_routes=run.wants_routes,
+                               lean_decoder=generator.lean_decoder)
+        stack.enter_context(backend.context())
+        tok, lp = run.prefill(backend)
+        for step in range(cfg.max_new_tokens):
+            rows = run.record(step, tok, lp)
+            if step == cfg.max_new_tokens - 1:
+                break  # the last sampled token is never fed to the model
+            if (step + 1) % run.every == 0:  # the loop's one host sync: finished rows, stop, update
+                n_live, update = run.vote(rows, should_stop, poll)
+                if n_live > grid.B:  # a rank was asked to stop
+                    run.abandoned = True
+                    break
+                if update:
+                    on_update(step)
+                if n_live == 0:
+                    break
+                rows = run.compact(backend, rows, n_live)
+            tok, lp = run.decode(backend, rows, step)
+    backend = None  # frees megatron's KV cache (a Generator keeps the lean decoder: LeanDecoder.end freed its own)
+    return run.output(t_start)
+
+
+def _as_list(p: Union[Sequence[int], torch.Tensor]) -> list[int]:
+    return p.tolist() if isinstance(p, torch.Tensor) else [int(t) for t in p]
+
+
+def _check_prompts(prompts: Sequence[Union[Sequence[int], torch.Tensor]], vocab_size: int) -> list[list[int]]:
+    """The prompts as token-id lists: at least one, none empty, every id inside the vocabulary."""
     ids = [_as_list(p) for p in prompts]
     if not ids:
         raise ValueError("generate(): no prompts")
@@ -424,172 +455,198 @@ def generate(
             raise ValueError(f"generate(): prompt {i} is empty")
         if min(p) < 0 or max(p) >= vocab_size:
             raise ValueError(f"generate(): prompt {i} has a token id outside [0, vocab_size={vocab_size})")
-    sync = _Lockstep(state)
-    G, pad = cfg.n_samples_per_prompt, cfg.pad_id
-    device = state.device if state is not None else next(m.parameters()).device
-    n_real = len(ids) * G
-    lens_real = torch.tensor([len(p) for p in ids], dtype=torch.long, device=device).repeat_interleave(G)
-    keys = torch.arange(n_real, dtype=torch.long) if row_keys is None else torch.as_tensor(list(row_keys), dtype=torch.long)
-    if keys.shape != (n_real,) or bool((keys < 0).any()):
-        raise ValueError(f"generate(): row_keys needs {n_real} non-negative integers (one per output row), "
-                         f"got {tuple(keys.shape)}")
+    return ids
 
-    # every rank of the lockstep group needs the same [batch, prompt block] shapes
-    shape = sync.all_reduce_max(torch.tensor([n_real, int(lens_real.max())], dtype=torch.long, device=device),
-                                what="generate(): batch and prompt-block shape")
-    # FP8 GEMMs need rows x tokens divisible by the recipe's alignment (fp8_alignment.py): filler rows,
-    # like the EP lockstep's dummy rows, make every decode step (rows x 1) and the prefill divide
-    align = fp8_alignment.token_alignment(m.config)
-    B, P = fp8_alignment.padded_rows(int(shape[0]), align), int(shape[1])
-    S = P + cfg.max_new_tokens  # columns of the internal grid; the KV cache needs S - 1 slots
-    max_len = getattr(m, "max_sequence_length", None)
-    if max_len is not None and S - 1 > max_len:
-        raise ValueError(f"generate(): longest prompt ({P}) + generation.max_new_tokens ({cfg.max_new_tokens}) "
-                         f"- 1 = {S - 1} exceeds the model's max_position_embeddings={max_len}")
 
-    lens = torch.ones(B, dtype=torch.long, device=device)  # dummy rows (EP shape padding): one pad token
-    lens[:n_real] = lens_real
-    # dummy rows get keys past every real one (their draws are never returned)
-    keys = torch.cat([keys, int(keys.max()) + 1 + torch.arange(B - n_real, dtype=torch.long)]).to(device)
-    grid = torch.full((B, S), pad, dtype=torch.long)
-    for i, p in enumerate(ids):  # built on the host row by row, moved once
-        grid[i * G:(i + 1) * G, P - len(p):P] = torch.tensor(p, dtype=torch.long)
-    grid = grid.to(device)
-    sync.check_same_prompts_in_tp(grid[:n_real, :P], lens_real)
-    left_pad = P - lens  # [B]
-    slots = torch.arange(S - 1, device=device)
-    key_pad = slots[None, :] < left_pad[:, None]  # [B, S-1], True = padding slot, never attended
-    positions = (slots[None, :] - left_pad[:, None]).clamp(min=0)  # true position of each slot
+class _LeftPaddedGrid:
+    """One call's internal [B, S] token grid: prompts left-padded to a common block of P columns (every
+    row's last prompt token in column P - 1), then max_new_tokens response columns (S = P +
+    max_new_tokens; the KV cache needs S - 1 slots). Rows n_real.. are shape fillers (EP lockstep,
+    FP8 alignment): one pad token each, never returned. key_pad / positions [B, S - 1] per KV slot:
+    True = padding (never attended) / the slot's true position."""
 
-    stop = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    done[n_real:] = True
-    stopped = torch.zeros(B, dtype=torch.bool, device=device)
-    resp_len = torch.zeros(B, dtype=torch.long, device=device)
-    lp_grid = torch.zeros(B, cfg.max_new_tokens, dtype=torch.float32, device=device)
+    def __init__(self, m, ids: list[list[int]], cfg: GenerationConfig, sync: _Lockstep, device,
+                 row_keys: Optional[Sequence[int]]) -> None:
+        G, pad = cfg.n_samples_per_prompt, cfg.pad_id
+        self.n_prompts, self.G, self.device = len(ids), G, device
+        n_real = self.n_real = len(ids) * G
+        lens_real = torch.tensor([len(p) for p in ids], dtype=torch.long, device=device).repeat_interleave(G)
+        keys = (torch.arange(n_real, dtype=torch.long) if row_keys is None
+                else torch.as_tensor(list(row_keys), dtype=torch.long))
+        if keys.shape != (n_real,) or bool((keys < 0).any()):
+            raise ValueError(f"generate(): row_keys needs {n_real} non-negative integers (one per output row), "
+                             f"got {tuple(keys.shape)}")
+        # every rank of the lockstep group needs the same [batch, prompt block] shapes
+        shape = sync.all_reduce_max(torch.tensor([n_real, int(lens_real.max())], dtype=torch.long, device=device),
+                                    what="generate(): batch and prompt-block shape")
+        # FP8 GEMMs need rows x tokens divisible by the recipe's alignment (fp8_alignment.py): filler rows,
+        # like the EP lockstep's dummy rows, make every decode step (rows x 1) and the prefill divide
+        self.align = fp8_alignment.token_alignment(m.config)
+        B, P = self.B, self.P = fp8_alignment.padded_rows(int(shape[0]), self.align), int(shape[1])
+        S = self.S = P + cfg.max_new_tokens
+        max_len = getattr(m, "max_sequence_length", None)
+        if max_len is not None and S - 1 > max_len:
+            raise ValueError(f"generate(): longest prompt ({P}) + generation.max_new_tokens ({cfg.max_new_tokens}) "
+                             f"- 1 = {S - 1} exceeds the model's max_position_embeddings={max_len}")
+        self.lens = torch.ones(B, dtype=torch.long, device=device)  # dummy rows (EP shape padding): one pad token
+        self.lens[:n_real] = lens_real
+        # dummy rows get keys past every real one (their draws are never returned)
+        self.keys = torch.cat([keys, int(keys.max()) + 1 + torch.arange(B - n_real, dtype=torch.long)]).to(device)
+        grid = torch.full((B, S), pad, dtype=torch.long)
+        for i, p in enumerate(ids):  # built on the host row by row, moved once
+            grid[i * G:(i + 1) * G, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        self.tokens = grid.to(device)
+        sync.check_same_prompts_in_tp(self.tokens[:n_real, :P], lens_real)
+        self.left_pad = P - self.lens  # [B]
+        slots = torch.arange(S - 1, device=device)
+        self.key_pad = slots[None, :] < self.left_pad[:, None]
+        self.positions = (slots[None, :] - self.left_pad[:, None]).clamp(min=0)
 
-    noise_seed = cfg.seed if seed is None else seed
-    # the per-step checks of finished rows (and the lockstep vote) cost a host sync each: every
-    # ``every`` tokens (rows that finish in between are fed pad tokens; results do not change)
-    every = cfg.finished_check_interval or (4 if device.type == "cuda" else 1)
-    no_stop = None
-    if cfg.min_new_tokens > 0 and stop.numel():  # the draw only: log-probs stay unrestricted
-        no_stop = torch.ones(vocab_size, dtype=torch.bool, device=device)
-        no_stop[stop] = False
-    all_rows = torch.arange(B, device=device)
-    wants_routes = on_forward is not None and _takes_routes(on_forward)
-    n_fwd, prefill_s, row_steps, abandoned = 0, 0.0, 0, False
-    # The rows in the decode batch, in the KV cache's row order (None: all B, in order). Finished rows
-    # leave it (compaction, below); every per-row tensor stays indexed by the original row.
-    live: Optional[torch.Tensor] = None
-    compact_at = cfg.compact_finished_rows
+    def ragged(self) -> bool:
+        """Some real prompt is left-padded (megatron's path then needs per-row RoPE and a padding mask)."""
+        return bool((self.left_pad[:self.n_real] > 0).any())
 
-    def pick(logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        row_keys = keys if live is None else keys[live]
-        noise = None if cfg.greedy else counter_uniform(noise_seed, row_keys, position)
-        allowed = no_stop if position < cfg.min_new_tokens else None
+    def prefill_mask(self) -> torch.Tensor:
+        """[B, 1, P, P] bool, True = masked: causal + the left padding."""
+        P = self.P
+        causal = torch.triu(torch.ones(P, P, dtype=torch.bool, device=self.device), diagonal=1)
+        return (causal[None] | self.key_pad[:, None, :P])[:, None]
+
+
+class _Decoding:
+    """The per-token work of one call around the back-end's forwards: pick (sample, one draw per TP
+    group), record (the sampled tokens of the rows still generating, stop tokens; device-side, no
+    sync), vote (finished rows / stop / weight update over the lockstep group), compact (finished rows
+    leave the decode batch), notify (``on_forward``), and the conversion to the training grid.
+
+    ``live``: the rows in the decode batch, in the KV cache's row order (None: all B, in order);
+    every per-row tensor stays indexed by the original row."""
+
+    def __init__(self, grid: _LeftPaddedGrid, cfg: GenerationConfig, sync: _Lockstep, vocab_size: int,
+                 noise_seed: int, on_forward: Optional[OnForward]) -> None:
+        B, device = grid.B, grid.device
+        self.grid, self.cfg, self.sync, self.vocab_size, self.noise_seed = grid, cfg, sync, vocab_size, noise_seed
+        self.on_forward = on_forward
+        self.wants_routes = on_forward is not None and _takes_routes(on_forward)
+        self.stop = torch.tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
+        self.done = torch.zeros(B, dtype=torch.bool, device=device)
+        self.done[grid.n_real:] = True
+        self.stopped = torch.zeros(B, dtype=torch.bool, device=device)
+        self.resp_len = torch.zeros(B, dtype=torch.long, device=device)
+        self.lp_grid = torch.zeros(B, cfg.max_new_tokens, dtype=torch.float32, device=device)
+        # the checks of finished rows (and the lockstep vote) cost a host sync each: every ``every``
+        # tokens (rows that finish in between are fed pad tokens; results do not change)
+        self.every = cfg.finished_check_interval or (4 if device.type == "cuda" else 1)
+        self.no_stop = None
+        if cfg.min_new_tokens > 0 and self.stop.numel():  # the draw only: log-probs stay unrestricted
+            self.no_stop = torch.ones(vocab_size, dtype=torch.bool, device=device)
+            self.no_stop[self.stop] = False
+        self.all_rows = torch.arange(B, device=device)
+        self.live: Optional[torch.Tensor] = None
+        self.n_fwd, self.prefill_s, self.row_steps, self.abandoned = 0, 0.0, 0, False
+
+    def pick(self, logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        row_keys = self.grid.keys if self.live is None else self.grid.keys[self.live]
+        noise = None if cfg.greedy else counter_uniform(self.noise_seed, row_keys, position)
+        allowed = self.no_stop if position < cfg.min_new_tokens else None
         tok, lp = sample_tokens(logits, cfg.temperature, cfg.top_k, cfg.top_p, noise, allowed=allowed)
-        if sync.tp_group is not None:  # one sample per TP group, bitwise (logits may differ in the last bit)
-            packed = sync.broadcast_tp(torch.stack([tok.double(), lp.double()]))
+        if self.sync.tp_group is not None:  # one sample per TP group, bitwise (logits may differ in the last bit)
+            packed = self.sync.broadcast_tp(torch.stack([tok.double(), lp.double()]))
             tok, lp = packed[0].long(), packed[1].float()
         return tok, lp
 
-    def notify(step: int, kind: str) -> None:
-        if on_forward is None:
+    def notify(self, backend, step: int, kind: str) -> None:
+        if self.on_forward is None:
             return
-        if wants_routes:
-            on_forward(step, kind, live, routes=backend.last_routes(B if live is None else live.numel(),
-                                                                    prefill=kind == "prefill"))
+        live = self.live
+        if self.wants_routes:
+            b = self.grid.B if live is None else live.numel()
+            self.on_forward(step, kind, live, routes=backend.last_routes(b, prefill=kind == "prefill"))
         else:
-            on_forward(step, kind, live)
+            self.on_forward(step, kind, live)
 
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
-        stack.enter_context(_eval_mode(m))
-        stack.enter_context(_without_sequence_parallel(m))
-        backend = make_backend(m, cfg, B, S - 1, positions, key_pad, left_pad,
-                               ragged=bool((left_pad[:n_real] > 0).any()), record_routes=wants_routes,
-                               lean_decoder=generator.lean_decoder)
-        stack.enter_context(backend.context())
-
-        causal = torch.triu(torch.ones(P, P, dtype=torch.bool, device=device), diagonal=1)
-        prefill_mask = (causal[None] | key_pad[:, None, :P])[:, None]  # [B, 1, P, P]
+    def prefill(self, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill forward over the prompt block and the first draw."""
+        g = self.grid
+        mask = g.prefill_mask()
         t0 = time.perf_counter()
-        logits = backend.prefill(grid[:, :P], positions[:, :P], prefill_mask)[:, :vocab_size]
+        logits = backend.prefill(g.tokens[:, :g.P], g.positions[:, :g.P], mask)[:, :self.vocab_size]
+        if g.device.type == "cuda":
+            torch.cuda.synchronize(g.device)
+        self.prefill_s = time.perf_counter() - t0
+        self.n_fwd += 1
+        self.notify(backend, 0, "prefill")
+        return self.pick(logits, 0)
+
+    def record(self, step: int, tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+        """Write the sampled tokens of the rows still generating into response column ``step``;
+        returns the rows of the decode batch."""
+        rows = self.all_rows if self.live is None else self.live
+        active = ~self.done[rows]
+        self.grid.tokens[rows, self.grid.P + step] = torch.where(active, tok, self.cfg.pad_id)
+        self.lp_grid[rows, step] = torch.where(active, lp, 0.0)
+        self.resp_len[rows] += active.long()
+        if self.stop.numel() and not self.cfg.ignore_eos:
+            hit = active & torch.isin(tok, self.stop)
+            self.stopped[rows] |= hit
+            self.done[rows] |= hit
+        return rows
+
+    def vote(self, rows: torch.Tensor, should_stop, poll) -> tuple[int, bool]:
+        """(the most unfinished rows any rank of the lockstep group still has, an update is pending on
+        some rank). A rank asked to stop adds B + 1, so every rank of the group sees it at the same step."""
+        unfinished = (~self.done[rows]).sum().reshape(1)
+        update, stop_now = poll() if poll is not None else (False, should_stop is not None and should_stop())
+        if stop_now:
+            unfinished = unfinished + (self.grid.B + 1)
+        if poll is None:
+            return int(self.sync.all_reduce_max(unfinished, what="generate(): rows still generating").item()), False
+        # the update flag rides along (a fill, not a host-to-device copy)
+        vote = torch.cat([unfinished, unfinished.new_full((1,), int(update))])
+        n_live, update = self.sync.all_reduce_max(vote, what="generate(): rows still generating, weight update").tolist()
+        return n_live, update
+
+    def compact(self, backend, rows: torch.Tensor, n_live: int) -> torch.Tensor:
+        """Once ``generation.compact_finished_rows`` of the batch has finished: this rank's unfinished
+        rows first, then finished fillers so every rank of the lockstep group has the same batch (and
+        FP8 an aligned one); the KV cache's row order is kept. Returns the rows of the decode batch."""
+        keep = fp8_alignment.padded_rows(n_live, self.grid.align, cap=rows.numel())
+        compact_at = self.cfg.compact_finished_rows
+        if compact_at > 0 and n_live <= (1 - compact_at) * rows.numel() and keep < rows.numel():
+            order = torch.argsort(self.done[rows].long(), stable=True)[:keep]
+            backend.compact(order, keep)
+            self.live = rows = rows[order]
+        return rows
+
+    def decode(self, backend, rows: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the tokens of response column ``step`` (one decode forward) and draw the next ones."""
+        col = self.grid.P + step
+        logits = backend.decode(self.grid.tokens[rows, col], col, self.live)[:, :self.vocab_size]
+        self.n_fwd += 1
+        self.row_steps += rows.numel()
+        self.notify(backend, step + 1, "decode")
+        return self.pick(logits, step + 1)
+
+    def output(self, t_start: float) -> GenerationOutput:
+        """The left-padded internal grid -> the right-padded training grid (real rows only)."""
+        g, cfg, device, n_real = self.grid, self.cfg, self.grid.device, self.grid.n_real
+        lens, resp_len = g.lens[:n_real], self.resp_len[:n_real]
+        total = lens + resp_len
+        T = int(total.max())
+        cols = torch.arange(T, device=device)[None, :]
+        src = (cols + g.left_pad[:n_real, None]).clamp(max=g.S - 1)
+        valid = cols < total[:, None]
+        tokens = torch.where(valid, g.tokens[:n_real].gather(1, src), torch.full_like(src, cfg.pad_id))
+        response_mask = valid & (cols >= lens[:, None])
+        lp_src = (cols - lens[:, None]).clamp(0, cfg.max_new_tokens - 1)
+        logprobs = torch.where(response_mask, self.lp_grid[:n_real].gather(1, lp_src), torch.zeros((), device=device))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        prefill_s = time.perf_counter() - t0
-        n_fwd += 1
-        notify(0, "prefill")
-        tok, lp = pick(logits, 0)
-
-        for step in range(cfg.max_new_tokens):
-            rows = all_rows if live is None else live
-            # the sampled tokens of the rows still generating (device-side bookkeeping, no sync)
-            active = ~done[rows]
-            col = P + step
-            grid[rows, col] = torch.where(active, tok, pad)
-            lp_grid[rows, step] = torch.where(active, lp, 0.0)
-            resp_len[rows] += active.long()
-            if stop.numel() and not cfg.ignore_eos:
-                hit = active & torch.isin(tok, stop)
-                stopped[rows] |= hit
-                done[rows] |= hit
-            if step == cfg.max_new_tokens - 1:
-                break  # the last sampled token is never fed to the model
-            if (step + 1) % every == 0:
-                # The loop's per-step decision point (one host sync): the most unfinished rows any rank
-                # of the lockstep group still has (0: every row is done), and compaction. A rank asked
-                # to stop adds B + 1, so every rank of the group sees it at the same step.
-                unfinished = (~done[rows]).sum().reshape(1)
-                update, stop_now = poll() if poll is not None else (False, should_stop is not None and should_stop())
-                if stop_now:
-                    unfinished = unfinished + (B + 1)
-                if poll is None:
-                    n_live = int(sync.all_reduce_max(unfinished, what="generate(): rows still generating").item())
-                else:  # the update flag rides along (a fill, not a host-to-device copy)
-                    vote = torch.cat([unfinished, unfinished.new_full((1,), int(update))])
-                    n_live, update = sync.all_reduce_max(vote, what="generate(): rows still generating, "
-                                                                    "weight update").tolist()
-                if n_live > B:
-                    abandoned = True
-                    break
-                if update:
-                    on_update(step)
-                if n_live == 0:
-                    break
-                keep = fp8_alignment.padded_rows(n_live, align, cap=rows.numel())  # FP8: a multiple of align
-                if compact_at > 0 and n_live <= (1 - compact_at) * rows.numel() and keep < rows.numel():
-                    # this rank's unfinished rows first, then finished fillers so every rank of the
-                    # lockstep group has the same batch (and FP8 an aligned one); the KV cache's row
-                    # order is kept
-                    order = torch.argsort(done[rows].long(), stable=True)[:keep]
-                    backend.compact(order, keep)
-                    live = rows = rows[order]
-            logits = backend.decode(grid[rows, col], col, live)[:, :vocab_size]
-            n_fwd += 1
-            row_steps += rows.numel()
-            notify(step + 1, "decode")
-            tok, lp = pick(logits, step + 1)
-    backend = None  # frees megatron's KV cache (a Generator keeps the lean decoder: LeanDecoder.end freed its own)
-
-    # left-padded internal grid -> right-padded training grid (real rows only)
-    lens, resp_len = lens[:n_real], resp_len[:n_real]
-    total = lens + resp_len
-    T = int(total.max())
-    cols = torch.arange(T, device=device)[None, :]
-    src = (cols + left_pad[:n_real, None]).clamp(max=S - 1)
-    valid = cols < total[:, None]
-    tokens = torch.where(valid, grid[:n_real].gather(1, src), torch.full_like(src, pad))
-    response_mask = valid & (cols >= lens[:, None])
-    lp_src = (cols - lens[:, None]).clamp(0, cfg.max_new_tokens - 1)
-    logprobs = torch.where(response_mask, lp_grid[:n_real].gather(1, lp_src), torch.zeros((), device=device))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return GenerationOutput(
-        tokens=tokens, prompt_lengths=lens, response_lengths=resp_len, response_mask=response_mask,
-        logprobs=logprobs, stopped=stopped[:n_real],
-        prompt_index=torch.arange(len(ids), device=device).repeat_interleave(G),
-        elapsed_s=time.perf_counter() - t_start, prefill_s=prefill_s, num_forwards=n_fwd,
-        decode_row_steps=row_steps, temperature=cfg.temperature, abandoned=abandoned,
-    )
+        return GenerationOutput(
+            tokens=tokens, prompt_lengths=lens, response_lengths=resp_len, response_mask=response_mask,
+            logprobs=logprobs, stopped=self.stopped[:n_real],
+            prompt_index=torch.arange(g.n_prompts, device=device).repeat_interleave(g.G),
+            elapsed_s=time.perf_counter() - t_start, prefill_s=self.prefill_s, num_forwards=self.n_fwd,
+            decode_row_steps=self.row_steps, temperature=cfg.temperature, abandoned=self.abandoned,
+        )

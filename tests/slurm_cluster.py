@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from megatron_gspo.exit_status import pid_alive
+from launch_modules import supervisor
+
+pid_alive = supervisor.pid_alive
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "squeue", "srun", "sinfo")

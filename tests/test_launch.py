@@ -187,7 +187,7 @@ def test_dry_run_single_node_cpu_default():
     assert cmd[i + 1:] == ["launch/recipes/tiny_cpu.yaml", "train.num_steps=3", "data.source=a b.jsonl"]
     assert "--master-addr" not in cmd and "--dry-run" not in cmd
     # torchrun handles SIGQUIT only: the stop signals (SLURM's SIGUSR1 / SIGTERM) are delivered to the
-    # ranks by the launcher's supervisor, and torchrun ignores them (exit_status.supervise)
+    # ranks by the launcher's supervisor, and torchrun ignores them (launch/supervisor.py)
     assert exports["PET_SIGNALS_TO_HANDLE"] == exports["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGQUIT"
     assert int(exports["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < 300
 

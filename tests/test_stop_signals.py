@@ -27,6 +27,7 @@ import time
 import pytest
 import torch
 
+from launch_modules import supervisor
 from megatron_gspo import exit_status
 from megatron_gspo.checkpoint import iter_dir, latest_complete
 from megatron_gspo.config import ParallelConfig, load_job_config, model_config_from_preset
@@ -448,7 +449,7 @@ def test_stale_exit_directories_of_dead_supervisors_are_swept(tmp_path):
     for d in (stale, mine, other, unrelated):
         d.mkdir()
         (d / "rank-00000.pid").write_text("1")
-    assert exit_status.sweep_stale_exit_dirs(str(tmp_path)) == [str(stale)]
+    assert supervisor.sweep_stale_exit_dirs(str(tmp_path)) == [str(stale)]
     assert not stale.exists() and mine.exists() and other.exists() and unrelated.exists()
 
 
