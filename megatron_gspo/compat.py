@@ -7,9 +7,10 @@ Two things can be missing, and they are independent:
 * **Transformer Engine**: absent on any device (a GPU box with a pip-installed torch usually has
   no TE). megatron-core's MoE router references a TE symbol whose import failed.
 
-``apply(device)`` decides from the job's device and from what is importable (``environment``),
-applies the workarounds that need applying and *undoes* the CPU ones when a later job in the same
-process runs on CUDA (a test session or the preflight runs several jobs). ``needed`` is the pure
+``apply(device)`` decides from the job's device and from what is importable (``environment``) and
+applies the workarounds that need applying; ``restore()`` undoes the CPU ones. Their owner is the
+parallel state: ``parallel.initialize`` applies them, ``parallel.destroy`` restores them (a test
+session or the preflight runs several jobs in one process, CPU and CUDA). ``needed`` is the pure
 decision, tested for every combination on the CPU (tests/test_compat.py), including "CUDA present,
 TE absent". Nothing else in the package patches megatron-core; the other device choices (no grouped
 GEMM, the allgather dispatcher, CPU initialization) are *configuration*, keyed on the same device:
@@ -163,23 +164,34 @@ def apply(device: torch.device) -> list[str]:
         _patch(mrandom, "_get_cuda_rng_state", lambda *a, **k: None, "mrandom._get_cuda_rng_state")
         _patch(mrandom, "_set_cuda_rng_state", lambda *a, **k: None, "mrandom._set_cuda_rng_state")
     else:
-        _restore(torch.cuda, "current_device", "torch.cuda.current_device")
-        _restore_dynamo_device()
-        _restore(torch.cuda, "synchronize", "torch.cuda.synchronize")
-        _restore(mrandom, "_get_cuda_rng_state", "mrandom._get_cuda_rng_state")
-        _restore(mrandom, "_set_cuda_rng_state", "mrandom._set_cuda_rng_state")
+        restore()
         if _inference_tracker(mrandom):
             # a CPU job installed the no-op tracker: megatron's CUDA tracker again (seeded by
             # parallel.set_seed through model_parallel_cuda_manual_seed)
             mrandom.initialize_rng_tracker(force_reset=True)
     if "te_general_gemm_none" in want:
         # its import sits in a try block that fails before the name is bound; None makes megatron
-        # take its plain torch GEMM
+        # take its plain torch GEMM. Process-wide on purpose (restore() leaves it): it binds a name
+        # megatron's import failed to bind, and TE stays absent for the life of the process.
         from megatron.core.transformer.moe import moe_utils
 
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None
     return want
+
+
+def restore() -> None:
+    """Put back what ``apply`` replaced for a CPU job (torch.cuda's current_device / synchronize,
+    megatron's CUDA RNG-state accessors, dynamo's device cache): the parallel state that applied them
+    calls this when it is torn down (parallel.destroy). megatron's RNG tracker is not swapped back
+    here: every job's ``apply`` installs the one its device needs (and parallel.set_seed seeds it)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    _restore(torch.cuda, "current_device", "torch.cuda.current_device")
+    _restore_dynamo_device()
+    _restore(torch.cuda, "synchronize", "torch.cuda.synchronize")
+    _restore(mrandom, "_get_cuda_rng_state", "mrandom._get_cuda_rng_state")
+    _restore(mrandom, "_set_cuda_rng_state", "mrandom._set_cuda_rng_state")
 
 
 def _dynamo_keeps_the_real_cuda_device() -> None:

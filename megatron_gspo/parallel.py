@@ -293,3 +293,4 @@ def destroy() -> None:
         mps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    compat.restore()  # the CPU workarounds parallel.initialize applied (compat.apply)

@@ -449,12 +449,12 @@ def test_megatron_internals_are_checked_with_a_clear_error(monkeypatch):
 
     from megatron_gspo.routing import common
 
-    monkeypatch.setattr(common, "_CHECKED", False)
+    common._checked_classes.cache_clear()  # the check runs once per process: again here
     monkeypatch.delattr(RouterReplay, "set_replay_data")
     with pytest.raises(RoutingReplayError, match=r"lacks \['RouterReplay.set_replay_data'\].*tested with megatron-core 0.16"):
         common.megatron_api()
     inst = type("Instance", (), {"router_replay_action": None, "target_topk_idx": None})()
     monkeypatch.undo()
-    monkeypatch.setattr(common, "_CHECKED", False)
+    common._checked_classes.cache_clear()
     with pytest.raises(RoutingReplayError, match=r"RouterReplay\(\)\.replay_backward_list"):
         common.megatron_api(inst)

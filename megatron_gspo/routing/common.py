@@ -9,6 +9,7 @@ otherwise, instead of failing deep inside a forward.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence, Union
 
 import torch
@@ -31,32 +32,38 @@ _REQUIRED = {
     "RouterReplay()": ("router_replay_action", "target_topk_idx", "replay_backward_list"),
     "RouterReplayAction": ("RECORD", "REPLAY_FORWARD", "REPLAY_BACKWARD"),
 }
-_CHECKED = False
-
 
 def megatron_api(instance=None):
     """(RouterReplay, RouterReplayAction) from megatron-core, after checking they have everything the
     routing modules use (and ``instance``, a router's RouterReplay, its per-instance state);
     RoutingReplayError naming the missing pieces and the installed version."""
-    global _CHECKED
+    RouterReplay, RouterReplayAction = _checked_classes()
+    if instance is not None:
+        _check_attrs({"RouterReplay()": instance})
+    return RouterReplay, RouterReplayAction
+
+
+@functools.cache
+def _checked_classes():
+    """megatron's RouterReplay classes, checked once per process (a failed check is not cached: it raises)."""
     try:
         from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
     except ImportError as e:
         raise RoutingReplayError(f"megatron-core has no RouterReplay ({e}); routing replay needs megatron-core "
                                  f">= {TESTED_MEGATRON} (tested with {TESTED_MEGATRON}.x)") from e
-    if not _CHECKED or instance is not None:
-        # (an instance is never made here: RouterReplay() registers itself in megatron's global list)
-        owners = {"RouterReplay": RouterReplay, "RouterReplay()": instance, "RouterReplayAction": RouterReplayAction}
-        missing = [f"{owner}.{attr}" for owner, attrs in _REQUIRED.items() for attr in attrs
-                   if owners[owner] is not None and not hasattr(owners[owner], attr)]
-        if missing:
-            import megatron.core
-
-            raise RoutingReplayError(
-                f"megatron-core {getattr(megatron.core, '__version__', '?')} lacks {missing}, which routing "
-                f"replay drives; this version of megatron_gspo was tested with megatron-core {TESTED_MEGATRON}.x")
-        _CHECKED = _CHECKED or instance is None
+    # (an instance is never made here: RouterReplay() registers itself in megatron's global list)
+    _check_attrs({"RouterReplay": RouterReplay, "RouterReplayAction": RouterReplayAction})
     return RouterReplay, RouterReplayAction
+
+
+def _check_attrs(owners: dict) -> None:
+    missing = [f"{owner}.{attr}" for owner, obj in owners.items() for attr in _REQUIRED[owner] if not hasattr(obj, attr)]
+    if missing:
+        import megatron.core
+
+        raise RoutingReplayError(
+            f"megatron-core {getattr(megatron.core, '__version__', '?')} lacks {missing}, which routing "
+            f"replay drives; this version of megatron_gspo was tested with megatron-core {TESTED_MEGATRON}.x")
 
 
 def normalize_mode(mode: str) -> str:
