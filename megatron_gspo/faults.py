@@ -1,4 +1,4 @@
-"""Preemption signals and test-only fault injection.
+"""Preemption signals: the process's stop flag.
 
 Preemption: SLURM sends SIGUSR1 (``--signal=B:USR1@300``) or SIGTERM before a job's time limit,
 on preemption, ``scancel`` or ``scontrol requeue``. The handler only records the first signal and
@@ -11,14 +11,8 @@ and the process exits with ``EXIT_PREEMPTED`` (or ``EXIT_PREEMPTED_NOTHING_SAVED
 completed nothing) so the batch script can requeue and resume. Once the code is decided the entry
 point ignores the stop signals (exit_status.ignore_stop_signals): more of them change nothing.
 
-Fault injection (tests only): ``MEGATRON_GSPO_FAULTS="kind@step[:rank],..."`` with kinds
-  nan_logprob  make rank's old log-probs of the first micro-batch of every minibatch non-finite
-               in that step (the loss and gradients follow: the NaN guard must catch it)
-  raise        raise RuntimeError at the start of that step
-  kill         SIGKILL this process at the start of that step
-  kill_in_save SIGKILL this process while the checkpoint of that step is half written
-A fault without ``:rank`` fires on every rank. Unset in production: every check is a dict lookup.
-``FaultInjection`` applies them from outside the loop, as a trainer hook.
+Test-only fault injection lives in megatron_gspo/testing/faults.py, loaded by ``injected_faults``
+only when ``MEGATRON_GSPO_FAULTS`` is set.
 """
 
 from __future__ import annotations
@@ -34,47 +28,65 @@ from megatron_gspo.exit_status import (  # noqa: F401 (re-exported)
     EXIT_TOO_MANY_SKIPS,
     GRACEFUL,
 )
-from megatron_gspo.hooks import TrainerHook
 
-_KINDS = ("nan_logprob", "raise", "kill", "kill_in_save")
+FAULTS_ENV = "MEGATRON_GSPO_FAULTS"  # test-only fault injection (megatron_gspo/testing/faults.py)
 
 
 # The signals that mean "save and stop" (SIGQUIT stays a hard stop): the launcher's supervisor delivers
 # the same ones (exit_status.GRACEFUL). The entry point catches them all (under the launcher the ranks
-# inherit them ignored from torchrun: see exit_status.supervise); a Trainer built in another program
+# inherit them ignored from torchrun: see launch/supervisor.py); a Trainer built in another program
 # takes TERM and USR1 only, leaving Ctrl-C to that program.
 STOP_SIGNALS = GRACEFUL
 
 
 class PreemptionFlag:
-    """Set by a stop signal; one per process (``install``), shared by everything that checks it.
+    """Set by a stop signal. A signal handler is process-wide, so there is at most one flag per process:
+    the one whose handler is installed (``of_process``), found in the signal table rather than kept in a
+    global. The entry point creates it first thing (``install``: a signal during start-up is kept) and
+    hands it to the Trainer (``Trainer(cfg, stop=flag)``); ``release`` puts the previous handlers back.
 
     ``received``: the first signal (its number), ``received_at``: when (time.time()), ``count``:
     how many deliveries arrived (SLURM and the launcher both deliver most signals)."""
-
-    _process: Optional["PreemptionFlag"] = None
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)) -> None:
         self.received: Optional[int] = None
         self.received_at: Optional[float] = None
         self.count = 0
         self.signals: set = set()
+        self._previous: dict = {}  # signal -> the handler this flag's replaced
         self.catch(signals)
 
     @classmethod
+    def of_process(cls) -> Optional["PreemptionFlag"]:
+        """The flag whose handler catches a stop signal in this process, if any."""
+        for sig in STOP_SIGNALS:
+            handler = signal.getsignal(sig)
+            owner = getattr(handler, "__self__", None)
+            if isinstance(owner, cls) and getattr(handler, "__func__", None) is cls._handler:
+                return owner
+        return None
+
+    @classmethod
     def install(cls, signals=(signal.SIGTERM, signal.SIGUSR1)) -> "PreemptionFlag":
-        """The process's flag, created on first use; ``signals`` are added to what it catches."""
-        if cls._process is None:
-            cls._process = cls(signals)
-        else:
-            cls._process.catch(signals)
-        return cls._process
+        """The process's flag (``of_process``), created if there is none; ``signals`` are added to what it catches."""
+        flag = cls.of_process()
+        if flag is None:
+            return cls(signals)
+        flag.catch(signals)
+        return flag
 
     def catch(self, signals) -> None:
         for sig in signals:
             if sig not in self.signals:
-                signal.signal(sig, self._handler)
+                self._previous[sig] = signal.signal(sig, self._handler)
                 self.signals.add(sig)
+
+    def release(self) -> None:
+        """Stop catching: the handlers this flag replaced come back (a later ``install`` makes a new flag)."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+        self.signals.clear()
 
     def _handler(self, signum, frame) -> None:
         # Nothing but bookkeeping here: the handler may run in the middle of any Python code
@@ -110,62 +122,11 @@ class StepAbandoned(Exception):
         self.step, self.where, self.elapsed_s = step, where, elapsed_s
 
 
-class Faults:
-    def __init__(self, spec: Optional[str] = None, rank: int = 0) -> None:
-        spec = os.environ.get("MEGATRON_GSPO_FAULTS", "") if spec is None else spec
-        self.rank = rank
-        self._at: dict[tuple[str, int], Optional[int]] = {}
-        for item in filter(None, (x.strip() for x in spec.split(","))):
-            try:
-                kind, rest = item.split("@")
-                step, _, r = rest.partition(":")
-                if kind not in _KINDS:
-                    raise ValueError
-                self._at[(kind, int(step))] = int(r) if r else None
-            except ValueError:
-                raise ValueError(f"MEGATRON_GSPO_FAULTS: cannot parse {item!r}; expected kind@step[:rank] "
-                                 f"with kind in {list(_KINDS)}") from None
+def injected_faults(rank: int):
+    """Test-only fault injection for this rank (megatron_gspo/testing/faults.py: a ``FaultInjection``,
+    a trainer hook that a rollout rank calls too), or None: loaded only when MEGATRON_GSPO_FAULTS is set."""
+    if not os.environ.get(FAULTS_ENV):
+        return None
+    from megatron_gspo.testing.faults import FaultInjection
 
-    def active(self, kind: str, step: int) -> bool:
-        if (kind, step) not in self._at:
-            return False
-        r = self._at[(kind, step)]
-        return r is None or r == self.rank
-
-    def at_step_start(self, step: int) -> None:
-        if self.active("raise", step):
-            raise RuntimeError(f"injected fault: rank {self.rank} raises at step {step}")
-        if self.active("kill", step):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def save_hook(self, step: int):
-        if not self.active("kill_in_save", step):
-            return None
-
-        def hook(phase: str, path: str) -> None:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        return hook
-
-
-class FaultInjection(TrainerHook):
-    """``MEGATRON_GSPO_FAULTS`` (or ``spec``) applied to a trainer, for the reliability tests."""
-
-    def __init__(self, spec: Optional[str] = None, rank: int = 0) -> None:
-        self.faults = Faults(spec, rank)
-
-    def at_step_start(self, trainer) -> None:
-        self.faults.at_step_start(trainer.step + 1)
-
-    def after_rollout(self, trainer, batch) -> None:
-        if not self.faults.active("nan_logprob", trainer.step + 1):
-            return
-        for mini in batch.minibatches:
-            rows = batch.micro[mini[0]]
-            batch.old_logprobs[rows] = batch.old_logprobs[rows].masked_fill(batch.mask[rows], float("nan"))
-
-    def during_save(self, trainer, tmp_dir: str) -> None:
-        hook = self.faults.save_hook(trainer.step)
-        if hook is not None:
-            hook("save", tmp_dir)
-
+    return FaultInjection(rank=rank)

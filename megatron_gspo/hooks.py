@@ -1,6 +1,6 @@
 """Hooks: code that runs at fixed points of the RL loop without living in it.
 
-The supervised warm start (sft.SFTWarmStart), test fault injection (faults.FaultInjection) and the
+The supervised warm start (sft.SFTWarmStart), test fault injection (testing.faults.FaultInjection) and the
 comparison experiment's routing probe (experiments/compare) all attach here, so that
 ``Trainer.run`` stays the loop and nothing else. Override what you need; every method is a no-op.
 

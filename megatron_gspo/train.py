@@ -62,7 +62,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # First: a stop signal from now on is kept (the trainer acts on it as soon as it can, at the
     # latest when start-up ends), then the launcher learns this rank's pid (it waits for the rank,
     # reads its exit code and delivers it a signal that came before).
-    PreemptionFlag.install(STOP_SIGNALS)
+    stop = PreemptionFlag.install(STOP_SIGNALS)  # (the one ``__main__`` or the launcher installed, if any)
     exit_status.rank_started()
     # no YAML: the built-in demo job (tiny MoE, arithmetic task), overrides still apply
     path, argv = split_job_args(argv)
@@ -72,7 +72,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             from megatron_gspo.async_rollout.worker import run_rollout_rank
 
             return run_rollout_rank(cfg)
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, stop=stop)
     except USER_ERRORS as e:
         # a wrong config, layout, file or checkpoint: the message names it; no traceback. The process
         # groups (if any were made) go first: tearing them down imports more of megatron, whose

@@ -40,7 +40,7 @@ from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, JobConfig, old_logpr
 from megatron_gspo.data import build_eval_prompts, build_prompt_sampler
 from megatron_gspo.evaluation import EvaluationAbandoned, Evaluator
 from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, EXIT_TOO_MANY_SKIPS
-from megatron_gspo.faults import FaultInjection, PreemptionFlag, StepAbandoned
+from megatron_gspo.faults import PreemptionFlag, StepAbandoned, injected_faults
 from megatron_gspo.hooks import Hooks, TrainerHook
 from megatron_gspo.logger import MetricsLogger, Timer, progress_line, setup_logging
 from megatron_gspo.metrics import MetricAccumulator
@@ -81,10 +81,13 @@ class TrainingStopped(Exception):
 class Trainer:
     """Construction validates and builds everything (collective); ``run()`` is the loop.
 
-    hooks: extra TrainerHooks, called after the built-in ones (SFT warm start, fault injection)."""
+    hooks: extra TrainerHooks, called after the built-in ones (SFT warm start, fault injection).
+    stop: the process's stop flag (train.main passes the one it installed first thing); None: the
+    process's flag, installed now for SIGTERM / SIGUSR1 (a Trainer built by another program)."""
 
-    def __init__(self, cfg: JobConfig, hooks: Iterable[TrainerHook] = ()):
+    def __init__(self, cfg: JobConfig, hooks: Iterable[TrainerHook] = (), stop: PreemptionFlag | None = None):
         self.cfg = cfg
+        self.preempt = stop
         # process-wide numerics settings first: NCCL and cuBLAS read them when they start
         self._restore_determinism = determinism.enable() if cfg.train.deterministic else None
         self.side = None  # rollout.mode=async: this rank's side of the job (async_rollout.side)
@@ -144,8 +147,8 @@ class Trainer:
         gen_cfg = dataclasses.replace(g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
                                       pad_token_id=g.pad_token_id if g.pad_token_id is not None else self.tokenizer.pad_id)
         reward_fn = build_reward_fn(cfg.reward)
-        # the process's flag (the entry point installed it already): long steps stop early (StepAbandoned)
-        self.preempt = PreemptionFlag.install()
+        # long steps stop early on it (StepAbandoned)
+        self.preempt = self.preempt if self.preempt is not None else PreemptionFlag.install()
         source, extra = (Rollouts, {}) if self.side is None else (AsyncRollouts, {"side": self.side, "preempt": self.preempt})
         self.rollouts = source(cfg, st, self.ddp, self.ref_model, self.sampler, self.tokenizer,
                                reward_fn, get_advantage_estimator(t.advantage_estimator), gen_cfg,
@@ -161,7 +164,8 @@ class Trainer:
             log.info("evaluation: %d held-out prompts from %s every %d steps", len(held.prompts),
                      e.source or f"{cfg.data.source} (held out)", e.interval)
         async_hooks = [self.rollouts.hook] if self.side is not None else []
-        self.hooks = Hooks([SFTWarmStart(), FaultInjection(rank=st.rank), *async_hooks, *hooks])
+        faults = injected_faults(st.rank)  # tests only (MEGATRON_GSPO_FAULTS)
+        self.hooks = Hooks([SFTWarmStart(), *([faults] if faults else []), *async_hooks, *hooks])
         self.logger = MetricsLogger(t.output_dir, enabled=st.is_main, tensorboard=t.tensorboard)
         self.warm_start = None  # the SFT warm start of this run (sft.SFTRun), once it began
         self.consecutive_skips = 0

@@ -85,13 +85,13 @@ def test_main_exits_1_when_a_check_raises(monkeypatch, tmp_path, capsys):
 @pytest.fixture
 def stop_handlers():
     """The process-wide stop flag starts unset; this test process's handlers come back afterwards."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     from megatron_gspo.faults import PreemptionFlag
 
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    if (earlier := PreemptionFlag.of_process()) is not None:
+        earlier.release()  # main() makes a fresh flag, as in a new process
     signal.signal(signal.SIGTERM, lambda *a: None)  # never the test process's death, whatever main() installs
-    PreemptionFlag._process = None
     yield
-    PreemptionFlag._process = None
     for s, h in saved.items():
         signal.signal(s, h)
 

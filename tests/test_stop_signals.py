@@ -43,13 +43,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STOP = (signal.SIGTERM, signal.SIGUSR1)
 
 
+def new_process_flag():
+    """As in a new process: no stop flag catches a signal (the next install makes a fresh one)."""
+    flag = PreemptionFlag.of_process()
+    if flag is not None:
+        flag.release()
+
+
 @pytest.fixture
 def fresh_flag():
     """The process-wide flag starts unset, and this test process's handlers come back afterwards."""
     saved = {s: signal.getsignal(s) for s in STOP}
-    PreemptionFlag._process = None
+    new_process_flag()
     yield
-    PreemptionFlag._process = None
     for s, h in saved.items():
         signal.signal(s, h)
 
@@ -187,7 +193,7 @@ def test_a_signal_in_a_long_generation_abandons_the_step_and_the_resume_is_exact
     # the step's generation alone takes gen_s; the stop (decode loop, vote, exit) a fraction of it
     print(f"signal -> stop {took * 1000:.0f} ms; a full step's generation {gen_s:.2f} s")
     assert took < gen_s / 2, (took, gen_s, msg)
-    PreemptionFlag._process = None  # the resumed run is a new process
+    new_process_flag()  # the resumed run is a new process
     run_job(tmp_path, "cut", [*job, "checkpoint.resume=true"])
     assert [r["step"] for r in metrics(tmp_path / "cut")] == [1, 2]
     assert_same(final_weights(f"{tmp_path}/straight/ckpt", 2), final_weights(f"{tmp_path}/cut/ckpt", 2))
@@ -312,13 +318,12 @@ def run_to_code(tmp_path, name, overrides, hooks=()) -> int:
 @pytest.fixture(scope="module")
 def phase_straight(tmp_path_factory):
     """The uninterrupted job: the final weights every resumed one must reach, and its slowest step."""
-    PreemptionFlag._process = None
     saved = {s: signal.getsignal(s) for s in STOP}
+    new_process_flag()
     tmp = tmp_path_factory.mktemp("phases")
     assert run_to_code(tmp, "straight", PHASE_JOB) == 0
     for s, h in saved.items():
         signal.signal(s, h)
-    PreemptionFlag._process = None
     slowest = max(r["perf/step_time_s"] + r.get("perf/eval_s", 0.0) for r in metrics(tmp / "straight"))
     return final_weights(f"{tmp}/straight/ckpt", 3), slowest
 
@@ -357,7 +362,7 @@ def test_a_stop_signal_in_any_phase_stops_within_seconds_and_resumes_exactly(fre
     assert took < 2 * slowest + 5, (took, slowest)
     if phase == "evaluation":  # the abandoned evaluation left step 2's row without eval/*, the step stands
         assert [("eval/greedy_accuracy" in r) for r in metrics(tmp_path / "cut")] == [False, False]
-    PreemptionFlag._process = None  # the resumed run is a new process
+    new_process_flag()  # the resumed run is a new process
     with LogLines() as said:
         assert run_to_code(tmp_path, "cut", [*PHASE_JOB, "checkpoint.resume=true"]) == 0
     if phase == "sft":
@@ -388,7 +393,7 @@ def test_a_warm_start_stopped_twice_continues_to_the_straight_weights(fresh_flag
 
         monkeypatch.setattr(sft, "forward_logprobs", forward)
         assert run_to_code(tmp_path, "cut", [*PHASE_JOB, *resume]) == exit_status.EXIT_PREEMPTED
-        PreemptionFlag._process = None
+        new_process_flag()
         assert dist_checkpointing.load_common_state_dict(iter_dir(root, 0))["extra"]["sft"]["step"] == stop_after
         assert sorted(os.listdir(root)) == ["iter_0000000", "latest_checkpointed_iteration.txt"]
     monkeypatch.undo()

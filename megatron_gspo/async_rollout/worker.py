@@ -38,7 +38,7 @@ from megatron_gspo.async_rollout.layout import ROLLOUT, rollout_parallel_config
 from megatron_gspo.async_rollout.side import Side, is_peer_loss, short_error
 from megatron_gspo.async_rollout.weight_sync import WeightReceiver
 from megatron_gspo.config import JobConfig
-from megatron_gspo.faults import Faults, PreemptionFlag
+from megatron_gspo.faults import PreemptionFlag, injected_faults
 from megatron_gspo.generation import Generator
 from megatron_gspo.logger import setup_logging
 from megatron_gspo.algorithms.overlong import overlong_penalty
@@ -155,7 +155,7 @@ class RolloutWorker:
                                    slots=cfg.data.max_prompt_length + g.max_new_tokens - 1)
         self.reward_fn = build_reward_fn(cfg.reward)
         self.receiver = WeightReceiver(self.model, st, side.sync_pg, int(r.weight_sync_bucket_mb * 2**20))
-        self.faults = Faults(rank=side.global_rank)
+        self.faults = injected_faults(side.global_rank)  # tests only (MEGATRON_GSPO_FAULTS)
         self.G = g.n_samples_per_prompt
         self.R = t.prompts_per_step * self.G
         self.rows = local_rows(self.R, 1, st.dp, st.dp_rank)
@@ -188,7 +188,8 @@ class RolloutWorker:
             for s in range(s0, cfg.train.num_steps):
                 need = max(s0, s - k)
                 self._idle_until(lambda: self.version >= need)
-                self.faults.at_step_start(s + 1)  # tests: die (or raise) as step s+1's generation starts
+                if self.faults is not None:  # tests: die (or raise) as step s+1's generation starts
+                    self.faults.step_starts(s + 1)
                 self._one_step(s)
             self._idle_until(lambda: False)  # serve pushes until the stop
         except Stopped as e:

@@ -68,20 +68,11 @@ def kill_in_push(version):
     comm.bridge_broadcast = broadcast
 
 
-def sigterm_at(step):
-    """This rollout rank gets SIGTERM (from itself) as its generation of ``step`` begins."""
-    import signal
-
-    from megatron_gspo.faults import Faults
-
-    real = Faults.at_step_start
-
-    def at_step_start(self, s):
-        if s == step:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(self, s)
-
-    Faults.at_step_start = at_step_start
+def sigterm_at(step, rank):
+    """This rollout rank gets SIGTERM (from itself) as its generation of ``step`` begins (the injected
+    fault ``sigterm``, megatron_gspo/testing/faults.py)."""
+    spec = os.environ.get("MEGATRON_GSPO_FAULTS", "")
+    os.environ["MEGATRON_GSPO_FAULTS"] = ",".join(filter(None, [spec, f"sigterm@{step}:{rank}"]))
 
 
 class RecordRollouts(TrainerHook):
@@ -228,7 +219,7 @@ def main():
         if a.kill_in_push and int(a.kill_in_push.split(":")[1]) == int(os.environ["RANK"]):
             kill_in_push(int(a.kill_in_push.split(":")[0]))
         if a.sigterm_rollout_at and int(a.sigterm_rollout_at.split(":")[1]) == int(os.environ["RANK"]):
-            sigterm_at(int(a.sigterm_rollout_at.split(":")[0]))
+            sigterm_at(int(a.sigterm_rollout_at.split(":")[0]), int(os.environ["RANK"]))
         sys.exit(run_rollout_rank(cfg))
     hooks = [SilenceHeartbeat(a.silence_trainer_at)] if a.silence_trainer_at else []
     trainer = Trainer(cfg, hooks=[RecordRollouts(a.out), *hooks])

@@ -1,0 +1,1 @@
+"""Test-only code the package loads on request (never on a production path): fault injection."""

@@ -1,0 +1,90 @@
+"""Fault injection for the reliability tests: ``MEGATRON_GSPO_FAULTS="kind@step[:rank],..."``.
+
+Loaded only when that variable is set (faults.injected_faults); a production run never imports it.
+Kinds:
+  nan_logprob  make rank's old log-probs of the first micro-batch of every minibatch non-finite
+               in that step (the loss and gradients follow: the NaN guard must catch it)
+  raise        raise RuntimeError at the start of that step
+  kill         SIGKILL this process at the start of that step
+  sigterm      send this process SIGTERM at the start of that step (a preempted rank)
+  kill_in_save SIGKILL this process while the checkpoint of that step is half written
+A fault without ``:rank`` fires on every rank. ``FaultInjection`` applies them from outside the loop,
+as a trainer hook; an asynchronous rollout rank calls ``step_starts`` as its generation of a step begins.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Optional
+
+from megatron_gspo.faults import FAULTS_ENV
+from megatron_gspo.hooks import TrainerHook
+
+_KINDS = ("nan_logprob", "raise", "kill", "sigterm", "kill_in_save")
+
+
+class Faults:
+    def __init__(self, spec: Optional[str] = None, rank: int = 0) -> None:
+        spec = os.environ.get(FAULTS_ENV, "") if spec is None else spec
+        self.rank = rank
+        self._at: dict[tuple[str, int], Optional[int]] = {}
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            try:
+                kind, rest = item.split("@")
+                step, _, r = rest.partition(":")
+                if kind not in _KINDS:
+                    raise ValueError
+                self._at[(kind, int(step))] = int(r) if r else None
+            except ValueError:
+                raise ValueError(f"{FAULTS_ENV}: cannot parse {item!r}; expected kind@step[:rank] "
+                                 f"with kind in {list(_KINDS)}") from None
+
+    def active(self, kind: str, step: int) -> bool:
+        if (kind, step) not in self._at:
+            return False
+        r = self._at[(kind, step)]
+        return r is None or r == self.rank
+
+    def at_step_start(self, step: int) -> None:
+        if self.active("raise", step):
+            raise RuntimeError(f"injected fault: rank {self.rank} raises at step {step}")
+        if self.active("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.active("sigterm", step):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def save_hook(self, step: int):
+        if not self.active("kill_in_save", step):
+            return None
+
+        def hook(phase: str, path: str) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        return hook
+
+
+class FaultInjection(TrainerHook):
+    """``MEGATRON_GSPO_FAULTS`` (or ``spec``) applied to a trainer (hook) or a rollout rank (step_starts)."""
+
+    def __init__(self, spec: Optional[str] = None, rank: int = 0) -> None:
+        self.faults = Faults(spec, rank)
+
+    def step_starts(self, step: int) -> None:
+        """Step ``step`` (1-based) begins on this rank: raise / die / get SIGTERM as the spec says."""
+        self.faults.at_step_start(step)
+
+    def at_step_start(self, trainer) -> None:
+        self.step_starts(trainer.step + 1)
+
+    def after_rollout(self, trainer, batch) -> None:
+        if not self.faults.active("nan_logprob", trainer.step + 1):
+            return
+        for mini in batch.minibatches:
+            rows = batch.micro[mini[0]]
+            batch.old_logprobs[rows] = batch.old_logprobs[rows].masked_fill(batch.mask[rows], float("nan"))
+
+    def during_save(self, trainer, tmp_dir: str) -> None:
+        hook = self.faults.save_hook(trainer.step)
+        if hook is not None:
+            hook("save", tmp_dir)
