@@ -104,6 +104,45 @@ def _layer_act_bytes(m, tp: int, fp8: bool, imbalance: float, recompute_moe_act:
     return (attn + router + k * imbalance * per_routed) / tp
 
 
+def _train_activation_bytes(m, tokens: int, layers: int, tp: int, w_bytes: int, imbalance: float) -> float:
+    """Training activations of one micro-batch of ``tokens`` tokens (recompute as configured) + the fused
+    output layer's log-prob working set."""
+    per_layer = _layer_act_bytes(m, tp, bool(m.fp8), imbalance, recompute_moe_act=m.recompute_granularity == "selective")
+    chunk_input = 2 * m.hidden_size / tp
+    if m.recompute_granularity == "full":
+        n = m.recompute_num_layers or 1
+        if m.recompute_method == "uniform":
+            act = (-(-layers // n)) * chunk_input + min(n, layers) * per_layer
+        else:  # block: the first n layers are recomputed, the rest keep everything
+            n = min(n, layers)
+            act = n * chunk_input + (layers - n) * per_layer + (per_layer if n else 0)
+    else:
+        act = layers * per_layer
+    v_local = m.padded_vocab_size / tp
+    # fused output layer + log-probs: hidden [T, h] (gathered, batch-first copy) + fp32 gradient
+    # accumulator, the output weight's gradient, the vocabulary-chunk temporaries and kept logits
+    logits = tokens * m.hidden_size * (2 * w_bytes + 4) + v_local * m.hidden_size * w_bytes \
+        + 4 * (64 << 20) + (256 << 20)
+    return tokens * act + logits
+
+
+def _generation_bytes(m, rows_local: int, seq: int, prompt_len: int, layers: int, tp: int, w_bytes: int,
+                      imbalance: float) -> tuple[float, float]:
+    """(KV cache of the local batch, the live tensors of one no-grad prefill block) in bytes."""
+    k = m.moe_router_topk
+    kv_heads_local = max(1, m.num_query_groups // tp)
+    kv_cache = layers * 2 * rows_local * seq * kv_heads_local * m.kv_channels * w_bytes
+    prefill_tokens = rows_local * prompt_len
+    h, f, q = m.hidden_size, m.moe_ffn_hidden_size, m.num_attention_heads * m.kv_channels
+    kvd = m.num_query_groups * m.kv_channels
+    # no-grad prefill: the live tensors of one block (no SP while generating; conservative TP=1)
+    attn_ws = 2 * (2 * h + (q + 2 * kvd) + q)
+    moe_ws = 2 * 2 * h + k * imbalance * 2 * (h + 2 * f + f + h)
+    prefill = prefill_tokens * max(attn_ws, moe_ws) \
+        + rows_local * m.padded_vocab_size * 4 * 2  # last-position logits gathered over TP, fp32
+    return kv_cache, prefill
+
+
 def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 1.5,
                     runtime_overhead_gib: float = 3.0, fragmentation: float = 0.10) -> dict[str, Any]:
     """Estimated peak memory of one GPU of ``job_cfg`` on ``world_size`` GPUs, in GiB.
@@ -135,47 +174,17 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     out["optimizer"] = (p["dense"] * opt_bytes / shard_dense + p["expert"] * opt_bytes / shard_expert) / GIB
     out["ref_model"] = n_params * w_bytes / GIB if job_cfg.loss.kl_coef > 0 else 0.0
     out["fp8_cache"] = p["gemm"] * 2 / GIB if m.fp8 else 0.0
-
     # sequences and tokens
     seq = d.max_prompt_length + g.max_new_tokens
     rows_local = (t.prompts_per_step // dp) * g.n_samples_per_prompt
     layers = m.num_layers // pp
-    k = m.moe_router_topk
     route_bytes = 8 + (4 if t.routing_replay != "off" else 0)
-    out["routing"] = layers * rows_local * seq / tp * k * route_bytes / GIB
-
-    # training activations of one micro-batch
+    out["routing"] = layers * rows_local * seq / tp * m.moe_router_topk * route_bytes / GIB
+    # activations: training (one micro-batch) or generation (KV cache + one prefill block)
     tokens = t.micro_batch_size * seq
-    per_layer = _layer_act_bytes(m, tp, bool(m.fp8), expert_load_imbalance,
-                                 recompute_moe_act=m.recompute_granularity == "selective")
-    chunk_input = 2 * m.hidden_size / tp
-    if m.recompute_granularity == "full":
-        n = m.recompute_num_layers or 1
-        if m.recompute_method == "uniform":
-            act = (-(-layers // n)) * chunk_input + min(n, layers) * per_layer
-        else:  # block: the first n layers are recomputed, the rest keep everything
-            n = min(n, layers)
-            act = n * chunk_input + (layers - n) * per_layer + (per_layer if n else 0)
-    else:
-        act = layers * per_layer
-    v_local = m.padded_vocab_size / tp
-    # fused output layer + log-probs: hidden [T, h] (gathered, batch-first copy) + fp32 gradient
-    # accumulator, the output weight's gradient, the vocabulary-chunk temporaries and kept logits
-    logits = tokens * m.hidden_size * (2 * w_bytes + 4) + v_local * m.hidden_size * w_bytes \
-        + 4 * (64 << 20) + (256 << 20)
-    out["train_act"] = (tokens * act + logits) / GIB
-
-    # generation: KV cache of the local batch + one prefill layer
-    kv_heads_local = max(1, m.num_query_groups // tp)
-    kv_cache = layers * 2 * rows_local * seq * kv_heads_local * m.kv_channels * w_bytes
-    prefill_tokens = rows_local * d.max_prompt_length
-    h, f, q = m.hidden_size, m.moe_ffn_hidden_size, m.num_attention_heads * m.kv_channels
-    kvd = m.num_query_groups * m.kv_channels
-    # no-grad prefill: the live tensors of one block (no SP while generating; conservative TP=1)
-    attn_ws = 2 * (2 * h + (q + 2 * kvd) + q)
-    moe_ws = 2 * 2 * h + k * expert_load_imbalance * 2 * (h + 2 * f + f + h)
-    prefill = prefill_tokens * max(attn_ws, moe_ws) \
-        + rows_local * m.padded_vocab_size * 4 * 2  # last-position logits gathered over TP, fp32
+    out["train_act"] = _train_activation_bytes(m, tokens, layers, tp, w_bytes, expert_load_imbalance) / GIB
+    kv_cache, prefill = _generation_bytes(m, rows_local, seq, d.max_prompt_length, layers, tp, w_bytes,
+                                          expert_load_imbalance)
     out["generation"] = (kv_cache + prefill) / GIB
     out["kv_cache_kept"] = kv_cache / GIB if g.cuda_graphs else 0.0
 

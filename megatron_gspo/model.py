@@ -164,8 +164,21 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, device: torc
     if cfg.moe_router_fusion and impl != "transformer_engine":
         raise ConfigError("model.moe_router_fusion=true needs Transformer Engine")
     precision, _ = job_precision(cfg, device)  # "auto": a job's Trainer resolved it already; direct builds here
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    kw = dict(
+    kw = {**_architecture_kwargs(cfg), **_numerics_kwargs(cfg, cuda, impl, precision),
+          **_moe_kwargs(cfg, device, cuda, impl, expert_impl, routing_replay), **_layout_kwargs(cfg, par),
+          # megatron's own deterministic choices (no nondeterministic fused kernels); the process-wide
+          # settings (torch, cuBLAS, NCCL) are parallel.set_deterministic's
+          "deterministic_mode": deterministic}
+    kw.update(overrides)
+    if cfg.recompute_granularity == "selective":
+        # megatron refuses moe_act recompute without grouped GEMM (the local spec's experts)
+        kw["recompute_modules"] = ["core_attn", "moe_act"] if expert_impl == "te_grouped" else ["core_attn"]
+    return TransformerConfig(**kw)
+
+
+def _architecture_kwargs(cfg: ModelConfig) -> dict:
+    """TransformerConfig fields of the Qwen3-MoE block itself."""
+    return dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -182,7 +195,12 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, device: torc
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
-        # fusions that need CUDA kernels (compat.py) are enabled on GPU only
+    )
+
+
+def _numerics_kwargs(cfg: ModelConfig, cuda: bool, impl: str, precision: str) -> dict:
+    """Fusions (those that need CUDA kernels, compat.py, are enabled on GPU only), dtypes, FP8."""
+    return dict(
         bias_activation_fusion=cuda,
         bias_dropout_fusion=cuda,
         masked_softmax_fusion=cuda and impl == "transformer_engine",
@@ -190,11 +208,16 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, device: torc
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not cuda,
-        params_dtype=dtype,
+        params_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
         bf16=precision == "bf16",
         fp8=cfg.fp8,
         fp8_recipe=cfg.fp8_recipe,
-        # MoE
+    )
+
+
+def _moe_kwargs(cfg: ModelConfig, device: torch.device, cuda: bool, impl: str, expert_impl: str,
+                routing_replay: bool) -> dict:
+    return dict(
         num_moe_experts=cfg.num_moe_experts,
         moe_router_topk=cfg.moe_router_topk,
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
@@ -207,7 +230,12 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, device: torc
         moe_permute_fusion=cuda and impl == "transformer_engine",
         moe_router_fusion=cfg.moe_router_fusion,
         moe_enable_routing_replay=routing_replay,
-        # parallel
+    )
+
+
+def _layout_kwargs(cfg: ModelConfig, par: ParallelConfig) -> dict:
+    """Model parallelism, activation recompute and the loss normalization DDP relies on."""
+    return dict(
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
         expert_model_parallel_size=par.expert_model_parallel_size,
@@ -218,15 +246,7 @@ def build_transformer_config(cfg: ModelConfig, par: ParallelConfig, device: torc
         recompute_num_layers=cfg.recompute_num_layers,
         # losses are normalized by global token/sequence counts; DDP then sums (see wrap_ddp)
         calculate_per_token_loss=True,
-        # megatron's own deterministic choices (no nondeterministic fused kernels); the process-wide
-        # settings (torch, cuBLAS, NCCL) are parallel.set_deterministic's
-        deterministic_mode=deterministic,
     )
-    kw.update(overrides)
-    if cfg.recompute_granularity == "selective":
-        # megatron refuses moe_act recompute without grouped GEMM (the local spec's experts)
-        kw["recompute_modules"] = ["core_attn", "moe_act"] if expert_impl == "te_grouped" else ["core_attn"]
-    return TransformerConfig(**kw)
 
 
 def build_layer_spec(tcfg, cfg: ModelConfig, device: torch.device, pp_rank: Optional[int] = None,

@@ -419,6 +419,7 @@ def gspo_token_loss(
 # ----------------------------------------------------------------------------------------------
 
 
+# long: one loss, its paper's formula: the docstring (shapes, every option) is half of it
 @register_policy_loss("grpo")
 def grpo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
@@ -633,6 +634,7 @@ def cispo_loss(
                    bound=log_ratio_bound, global_batch_normalizer=global_batch_normalizer, metrics=metrics)
 
 
+# long: one loss, its paper's formula: the docstring (shapes, every option) is half of it
 @register_policy_loss("gmpo")
 def gmpo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
