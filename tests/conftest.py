@@ -85,7 +85,7 @@ def in_process_tests_state_their_device():
 
     ``ParallelConfig()`` means "this machine's GPU and, where Transformer Engine imports, the TE spec"; on the
     CPU machines that is the CPU and the local spec, so a test that forgot to say which it means passes here and
-    fails by construction in the container (issue 29). The CPU device also fixes the spec: model.resolve_impl
+    fails by construction in the container. The CPU device also fixes the spec: model.resolve_impl
     never picks Transformer Engine for a CPU job. Session-scoped, so module fixtures' models are checked too;
     torchrun ranks are pinned by multi_rank_env (no GPU visible)."""
     from megatron_gspo import parallel

@@ -1,7 +1,7 @@
 """Every command of the project answers --help with its usage, and a mistake on its command line (an
 unknown key, a setting without its value, a file it cannot read or write) with one line and exit
 status 2, before any work: the trainer, the preflight, the memory estimator, the comparison and the
-launcher's dry run (issue 30). Run in this process through each command's own entry point."""
+launcher's dry run. Run in this process through each command's own entry point."""
 
 from __future__ import annotations
 

@@ -104,7 +104,7 @@ def test_the_device_is_decided_in_one_place():
 
 
 # ----------------------------------------------------------------------------------------------
-# Whether Transformer Engine serves megatron here, and why not: said once, never swallowed (issue 29)
+# Whether Transformer Engine serves megatron here, and why not: said once, never swallowed
 # ----------------------------------------------------------------------------------------------
 
 

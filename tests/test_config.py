@@ -239,7 +239,7 @@ def test_greedy_rollouts_with_several_samples_are_refused():
     with pytest.raises(ConfigError, match=r"generation\.temperature=0 \(greedy\) with generation\.n_samples_per_prompt=4: "
                                           r"every sample of a prompt would be the same response"):
         load_job_config(None, ["generation.temperature=0"])
-    # one sample per prompt is no way out: every estimator is group-relative (issue 30)
+    # one sample per prompt is no way out: every estimator is group-relative
     with pytest.raises(ConfigError, match=r"generation\.n_samples_per_prompt must be >= 2"):
         load_job_config(None, ["generation.temperature=0", "generation.n_samples_per_prompt=1",
                                "train.advantage_estimator=mean_only", "train.num_minibatches=1"])
@@ -321,7 +321,7 @@ def test_a_config_error_is_the_last_line_printed(args):
 @pytest.mark.parametrize("override", ["model.transformer_impl=transformer_engine", "model.precision=bf16 model.fp8=e4m3"])
 def test_transformer_engine_choices_on_the_cpu_device_are_refused_at_load(override):
     """Transformer Engine runs on a GPU only: a job asking for it with parallel.device=cpu is refused when its
-    config loads (by key), not when every rank builds the model (issue 29)."""
+    config loads (by key), not when every rank builds the model."""
     from megatron_gspo.config import load_job_config
 
     key = override.split()[-1].split("=")[0]
@@ -364,8 +364,8 @@ def test_precision_auto_is_fp32_on_the_cpu_and_bf16_on_a_gpu(precision, device, 
 
 def test_the_default_job_is_fp32_on_the_cpu_and_bf16_on_a_gpu():
     """The README's default job (no YAML: the demo on the tiny preset) asks for "auto" precision: its CPU
-    numbers stay fp32, a GPU runs bf16 (issue 29: the tiny preset was fp32 everywhere, the per-expert loop
-    on a GPU without TE, the TE spec in fp32 in the container)."""
+    numbers stay fp32, a GPU runs bf16 (not fp32 there, not the per-expert loop on a GPU without TE, not the
+    TE spec in fp32 in the container)."""
     from megatron_gspo.config import load_job_config, resolve_precision
 
     m = load_job_config(None, []).model

@@ -314,7 +314,7 @@ def test_resume_on_other_data_says_how_to_accept_it(jsonl):
 
 
 # ----------------------------------------------------------------------------------------------
-# Damaged files: one error naming the file and line (issue 30)
+# Damaged files: one error naming the file and line
 # ----------------------------------------------------------------------------------------------
 
 

@@ -230,7 +230,7 @@ def test_sft_batch_is_built_on_the_state_device():
 
 # ----------------------------------------------------------------------------------------------
 # In-process tests state their device: on "a GPU machine with Transformer Engine" they still build
-# the CPU model of megatron's local spec they were written for (issue 29)
+# the CPU model of megatron's local spec they were written for
 # ----------------------------------------------------------------------------------------------
 
 

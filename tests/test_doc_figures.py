@@ -3,8 +3,8 @@
 A paragraph (or a code block) quoting such a figure carries, in the page's source,
 ``<!-- figures: "FIGURE" "FIGURE" ... from: COMMAND -->``: each quoted figure must appear in that
 paragraph and in what COMMAND prints today, so a memory estimate, a parameter count or a log line
-that the code changes fails here instead of going stale in the docs (troubleshooting.md said
-81.17 GiB, DOES NOT FIT, long after the estimator printed 78.43 GiB, fits: issue 30). A figure in
+that the code changes fails here instead of going stale in the docs (a page saying "DOES NOT FIT"
+while the estimator prints "fits"). A figure in
 GiB anywhere else in the docs must be a measurement, listed in MEASURED with where it was measured.
 
 Other generated docs are checked where they are generated: docs/configuration.md

@@ -767,8 +767,8 @@ def test_tiny_cpu_recipe_is_the_default_job():
 
 def test_megatron_core_is_pinned_to_the_tested_line_on_every_python():
     """setup.py's megatron-core requirement, evaluated for each Python a user may run (3.12: the NGC and GPU
-    images), admits the release the Dockerfile installs and no untested minor line (with Python 3.12 a fresh
-    box used to get megatron-core 0.19; issue 29)."""
+    images), admits the release the Dockerfile installs and no untested minor line (an open upper bound gives a
+    fresh Python 3.12 box megatron-core 0.19)."""
     import ast
 
     from packaging.requirements import Requirement

@@ -72,7 +72,7 @@ def test_describe_survives_a_config_it_cannot_estimate():
 
 
 # ----------------------------------------------------------------------------------------------
-# Out of memory that is not torch.OutOfMemoryError: the CPU allocator, Python, the kernel (issue 30)
+# Out of memory that is not torch.OutOfMemoryError: the CPU allocator, Python, the kernel
 # ----------------------------------------------------------------------------------------------
 
 import errno  # noqa: E402

@@ -61,7 +61,7 @@ class Run:
     def torchrun(self) -> psutil.Process:
         procs = [p for p in marked(self.marker) if "torch.distributed.run" in " ".join(p.cmdline())]
         found = [p for p in procs if p.ppid() == self.p.pid] or [p for p in procs if p.pid == self.p.pid]
-        assert len(found) == 1, procs  # the launcher's child (the launcher used to exec torchrun)
+        assert len(found) == 1, procs  # the launcher's child (the supervisor runs torchrun, it does not exec it)
         return found[0]
 
     def ranks(self) -> list[psutil.Process]:
@@ -198,8 +198,8 @@ def readme_multi_rank_example() -> list[str]:
 def test_the_readmes_multi_rank_example_stops_cleanly_on_sigterm(tmp_path):
     """SIGTERM to the process the README's multi-rank example starts (what `kill`, Ctrl-C or a scheduler
     sends to the command a user ran): the ranks save the step they are at and the command exits 75 with
-    one line, no traceback, nothing left running. (The example used to be a bare torchrun: rc 1 and a
-    SignalException traceback after the ranks saved.)"""
+    one line, no traceback, nothing left running (a bare torchrun would give rc 1 and a SignalException
+    traceback after the ranks saved)."""
     words = readme_multi_rank_example()
     env = {}
     while re.fullmatch(r"[A-Z_]+=\S*", words[0]):
@@ -246,7 +246,7 @@ def test_bare_torchrun_on_sigterm_behaves_as_documented(tmp_path):
 
 def test_sigkill_of_a_rank_leaves_no_process_and_the_newest_checkpoint(tmp_path, straight):
     """A rank killed outright cannot save: the run fails with torchrun's code and report, no
-    process of it survives (the checkpoint writer used to leave its helper processes behind), and
+    process of it survives (the checkpoint writer's helper processes included), and
     the resume starts from the newest complete checkpoint and ends where the straight run does."""
     run = launcher(tmp_path, "k")
     root = f"{tmp_path}/k/ckpt"
@@ -269,9 +269,9 @@ def test_sigkill_of_a_rank_leaves_no_process_and_the_newest_checkpoint(tmp_path,
 
 
 def test_sigkill_of_a_single_process_trainer_leaves_no_process(tmp_path):
-    """Without torchrun nobody cleans the process group up: a SIGKILLed trainer used to leave the
-    checkpoint writer's Manager server and multiprocessing's resource tracker running. Now the
-    trainer has no helper process, and a resume takes the newest complete checkpoint."""
+    """Without torchrun nobody cleans the process group up: a SIGKILLed trainer must leave no helper
+    process running (no checkpoint writer's Manager server, no multiprocessing resource tracker), and a
+    resume takes the newest complete checkpoint."""
     out = tmp_path / "one"
     args = [*JOB, "train.num_steps=8", f"train.output_dir={out}", f"checkpoint.save={out}/ckpt",
             "checkpoint.save_interval=1"]

@@ -351,7 +351,7 @@ def test_resume_check_reports_a_resumed_step_that_differs(monkeypatch, tmp_path)
 
 def test_env_item_says_which_spec_runs_and_why_on_a_gpu_with_a_broken_te(monkeypatch, tmp_path):
     """On a GPU where Transformer Engine is installed but does not import, env.auto_impl names the local spec,
-    TE's import error as the reason, and bf16 (issue 29: have_te() used to swallow the error)."""
+    TE's import error as the reason (never swallowed), and bf16."""
     import torch
 
     from megatron_gspo.preflight.context import Context

@@ -1,7 +1,7 @@
 """Every text file a job or a command names is read as UTF-8, and a byte that is not is one error
 naming the file, the line and the column (megatron_gspo/textfile.py), never a UnicodeDecodeError
 traceback: the config YAML, JSON Lines data (data.source and eval.source), a Hugging Face config.json,
-the tokenizer's JSON files and chat templates, the memory estimator's recipe (issue 30)."""
+the tokenizer's JSON files and chat templates, the memory estimator's recipe."""
 
 from __future__ import annotations
 

@@ -229,8 +229,7 @@ def test_metrics_restart_at_the_resumed_step(tmp_path):
 
 def test_resume_reads_each_file_once_and_rotation_reads_none(tmp_path, monkeypatch):
     """The checkpoint manager verifies the resume checkpoint once (every file against its manifest,
-    once, on rank 0) and rotation trusts manifests: saving never re-reads a kept checkpoint. (The
-    trainer used to checksum the resume checkpoint up to four times and every kept one per save.)"""
+    once, on rank 0) and rotation trusts manifests: saving never re-reads a kept checkpoint."""
     from megatron_gspo.checkpoint import directory
 
     reads = []
@@ -286,8 +285,8 @@ def test_resume_refuses_a_root_whose_only_checkpoint_is_damaged(tmp_path):
 def test_a_damaged_newest_checkpoint_is_skipped_named_and_never_costs_the_new_ones(tmp_path):
     """Checkpoints of steps 2 and 4, the newer one damaged: the resume continues step 2 (a warning names
     iter_0000004, the resume line says the steps after 2 are trained again) and, with keep_last=1, its save
-    of step 3 is the one kept: rotation neither counts nor deletes the damaged later directory (it used to
-    keep it as "the newest" and delete the checkpoint just written, leaving nothing to resume from)."""
+    of step 3 is the one kept: rotation neither counts nor deletes the damaged later directory (keeping it
+    as "the newest" would delete the checkpoint just written, leaving nothing to resume from)."""
     ckpt = f"{tmp_path}/ckpt"
     common = [f"checkpoint.save={ckpt}", "train.tensorboard=false"]
     run_job(["train.num_steps=4", "checkpoint.save_interval=2", f"train.output_dir={tmp_path}/a"] + common)
@@ -423,7 +422,7 @@ def test_old_logprobs_choice_is_checked():
 
 def test_the_jobs_first_lines_say_its_numerics_and_spec(tmp_path):
     """The default job's precision is "auto" (the tiny preset): on the CPU fp32, said with the spec and why in
-    the job's first log line (issue 29; on a GPU the same line says bf16 and the TE or local spec:
+    the job's first log line (on a GPU the same line says bf16 and the TE or local spec:
     config.resolve_precision, tested as a pure function in test_config.py)."""
     with LogLines(logging.INFO) as said, built_trainers(TINY_JOB, tmp_path) as build:
         t = build([])

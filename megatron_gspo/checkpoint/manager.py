@@ -3,7 +3,7 @@
 Finding the checkpoint to resume from reads every file of the newest candidate against its
 manifest (a disk can corrupt a complete checkpoint). That happens once, on rank 0, which broadcasts
 the step it settled on: at 30B with Adam state a checkpoint is hundreds of GB, and every rank
-re-verifying it (four times over, as the trainer used to) costs minutes of I/O before step 1.
+re-verifying it costs minutes of I/O before step 1.
 Saves rotate by manifest (directory.rotate) and never re-read what they keep.
 
 What a resume (``checkpoint.resume=true``) does with what it finds under the root:

@@ -1,8 +1,8 @@
 """Transformer Engine-spec checkpoints through the project's own checkpoint code (megatron_gspo.checkpoint),
 on models built construct-only on the CPU: the names the TE spec saves, save -> resume -> strict load
 bit-identical (weights, Adam moments, step), and checkpoints moving between the TE and the local spec in
-both directions (the local spec saves no extra state for its norms: issue 29's "Missing key in checkpoint
-state_dict: decoder.layers.self_attention.q_layernorm._extra_state")."""
+both directions (the local spec saves no extra state for its norms: loading must not fail with "Missing key in
+checkpoint state_dict: decoder.layers.self_attention.q_layernorm._extra_state")."""
 
 import dataclasses
 import re
