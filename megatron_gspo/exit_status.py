@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 
 EXIT_USER_ERROR = 2
