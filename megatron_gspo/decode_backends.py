@@ -159,9 +159,7 @@ def make_backend(m, cfg, batch: int, slots: int, positions: torch.Tensor, key_pa
             knob = "generation.cuda_graphs=true (the lean decode path)" if graphs else "generation.decode_impl=lean"
             raise ValueError(f"{knob} does not support {reason}; use decode_impl=auto or megatron"
                              + (" with cuda_graphs=false" if graphs else ""))
-    elif graphs:
-        raise ValueError("generation.cuda_graphs=true captures the lean decode step; it cannot be combined "
-                         "with generation.decode_impl=megatron")
+    # (generation.cuda_graphs with decode_impl=megatron is refused by GenerationConfig)
     return MegatronBackend(m, batch, slots, positions, key_pad, ragged)
 
 

@@ -17,6 +17,7 @@ from megatron_gspo.config import (
     model_config_from_preset,
     parse_overrides,
 )
+from megatron_gspo import config
 from megatron_gspo.parallel import validate_layout
 
 
@@ -196,7 +197,6 @@ def test_hf_router_normalization_and_expert_key_spellings():
 
 def test_config_names_match_the_registries():
     """The config validates names without importing the subsystems; each registry offers exactly them."""
-    from megatron_gspo import config
     from megatron_gspo.algorithms.advantages import ADVANTAGE_ESTIMATORS
     from megatron_gspo.algorithms.losses import POLICY_LOSSES
     from megatron_gspo.tokenizer import build_tokenizer  # noqa: F401 (TOKENIZER_TYPES is its dispatch)
@@ -374,3 +374,39 @@ def test_the_default_job_is_fp32_on_the_cpu_and_bf16_on_a_gpu():
     assert resolve_precision(m.precision, "cuda", True)[0] == "bf16"
     # the 30B recipes keep their explicit bf16; the memory estimate of an "auto" job is that of bf16 (per GPU)
     assert model_config_from_preset("qwen3-30b-a3b").precision == "bf16"
+
+
+# ----------------------------------------------------------------------------------------------
+# One validator (config/fields.py): every field's annotated type and declared bounds, for a section built
+# in code as for one loaded from YAML
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("section, kwargs, match", [
+    ("TrainConfig", dict(num_steps=True), r"train\.num_steps must be an integer >= 1, got True"),
+    ("ParallelConfig", dict(tensor_model_parallel_size=True),
+     r"parallel\.tensor_model_parallel_size must be an integer >= 1, got True"),
+    ("ParallelConfig", dict(sequence_parallel=1), r"parallel\.sequence_parallel must be true or false or null, got 1"),
+    ("ModelConfig", dict(num_layers=True), r"model\.num_layers must be a positive integer, got True"),
+    ("GenerationConfig", dict(cuda_graphs=1), r"generation\.cuda_graphs must be true or false, got 1"),
+    ("GenerationConfig", dict(stop_token_ids=[1, True]), r"generation\.stop_token_ids must be a list of integers >= 0"),
+    ("OptimizerConfig", dict(clip_grad=float("nan")),
+     r"optimizer\.clip_grad must be a finite number >= 0 \(0 disables\), got nan"),
+    ("TrainConfig", dict(sft_lr="1e-3"), r"train\.sft_lr must be a finite number, got '1e-3'"),
+    ("TrainConfig", dict(max_tokens_per_micro_batch=0), r"train\.max_tokens_per_micro_batch must be a positive "
+                                                        r"integer or null, got 0"),
+    ("RewardConfig", dict(kwargs=[]), r"reward\.kwargs must be a mapping, got \[\]"),
+    ("RolloutCorrectionConfig", dict(threshold_low=1.0), r"rollout_correction\.threshold_low must be in \[0, 1\) or null"),
+    ("TrainConfig", dict(old_logprobs="sometimes"), r"train\.old_logprobs='sometimes' is not one of \['auto', "),
+])
+def test_every_field_is_checked_against_its_type_and_bounds(section, kwargs, match):
+    """bool is never an int, a number is finite, Optional takes null, a list's items and a mapping are checked."""
+    with pytest.raises(ConfigError, match=match):
+        getattr(config, section)(**kwargs)
+
+
+def test_the_validator_accepts_what_the_annotations_allow():
+    assert config.ParallelConfig(expert_tensor_parallel_size=None, sequence_parallel=None).etp == 1
+    assert config.GenerationConfig(stop_token_ids=(1, 2)).stop_token_ids == [1, 2]  # a tuple is stored as a list
+    assert config.LossConfig(kl_coef=0).kl_coef == 0  # an int for a float
+    assert config.ModelConfig(moe_router_dtype=None).moe_router_dtype is None  # None among the choices
