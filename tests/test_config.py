@@ -233,6 +233,49 @@ def test_lean_decode_on_a_layout_it_cannot_run_is_refused(overrides, match):
     load_job_config(None, ["generation.decode_impl=lean", "model.transformer_impl=transformer_engine"])
 
 
+# A value each LEAN_DECODE_LIMITS row refuses, on a built model's TransformerConfig
+_LEAN_BAD = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "context_parallel_size": 2,
+             "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "sequence_parallel": True,
+             "rotary_interleaved": True, "multi_latent_attention": True, "attention_output_gate": True,
+             "apply_residual_connection_post_layernorm": True, "fp32_residual_connection": True, "fp8": "e4m3",
+             "window_size": (16, 0), "softmax_type": "learnable", "apply_query_key_layer_scaling": True,
+             "moe_router_fusion": True, "normalization": "LayerNorm"}
+
+
+def test_the_lean_decoders_limits_are_one_table_read_by_the_config_and_the_model_check():
+    """config.rules.LEAN_DECODE_LIMITS: every row with a TransformerConfig attribute names a real one of
+    megatron-core's (a renamed attribute would read as None, i.e. supported) and is what
+    decode.lean_decode_unsupported reports; every row with a config key is refused by key for decode_impl=lean."""
+    import types
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_gspo.config import LEAN_DECODE_LIMITS, lean_decode_limit, load_job_config
+
+    tc = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, normalization="RMSNorm")
+    attrs = {row.model_attr for row in LEAN_DECODE_LIMITS} - {None}
+    assert attrs <= set(vars(tc)) and attrs == set(_LEAN_BAD)
+    assert lean_decode_limit(tc) is None
+    for row in LEAN_DECODE_LIMITS:
+        if row.model_attr is not None:
+            broken = types.SimpleNamespace(**{**vars(tc), row.model_attr: _LEAN_BAD[row.model_attr]})
+            assert lean_decode_limit(broken) == row.reason.format(value=_LEAN_BAD[row.model_attr]), row
+    bad_overrides = {"parallel.tensor_model_parallel_size": ["parallel.tensor_model_parallel_size=2"],
+                     "parallel.pipeline_model_parallel_size": None,  # refused for the RL loop before (PP=1)
+                     "parallel.expert_model_parallel_size": ["parallel.expert_model_parallel_size=2"],
+                     "parallel.expert_tensor_parallel_size": ["parallel.expert_tensor_parallel_size=2"],
+                     "parallel.sequence_parallel": ["parallel.sequence_parallel=true"],
+                     "model.fp8": ["model.fp8=e4m3", "model.precision=bf16"],
+                     "model.moe_router_fusion": ["model.moe_router_fusion=true"]}
+    assert {row.config_key for row in LEAN_DECODE_LIMITS} - {None} == set(bad_overrides)
+    for key, overrides in bad_overrides.items():
+        if overrides is None:
+            continue
+        with pytest.raises(ConfigError, match=rf"generation\.decode_impl=lean .*{re.escape(key)}="):
+            load_job_config(None, ["generation.decode_impl=lean"] + overrides)
+        load_job_config(None, ["generation.decode_impl=auto"] + overrides)
+
+
 def test_greedy_rollouts_with_several_samples_are_refused():
     from megatron_gspo.config import load_job_config
 
