@@ -4,8 +4,8 @@
     python docs/gen_config_reference.py --check    # exit 1 if docs/configuration.md is stale
 
 Walks ``JobConfig``'s sections in order and, for every field, reports its name, its annotated type,
-its default in a job (``JobConfig()``: what a YAML job gets for a key it omits), the values
-``__post_init__`` accepts when it checks against a fixed set, and its documentation, taken from the
+its default in a job (``JobConfig()``: what a YAML job gets for a key it omits), the values its
+``knob(choices=...)`` allows, its resume policy (``knob(resume=...)``), and its documentation, taken from the
 source itself:
 
 * the ``#`` comment lines directly above the field (ModelConfig, ParallelConfig, TrainConfig,
@@ -141,15 +141,19 @@ INTRO = """\
 # Configuration reference
 
 A job is one YAML file of typed sections plus `section.key=value` overrides. Every section is a
-dataclass (the `megatron_gspo/config/` package: `sections.py`, `model.py`, and `job.py`, which composes them
-into `JobConfig`) validated when it is built, so a wrong key, type or value stops the job before anything
-is initialized, with a `ConfigError` that names the field. Field names follow Megatron-LM's
-argument names where one exists.
+dataclass (the `megatron_gspo/config/` package: `sections.py`, `model.py`, `rollout.py`, and `job.py`, which
+composes them into `JobConfig`) validated when it is built, so a wrong key, type or value stops the job before
+anything is initialized, with a `ConfigError` that names the field. Every field declares its type, bounds,
+allowed values and resume policy where it is declared (`knob(...)`, `fields.py`), checked by one validator.
+Field names follow Megatron-LM's argument names where one exists.
 
 The **Default** column is what a job gets for a key it does not set (`JobConfig()`); the no-argument
 demo run starts from `megatron_gspo/configs/demo_gspo.yaml`, which sets a few of them differently
-(see [The demo job](#the-demo-job)). **Allowed** lists the values `__post_init__` accepts where it
-checks against a fixed set.
+(see [The demo job](#the-demo-job)). **Allowed** lists the values a field with a fixed set accepts.
+**Resume** is what resuming a checkpoint does when the key differs from the checkpoint's job
+([checkpoints](checkpoints.md)): `may change` and `layout` (the parallel layout) are accepted and logged,
+`may change after the warm start` likewise except while the checkpoint is an unfinished warm start, and
+`changes the trajectory` is refused by key unless `checkpoint.allow_config_change` names it.
 
 ## Loading a job and overriding keys
 
@@ -172,7 +176,7 @@ python -m megatron_gspo.train job.yaml --train.num_steps 10 --loss.name=gspo_tok
   so `model.hidden_size=128` alone tweaks the `tiny` model; `model.preset=null` starts from the
   bare field defaults.
 
-Checks across sections (`JobConfig.__post_init__`), before anything is built:
+Checks across sections (`config/rules.py`, run in order by `JobConfig.__post_init__`), before anything is built:
 
 * `train.prompts_per_step x generation.n_samples_per_prompt` must be divisible by
   `train.num_minibatches`;
@@ -197,7 +201,11 @@ Checks across sections (`JobConfig.__post_init__`), before anything is built:
   `generation.min_new_tokens >= generation.max_new_tokens` (every response would be truncated and
   filtered out);
 * `generation.decode_impl=lean` needs one rank of TP / PP / EP / expert-TP, no sequence parallelism,
-  no FP8 and not `model.transformer_impl=transformer_engine` (`auto` picks it wherever it can run);
+  no FP8 and not Transformer Engine's fused router top-k (`model.moe_router_fusion`): the rows with a
+  config key of `LEAN_DECODE_LIMITS` (`config/rules.py`; `auto` picks lean wherever it can run);
+* `rollout.mode=async` needs `train.old_logprobs` `auto` or `recompute`, `rollout_correction.mode`
+  `tis` or `mis` when `rollout.max_staleness > 0`, `train.routing_replay` `off` or `R2`, and no dynamic
+  sampling;
 * `checkpoint.allow_config_change` names sections or `section.key`s of the job.
 
 When the trainer starts: the parallel layout is validated against the world size
@@ -281,42 +289,20 @@ def docstring_fields(cls: type, names: list[str]) -> tuple[str, dict[str, str]]:
     return " ".join(s for s in summary if s), out
 
 
-def _eval_choices(node: ast.AST, module) -> list | None:
-    if not isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Name, ast.Attribute)):
-        return None
-    try:
-        value = eval(compile(ast.Expression(node), "<choices>", "eval"), dict(vars(module)))
-    except Exception:
-        return None
-    if isinstance(value, dict):
-        return list(value)
-    if isinstance(value, (tuple, list, set, frozenset)) and all(v is None or isinstance(v, (str, int)) for v in value):
-        return list(value)
-    return None
-
-
 def field_choices(cls: type) -> dict[str, list]:
-    """{field: allowed values} from ``__post_init__``: ``_choice("sec.field", self.field, VALUES)``
-    and ``self.field in VALUES`` / ``self.field not in VALUES`` comparisons."""
-    post = getattr(cls, "__post_init__", None)
-    if post is None:
-        return {}
-    tree = ast.parse(textwrap.dedent(inspect.getsource(post)))
-    module = sys.modules[cls.__module__]
-    out: dict[str, list] = {}
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_choice"
-                and len(node.args) == 3 and isinstance(node.args[0], ast.Constant)):
-            vals = _eval_choices(node.args[2], module)
-            if vals is not None:
-                out[str(node.args[0].value).split(".")[-1]] = vals
-        elif (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn))
-              and isinstance(node.left, ast.Attribute) and isinstance(node.left.value, ast.Name)
-              and node.left.value.id == "self"):
-            vals = _eval_choices(node.comparators[0], module)
-            if vals is not None:
-                out.setdefault(node.left.attr, vals)
-    return out
+    """{field: allowed values}: the ``choices`` its ``knob(...)`` declares (config/fields.py)."""
+    from megatron_gspo.config.fields import knob_of
+
+    return {f.name: list(knob_of(f).choices) for f in dataclasses.fields(cls)
+            if knob_of(f) is not None and knob_of(f).choices is not None}
+
+
+def field_resume(f: dataclasses.Field) -> str:
+    """The field's resume policy in words (config.Resume, read by checkpoint/config_change.py)."""
+    from megatron_gspo.config.fields import knob_of
+
+    k = knob_of(f)
+    return k.resume.value if k is not None else ""
 
 
 def _type_str(f: dataclasses.Field) -> str:
@@ -363,7 +349,7 @@ def section_table(name: str, cls: type, instance) -> tuple[str, list[str]]:
     summary, doc_entries = docstring_fields(cls, names)
     comments = field_comments(cls)
     choices = field_choices(cls)
-    rows = ["| Key | Type | Default | Allowed | Description |", "|---|---|---|---|---|"]
+    rows = ["| Key | Type | Default | Allowed | Resume | Description |", "|---|---|---|---|---|---|"]
     missing = []
     for f in dataclasses.fields(cls):
         desc = comments.get(f.name) or doc_entries.get(f.name) or SUPPLEMENT.get(f"{name}.{f.name}", "")
@@ -373,7 +359,7 @@ def section_table(name: str, cls: type, instance) -> tuple[str, list[str]]:
             desc += f" **Note:** {NOTES[f'{name}.{f.name}']}"
         allowed = ", ".join(f"`{render_value(v)}`" for v in choices.get(f.name, []))
         rows.append(f"| `{name}.{f.name}` | `{_cell(_type_str(f))}` | `{_cell(render_value(getattr(instance, f.name)))}` "
-                    f"| {allowed} | {_cell(desc)} |")
+                    f"| {allowed} | {field_resume(f)} | {_cell(desc)} |")
     where = cls.__module__.replace(".", "/") + ".py"  # the same wherever the package is installed
     head = [f"## `{name}`", "", f"`{cls.__name__}` ({where}). {_cell(summary)}", ""]
     return "\n".join(head + rows) + "\n", missing

@@ -74,6 +74,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from megatron_gspo.config.rules import lean_decode_limit
+
 log = logging.getLogger("megatron_gspo")
 
 __all__ = ["DeviceMoE", "LeanDecoder", "device_moe_unsupported", "lean_decode_unsupported", "rms_norm",
@@ -95,30 +97,14 @@ def _te_norm_unsupported(norm) -> Optional[str]:
 
 
 def lean_decode_unsupported(m) -> Optional[str]:
-    """Why the lean path cannot run this (unwrapped) GPTModel, or None when it can."""
-    cfg = m.config
-    checks = [
-        (cfg.tensor_model_parallel_size != 1, "tensor parallelism"),
-        (cfg.pipeline_model_parallel_size != 1, "pipeline parallelism"),
-        (cfg.context_parallel_size != 1, "context parallelism"),
-        (cfg.expert_model_parallel_size != 1 or (cfg.expert_tensor_parallel_size or 1) != 1, "expert parallelism"),
-        (cfg.sequence_parallel, "sequence parallelism"),
-        (getattr(m, "position_embedding_type", None) != "rope", "position embedding is not RoPE"),
-        (cfg.rotary_interleaved, "interleaved RoPE"),
-        (getattr(cfg, "multi_latent_attention", False), "multi-latent attention"),
-        (getattr(cfg, "attention_output_gate", False), "gated attention"),
-        (cfg.apply_residual_connection_post_layernorm, "post-layernorm residual"),
-        (getattr(cfg, "fp32_residual_connection", False), "fp32 residual connection"),
-        (getattr(cfg, "fp8", None) is not None, "FP8"),
-        (getattr(cfg, "window_size", None) is not None, "sliding-window attention"),
-        (getattr(cfg, "softmax_type", "vanilla") != "vanilla", "softmax offsets"),
-        (cfg.apply_query_key_layer_scaling, "query-key layer scaling"),
-        (getattr(cfg, "moe_router_fusion", False), "the fused router top-k (Transformer Engine's kernel)"),
-        (getattr(cfg, "normalization", "RMSNorm") != "RMSNorm", f"normalization {getattr(cfg, 'normalization', None)}"),
-    ]
-    for bad, why in checks:
-        if bad:
-            return why
+    """Why the lean path cannot run this (unwrapped) GPTModel, or None when it can: the limits its
+    TransformerConfig shows (config.rules.LEAN_DECODE_LIMITS, the table a job's config is checked against
+    too), then what only the built modules show."""
+    why = lean_decode_limit(m.config)
+    if why is not None:
+        return why
+    if getattr(m, "position_embedding_type", None) != "rope":
+        return "position embedding is not RoPE"
     rope = m.rotary_pos_emb
     if getattr(rope, "seq_len_interpolation_factor", None) is not None or type(rope).__name__ != "RotaryEmbedding":
         return "RoPE scaling"

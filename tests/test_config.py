@@ -17,6 +17,7 @@ from megatron_gspo.config import (
     model_config_from_preset,
     parse_overrides,
 )
+from megatron_gspo import config
 from megatron_gspo.parallel import validate_layout
 
 
@@ -196,7 +197,6 @@ def test_hf_router_normalization_and_expert_key_spellings():
 
 def test_config_names_match_the_registries():
     """The config validates names without importing the subsystems; each registry offers exactly them."""
-    from megatron_gspo import config
     from megatron_gspo.algorithms.advantages import ADVANTAGE_ESTIMATORS
     from megatron_gspo.algorithms.losses import POLICY_LOSSES
     from megatron_gspo.tokenizer import build_tokenizer  # noqa: F401 (TOKENIZER_TYPES is its dispatch)
@@ -231,6 +231,49 @@ def test_lean_decode_on_a_layout_it_cannot_run_is_refused(overrides, match):
     load_job_config(None, ["generation.decode_impl=lean"])
     # the Transformer Engine spec is decoded by the lean path too (its weights read as they are)
     load_job_config(None, ["generation.decode_impl=lean", "model.transformer_impl=transformer_engine"])
+
+
+# A value each LEAN_DECODE_LIMITS row refuses, on a built model's TransformerConfig
+_LEAN_BAD = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "context_parallel_size": 2,
+             "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "sequence_parallel": True,
+             "rotary_interleaved": True, "multi_latent_attention": True, "attention_output_gate": True,
+             "apply_residual_connection_post_layernorm": True, "fp32_residual_connection": True, "fp8": "e4m3",
+             "window_size": (16, 0), "softmax_type": "learnable", "apply_query_key_layer_scaling": True,
+             "moe_router_fusion": True, "normalization": "LayerNorm"}
+
+
+def test_the_lean_decoders_limits_are_one_table_read_by_the_config_and_the_model_check():
+    """config.rules.LEAN_DECODE_LIMITS: every row with a TransformerConfig attribute names a real one of
+    megatron-core's (a renamed attribute would read as None, i.e. supported) and is what
+    decode.lean_decode_unsupported reports; every row with a config key is refused by key for decode_impl=lean."""
+    import types
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_gspo.config import LEAN_DECODE_LIMITS, lean_decode_limit, load_job_config
+
+    tc = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, normalization="RMSNorm")
+    attrs = {row.model_attr for row in LEAN_DECODE_LIMITS} - {None}
+    assert attrs <= set(vars(tc)) and attrs == set(_LEAN_BAD)
+    assert lean_decode_limit(tc) is None
+    for row in LEAN_DECODE_LIMITS:
+        if row.model_attr is not None:
+            broken = types.SimpleNamespace(**{**vars(tc), row.model_attr: _LEAN_BAD[row.model_attr]})
+            assert lean_decode_limit(broken) == row.reason.format(value=_LEAN_BAD[row.model_attr]), row
+    bad_overrides = {"parallel.tensor_model_parallel_size": ["parallel.tensor_model_parallel_size=2"],
+                     "parallel.pipeline_model_parallel_size": None,  # refused for the RL loop before (PP=1)
+                     "parallel.expert_model_parallel_size": ["parallel.expert_model_parallel_size=2"],
+                     "parallel.expert_tensor_parallel_size": ["parallel.expert_tensor_parallel_size=2"],
+                     "parallel.sequence_parallel": ["parallel.sequence_parallel=true"],
+                     "model.fp8": ["model.fp8=e4m3", "model.precision=bf16"],
+                     "model.moe_router_fusion": ["model.moe_router_fusion=true"]}
+    assert {row.config_key for row in LEAN_DECODE_LIMITS} - {None} == set(bad_overrides)
+    for key, overrides in bad_overrides.items():
+        if overrides is None:
+            continue
+        with pytest.raises(ConfigError, match=rf"generation\.decode_impl=lean .*{re.escape(key)}="):
+            load_job_config(None, ["generation.decode_impl=lean"] + overrides)
+        load_job_config(None, ["generation.decode_impl=auto"] + overrides)
 
 
 def test_greedy_rollouts_with_several_samples_are_refused():
@@ -374,3 +417,39 @@ def test_the_default_job_is_fp32_on_the_cpu_and_bf16_on_a_gpu():
     assert resolve_precision(m.precision, "cuda", True)[0] == "bf16"
     # the 30B recipes keep their explicit bf16; the memory estimate of an "auto" job is that of bf16 (per GPU)
     assert model_config_from_preset("qwen3-30b-a3b").precision == "bf16"
+
+
+# ----------------------------------------------------------------------------------------------
+# One validator (config/fields.py): every field's annotated type and declared bounds, for a section built
+# in code as for one loaded from YAML
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("section, kwargs, match", [
+    ("TrainConfig", dict(num_steps=True), r"train\.num_steps must be an integer >= 1, got True"),
+    ("ParallelConfig", dict(tensor_model_parallel_size=True),
+     r"parallel\.tensor_model_parallel_size must be an integer >= 1, got True"),
+    ("ParallelConfig", dict(sequence_parallel=1), r"parallel\.sequence_parallel must be true or false or null, got 1"),
+    ("ModelConfig", dict(num_layers=True), r"model\.num_layers must be a positive integer, got True"),
+    ("GenerationConfig", dict(cuda_graphs=1), r"generation\.cuda_graphs must be true or false, got 1"),
+    ("GenerationConfig", dict(stop_token_ids=[1, True]), r"generation\.stop_token_ids must be a list of integers >= 0"),
+    ("OptimizerConfig", dict(clip_grad=float("nan")),
+     r"optimizer\.clip_grad must be a finite number >= 0 \(0 disables\), got nan"),
+    ("TrainConfig", dict(sft_lr="1e-3"), r"train\.sft_lr must be a finite number, got '1e-3'"),
+    ("TrainConfig", dict(max_tokens_per_micro_batch=0), r"train\.max_tokens_per_micro_batch must be a positive "
+                                                        r"integer or null, got 0"),
+    ("RewardConfig", dict(kwargs=[]), r"reward\.kwargs must be a mapping, got \[\]"),
+    ("RolloutCorrectionConfig", dict(threshold_low=1.0), r"rollout_correction\.threshold_low must be in \[0, 1\) or null"),
+    ("TrainConfig", dict(old_logprobs="sometimes"), r"train\.old_logprobs='sometimes' is not one of \['auto', "),
+])
+def test_every_field_is_checked_against_its_type_and_bounds(section, kwargs, match):
+    """bool is never an int, a number is finite, Optional takes null, a list's items and a mapping are checked."""
+    with pytest.raises(ConfigError, match=match):
+        getattr(config, section)(**kwargs)
+
+
+def test_the_validator_accepts_what_the_annotations_allow():
+    assert config.ParallelConfig(expert_tensor_parallel_size=None, sequence_parallel=None).etp == 1
+    assert config.GenerationConfig(stop_token_ids=(1, 2)).stop_token_ids == [1, 2]  # a tuple is stored as a list
+    assert config.LossConfig(kl_coef=0).kl_coef == 0  # an int for a float
+    assert config.ModelConfig(moe_router_dtype=None).moe_router_dtype is None  # None among the choices

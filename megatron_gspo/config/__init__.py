@@ -1,7 +1,8 @@
 """Typed configuration of a job: leaf dataclasses, YAML loading and command-line overrides.
 
-Every section is a dataclass validated in ``__post_init__`` with a message that names the field
-(``ConfigError: model.num_attention_heads=...``). Field names follow Megatron-LM's argument names
+Every section is a dataclass whose fields are declared with ``knob`` (fields.py: the field's type, bounds,
+allowed values and resume policy, checked by one validator) and validated in ``__post_init__`` with a
+message that names the field (``ConfigError: model.num_attention_heads=...``). Field names follow Megatron-LM's argument names
 where one exists (``tensor_model_parallel_size``, ``num_query_groups``, ``moe_router_topk`` ...).
 
 This package is a leaf: it imports nothing of megatron_gspo but the leaves ``errors`` and ``textfile``
@@ -11,22 +12,20 @@ its section from here (tests/test_imports.py imports each module alone in a fres
     model.py     ModelConfig, the presets, a Hugging Face config.json -> ModelConfig
     sections.py  parallel, loss, generation, optimizer, data, tokenizer, reward, train, checkpoint,
                  rollout_correction, eval
-    rollout.py   the rollout section (colocated / async rollouts) and its cross-section checks
-    job.py       JobConfig (the sections + cross-section checks) and load_job_config
+    rollout.py   the rollout section (colocated / async rollouts)
+    job.py       JobConfig (the sections) and load_job_config
+    rules.py     the checks across sections (run in order by JobConfig), the lean decoder's limits,
+                 where the old policy's log-probs come from (old_logprob_source)
+    fields.py    knob(): a field's constraints and resume policy; validate(): the one validator
     loader.py    YAML / CLI plumbing: from_dict, overrides, coercion to the annotated types
-    checks.py    the validation helpers
+    checks.py    the validation helpers shared with the loss functions
 """
 
-from megatron_gspo.config.job import (
-    DEMO_CONFIG,
-    ON_POLICY_RATIO_TOLERANCE,
-    JobConfig,
-    load_job_config,
-    old_logprob_source,
-    split_job_args,
-)
+from megatron_gspo.config.fields import Resume, knob, walk_knobs
+from megatron_gspo.config.job import DEMO_CONFIG, JobConfig, load_job_config, split_job_args
 from megatron_gspo.config.loader import apply_overrides, from_dict, load_yaml, parse_overrides, to_dict
 from megatron_gspo.config.rollout import PARTIAL_ROLLOUT_POLICIES, ROLLOUT_MODES, RolloutConfig
+from megatron_gspo.config.rules import LEAN_DECODE_LIMITS, ON_POLICY_RATIO_TOLERANCE, lean_decode_limit, old_logprob_source
 from megatron_gspo.config.model import (
     MODEL_PRESETS,
     PRECISIONS,
@@ -65,7 +64,8 @@ from megatron_gspo.errors import ConfigError
 
 __all__ = [
     "ADVANTAGE_ESTIMATOR_NAMES", "AGG_MODE_LOSSES", "DEFAULT_CLIP_RATIOS", "DEMO_CONFIG", "LOSS_AGG_MODES", "LOSS_NAMES", "MODEL_PRESETS",
-    "ON_POLICY_RATIO_TOLERANCE", "PRECISIONS", "old_logprob_source", "resolve_precision",
+    "ON_POLICY_RATIO_TOLERANCE", "PRECISIONS", "old_logprob_source", "resolve_precision", "Resume", "knob",
+    "walk_knobs", "LEAN_DECODE_LIMITS", "lean_decode_limit",
     "OLD_LOGPROB_SOURCES", "OVERLONG_POLICIES", "ROLLOUT_CORRECTION_LEVELS", "ROLLOUT_CORRECTION_MODES",
     "ROUTING_REPLAY_MODES", "SAPO_TAUS", "TOKEN_RATIO_LOSSES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
     "DataConfig", "EvalConfig", "GenerationConfig", "JobConfig", "LossConfig", "ModelConfig", "OptimizerConfig",

@@ -1,4 +1,5 @@
-"""Small validation helpers shared by the config sections (every failure is a ConfigError naming the field)."""
+"""Validation helpers shared by the config sections and the loss functions (every failure is a ConfigError
+naming the field); a single field's type and bounds are declared with it instead (config/fields.py)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,9 @@ def check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def choice(name: str, value: Any, allowed: tuple) -> None:
-    check(value in allowed, f"{name}={value!r} is not one of {list(allowed)}")
-
-
 def finite(x: Any) -> bool:
     """A real (non-bool) finite number."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def check_clip_range(low: float, high: float, bound: float, where: str = "loss.") -> None:

@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_gspo.config.checks import check, choice
+from megatron_gspo.config.checks import check
+from megatron_gspo.config.fields import Resume, knob, validate
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.textfile import read_json_object
 
@@ -38,63 +39,60 @@ def resolve_precision(precision: str, device_type: str, bf16_supported: bool) ->
 class ModelConfig:
     """Architecture of a Qwen3-MoE-family decoder (all layers MoE), in Megatron's argument names."""
 
-    preset: Optional[str] = None
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    kv_channels: int = 16
-    vocab_size: int = 128
+    preset: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
+    num_layers: int = knob(2, resume=Resume.REFUSED, gt=0)
+    hidden_size: int = knob(64, resume=Resume.REFUSED, gt=0)
+    num_attention_heads: int = knob(4, resume=Resume.REFUSED, gt=0)
+    num_query_groups: int = knob(2, resume=Resume.REFUSED, gt=0)
+    kv_channels: int = knob(16, resume=Resume.REFUSED, gt=0)
+    vocab_size: int = knob(128, resume=Resume.REFUSED, gt=0)
     # The embedding/output table is padded to a multiple of this. A fixed multiple (not 128 x TP as
     # in Megatron-LM) keeps checkpoints loadable under any TP that divides it.
-    make_vocab_size_divisible_by: int = 128
-    max_position_embeddings: int = 512
-    rotary_base: float = 1_000_000.0
-    norm_epsilon: float = 1e-6
-    qk_layernorm: bool = True
-    untie_embeddings_and_output_weights: bool = True
+    make_vocab_size_divisible_by: int = knob(128, resume=Resume.REFUSED, gt=0)
+    max_position_embeddings: int = knob(512, resume=Resume.REFUSED, gt=0)
+    rotary_base: float = knob(1_000_000.0, resume=Resume.REFUSED)
+    norm_epsilon: float = knob(1e-6, resume=Resume.REFUSED, gt=0)
+    qk_layernorm: bool = knob(True, resume=Resume.REFUSED)
+    untie_embeddings_and_output_weights: bool = knob(True, resume=Resume.REFUSED)
     # MoE
-    num_moe_experts: int = 4
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: int = 32
+    num_moe_experts: int = knob(4, resume=Resume.REFUSED, gt=0)
+    moe_router_topk: int = knob(2, resume=Resume.REFUSED, gt=0)
+    moe_ffn_hidden_size: int = knob(32, resume=Resume.REFUSED, gt=0)
     # Qwen3 renormalizes the top-k probabilities (norm_topk_prob): softmax over the top-k logits,
     # i.e. megatron's pre_softmax=False.
-    moe_router_pre_softmax: bool = False
+    moe_router_pre_softmax: bool = knob(False, resume=Resume.REFUSED)
     # RL peers found bf16 router logits make log-probs drift between passes: route in fp32.
-    moe_router_dtype: Optional[str] = "fp32"
-    moe_aux_loss_coeff: float = 1e-3
-    moe_router_load_balancing_type: str = "aux_loss"
+    moe_router_dtype: Optional[str] = knob("fp32", resume=Resume.REFUSED, choices=(None, "fp32", "fp64"))
+    moe_aux_loss_coeff: float = knob(1e-3, resume=Resume.REFUSED)
+    moe_router_load_balancing_type: str = knob("aux_loss", resume=Resume.REFUSED,
+                                               choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
     # "auto": alltoall on GPU, allgather on CPU (alltoall creates CUDA streams).
-    moe_token_dispatcher_type: str = "auto"
+    moe_token_dispatcher_type: str = knob("auto", resume=Resume.MAY_CHANGE,
+                                          choices=("auto", "allgather", "alltoall", "flex"))
     # "auto": TE grouped GEMM with TE; otherwise "batched" (megatron_gspo.experts: SequentialMLP's
     # parameters, all local experts in grouped GEMMs). "sequential" = megatron's per-expert loop.
-    moe_expert_impl: str = "auto"
-    moe_router_fusion: bool = False
+    moe_expert_impl: str = knob("auto", resume=Resume.MAY_CHANGE,
+                                choices=("auto", "sequential", "batched", "te_grouped"))
+    moe_router_fusion: bool = knob(False, resume=Resume.MAY_CHANGE)
     # Core attention: "auto" = TE's fused attention with TE, else "sdpa" (megatron_gspo.attention:
     # torch's fused scaled_dot_product_attention, no K/V copies under GQA). "unfused" = megatron's
     # DotProductAttention (baddbmm + masked softmax + bmm).
-    attention_impl: str = "auto"
-    init_method_std: float = 0.02
+    attention_impl: str = knob("auto", resume=Resume.MAY_CHANGE, choices=("auto", "sdpa", "unfused"))
+    init_method_std: float = knob(0.02, resume=Resume.REFUSED)
     # Implementation: "auto" picks Transformer Engine when TE and CUDA are both present.
-    transformer_impl: str = "auto"
+    transformer_impl: str = knob("auto", resume=Resume.MAY_CHANGE, choices=("auto", "local", "transformer_engine"))
     # Numerics: "fp32" | "bf16" | "auto" (fp32 on the CPU, bf16 on a GPU that has it: resolve_precision).
     # FP8 (TE only) is "e4m3" | "hybrid" with a recipe, in bf16.
-    precision: str = "auto"
-    fp8: Optional[str] = None
-    fp8_recipe: str = "delayed"
+    precision: str = knob("auto", resume=Resume.REFUSED, choices=PRECISIONS)
+    fp8: Optional[str] = knob(None, resume=Resume.REFUSED, choices=(None, "e4m3", "hybrid"))
+    fp8_recipe: str = knob("delayed", resume=Resume.REFUSED, choices=("delayed", "tensorwise", "mxfp8", "blockwise"))
     # Activation recompute (Megatron names): None | "selective" | "full".
-    recompute_granularity: Optional[str] = None
-    recompute_method: Optional[str] = None
-    recompute_num_layers: Optional[int] = None
+    recompute_granularity: Optional[str] = knob(None, resume=Resume.MAY_CHANGE, choices=(None, "selective", "full"))
+    recompute_method: Optional[str] = knob(None, resume=Resume.MAY_CHANGE, choices=(None, "uniform", "block"))
+    recompute_num_layers: Optional[int] = knob(None, resume=Resume.MAY_CHANGE)
 
     def __post_init__(self) -> None:
-        for name in (
-            "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-            "vocab_size", "max_position_embeddings", "num_moe_experts", "moe_router_topk",
-            "moe_ffn_hidden_size", "make_vocab_size_divisible_by",
-        ):
-            v = getattr(self, name)
-            check(isinstance(v, int) and v > 0, f"model.{name} must be a positive integer, got {v!r}")
+        validate(self, "model")
         check(
             self.num_attention_heads % self.num_query_groups == 0,
             f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -104,19 +102,6 @@ class ModelConfig:
             self.moe_router_topk <= self.num_moe_experts,
             f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_moe_experts={self.num_moe_experts}",
         )
-        check(self.norm_epsilon > 0, f"model.norm_epsilon must be > 0, got {self.norm_epsilon}")
-        choice("model.moe_router_dtype", self.moe_router_dtype, (None, "fp32", "fp64"))
-        choice("model.moe_router_load_balancing_type", self.moe_router_load_balancing_type,
-                ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
-        choice("model.moe_token_dispatcher_type", self.moe_token_dispatcher_type, ("auto", "allgather", "alltoall", "flex"))
-        choice("model.moe_expert_impl", self.moe_expert_impl, ("auto", "sequential", "batched", "te_grouped"))
-        choice("model.attention_impl", self.attention_impl, ("auto", "sdpa", "unfused"))
-        choice("model.transformer_impl", self.transformer_impl, ("auto", "local", "transformer_engine"))
-        choice("model.precision", self.precision, PRECISIONS)
-        choice("model.fp8", self.fp8, (None, "e4m3", "hybrid"))
-        choice("model.fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise", "mxfp8", "blockwise"))
-        choice("model.recompute_granularity", self.recompute_granularity, (None, "selective", "full"))
-        choice("model.recompute_method", self.recompute_method, (None, "uniform", "block"))
         if self.fp8 is not None:
             check(self.precision == "bf16", f"model.fp8={self.fp8!r} needs model.precision='bf16', got {self.precision!r}")
             check(self.transformer_impl != "local", "model.fp8 needs Transformer Engine; model.transformer_impl='local' cannot run FP8")

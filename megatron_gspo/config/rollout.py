@@ -1,13 +1,14 @@
-"""The ``rollout`` section: where rollouts are generated (megatron_gspo/async_rollout/), and the checks it
-needs across sections (``check_rollout``, called from ``JobConfig.__post_init__``). The checks that need
-the world size live with the rank split (async_rollout.layout.check_world)."""
+"""The ``rollout`` section: where rollouts are generated (megatron_gspo/async_rollout/). Its checks across
+sections are config/rules.py's (``async_*``, ``old_logprobs_under_async``); the checks that need the world
+size live with the rank split (async_rollout.layout.check_world)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_gspo.config.checks import check, choice, finite, is_int
+from megatron_gspo.config.checks import check
+from megatron_gspo.config.fields import Resume, knob, validate
 
 ROLLOUT_MODES = ("colocated", "async")
 PARTIAL_ROLLOUT_POLICIES = ("finish", "drop")
@@ -25,51 +26,36 @@ class RolloutConfig:
     # the last rollout.world_size ranks of the job only generate, the others only train; after every step
     # the trainer streams its weights to them and they generate ahead of it, up to rollout.max_staleness
     # policy versions (docs/algorithms.md#asynchronous-rollouts).
-    mode: str = "colocated"
+    mode: str = knob("colocated", resume=Resume.REFUSED, choices=ROLLOUT_MODES)
     # Ranks that generate (async only): the last world_size ranks of the torchrun world. The trainer gets
     # the others, laid out by parallel.*; both in one torchrun launch / one SLURM job.
-    world_size: int = 0
+    world_size: int = knob(0, resume=Resume.LAYOUT, ge=0)
     # Tensor parallelism of the rollout ranks (async): their own layout, resharded from the trainer's at
     # every weight sync. Data parallelism over them is world_size / this.
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = knob(1, resume=Resume.LAYOUT, ge=1)
     # Expert parallelism of the rollout ranks (async); must divide model.num_moe_experts.
-    expert_model_parallel_size: int = 1
+    expert_model_parallel_size: int = knob(1, resume=Resume.LAYOUT, ge=1)
     # Expert tensor parallelism of the rollout ranks (async); null = rollout.tensor_model_parallel_size.
-    expert_tensor_parallel_size: Optional[int] = None
+    expert_tensor_parallel_size: Optional[int] = knob(None, resume=Resume.LAYOUT, ge=1)
     # Rollouts of policy version v (the weights after v steps) are trained at step <= v + max_staleness
     # (async). 0 is on-policy, the same samples and updates as colocated with train.old_logprobs=recompute
     # (generation and training then take turns); 1 lets step s+1's generation overlap step s's training.
-    max_staleness: int = 1
+    max_staleness: int = knob(1, resume=Resume.REFUSED, ge=0)
     # A weight update that reaches the rollout ranks while they generate (async): "finish" the responses in
     # flight under the new weights (over their prefix's KV cache from the old ones; each token's log-prob
     # is that of the distribution it was drawn from) or "drop" the generation in flight and draw it again
     # under the new weights (same noise). Counted in async/partial_finished_rows and async/partial_dropped_rows.
-    partial_rollouts: str = "finish"
+    partial_rollouts: str = knob("finish", resume=Resume.REFUSED, choices=PARTIAL_ROLLOUT_POLICIES)
     # Bucket of the weight stream (async), MiB of full (unsharded) tensors: the most a trainer rank and a
     # rollout rank hold at once beyond their own shards while weights stream.
-    weight_sync_bucket_mb: float = 256.0
+    weight_sync_bucket_mb: float = knob(256.0, resume=Resume.MAY_CHANGE, gt=0)
     # Seconds without a heartbeat after which a rollout rank (or the trainer, seen from a rollout rank) is
     # declared dead (async): the trainer checkpoints and stops with a message naming the rank and the
     # timeout. Ranks beat once a second: at least 3.
-    heartbeat_timeout_s: float = 60.0
+    heartbeat_timeout_s: float = knob(60.0, resume=Resume.MAY_CHANGE, gt=0)
 
     def __post_init__(self) -> None:
-        choice("rollout.mode", self.mode, ROLLOUT_MODES)
-        choice("rollout.partial_rollouts", self.partial_rollouts, PARTIAL_ROLLOUT_POLICIES)
-        for name in ("tensor_model_parallel_size", "expert_model_parallel_size"):
-            v = getattr(self, name)
-            check(is_int(v) and v >= 1, f"rollout.{name} must be an integer >= 1, got {v!r}")
-        v = self.expert_tensor_parallel_size
-        check(v is None or (is_int(v) and v >= 1),
-              f"rollout.expert_tensor_parallel_size must be an integer >= 1 or null, got {v!r}")
-        check(is_int(self.world_size) and self.world_size >= 0,
-              f"rollout.world_size must be an integer >= 0, got {self.world_size!r}")
-        check(is_int(self.max_staleness) and self.max_staleness >= 0,
-              f"rollout.max_staleness must be an integer >= 0, got {self.max_staleness!r}")
-        check(finite(self.weight_sync_bucket_mb) and self.weight_sync_bucket_mb > 0,
-              f"rollout.weight_sync_bucket_mb must be a number > 0, got {self.weight_sync_bucket_mb!r}")
-        check(finite(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0,
-              f"rollout.heartbeat_timeout_s must be a number > 0, got {self.heartbeat_timeout_s!r}")
+        validate(self, "rollout")
         check(self.heartbeat_timeout_s >= MIN_HEARTBEAT_TIMEOUT_S,
               f"rollout.heartbeat_timeout_s={self.heartbeat_timeout_s:g} is shorter than {MIN_HEARTBEAT_TIMEOUT_S:g} "
               f"s: every rank beats once every {HEARTBEAT_PERIOD_S:g} s, so a healthy rank would be declared dead "
@@ -88,25 +74,3 @@ class RolloutConfig:
     @property
     def etp(self) -> int:
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
-
-
-def check_rollout(job) -> None:
-    """Cross-section checks of rollout.mode=async (``job``: the JobConfig), before anything is built."""
-    r, t = job.rollout, job.train
-    if not r.is_async:
-        return
-    check(t.old_logprobs != "rollout",
-          "train.old_logprobs=rollout with rollout.mode=async: the rollout ranks' log-probs are the behaviour "
-          "policy's (up to rollout.max_staleness versions old) and they record no routes for the routing "
-          "metrics; the trainer recomputes the old policy's: use train.old_logprobs=auto or recompute")
-    check(r.max_staleness == 0 or job.rollout_correction.mode != "off",
-          f"rollout.max_staleness={r.max_staleness} trains on rollouts of older weights: the loss needs the "
-          "behaviour-to-old importance weight (decoupled objective); set rollout_correction.mode=tis or mis "
-          "(or rollout.max_staleness=0)")
-    check(t.routing_replay != "R3",
-          "train.routing_replay=R3 with rollout.mode=async: R3 replays routes recorded while generating, on the "
-          "rollout ranks; use routing_replay=R2 (recorded by the trainer's old-log-prob pass) or off")
-    check(not t.dynamic_sampling,
-          "train.dynamic_sampling=true with rollout.mode=async is not supported: the extra generation rounds "
-          "would run on the rollout ranks mid-step; use rollout.mode=colocated")
-    check(job.parallel.pipeline_model_parallel_size == 1, "rollout.mode=async needs PP=1")

@@ -4,11 +4,11 @@ their section from here."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
-from megatron_gspo.config.checks import check, check_loss_range, choice, finite, is_int
+from megatron_gspo.config.checks import check, check_loss_range, finite
+from megatron_gspo.config.fields import Resume, knob, validate
 from megatron_gspo.errors import ConfigError
 
 # Names the registries must offer (tests/test_config.py checks each registry against its tuple):
@@ -28,6 +28,7 @@ OVERLONG_POLICIES = ("drop", "truncate_left", "error")
 ROLLOUT_CORRECTION_MODES = ("off", "tis", "mis")  # rollout_correction.correction_weights
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 DEVICES = ("auto", "cuda", "cpu")  # parallel.resolve_device
+DECODE_IMPLS = ("auto", "lean", "megatron")  # decode_backends.make_decode_backend
 
 # The most extra generation rounds train.dynamic_sampling_max_rounds may allow in one step. DAPO's
 # runs need about 1-3 (verl's recipe caps them at 10); past a few dozen a step that finds no signal
@@ -61,35 +62,28 @@ SAPO_TAUS = (1.0, 1.05)
 class ParallelConfig:
     """Parallel layout (Megatron names). DP is derived: world / (TP x PP)."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = knob(1, resume=Resume.LAYOUT, ge=1)
+    pipeline_model_parallel_size: int = knob(1, resume=Resume.LAYOUT, ge=1)
+    expert_model_parallel_size: int = knob(1, resume=Resume.LAYOUT, ge=1)
     # None means "same as tensor_model_parallel_size" (Megatron's default).
-    expert_tensor_parallel_size: Optional[int] = None
+    expert_tensor_parallel_size: Optional[int] = knob(None, resume=Resume.LAYOUT, ge=1)
     # None means "on whenever TP > 1" (MoE with TP requires it in megatron-core).
-    sequence_parallel: Optional[bool] = None
+    sequence_parallel: Optional[bool] = knob(None, resume=Resume.LAYOUT)
     # megatron's DistributedOptimizer (gradients reduce-scattered, Adam states sharded over DP). None =
     # where it can run and checkpoint (CUDA with Transformer Engine's or apex's fused Adam), else the
     # replicated optimizer; true where it cannot is refused (parallel.resolve_distributed_optimizer).
-    use_distributed_optimizer: Optional[bool] = None
+    use_distributed_optimizer: Optional[bool] = knob(None, resume=Resume.LAYOUT)
     # Minutes before a collective gives up (a dead rank must not hang the others forever).
-    distributed_timeout_minutes: float = 10.0
-    seed: int = 1234
+    distributed_timeout_minutes: float = knob(10.0, resume=Resume.MAY_CHANGE, gt=0)
+    seed: int = knob(1234, resume=Resume.MAY_CHANGE)
     # Where the job's model and tensors live: "auto" (this rank's GPU, LOCAL_RANK, when CUDA is
     # available, else the CPU), "cuda" (refused without a GPU) or "cpu" (the portable path, also on a
     # GPU machine). The backend follows: NCCL for cuda, gloo for cpu. Decided once, by
     # parallel.resolve_device; every other module reads ParallelState.device.
-    device: str = "auto"
+    device: str = knob("auto", resume=Resume.REFUSED, choices=DEVICES)
 
     def __post_init__(self) -> None:
-        choice("parallel.device", self.device, DEVICES)
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
-            v = getattr(self, name)
-            check(isinstance(v, int) and v >= 1, f"parallel.{name} must be an integer >= 1, got {v!r}")
-        if self.expert_tensor_parallel_size is not None:
-            v = self.expert_tensor_parallel_size
-            check(isinstance(v, int) and v >= 1, f"parallel.expert_tensor_parallel_size must be an integer >= 1, got {v!r}")
-        check(self.distributed_timeout_minutes > 0, "parallel.distributed_timeout_minutes must be > 0")
+        validate(self, "parallel")
 
     @property
     def etp(self) -> int:
@@ -127,29 +121,28 @@ class LossConfig:
         ratio leaves 1).
     """
 
-    name: str = "gspo"
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
-    loss_agg_mode: str = "token-mean"
-    loss_agg_norm_constant: Optional[float] = None
-    kl_coef: float = 0.0
-    dual_clip_c: Optional[float] = None
-    log_ratio_bound: float = 20.0
-    entropy_coef: float = 0.0
-    sapo_tau_pos: float = SAPO_TAUS[0]
-    sapo_tau_neg: float = SAPO_TAUS[1]
+    name: str = knob("gspo", resume=Resume.REFUSED, choices=LOSS_NAMES)
+    clip_ratio_low: Optional[float] = knob(None, resume=Resume.REFUSED)
+    clip_ratio_high: Optional[float] = knob(None, resume=Resume.REFUSED)
+    loss_agg_mode: str = knob("token-mean", resume=Resume.REFUSED, choices=LOSS_AGG_MODES)
+    loss_agg_norm_constant: Optional[float] = knob(None, resume=Resume.REFUSED)
+    kl_coef: float = knob(0.0, resume=Resume.REFUSED, ge=0)
+    dual_clip_c: Optional[float] = knob(None, resume=Resume.REFUSED, gt=1)
+    log_ratio_bound: float = knob(20.0, resume=Resume.REFUSED, gt=0)
+    entropy_coef: float = knob(0.0, resume=Resume.REFUSED, ge=0)
+    sapo_tau_pos: float = knob(SAPO_TAUS[0], resume=Resume.REFUSED, gt=0)
+    sapo_tau_neg: float = knob(SAPO_TAUS[1], resume=Resume.REFUSED, gt=0)
 
     def __post_init__(self) -> None:
-        choice("loss.name", self.name, LOSS_NAMES)
+        validate(self, "loss")
         name = self.name
         if name == "sapo":
             for key in ("clip_ratio_low", "clip_ratio_high"):
                 check(getattr(self, key) is None,
                       f"loss.{key}={getattr(self, key)} does not apply to loss.name='sapo': SAPO has no clip range, "
                       "its soft gate is set by loss.sapo_tau_pos / loss.sapo_tau_neg")
-            check(finite(self.log_ratio_bound) and self.log_ratio_bound > 0,
-                  f"loss.log_ratio_bound must be a finite number > 0, got {self.log_ratio_bound}")
         else:
+            # the clip range's units depend on the loss (check_loss_range: cispo's and gmpo's are not ratios)
             if self.clip_ratio_low is not None and name not in ("cispo", "gmpo"):
                 check(finite(self.clip_ratio_low) and 0 < self.clip_ratio_low < 1,
                       f"loss.clip_ratio_low must be in (0, 1), got {self.clip_ratio_low}")
@@ -158,14 +151,9 @@ class LossConfig:
                       f"loss.clip_ratio_high must be a finite number > 0, got {self.clip_ratio_high}")
             low, high = self.clip_range()
             check_loss_range(self.name, low, high, self.log_ratio_bound)
-        for key in ("sapo_tau_pos", "sapo_tau_neg"):
-            v = getattr(self, key)
-            check(finite(v) and v > 0, f"loss.{key} must be a finite number > 0, got {v!r}")
         check(self.name == "sapo" or (self.sapo_tau_pos, self.sapo_tau_neg) == SAPO_TAUS,
               f"loss.sapo_tau_pos / loss.sapo_tau_neg ({self.sapo_tau_pos} / {self.sapo_tau_neg}) apply to "
               f"loss.name='sapo' only, got name={self.name!r}")
-        check(self.loss_agg_mode in LOSS_AGG_MODES,
-               f"loss.loss_agg_mode={self.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
         if name not in AGG_MODE_LOSSES:
             check(self.loss_agg_mode == "token-mean",
                    f"loss.loss_agg_mode={self.loss_agg_mode!r} applies to loss.name in {list(AGG_MODE_LOSSES)} only; "
@@ -182,12 +170,6 @@ class LossConfig:
             check(self.loss_agg_norm_constant is None,
                    "loss.loss_agg_norm_constant is only used with loss.loss_agg_mode='seq-mean-token-sum-norm', "
                    f"got loss_agg_mode={self.loss_agg_mode!r}")
-        if self.dual_clip_c is not None:
-            check(finite(self.dual_clip_c) and self.dual_clip_c > 1,
-                   f"loss.dual_clip_c must be > 1, got {self.dual_clip_c}")
-        check(finite(self.kl_coef) and self.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {self.kl_coef}")
-        check(finite(self.entropy_coef) and self.entropy_coef >= 0,
-               f"loss.entropy_coef must be >= 0, got {self.entropy_coef}")
 
     def clip_range(self) -> Optional[tuple[float, float]]:
         """(clip_ratio_low, clip_ratio_high) with None resolved to the loss's default; None for sapo
@@ -212,79 +194,54 @@ class LossConfig:
 class GenerationConfig:
     """Sampling settings of a rollout."""
 
-    max_new_tokens: int = 256
+    max_new_tokens: int = knob(256, resume=Resume.REFUSED, ge=1)
     # 0 = greedy (argmax); otherwise logits are divided by it before sampling. A job's rollouts need
     # one >= 0.01 (MIN_SAMPLING_TEMPERATURE: greedy samples give every group zero advantage).
-    temperature: float = 1.0
+    temperature: float = knob(1.0, resume=Resume.REFUSED, ge=0, hint="(0 = greedy)")
     # Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off).
-    top_p: float = 1.0
+    top_p: float = knob(1.0, resume=Resume.REFUSED, gt=0, le=1, hint="(1 = off)")
     # Keep the top_k most likely tokens (0 = off).
-    top_k: int = 0
+    top_k: int = knob(0, resume=Resume.REFUSED, ge=0, hint="(0 = off)")
     # Samples per prompt (the group size G of GRPO/GSPO): each prompt is repeated G times.
-    n_samples_per_prompt: int = 4
+    n_samples_per_prompt: int = knob(4, resume=Resume.REFUSED, ge=1)
     # Base seed of the sampling noise; the trainer mixes it with the step (sampling.counter_uniform
     # keys every draw by seed, sample index and position, never by rank).
-    seed: int = 1234
+    seed: int = knob(1234, resume=Resume.REFUSED, ge=0)
     # A response ends after the first of these tokens (which is kept as its last token).
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = knob(default_factory=list, resume=Resume.REFUSED, ge=0)
     # Token written after a response ends (and fed for finished rows). None: first stop token, or 0.
-    pad_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = knob(None, resume=Resume.REFUSED, ge=0)
     # Stop tokens cannot be drawn before this many response tokens (HF's min_new_tokens); the
     # recorded log-probs stay the unrestricted policy's, like top-k / top-p.
-    min_new_tokens: int = 0
+    min_new_tokens: int = knob(0, resume=Resume.REFUSED, ge=0)
     # Never end a response at a stop token (vLLM's ignore_eos): every response has max_new_tokens
     # tokens. For throughput measurements; a stop token drawn is kept as an ordinary token.
-    ignore_eos: bool = False
+    ignore_eos: bool = knob(False, resume=Resume.REFUSED)
     # Drop finished rows from the decode batch and its KV cache once at least this share of the batch
     # has finished (0 = never: the static batch decodes until its longest row ends). Results do not
     # depend on it; long-tailed response lengths run faster with it.
-    compact_finished_rows: float = 0.25
+    compact_finished_rows: float = knob(0.25, resume=Resume.MAY_CHANGE, ge=0, lt=1, hint="(0 = off)")
     # The forward of prefill and decode steps: "lean" (megatron_gspo/decode.py: the model's own
     # modules and weights, a KV cache of roped keys, last-position logits only), "megatron"
     # (GPTModel.forward with megatron's StaticInferenceContext), "auto" (lean where it supports
     # the model, i.e. one rank of TP/EP/PP, RoPE and the local attention; else megatron). Routing
     # replay's recorders (R2/R3) run on either path. "lean" on a layout it cannot run is refused.
-    decode_impl: str = "auto"
+    decode_impl: str = knob("auto", resume=Resume.MAY_CHANGE, choices=DECODE_IMPLS)
     # Check which rows finished (a host sync, and under EP / TP a lockstep all-reduce) every this many
     # generated tokens; rows that finish in between are fed pad tokens until the check (results do not
     # change, at most this many - 1 forwards more). 0 = auto: every token on the CPU (a sync costs
     # nothing there), every 4 on CUDA (a guess, not yet measured on a GPU).
-    finished_check_interval: int = 0
+    finished_check_interval: int = knob(0, resume=Resume.MAY_CHANGE, ge=0, hint="(0 = auto)")
     # Capture the lean decode step once per batch-size bucket with CUDA graphs and replay it (CUDA,
     # decode_impl lean or auto on one rank of TP/EP). Off by default: the eager step runs until this
     # is measured on a GPU (docs/performance.md).
-    cuda_graphs: bool = False
+    cuda_graphs: bool = knob(False, resume=Resume.MAY_CHANGE)
 
     def __post_init__(self) -> None:
-        check(is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
-              f"generation.max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-              and math.isfinite(self.temperature) and self.temperature >= 0,
-              f"generation.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        check(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool)
-              and 0 < self.top_p <= 1,
-              f"generation.top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        check(is_int(self.top_k) and self.top_k >= 0,
-              f"generation.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        check(is_int(self.n_samples_per_prompt) and self.n_samples_per_prompt >= 1,
-              f"generation.n_samples_per_prompt must be an integer >= 1, got {self.n_samples_per_prompt!r}")
-        check(is_int(self.seed) and self.seed >= 0, f"generation.seed must be an integer >= 0, got {self.seed!r}")
-        check(isinstance(self.stop_token_ids, (list, tuple))
-              and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-              f"generation.stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
-        check(self.pad_token_id is None or (is_int(self.pad_token_id) and self.pad_token_id >= 0),
-              f"generation.pad_token_id must be a token id >= 0 or null, got {self.pad_token_id!r}")
-        check(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+        validate(self, "generation")
+        check(self.min_new_tokens <= self.max_new_tokens,
               f"generation.min_new_tokens must be an integer in [0, generation.max_new_tokens={self.max_new_tokens}], "
               f"got {self.min_new_tokens!r}")
-        check(finite(self.compact_finished_rows) and 0 <= self.compact_finished_rows < 1,
-              f"generation.compact_finished_rows must be in [0, 1) (0 = off), got {self.compact_finished_rows!r}")
-        check(self.decode_impl in ("auto", "lean", "megatron"),
-              f"generation.decode_impl must be one of auto, lean, megatron, got {self.decode_impl!r}")
-        check(is_int(self.finished_check_interval) and self.finished_check_interval >= 0,
-              f"generation.finished_check_interval must be an integer >= 0 (0 = auto), got {self.finished_check_interval!r}")
-        check(isinstance(self.cuda_graphs, bool), f"generation.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         check(not (self.cuda_graphs and self.decode_impl == "megatron"),
               "generation.cuda_graphs=true captures the lean decode step; use generation.decode_impl=auto or lean")
 
@@ -303,35 +260,24 @@ class GenerationConfig:
 class OptimizerConfig:
     """Adam + warmup/decay schedule (Megatron-LM argument names)."""
 
-    optimizer: str = "adam"
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
+    optimizer: str = knob("adam", resume=Resume.REFUSED, choices=("adam", "sgd"))
+    lr: float = knob(1e-6, resume=Resume.REFUSED, gt=0)
+    min_lr: float = knob(0.0, resume=Resume.REFUSED, ge=0)
+    lr_warmup_steps: int = knob(0, resume=Resume.REFUSED, ge=0)
     # None: decay over all optimizer steps of the run (train.num_steps x train.num_minibatches).
-    lr_decay_steps: Optional[int] = None
-    lr_decay_style: str = "constant"
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr_decay_steps: Optional[int] = knob(None, resume=Resume.REFUSED)
+    lr_decay_style: str = knob("constant", resume=Resume.REFUSED,
+                               choices=("constant", "linear", "cosine", "inverse-square-root"))
+    weight_decay: float = knob(0.01, resume=Resume.REFUSED)
+    adam_beta1: float = knob(0.9, resume=Resume.REFUSED, ge=0, lt=1)
+    adam_beta2: float = knob(0.999, resume=Resume.REFUSED, ge=0, lt=1)
+    adam_eps: float = knob(1e-8, resume=Resume.REFUSED)
+    clip_grad: float = knob(1.0, resume=Resume.REFUSED, ge=0, hint="(0 disables)")
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("adam", "sgd"):
-            raise ConfigError(f"optimizer.optimizer={self.optimizer!r} is not one of ['adam', 'sgd']")
-        if not self.lr > 0:
-            raise ConfigError(f"optimizer.lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr <= self.lr:
+        validate(self, "optimizer")
+        if not self.min_lr <= self.lr:
             raise ConfigError(f"optimizer.min_lr={self.min_lr} must be in [0, optimizer.lr={self.lr}]")
-        if self.lr_warmup_steps < 0:
-            raise ConfigError(f"optimizer.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
-        if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
-            raise ConfigError(f"optimizer.lr_decay_style={self.lr_decay_style!r} is not one of "
-                              "['constant', 'linear', 'cosine', 'inverse-square-root']")
-        if self.clip_grad < 0:
-            raise ConfigError(f"optimizer.clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
-        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
-            raise ConfigError(f"optimizer.adam_beta1/adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
 
 
 @dataclass
@@ -361,40 +307,30 @@ class DataConfig:
         (built-in or reasoning-gym).
     """
 
-    source: str = "builtin:arithmetic"
-    prompt_key: str = "prompt"
-    answer_key: Optional[str] = "answer"
-    shuffle: bool = True
-    seed: int = 1234
-    max_prompt_length: int = 64
-    overlong_prompt_policy: str = "drop"
-    apply_chat_template: bool = False
-    chat_template_kwargs: dict = field(default_factory=dict)
-    add_special_tokens: bool = True
-    task_num_examples: int = 100_000
-    task_num_digits: int = 2
-    task_operators: str = "+"
-    task_sort_min_len: int = 3
-    task_sort_max_len: int = 5
-    task_sort_max_value: int = 9
-    task_kwargs: dict = field(default_factory=dict)
+    source: str = knob("builtin:arithmetic", resume=Resume.REFUSED)
+    prompt_key: str = knob("prompt", resume=Resume.REFUSED)
+    answer_key: Optional[str] = knob("answer", resume=Resume.REFUSED)
+    shuffle: bool = knob(True, resume=Resume.REFUSED)
+    seed: int = knob(1234, resume=Resume.REFUSED)
+    max_prompt_length: int = knob(64, resume=Resume.REFUSED, gt=0)
+    overlong_prompt_policy: str = knob("drop", resume=Resume.REFUSED, choices=OVERLONG_POLICIES)
+    apply_chat_template: bool = knob(False, resume=Resume.REFUSED)
+    chat_template_kwargs: dict = knob(default_factory=dict, resume=Resume.REFUSED)
+    add_special_tokens: bool = knob(True, resume=Resume.REFUSED)
+    task_num_examples: int = knob(100_000, resume=Resume.REFUSED, gt=0)
+    task_num_digits: int = knob(2, resume=Resume.REFUSED, gt=0)
+    task_operators: str = knob("+", resume=Resume.REFUSED)
+    task_sort_min_len: int = knob(3, resume=Resume.REFUSED)
+    task_sort_max_len: int = knob(5, resume=Resume.REFUSED)
+    task_sort_max_value: int = knob(9, resume=Resume.REFUSED)
+    task_kwargs: dict = knob(default_factory=dict, resume=Resume.REFUSED)
 
     def __post_init__(self) -> None:
-        if self.overlong_prompt_policy not in OVERLONG_POLICIES:
-            raise ConfigError(
-                f"data.overlong_prompt_policy={self.overlong_prompt_policy!r} is not one of {list(OVERLONG_POLICIES)}"
-            )
-        for name in ("max_prompt_length", "task_num_examples", "task_num_digits"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"data.{name} must be a positive integer, got {v!r}")
+        validate(self, "data")
         if not self.source:
             raise ConfigError("data.source is empty; use builtin:arithmetic, builtin:sort or a .jsonl/.parquet path")
         if not self.prompt_key:
             raise ConfigError("data.prompt_key is empty")
-        if not isinstance(self.chat_template_kwargs, dict):
-            raise ConfigError(f"data.chat_template_kwargs must be a mapping, got {self.chat_template_kwargs!r}")
-        check(isinstance(self.task_kwargs, dict), f"data.task_kwargs must be a mapping, got {self.task_kwargs!r}")
         check(not self.task_kwargs or self.source.startswith("reasoning_gym:"),
               f"data.task_kwargs={self.task_kwargs!r} configures a reasoning_gym:<task> source, but data.source="
               f"{self.source!r} (the built-in tasks take data.task_* keys)")
@@ -412,13 +348,12 @@ class TokenizerConfig:
         overrides the tokenizer's own, e.g. to give a base checkpoint or SentencePiece model one.
     """
 
-    type: str = "builtin"
-    path: Optional[str] = None
-    chat_template: Optional[str] = None
+    type: str = knob("builtin", resume=Resume.REFUSED, choices=TOKENIZER_TYPES)
+    path: Optional[str] = knob(None, resume=Resume.REFUSED)
+    chat_template: Optional[str] = knob(None, resume=Resume.REFUSED)
 
     def __post_init__(self) -> None:
-        if self.type not in TOKENIZER_TYPES:
-            raise ConfigError(f"tokenizer.type={self.type!r} is not one of {list(TOKENIZER_TYPES)}")
+        validate(self, "tokenizer")
         if self.type != "builtin" and not self.path:
             raise ConfigError(f"tokenizer.type={self.type!r} needs tokenizer.path (a file or directory)")
 
@@ -442,110 +377,88 @@ class RewardConfig:
         1 only reports.
     """
 
-    name: str = "exact_match"
-    kwargs: dict = field(default_factory=dict)
-    format_weight: float = 0.0
-    format_kwargs: dict = field(default_factory=dict)
-    overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
-    max_unreadable_reference_frac: float = 0.05
+    name: str = knob("exact_match", resume=Resume.REFUSED)
+    kwargs: dict = knob(default_factory=dict, resume=Resume.REFUSED)
+    format_weight: float = knob(0.0, resume=Resume.REFUSED, ge=0)
+    format_kwargs: dict = knob(default_factory=dict, resume=Resume.REFUSED)
+    overlong_buffer_len: int = knob(0, resume=Resume.REFUSED, ge=0, hint="(0 = off)")
+    overlong_penalty_factor: float = knob(1.0, resume=Resume.REFUSED, ge=0)
+    max_unreadable_reference_frac: float = knob(0.05, resume=Resume.REFUSED, ge=0, le=1)
 
     def __post_init__(self) -> None:
-        check(finite(self.max_unreadable_reference_frac) and 0 <= self.max_unreadable_reference_frac <= 1,
-              f"reward.max_unreadable_reference_frac must be in [0, 1], got {self.max_unreadable_reference_frac!r}")
+        validate(self, "reward")
         if not self.name:
             raise ConfigError("reward.name is empty; name a registered reward (exact_match, digit_match, math, "
                               "format, ...) or your own as 'package.module:function'")
-        for key in ("kwargs", "format_kwargs"):
-            if not isinstance(getattr(self, key), dict):
-                raise ConfigError(f"reward.{key} must be a mapping, got {getattr(self, key)!r}")
-        if not math.isfinite(self.format_weight) or self.format_weight < 0:
-            raise ConfigError(f"reward.format_weight must be a finite number >= 0, got {self.format_weight!r}")
-        check(is_int(self.overlong_buffer_len) and self.overlong_buffer_len >= 0,
-              f"reward.overlong_buffer_len must be an integer >= 0 (0 = off), got {self.overlong_buffer_len!r}")
-        check(finite(self.overlong_penalty_factor) and self.overlong_penalty_factor >= 0,
-              f"reward.overlong_penalty_factor must be a finite number >= 0, got {self.overlong_penalty_factor!r}")
 
 
 @dataclass
 class TrainConfig:
     """The RL loop: P prompts x G samples per step, split into minibatches (one optimizer step each)."""
 
-    num_steps: int = 40
-    prompts_per_step: int = 16
+    num_steps: int = knob(40, resume=Resume.MAY_CHANGE, ge=1)
+    prompts_per_step: int = knob(16, resume=Resume.REFUSED, ge=1)
     # Optimizer steps per rollout: the rollout is split into this many minibatches, so the
     # later ones are trained off-policy (ratios really leave 1).
-    num_minibatches: int = 2
+    num_minibatches: int = knob(2, resume=Resume.REFUSED, ge=1)
     # Sequences per forward/backward (gradient accumulation inside a minibatch).
-    micro_batch_size: int = 16
+    micro_batch_size: int = knob(16, resume=Resume.MAY_CHANGE, ge=1)
     # Rows are grouped by length into micro-batches (sorted within each minibatch) and every
     # micro-batch is only as wide as its longest row: padding costs no compute. With a token budget a
     # micro-batch holds as many rows as keep rows x width <= budget (micro_batch_size then unused);
     # null: micro_batch_size rows. (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu.)
-    max_tokens_per_micro_batch: Optional[int] = None
+    max_tokens_per_micro_batch: Optional[int] = knob(None, resume=Resume.MAY_CHANGE, gt=0)
     # The old policy's log-probs: "recompute" (a forward pass of the training model over the batch:
     # the first minibatch's ratios are then exactly 1, whatever the precision), "rollout" (the
     # sampling log-probs, one forward pass saved; they carry the decode's rounding, which in bf16 is
-    # larger than GSPO's clip range) or "auto", resolved in one place (JobConfig.old_logprob_source):
-    # rollout only where the two agree to float noise (fp32 on the CPU, measured), recompute
-    # everywhere else and whenever routing replay R2 or dynamic sampling needs the pass.
-    old_logprobs: str = "auto"
-    advantage_estimator: str = "grpo"
+    # larger than GSPO's clip range) or "auto", resolved in one place (config/rules.py:
+    # old_logprob_source): rollout only where the two agree to float noise (fp32 on the CPU, measured),
+    # recompute everywhere else and whenever routing replay R2, dynamic sampling or asynchronous
+    # rollouts need the pass ("rollout" with one of them is refused).
+    old_logprobs: str = knob("auto", resume=Resume.REFUSED, choices=OLD_LOGPROB_SOURCES)
+    advantage_estimator: str = knob("grpo", resume=Resume.REFUSED, choices=ADVANTAGE_ESTIMATOR_NAMES)
     # MoE routing replay for the GRPO baseline: off | R2 (old-log-prob pass) | R3 (rollout).
-    routing_replay: str = "off"
+    routing_replay: str = knob("off", resume=Resume.REFUSED, choices=ROUTING_REPLAY_MODES)
     # DAPO dynamic sampling (arXiv 2503.14476 §3.2): drop the groups whose rewards are all equal (zero
     # advantage, no signal) and generate more prompts until the step holds train.prompts_per_step
     # informative groups. Needs data-parallel size 1, routing_replay off or R2, and the old-log-prob
     # pass (old_logprobs auto or recompute: the pass gives the kept rows' routing references).
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool = knob(False, resume=Resume.REFUSED)
     # The most extra generation rounds a step may run for dynamic sampling (at most 32:
     # DYNAMIC_SAMPLING_ROUNDS_LIMIT); past it the step trains on the informative groups it has, filled
     # up with constant (zero-advantage) groups, and says so. Each extra round is logged.
-    dynamic_sampling_max_rounds: int = 4
+    dynamic_sampling_max_rounds: int = knob(
+        4, resume=Resume.REFUSED, ge=0, le=DYNAMIC_SAMPLING_ROUNDS_LIMIT,
+        hint="(every round generates train.prompts_per_step x generation.n_samples_per_prompt more responses within "
+             "one step)")
     # Overlong filtering (DAPO §3.4): responses cut at generation.max_new_tokens (no stop token) are
     # masked out of the loss: a truncated answer is not evidence that its reasoning was wrong.
-    overlong_filtering: bool = False
+    overlong_filtering: bool = knob(False, resume=Resume.REFUSED)
     # Supervised warm start on the task's reference answers before RL (0 = none).
-    sft_steps: int = 0
-    sft_lr: float = 1e-3
-    sft_batch_size: int = 32
+    sft_steps: int = knob(0, resume=Resume.MAY_CHANGE, ge=0)
+    sft_lr: float = knob(1e-3, resume=Resume.MAY_CHANGE_AFTER_WARM_START)
+    sft_batch_size: int = knob(32, resume=Resume.MAY_CHANGE_AFTER_WARM_START)
     # Non-finite loss / gradients skip the update on every rank; this many in a row stop the run.
-    max_consecutive_skips: int = 5
-    output_dir: str = "runs/gspo"
-    tensorboard: bool = True
-    log_interval: int = 1
-    seed: int = 1234
+    max_consecutive_skips: int = knob(5, resume=Resume.MAY_CHANGE, ge=1)
+    output_dir: str = knob("runs/gspo", resume=Resume.MAY_CHANGE)
+    tensorboard: bool = knob(True, resume=Resume.MAY_CHANGE)
+    log_interval: int = knob(1, resume=Resume.MAY_CHANGE, ge=1)
+    seed: int = knob(1234, resume=Resume.REFUSED)
     # Deterministic kernels, cuBLAS workspace, NCCL algorithm and megatron's deterministic mode
     # (megatron_gspo/determinism.py): the same bits from the same inputs on a GPU too (evaluation on
     # or off, a resumed run against an uninterrupted one), at some speed. The CPU path is deterministic
     # without it.
-    deterministic: bool = False
+    deterministic: bool = knob(False, resume=Resume.REFUSED)
 
     def __post_init__(self) -> None:
-        for name in ("num_steps", "prompts_per_step", "num_minibatches", "micro_batch_size", "log_interval"):
-            v = getattr(self, name)
-            check(isinstance(v, int) and v >= 1, f"train.{name} must be an integer >= 1, got {v!r}")
-        check(self.sft_steps >= 0, f"train.sft_steps must be >= 0, got {self.sft_steps}")
-        for name in ("dynamic_sampling", "overlong_filtering", "deterministic"):
-            check(isinstance(getattr(self, name), bool), f"train.{name} must be true or false, got {getattr(self, name)!r}")
-        check(is_int(self.dynamic_sampling_max_rounds)
-              and 0 <= self.dynamic_sampling_max_rounds <= DYNAMIC_SAMPLING_ROUNDS_LIMIT,
-              f"train.dynamic_sampling_max_rounds must be an integer in [0, {DYNAMIC_SAMPLING_ROUNDS_LIMIT}] (every "
-              "round generates train.prompts_per_step x generation.n_samples_per_prompt more responses within one "
-              f"step), got {self.dynamic_sampling_max_rounds!r}")
+        validate(self, "train")
+        # the rows kept by dynamic sampling and R2's routes need the old-log-prob pass
         check(not (self.dynamic_sampling and self.old_logprobs == "rollout"),
               "train.dynamic_sampling=true with train.old_logprobs=rollout: the kept rows come from several "
               "generation rounds, whose routes are not recorded per row; use train.old_logprobs=auto or recompute")
         check(not (self.dynamic_sampling and self.routing_replay == "R3"),
               "train.dynamic_sampling=true with train.routing_replay=R3: R3 replays the routes of every generated "
               "row, dynamic sampling drops rows after generation; use routing_replay=R2 or off")
-        check(self.max_consecutive_skips >= 1, f"train.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
-        choice("train.routing_replay", self.routing_replay, ROUTING_REPLAY_MODES)
-        choice("train.advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATOR_NAMES)
-        choice("train.old_logprobs", self.old_logprobs, OLD_LOGPROB_SOURCES)
-        check(self.max_tokens_per_micro_batch is None or (is_int(self.max_tokens_per_micro_batch)
-                                                          and self.max_tokens_per_micro_batch >= 1),
-              f"train.max_tokens_per_micro_batch must be a positive integer or null, got {self.max_tokens_per_micro_batch!r}")
         check(not (self.old_logprobs == "rollout" and self.routing_replay == "R2"),
               "train.old_logprobs='rollout' skips the old-log-prob pass, where routing replay R2 records its routes; "
               "use train.old_logprobs=recompute (or auto) with train.routing_replay=R2, or R3")
@@ -555,26 +468,23 @@ class TrainConfig:
 class CheckpointConfig:
     """Megatron-LM names: save / save_interval / load. ``resume`` continues from save's latest."""
 
-    save: Optional[str] = None
-    save_interval: int = 0
-    load: Optional[str] = None
-    resume: bool = False
-    keep_last: int = 0
+    save: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
+    save_interval: int = knob(0, resume=Resume.MAY_CHANGE, ge=0)
+    load: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
+    resume: bool = knob(False, resume=Resume.MAY_CHANGE)
+    keep_last: int = knob(0, resume=Resume.MAY_CHANGE, ge=0)
     # Keys ("section.key") or whole sections whose change since the checkpoint was written a resume
     # accepts although it changes the training trajectory (e.g. [optimizer.lr]). A resume compares
     # the job with the checkpoint's config (checkpoint/config_change.py): keys that only steer
     # logging, saving, evaluation, the layout or speed may change and are logged; any other change
     # is refused by name unless listed here.
-    allow_config_change: list[str] = field(default_factory=list)
+    allow_config_change: list[str] = knob(default_factory=list, resume=Resume.MAY_CHANGE)
 
     def __post_init__(self) -> None:
-        check(isinstance(self.allow_config_change, (list, tuple))
-              and all(isinstance(k, str) and k for k in self.allow_config_change),
+        validate(self, "checkpoint")
+        check(all(self.allow_config_change),
               f"checkpoint.allow_config_change must be a list of config keys (section.key) or sections, "
               f"got {self.allow_config_change!r}")
-        self.allow_config_change = list(self.allow_config_change)
-        check(self.save_interval >= 0, f"checkpoint.save_interval must be >= 0, got {self.save_interval}")
-        check(self.keep_last >= 0, f"checkpoint.keep_last must be >= 0, got {self.keep_last}")
         check(not (self.resume and not (self.save or self.load)),
                "checkpoint.resume=true needs checkpoint.save (or checkpoint.load) to find a checkpoint in")
 
@@ -586,23 +496,17 @@ class RolloutCorrectionConfig:
     # "off", "tis" (truncated IS: weight min(rho, threshold), Yao et al. 2025) or "mis" (masked IS:
     # weight rho inside [threshold_low, threshold], 0 outside, as verl's rollout_is mask mode / slime).
     # rho = pi_old / pi_rollout; with train.old_logprobs=rollout rho is 1 and every mode is a no-op.
-    mode: str = "off"
+    mode: str = knob("off", resume=Resume.REFUSED, choices=ROLLOUT_CORRECTION_MODES)
     # "token": one rho per response token; "sequence": one per response, the product of its tokens'.
-    level: str = "token"
+    level: str = knob("token", resume=Resume.REFUSED, choices=ROLLOUT_CORRECTION_LEVELS)
     # Upper threshold C of rho (TIS truncates at it, MIS masks above it); also the bound of the
     # rollout/mismatch_ratio_out_frac metric.
-    threshold: float = 2.0
+    threshold: float = knob(2.0, resume=Resume.REFUSED, gt=1)
     # MIS lower threshold (rho below it is masked); null = 1 / threshold.
-    threshold_low: Optional[float] = None
+    threshold_low: Optional[float] = knob(None, resume=Resume.REFUSED, ge=0, lt=1)
 
     def __post_init__(self) -> None:
-        choice("rollout_correction.mode", self.mode, ROLLOUT_CORRECTION_MODES)
-        choice("rollout_correction.level", self.level, ROLLOUT_CORRECTION_LEVELS)
-        check(finite(self.threshold) and self.threshold > 1,
-              f"rollout_correction.threshold must be a finite number > 1, got {self.threshold!r}")
-        if self.threshold_low is not None:
-            check(finite(self.threshold_low) and 0 <= self.threshold_low < 1,
-                  f"rollout_correction.threshold_low must be in [0, 1) or null, got {self.threshold_low!r}")
+        validate(self, "rollout_correction")
 
     @property
     def bounds(self) -> tuple[float, float]:
@@ -615,38 +519,31 @@ class EvalConfig:
     """Held-out evaluation during training (evaluation.py): greedy accuracy, pass@k, response length."""
 
     # Evaluate every this many RL steps and after the last one (0 = never).
-    interval: int = 0
+    interval: int = knob(0, resume=Resume.MAY_CHANGE, ge=0)
     # Held-out prompts: a .jsonl / .parquet file (read with data.prompt_key / data.answer_key), or
     # null for a split of data.source: a built-in task's examples just past its training epoch
     # (indices data.task_num_examples, ...), a file's last eval.num_prompts records (which training
     # then never sees).
-    source: Optional[str] = None
+    source: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
     # Held-out prompts per evaluation (the first ones of the source).
-    num_prompts: int = 64
+    num_prompts: int = knob(64, resume=Resume.MAY_CHANGE, ge=1)
     # Samples per prompt for pass@k (n of the unbiased estimator, >= eval.k; 0 = greedy only).
-    num_samples: int = 8
+    num_samples: int = knob(8, resume=Resume.MAY_CHANGE, ge=0)
     # k of pass@k.
-    k: int = 4
+    k: int = knob(4, resume=Resume.MAY_CHANGE, ge=1)
     # Sampling temperature of the pass@k samples (the accuracy is always greedy); >= 0.01.
-    temperature: float = 1.0
+    temperature: float = knob(1.0, resume=Resume.MAY_CHANGE, gt=0)
     # Seed of the pass@k samples' noise, apart from generation.seed: evaluation never moves the
     # training rollouts' noise.
-    seed: int = 4242
+    seed: int = knob(4242, resume=Resume.MAY_CHANGE, ge=0)
 
     def __post_init__(self) -> None:
-        for name in ("interval", "num_samples", "seed"):
-            v = getattr(self, name)
-            check(is_int(v) and v >= 0, f"eval.{name} must be an integer >= 0, got {v!r}")
-        for name in ("num_prompts", "k"):
-            v = getattr(self, name)
-            check(is_int(v) and v >= 1, f"eval.{name} must be an integer >= 1, got {v!r}")
+        validate(self, "eval")
         check(self.num_samples == 0 or self.num_samples >= self.k,
               f"eval.num_samples={self.num_samples} must be >= eval.k={self.k} (or 0: greedy only)")
-        check(finite(self.temperature) and self.temperature > 0,
-              f"eval.temperature must be a finite number > 0, got {self.temperature!r}")
         check(self.num_samples == 0 or self.temperature >= MIN_SAMPLING_TEMPERATURE,
               f"eval.temperature={self.temperature:g} is below {MIN_SAMPLING_TEMPERATURE:g}: the pass@k samples would "
               "all be the greedy response (pass@k = the greedy accuracy, measured already); use a temperature >= "
               f"{MIN_SAMPLING_TEMPERATURE:g} (e.g. 1.0), or eval.num_samples=0 for greedy accuracy only")
-        check(self.source is None or (isinstance(self.source, str) and self.source),
+        check(self.source is None or self.source != "",
               f"eval.source must be a file path, a builtin:<task> or null, got {self.source!r}")
