@@ -142,7 +142,7 @@ class SignalInRound(SignalAtStep):
         self.rnd = rnd
 
     def at_step_start(self, trainer) -> None:
-        generate_round, took = trainer.rollouts._generate_round, []
+        generate_round, took = trainer.source._generate_round, []
 
         def timed(step, rnd, *args, **kwargs):
             if rnd + 1 == self.rnd:
@@ -152,7 +152,7 @@ class SignalInRound(SignalAtStep):
             took.append(time.perf_counter() - t0)
             return out
 
-        trainer.rollouts._generate_round = timed
+        trainer.source._generate_round = timed
 
 
 def run_job(tmp_path, name, overrides, hooks=()):
@@ -280,9 +280,9 @@ class PhaseSignal(TrainerHook):
         at_step = lambda n: lambda: trainer.step + 1 == n  # noqa: E731 (inside step n)
         mp = pytest.MonkeyPatch()  # instance attributes of this trainer only: gone with it
         if self.phase == "generation":
-            self._wrap_once(mp, trainer.rollouts, "_generate_round", at_step(2))
+            self._wrap_once(mp, trainer.source, "_generate_round", at_step(2))
         elif self.phase == "rollout-tail":
-            self._wrap_once(mp, trainer.rollouts, "assemble", at_step(2))
+            self._wrap_once(mp, trainer.prepare, "_plan", at_step(2))  # the batch preparation begins
         elif self.phase == "update":
             self._wrap_once(mp, trainer, "train_on", at_step(2))
         elif self.phase == "evaluation":

@@ -1,6 +1,6 @@
-"""The ``rollout`` section: where rollouts are generated (megatron_gspo/async_rollout/), and the checks it
+"""The ``rollout`` section: where rollouts are generated (megatron_gspo/rollout/), and the checks it
 needs across sections (``check_rollout``, called from ``JobConfig.__post_init__``). The checks that need
-the world size live with the rank split (async_rollout.layout.check_world)."""
+the world size live with the rank split (rollout.layout.check_world)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from megatron_gspo.config.checks import check, choice, finite, is_int
 
 ROLLOUT_MODES = ("colocated", "async")
 PARTIAL_ROLLOUT_POLICIES = ("finish", "drop")
-# Every rank of an async job bumps its heartbeat this often (async_rollout.side.Heartbeat). A timeout must
+# Every rank of an async job bumps its heartbeat this often (rollout.side.Heartbeat). A timeout must
 # span several beats: one beat late (a loaded host, a long GIL hold) must not declare a healthy rank dead.
 HEARTBEAT_PERIOD_S = 1.0
 MIN_HEARTBEAT_TIMEOUT_S = 3 * HEARTBEAT_PERIOD_S
