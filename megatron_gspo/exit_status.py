@@ -68,6 +68,18 @@ class StopReason(enum.Enum):
         return self.value[0] if isinstance(self.value, tuple) else self.value
 
 
+class StoppedFor(Exception):
+    """A deliberate stop that carries its ``reason`` (a StopReason); ``exit_code`` follows from it."""
+
+    def __init__(self, message: str, reason: StopReason):
+        super().__init__(message)
+        self.reason = reason
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return self.reason.exit_code
+
+
 MEANING = {
     0: "finished",
     EXIT_USER_ERROR: "user error: fix the config, layout, file or checkpoint it names",

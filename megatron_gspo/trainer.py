@@ -38,7 +38,7 @@ from megatron_gspo.algorithms.objective import ObjectiveConfig, loss_units, obje
 from megatron_gspo.checkpoint import has_manifest, iter_dir
 from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, JobConfig, old_logprob_source, to_dict
 from megatron_gspo.evaluation import EvaluationAbandoned
-from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, StopReason
+from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, StopReason, StoppedFor
 from megatron_gspo.faults import FaultInjection, PreemptionFlag, StepAbandoned
 from megatron_gspo.hooks import Hooks, TrainerHook
 from megatron_gspo.logger import MetricsLogger, Timer, progress_line, setup_logging
@@ -56,17 +56,9 @@ from megatron_gspo.sysinfo import current_rss
 log = logging.getLogger("megatron_gspo")
 
 
-class TrainingStopped(Exception):
+class TrainingStopped(StoppedFor):
     """The run stops on purpose (preemption, too many non-finite steps, rollout ranks lost): checkpoint
     written. ``reason``: an exit_status.StopReason; the exit code follows from it."""
-
-    def __init__(self, message: str, reason: StopReason):
-        super().__init__(message)
-        self.reason = reason
-
-    @property
-    def exit_code(self) -> int:
-        return self.reason.exit_code
 
 
 class Trainer:

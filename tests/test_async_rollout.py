@@ -165,27 +165,28 @@ def metrics(out):
     return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
 
 
+def trained_rows(out):
+    """Every row the trainer trained on, as RecordRollouts wrote it (run_job.py)."""
+    for name in sorted(os.listdir(out)):
+        if name.startswith("rollouts.dp"):
+            yield from (json.loads(line) for line in open(os.path.join(out, name)))
+
+
 def records(out):
     """(step, global row) -> (sample id, tokens) of every row the trainer trained on."""
     got = {}
-    for name in sorted(os.listdir(out)):
-        if name.startswith("rollouts.dp"):
-            for line in open(os.path.join(out, name)):
-                r = json.loads(line)
-                key = (r["step"], r["row"])
-                assert key not in got, f"row {key} trained twice"
-                got[key] = (r["sample"], r["tokens"])
+    for r in trained_rows(out):
+        key = (r["step"], r["row"])
+        assert key not in got, f"row {key} trained twice"
+        got[key] = (r["sample"], r["tokens"])
     return got
 
 
 def versions(out):
     """step -> [(version_start, version_end)] of every row the trainer trained on, as the rows carried them."""
     got = {}
-    for name in sorted(os.listdir(out)):
-        if name.startswith("rollouts.dp"):
-            for line in open(os.path.join(out, name)):
-                r = json.loads(line)
-                got.setdefault(r["step"], []).append(tuple(r["versions"]))
+    for r in trained_rows(out):
+        got.setdefault(r["step"], []).append(tuple(r["versions"]))
     return got
 
 

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from megatron_gspo import comm
-from megatron_gspo.exit_status import StopReason
+from megatron_gspo.exit_status import StopReason, StoppedFor
 from megatron_gspo.hooks import TrainerHook
 from megatron_gspo.rollout.record import HEADER, RolloutRecord, WireFormatError, check_header, concat, pack, unpack
 from megatron_gspo.rollout.rows import local_rows
@@ -42,18 +42,10 @@ _REASON = {PeerState.FAILED: StopReason.ROLLOUT_RANK_FAILED, PeerState.EXITED: S
            PeerState.SILENT: StopReason.ROLLOUT_RANK_SILENT}
 
 
-class RolloutRanksLost(Exception):
+class RolloutRanksLost(StoppedFor):
     """The rollout ranks cannot go on (failed, silent, gone mid-push) or the job was signalled while waiting
     for them. ``reason``: an exit_status.StopReason; ``exit_code`` follows from it (1 for a failure, 75 where
     a resume is the remedy)."""
-
-    def __init__(self, message: str, reason: StopReason):
-        super().__init__(message)
-        self.reason = reason
-
-    @property
-    def exit_code(self) -> int:
-        return self.reason.exit_code
 
 
 class RemoteSource:
@@ -279,11 +271,13 @@ class RemoteSource:
         return bytes(comm.broadcast(t, 0, None, what="async: rollout batch text").cpu().tolist())
 
     def _stop_everywhere(self, why: Optional[str], reason: Optional[StopReason]) -> None:
-        """Every trainer rank (collectively): raise RolloutRanksLost with trainer rank 0's message and reason."""
-        text = (why or "the rollout ranks cannot go on").encode() if self.state.is_main else b""
+        """Every trainer rank (collectively): raise RolloutRanksLost with trainer rank 0's message and reason (the
+        rank on the bridge: the one that knows why)."""
+        main = self.state.is_main
+        text = (why or "the rollout ranks cannot go on").encode() if main else b""
         n = comm.max_int(len(text), self.state.device, what="async: stop message length")
         reasons = list(StopReason)
-        index = comm.max_int(reasons.index(reason) + 1 if reason is not None else 0, self.state.device,
+        index = comm.max_int(reasons.index(reason) + 1 if main and reason is not None else 0, self.state.device,
                              what="async: stop reason")
         text = self._bytes(text.ljust(n) if self.state.is_main else bytes(n)).decode().strip()
         raise RolloutRanksLost(text, reasons[index - 1] if index else StopReason.ROLLOUT_RANK_GONE)

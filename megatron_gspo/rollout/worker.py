@@ -335,7 +335,7 @@ def run_rollout_rank(cfg: JobConfig) -> int:
         if is_peer_loss(e):  # another rank of the job died: its failure is the story, not this traceback
             log.error("rollout rank %d: lost a peer of the bridge (%s); the trainer checkpoints and stops",
                       side.global_rank, short_error(e))
-            return 1
+            return exit_status.ExitCode.FAILED
         raise
     worker.close(why, error=False)
     parallel.destroy()
