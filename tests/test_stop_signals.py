@@ -253,9 +253,9 @@ class PhaseSignal(TrainerHook):
     def __init__(self, phase: str, twice: bool, monkeypatch):
         self.phase, self.twice, self.sent_at = phase, twice, None
         if phase == "start-up":
-            from megatron_gspo import trainer as trainer_module
+            from megatron_gspo import trainer_components
 
-            self._wrap_once(monkeypatch, trainer_module, "build_model", lambda: True)
+            self._wrap_once(monkeypatch, trainer_components, "build_model", lambda: True)
         elif phase == "sft":  # as SFT step 3 begins (one micro-batch, so one forward, per SFT step)
             from megatron_gspo import sft
 
