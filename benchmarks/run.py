@@ -196,7 +196,7 @@ def _parallel_config(device: str):
 
 
 def ours_logprob_fn(model, tokens, vocab_size: int):
-    """The trainer's old-policy pass on one micro-batch (what Rollouts.logprobs runs: the log-probs
+    """The trainer's old-policy pass on one micro-batch (what BatchPreparer.logprobs runs: the log-probs
     from the final hidden states, output layer fused in)."""
     from megatron_gspo.model import forward_logprobs
 

@@ -277,7 +277,7 @@ def _run(argv: list) -> int:
         try:
             cfg = load_job_config(*split_job_args(argv))  # the trainer's reading: no YAML = the demo job
             if cfg.rollout.is_async:  # the trainer gets world - rollout.world_size ranks, the rest generate
-                from megatron_gspo.async_rollout.layout import check_world
+                from megatron_gspo.rollout.layout import check_world
 
                 dp = check_world(cfg, world).trainer_dp
             else:

@@ -149,7 +149,7 @@ def first_rank(group) -> Optional[int]:
 
 
 # ----------------------------------------------------------------------------------------------
-# The bridge of an asynchronous job (async_rollout/side.py): a process group outside the default
+# The bridge of an asynchronous job (rollout/side.py): a process group outside the default
 # world (each side of the job has a world of its own), so torch.distributed's module-level functions,
 # which translate ranks through the default world, cannot drive it; its backend's methods are called
 # directly. Ranks here are bridge ranks. Same device check as above.

@@ -101,7 +101,7 @@ class Evaluator:
         if e.num_samples > 0:
             n = e.num_samples
             rows = [p for p in self.prompts for _ in range(n)]  # prompt-major: row i*n + j
-            # (eval.seed, step) in one 64-bit key, like Rollouts.sampling_seed with its own base seed
+            # (eval.seed, step) in one 64-bit key, like ColocatedSource.sampling_seed with its own base seed
             ok, _ = self._answer(rows, self.sample_cfg, (e.seed << 32) + step, step, "sampled pass", should_stop)
             c = ok.reshape(P, n).sum(dim=1).tolist()
             out[f"eval/pass@{e.k}"] = sum(pass_at_k(n, ci, e.k) for ci in c) / P

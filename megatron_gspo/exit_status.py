@@ -19,19 +19,63 @@ Only the standard library is imported here: the launcher's supervisor imports it
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import signal
 import sys
 import time
 
-EXIT_USER_ERROR = 2
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again later" -> requeue and resume
-EXIT_TOO_MANY_SKIPS = 76  # consecutive non-finite steps: the run cannot make progress
-# Stopped by a signal before this run completed a step (during start-up, or in its first step): the
-# newest checkpoint, if any, is still the state to resume from. Not 75, so that a batch script can
-# tell "requeue me" from "a requeued run would get the same early signal and make no progress either".
-EXIT_PREEMPTED_NOTHING_SAVED = 79
+class ExitCode(enum.IntEnum):
+    """The process exit codes a rank ends with on purpose (ints on the wire: the launcher reads them back)."""
+
+    FINISHED = 0
+    FAILED = 1  # a failure (a raised exception; a rollout rank of an async job that raised)
+    USER_ERROR = 2
+    PREEMPTED = 75  # EX_TEMPFAIL: "try again later" -> requeue and resume
+    TOO_MANY_SKIPS = 76  # consecutive non-finite steps: the run cannot make progress
+    # Stopped by a signal before this run completed a step (during start-up, or in its first step): the
+    # newest checkpoint, if any, is still the state to resume from. Not 75, so that a batch script can
+    # tell "requeue me" from "a requeued run would get the same early signal and make no progress either".
+    PREEMPTED_NOTHING_SAVED = 79
+
+
+EXIT_USER_ERROR = ExitCode.USER_ERROR
+EXIT_PREEMPTED = ExitCode.PREEMPTED
+EXIT_TOO_MANY_SKIPS = ExitCode.TOO_MANY_SKIPS
+EXIT_PREEMPTED_NOTHING_SAVED = ExitCode.PREEMPTED_NOTHING_SAVED
+
+
+class StopReason(enum.Enum):
+    """Why a run stops before its last step, as a value: the exit code follows from it (never from a
+    message's wording). Rollout ranks of an async job: one that raised is a failure (exit 1); one that is
+    gone (exited, silent, its connection closed, killed mid-push) leaves a checkpoint and a resume is the
+    remedy (exit 75)."""
+
+    PREEMPTED = ExitCode.PREEMPTED  # a stop signal; the last completed step (or the warm start) saved
+    PREEMPTED_NOTHING_SAVED = ExitCode.PREEMPTED_NOTHING_SAVED
+    TOO_MANY_SKIPS = ExitCode.TOO_MANY_SKIPS
+    ROLLOUT_RANK_FAILED = ExitCode.FAILED
+    ROLLOUT_RANK_EXITED = (ExitCode.PREEMPTED, "exited")
+    ROLLOUT_RANK_SILENT = (ExitCode.PREEMPTED, "silent")
+    ROLLOUT_RANK_GONE = (ExitCode.PREEMPTED, "gone")
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return self.value[0] if isinstance(self.value, tuple) else self.value
+
+
+class StoppedFor(Exception):
+    """A deliberate stop that carries its ``reason`` (a StopReason); ``exit_code`` follows from it."""
+
+    def __init__(self, message: str, reason: StopReason):
+        super().__init__(message)
+        self.reason = reason
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return self.reason.exit_code
+
 
 MEANING = {
     0: "finished",

@@ -19,15 +19,17 @@ Value = Union[float, int, torch.Tensor]
 log = logging.getLogger("megatron_gspo")
 
 
-def setup_logging(rank: int) -> None:
-    """INFO on rank 0, WARNING elsewhere; megatron's import-time apex/TE notices silenced."""
+def setup_logging(rank: int, prefix: str | None = None) -> None:
+    """INFO on rank 0, WARNING elsewhere; megatron's import-time apex/TE notices silenced. ``prefix``: who
+    speaks, in brackets after the time (an async job's rollout ranks: "rollout rank N")."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
-                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S", force=True)
+                        format=f"%(asctime)s [{prefix}] %(message)s" if prefix else "%(asctime)s %(message)s",
+                        datefmt="%H:%M:%S", force=True)
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
@@ -165,6 +167,10 @@ class Timer:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
         return section()
+
+    def record(self, name: str, seconds: float) -> None:
+        """Section ``name`` took ``seconds``, measured elsewhere (an async job's rollout ranks generate)."""
+        self.times[name] = seconds
 
     def pop(self) -> dict[str, float]:
         t, self.times = self.times, {}

@@ -182,7 +182,7 @@ def init_distributed(device: torch.device, timeout_minutes: float = 10.0, side=N
     the backend ``device`` needs: NCCL for a CUDA device, gloo for the CPU.
 
     Without torchrun a single-process group is created, since megatron-core needs one even for
-    one rank. ``side`` (async_rollout.side.Side): the default world is that side's ranks only (an
+    one rank. ``side`` (rollout.side.Side): the default world is that side's ranks only (an
     asynchronous job's trainer or rollout ranks), on torchrun's store under the side's prefix.
     """
     if dist.is_initialized():
@@ -211,7 +211,7 @@ def init_distributed(device: torch.device, timeout_minutes: float = 10.0, side=N
 
 def initialize(model: ModelConfig, par: ParallelConfig, side=None) -> ParallelState:
     """Set up torch.distributed and megatron-core's parallel groups for this layout. ``side``: one side of
-    an asynchronous job (async_rollout.side.join), whose ranks alone are then the world."""
+    an asynchronous job (rollout.side.join), whose ranks alone are then the world."""
     from megatron.core import parallel_state as mps
     from megatron.core.process_groups_config import ProcessGroupCollection
 

@@ -37,7 +37,8 @@ from megatron_gspo.model import (
 )
 from megatron_gspo.oom import explain_oom
 from megatron_gspo.optim import build_optimizer, optimizer_step
-from megatron_gspo.rollout import common_length, forward_width_multiple, micro_batch_slices, pad_columns
+from megatron_gspo.rollout.prepare import forward_width_multiple
+from megatron_gspo.rollout.rows import common_length, micro_batch_slices, pad_columns
 
 log = logging.getLogger("megatron_gspo")
 
@@ -156,7 +157,7 @@ class SFTWarmStart(TrainerHook):
             return
         finished = progress is not None and progress["step"] >= trainer.cfg.train.sft_steps
         run = SFTRun(trainer.ddp, trainer.state, trainer.cfg, trainer.sampler.dataset, trainer.tokenizer,
-                     trainer.rollouts.gen_cfg.pad_id, optimizer=not finished)
+                     trainer.prepare.gen_cfg.pad_id, optimizer=not finished)
         if progress is not None:  # the weights (and, half-way, the optimizer) of the checkpoint
             info = trainer.checkpoints.restore(trainer.ddp, run.optimizer, None)
             run.load_state_dict(progress, accept=trainer.checkpoints.change_allowed)

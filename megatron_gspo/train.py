@@ -22,7 +22,7 @@ if __name__ == "__main__":
     PreemptionFlag.install(STOP_SIGNALS)
 
 from megatron_gspo import comm, parallel  # noqa: E402 (after the handlers: these import torch)
-from megatron_gspo.async_rollout.layout import ROLLOUT, role_of  # noqa: E402
+from megatron_gspo.rollout.layout import ROLLOUT, role_of  # noqa: E402
 from megatron_gspo.config import DEMO_CONFIG, load_job_config, split_job_args  # noqa: E402
 from megatron_gspo.errors import USER_ERRORS  # noqa: E402
 from megatron_gspo.trainer import Trainer, TrainingStopped, summarize  # noqa: E402
@@ -68,8 +68,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     path, argv = split_job_args(argv)
     try:
         cfg = load_job_config(path, argv)
-        if role_of(cfg) == ROLLOUT:  # rollout.mode=async: this rank generates (async_rollout/worker.py)
-            from megatron_gspo.async_rollout.worker import run_rollout_rank
+        if role_of(cfg) == ROLLOUT:  # rollout.mode=async: this rank generates (rollout/worker.py)
+            from megatron_gspo.rollout.worker import run_rollout_rank
 
             return run_rollout_rank(cfg)
         trainer = Trainer(cfg, stop=stop)

@@ -1,8 +1,9 @@
 """The GSPO / GRPO trainer: components assembled once, and the RL loop.
 
 A step, top to bottom (``Trainer.run``):
-  1. rollout: this rank's share of P prompts x G responses, sampled by the training model itself,
-     scored, group advantages over every rank's rewards, old log-probs  (rollout.Rollouts.collect)
+  1. rollout: this rank's share of P prompts x G responses, sampled and scored  (source.collect: a
+     rollout.RolloutSource), then group advantages over every rank's rewards, micro-batches, old
+     log-probs                                                           (prepare: rollout.BatchPreparer)
   2. num_minibatches optimizer steps over it, each the one-rank, one-micro-batch gradient whatever
      the layout and micro-batch size; per micro-batch forward -> objective -> backward
                                                           (Trainer.train_on, algorithms.objective)
@@ -14,14 +15,14 @@ The components, each behind a narrow interface:
     model / ddp  model.build_model, wrap_ddp the policy; ref_model: the frozen KL reference (or None)
     checkpoints  checkpoint.CheckpointManager the resume decision (verified once) and the saves
     routing      routing.RoutingPolicy        off / R2 / R3 routing replay and routing metrics
-    rollouts     rollout.Rollouts             prompts -> RolloutBatch
+    source       rollout.build_source         prompts -> RolloutRecord (colocated, or the async rollout ranks)
+    prepare      rollout.BatchPreparer        RolloutRecord -> TrainBatch
     hooks        hooks.Hooks                  SFT warm start, fault injection, experiments' probes
     evaluator    evaluation.Evaluator         held-out greedy accuracy / pass@k every eval.interval steps
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -31,51 +32,33 @@ from typing import Iterable
 import torch
 
 from megatron_gspo import comm, determinism, parallel
+from megatron_gspo import trainer_components as components
 from megatron_gspo.algorithms.advantages import get_advantage_estimator
 from megatron_gspo.algorithms.objective import ObjectiveConfig, loss_units, objective
-from megatron_gspo.async_rollout.side import join as join_async_job
-from megatron_gspo.async_rollout.source import AsyncRollouts, RolloutRanksLost
-from megatron_gspo.checkpoint import CheckpointManager, has_manifest, iter_dir
+from megatron_gspo.checkpoint import has_manifest, iter_dir
 from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, JobConfig, old_logprob_source, to_dict
-from megatron_gspo.data import build_eval_prompts, build_prompt_sampler
-from megatron_gspo.evaluation import EvaluationAbandoned, Evaluator
-from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, EXIT_TOO_MANY_SKIPS
+from megatron_gspo.evaluation import EvaluationAbandoned
+from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, StopReason, StoppedFor
 from megatron_gspo.faults import PreemptionFlag, StepAbandoned, injected_faults
 from megatron_gspo.hooks import Hooks, TrainerHook
 from megatron_gspo.logger import MetricsLogger, Timer, progress_line, setup_logging
 from megatron_gspo.metrics import MetricAccumulator
-from megatron_gspo.oom import check_model_fits, explain_oom, model_shapes
-from megatron_gspo.model import (
-    aux_loss_scales,
-    clear_aux_losses_tracker,
-    build_model,
-    finalize_grads,
-    forward_logprobs,
-    impl_reason,
-    job_precision,
-    model_summary,
-    resolve_impl,
-    set_aux_loss_scale,
-    wrap_ddp,
-)
+from megatron_gspo.oom import explain_oom, model_shapes
+from megatron_gspo.model import aux_loss_scales, clear_aux_losses_tracker, finalize_grads, forward_logprobs, set_aux_loss_scale
 from megatron_gspo.optim import build_optimizer, build_scheduler, optimizer_step
-from megatron_gspo.rewards import build_reward_fn, check_reference_answers
-from megatron_gspo.rollout import RolloutBatch, Rollouts
-from megatron_gspo.algorithms.rollout_correction import inactive_reason
-from megatron_gspo.routing import RoutingPolicy
+from megatron_gspo.rewards import build_reward_fn
+from megatron_gspo.rollout.prepare import BatchPreparer, TrainBatch, rollout_metrics
+from megatron_gspo.rollout.remote import RolloutRanksLost
+from megatron_gspo.rollout.source import build_source, join_side
 from megatron_gspo.sft import SFTWarmStart
 from megatron_gspo.sysinfo import current_rss
-from megatron_gspo.tokenizer import build_tokenizer, check_vocab_fits
 
 log = logging.getLogger("megatron_gspo")
 
 
-class TrainingStopped(Exception):
-    """The run stops on purpose (preemption, too many non-finite steps): checkpoint written."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
+class TrainingStopped(StoppedFor):
+    """The run stops on purpose (preemption, too many non-finite steps, rollout ranks lost): checkpoint
+    written. ``reason``: an exit_status.StopReason; the exit code follows from it."""
 
 
 class Trainer:
@@ -90,7 +73,7 @@ class Trainer:
         self.preempt = stop
         # process-wide numerics settings first: NCCL and cuBLAS read them when they start
         self._restore_determinism = determinism.enable() if cfg.train.deterministic else None
-        self.side = None  # rollout.mode=async: this rank's side of the job (async_rollout.side)
+        self.side = None  # rollout.mode=async: this rank's side of the job (rollout.side)
         try:
             self._build(cfg, hooks)
         except BaseException:
@@ -98,92 +81,39 @@ class Trainer:
             raise
 
     def _build(self, cfg: JobConfig, hooks: Iterable[TrainerHook]) -> None:
-        t = cfg.train
-        if cfg.rollout.is_async:  # the trainer's ranks are a world of their own; the rollout ranks generate
-            self.side = join_async_job(cfg, "trainer")
+        """The components (trainer_components.py), in dependency order; collective."""
+        self.side = join_side(cfg)  # rollout.mode=async: the trainer's ranks are a world of their own
         self.state = st = parallel.initialize(cfg.model, cfg.parallel, side=self.side)
         setup_logging(st.rank)
-        # the numerics this device runs fast (model.precision=auto), decided once: everything below reads it
-        precision, precision_why = job_precision(cfg.model, st.device)
-        if precision != cfg.model.precision:
-            self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=precision))
-        log.info("numerics: %s on %s (%s); %s spec (%s)", precision, st.device, precision_why,
-                 resolve_impl(cfg.model, st.device), impl_reason(cfg.model, st.device))
-        if self.side is not None:
-            self.side.open_bridge(st.device)
+        self.cfg = cfg = components.resolve_precision(cfg, st)
+        components.open_bridge(self.side, st.device)
         cfg.check_data_parallel(st.dp)  # the same checks as launch/pretrain_gspo.sh --dry-run
-        self.tokenizer = build_tokenizer(cfg.tokenizer)
-        check_vocab_fits(self.tokenizer, cfg.model.vocab_size)
-        e = cfg.eval
-        # a held-out split of data.source leaves training (only a file loses records: see split_holdout)
-        holdout = e.num_prompts if e.interval > 0 and e.source is None else 0
-        self.sampler = build_prompt_sampler(cfg.data, self.tokenizer, t.prompts_per_step, holdout=holdout)
-        check_reference_answers(cfg.reward, self.sampler.dataset.references(), self.sampler.dataset.source)
-
-        self.checkpoints = CheckpointManager(cfg.checkpoint, st)
-        self.checkpoints.check_config(to_dict(cfg))  # a resume refuses a trajectory-changing config change
-        # a model that cannot fit this rank's memory is refused now, not after minutes of building (on
-        # the CPU a memory cgroup would SIGKILL it, with nothing said); what does not fit later, each
-        # phase names (oom.explain_oom)
-        check_model_fits(cfg, st)
-        with explain_oom("model", cfg, st, model_shapes(cfg)):
-            self.model = build_model(cfg.model, cfg.parallel, st, routing_replay=t.routing_replay != "off",
-                                     deterministic=t.deterministic)
-            # The KL reference is the initial policy: a frozen copy taken after checkpoint.load and the
-            # SFT warm start (in run()), saved in every checkpoint so a resumed run keeps it.
-            self.ref_model = None
-            if cfg.loss.kl_coef > 0:
-                self.ref_model = build_model(cfg.model, cfg.parallel, st,
-                                             deterministic=t.deterministic).eval().requires_grad_(False)
-            self.checkpoints.prepare(self.model)  # refuse a wrong-shape resume, or load checkpoint.load
-            self.ddp = wrap_ddp(self.model, st)
+        self.tokenizer, self.sampler = components.build_data(cfg)
+        self.checkpoints = components.build_checkpoints(cfg, st)
+        self.model, self.ref_model, self.ddp = components.build_models(cfg, st, self.checkpoints)
         recompute, why = old_logprob_source(cfg, st.device)
-        self.routing = RoutingPolicy(t.routing_replay, self.ddp, st, old_pass=recompute)
-        if (inactive := inactive_reason(cfg.rollout_correction.mode, recompute)) and st.is_main:
-            log.warning("%s", inactive)  # legal (a no-op, bit for bit) but not what a run asking for correction expects
+        self.routing = components.build_routing(cfg, st, self.ddp, recompute)
         self.timer = Timer(st.device)
         self.objective_cfg = ObjectiveConfig.of(cfg)  # what algorithms.objective reads of the job
-        g = cfg.generation
-        gen_cfg = dataclasses.replace(g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
-                                      pad_token_id=g.pad_token_id if g.pad_token_id is not None else self.tokenizer.pad_id)
+        gen_cfg = components.generation_config(cfg, self.tokenizer)
         reward_fn = build_reward_fn(cfg.reward)
         # long steps stop early on it (StepAbandoned)
         self.preempt = self.preempt if self.preempt is not None else PreemptionFlag.install()
-        source, extra = (Rollouts, {}) if self.side is None else (AsyncRollouts, {"side": self.side, "preempt": self.preempt})
-        self.rollouts = source(cfg, st, self.ddp, self.ref_model, self.sampler, self.tokenizer,
-                               reward_fn, get_advantage_estimator(t.advantage_estimator), gen_cfg,
-                               self.routing, self.timer, recompute_old_logprobs=recompute, **extra)
-        self.rollouts.should_stop = lambda: self.preempt.set
-        self.evaluator = None
-        if e.interval > 0:
-            held = build_eval_prompts(cfg.data, e.source, e.num_prompts, self.tokenizer)
-            check_reference_answers(cfg.reward, [(f"{held.source} id {p.id}", p.answer) for p in held.prompts],
-                                    held.source)
-            self.evaluator = Evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg, held.prompts,
-                                       length_policy=(held.num_dropped, held.num_truncated))
-            log.info("evaluation: %d held-out prompts from %s every %d steps", len(held.prompts),
-                     e.source or f"{cfg.data.source} (held out)", e.interval)
-        async_hooks = [self.rollouts.hook] if self.side is not None else []
+        self.source = build_source(cfg, st, self.ddp, self.sampler, self.tokenizer, reward_fn, gen_cfg, self.routing,
+                                   self.timer, side=self.side, stop=self.preempt)
+        self.prepare = BatchPreparer(cfg, st, self.ddp, self.ref_model, get_advantage_estimator(cfg.train.advantage_estimator),
+                                     gen_cfg, self.routing, self.timer, recompute_old_logprobs=recompute)
+        self.evaluator = components.build_evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg)
         faults = injected_faults(st.rank)  # tests only (MEGATRON_GSPO_FAULTS)
-        self.hooks = Hooks([SFTWarmStart(), *([faults] if faults else []), *async_hooks, *hooks])
-        self.logger = MetricsLogger(t.output_dir, enabled=st.is_main, tensorboard=t.tensorboard)
+        self.hooks = Hooks([SFTWarmStart(), *([faults] if faults else []), *self.source.hooks(), *hooks])
+        self.logger = MetricsLogger(cfg.train.output_dir, enabled=st.is_main, tensorboard=cfg.train.tensorboard)
         self.warm_start = None  # the SFT warm start of this run (sft.SFTRun), once it began
         self.consecutive_skips = 0
         self.skipped_total = 0
         self.warned_empty = False  # overlong filtering emptied a minibatch (said once)
         self.step = self.first_step = 0  # first_step: where this run started (set again by a resume)
         self._warned_off_policy = False
-        log.info("model: %s", model_summary(cfg.model, st.device))
-        log.info("layout: world %d = TP %d x PP %d x DP %d (EP %d, ETP %d, SP %s) on %s", st.world_size, st.tp, st.pp,
-                 st.dp, st.ep, st.etp, st.sequence_parallel, st.device)
-        if self.side is not None:
-            r = cfg.rollout
-            log.info("asynchronous rollouts: %d more rank(s) generate (TP %d, EP %d), max staleness %d, partial "
-                     "rollouts: %s", r.world_size, r.tensor_model_parallel_size, r.expert_model_parallel_size,
-                     r.max_staleness, r.partial_rollouts)
-        log.info("optimizer: %s", st.optimizer_layout())
-        log.info("old log-probs: %s (%s)%s", "recomputed by the training model" if recompute else "the rollout's",
-                 why, "; deterministic mode on" if t.deterministic else "")
+        components.log_setup(cfg, st, recompute, why)
 
     @property
     def resumed(self) -> bool:
@@ -212,7 +142,7 @@ class Trainer:
             clear_aux_losses_tracker()  # megatron's per-step aux-loss log (nobody reads it; it must not grow)
             data_before, data_state = self.sampler.counters(), self.sampler.state_dict()
             try:
-                batch = self.rollouts.collect(self.step)
+                batch = self.prepare(self.source.collect(self.step))
                 # a signal during the rollout's scoring or its old / reference log-prob passes: leave the step
                 # before the update, which once begun runs to its end (a half-applied step cannot be saved)
                 if self.stop_requested("preemption vote before the update"):
@@ -226,7 +156,7 @@ class Trainer:
             self.hooks.after_rollout(self, batch)
             with self.timer("train"):
                 metrics = self.train_on(batch)
-            metrics.update(self.rollouts.metrics(batch))
+            metrics.update(rollout_metrics(batch, self.state))
             metrics.update(self.routing.step_metrics(len(batch.micro)))
             self.step += 1
             metrics.update(self.perf_metrics(metrics, time.perf_counter() - t0))
@@ -280,7 +210,7 @@ class Trainer:
             log.info("resumed from %s at step %d%s", info["path"], self.step,
                      f" (newer, damaged: {skipped}; the steps after {self.step} are trained again)" if skipped else "")
 
-    def train_on(self, batch: RolloutBatch) -> dict:
+    def train_on(self, batch: TrainBatch) -> dict:
         """num_minibatches optimizer steps over the rollout; returns reduced metrics."""
         st = self.state
         acc = MetricAccumulator()
@@ -322,7 +252,7 @@ class Trainer:
         out["train/lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
-    def accumulate_gradients(self, batch: RolloutBatch, mini: list[int], acc: MetricAccumulator,
+    def accumulate_gradients(self, batch: TrainBatch, mini: list[int], acc: MetricAccumulator,
                              measure_rollout_gap: bool = False) -> list[tuple[list, torch.Tensor]]:
         """Forward + backward of one minibatch (its flat micro-batch indices ``mini`` in the batch's plan),
         gradients reduced over DP (finalize_grads): per micro-batch, forward_logprobs -> the RL objective
@@ -351,7 +281,7 @@ class Trainer:
             with explain_oom("training", cfg, st, shape), self.routing.train_pass(mini[j]):
                 # log-probs from the final hidden states, output layer fused in: no [b, s, V] logits
                 logp, ent = forward_logprobs(self.ddp, micro.tokens[:, :-1], micro.tokens[:, 1:], cfg.model.vocab_size,
-                                             temperature=self.rollouts.temperature, padding_mask=pad_masks[j])
+                                             temperature=self.prepare.temperature, padding_mask=pad_masks[j])
                 bad_rows.append((micro.sample_ids, nonfinite_rows(micro, logp)))
                 loss, metrics = objective(obj, micro, logp, ent, norm[0], on_sampling_weights=measure_rollout_gap)
             set_aux_loss_scale(scales[j], st.device)
@@ -369,9 +299,9 @@ class Trainer:
         log.warning("step %d: the first minibatch's sequence ratios deviate from 1 by up to %.3g (> %g) although it "
                     "trains on the weights that sampled it: the old log-probs carry another forward's rounding%s",
                     self.step + 1, deviation, ON_POLICY_RATIO_TOLERANCE,
-                    "; set train.old_logprobs=recompute" if not self.rollouts.recompute_old_logprobs else "")
+                    "; set train.old_logprobs=recompute" if not self.prepare.recompute_old_logprobs else "")
 
-    def _empty_minibatch(self, batch: RolloutBatch, mini: list[int]) -> bool:
+    def _empty_minibatch(self, batch: TrainBatch, mini: list[int]) -> bool:
         """Overlong filtering masked every response of minibatch ``mini`` out of the loss on every DP
         rank (each rank holds its share of the minibatch; the vote makes every rank skip alike)."""
         if not self.cfg.train.overlong_filtering:
@@ -406,7 +336,7 @@ class Trainer:
                 f"stopping: {self.consecutive_skips} consecutive updates had non-finite loss or gradients "
                 f"(train.max_consecutive_skips={self.cfg.train.max_consecutive_skips}) at step {self.step + 1}; "
                 f"the last good state was saved to {self.cfg.checkpoint.save or '(checkpoint.save not set)'}",
-                EXIT_TOO_MANY_SKIPS)
+                StopReason.TOO_MANY_SKIPS)
 
     def perf_metrics(self, metrics: dict, step_time: float) -> dict:
         times = self.timer.pop()
@@ -423,15 +353,13 @@ class Trainer:
 
     def _stop_signalled(self) -> bool:
         """This rank got a stop signal, or (async, trainer rank 0) a rollout rank did and asked to stop."""
-        return self.preempt.set or (self.side is not None and self.rollouts.stop_requested_by_rollout_ranks())
+        return self.preempt.set or self.source.peer_stop_request() is not None
 
     def _signal_name(self) -> str:
         """The stop signal, as the stop line names it: this rank's, a rollout rank's that asked the trainer to
         stop (async), or "(on another rank)"."""
-        if self.preempt.received is None and self.side is not None and self.state.is_main:
-            request = self.rollouts.control.stop_request()
-            if request is not None:
-                return f"{request['signal']} (on rollout rank {request['rank']})"
+        if self.preempt.received is None and (request := self.source.peer_stop_request()) is not None:
+            return request
         return self.preempt.name
 
     def stop_if_preempted(self, abandoned: StepAbandoned | None = None, agreed: bool = False) -> None:
@@ -463,7 +391,7 @@ class Trainer:
             raise TrainingStopped(
                 f"preempted by signal {name} {f'in step {step}' if abandoned else 'during start-up'}: nothing "
                 f"to save yet (no step of this run completed; {where}); exiting with {EXIT_PREEMPTED_NOTHING_SAVED}; "
-                f"{flag.timing()}, {when}", EXIT_PREEMPTED_NOTHING_SAVED)
+                f"{flag.timing()}, {when}", StopReason.PREEMPTED_NOTHING_SAVED)
         if sft_saved:
             saved = self.save_warm_start()
             then = (f"the warm start continues at SFT step {ws.done + 1}" if in_sft
@@ -472,11 +400,11 @@ class Trainer:
                 f"preempted by signal {name} {'in the SFT warm start' if in_sft else f'before step {step}'}: "
                 f"{saved} (SFT step {ws.done} of {ws.steps}); exiting with {EXIT_PREEMPTED} (resume with "
                 f"checkpoint.resume=true: {then}); {flag.timing()}, {when}, save {time.perf_counter() - t_stop:.1f} s",
-                EXIT_PREEMPTED)
+                StopReason.PREEMPTED)
         saved = self._save_last_completed_step()
         raise TrainingStopped(f"preempted by signal {name} before step {step}: {saved} (step {self.step}); "
                               f"exiting with {EXIT_PREEMPTED} (resume with checkpoint.resume=true); {flag.timing()}, "
-                              f"{when}, save {time.perf_counter() - t_stop:.1f} s", EXIT_PREEMPTED)
+                              f"{when}, save {time.perf_counter() - t_stop:.1f} s", StopReason.PREEMPTED)
 
     def save_warm_start(self) -> str:
         """Every rank: the SFT warm start as far as it went, as the checkpoint of step 0 (its weights, its
@@ -490,11 +418,11 @@ class Trainer:
         return f"warm start saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
 
     def _stop_without_rollouts(self, e: RolloutRanksLost) -> None:
-        # raised on every trainer rank together (AsyncRollouts._stop_everywhere); the save holds the
+        # raised on every trainer rank together (RemoteSource._stop_everywhere); the save holds the
         # weights of version self.step and the data position after the last consumed batch
         saved = self._save_last_completed_step()
         raise TrainingStopped(f"stopping before step {self.step + 1}: {e}; {saved} (resume with "
-                              "checkpoint.resume=true: the rollouts in flight are generated again)", e.exit_code)
+                              "checkpoint.resume=true: the rollouts in flight are generated again)", e.reason)
 
     def _save_last_completed_step(self) -> str:
         """Every rank, when the job stops early: save the state after step ``self.step``, unless the
@@ -521,6 +449,7 @@ class Trainer:
         per-model globals, deterministic mode). The process groups stay up: train.run_trainer (or the
         caller running several jobs) tears them down with parallel.destroy()."""
         self.hooks.close(self)
+        self.source.close()
         self.logger.close()
         self._release_process_state()
 
@@ -546,7 +475,7 @@ def nonfinite_grads(ddp) -> torch.Tensor:
     return torch.stack([torch.stack(torch.aminmax(g)) for g in bufs]).isfinite().all().logical_not()
 
 
-def nonfinite_rows(micro: RolloutBatch, logp: torch.Tensor) -> torch.Tensor:
+def nonfinite_rows(micro: TrainBatch, logp: torch.Tensor) -> torch.Tensor:
     """[b] bool on logp's device: the rows of a micro-batch whose current or old log-probs are not finite
     on a response token (no host sync: ``bad_sample_ids`` reads them only when the update is skipped)."""
     return ~torch.where(micro.mask, logp.detach() - micro.old_logprobs, 0.0).isfinite().all(-1)

@@ -1,4 +1,4 @@
-"""Asynchronous rollouts (megatron_gspo/async_rollout/): generation and training on separate ranks of one
+"""Asynchronous rollouts (megatron_gspo/rollout/): generation and training on separate ranks of one
 torchrun world, weights streamed after every step, bounded staleness, faults.
 
 Multi-rank tests run torchrun on the CPU with gloo (tests/conftest.py run_dist, slow tier); the config
@@ -55,7 +55,7 @@ def test_config_refuses_what_async_cannot_do(overrides, message):
      "8 rollout rows are not divisible by the rollout ranks' data-parallel size 3"),
 ])
 def test_world_size_checks_name_the_keys(world, overrides, message):
-    from megatron_gspo.async_rollout.layout import check_world
+    from megatron_gspo.rollout.layout import check_world
 
     cfg = load_job_config(None, ASYNC + ["rollout.max_staleness=0"] + overrides)
     with pytest.raises(ConfigError) as e:
@@ -64,7 +64,7 @@ def test_world_size_checks_name_the_keys(world, overrides, message):
 
 
 def test_split_of_a_world():
-    from megatron_gspo.async_rollout.layout import check_world
+    from megatron_gspo.rollout.layout import check_world
 
     cfg = load_job_config(None, ["rollout.mode=async", "rollout.world_size=4", "rollout.max_staleness=0",
                                  "rollout.tensor_model_parallel_size=2", "parallel.tensor_model_parallel_size=2"])
@@ -165,16 +165,28 @@ def metrics(out):
     return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
 
 
+def trained_rows(out):
+    """Every row the trainer trained on, as RecordRollouts wrote it (run_job.py)."""
+    for name in sorted(os.listdir(out)):
+        if name.startswith("rollouts.dp"):
+            yield from (json.loads(line) for line in open(os.path.join(out, name)))
+
+
 def records(out):
     """(step, global row) -> (sample id, tokens) of every row the trainer trained on."""
     got = {}
-    for name in sorted(os.listdir(out)):
-        if name.startswith("rollouts.dp"):
-            for line in open(os.path.join(out, name)):
-                r = json.loads(line)
-                key = (r["step"], r["row"])
-                assert key not in got, f"row {key} trained twice"
-                got[key] = (r["sample"], r["tokens"])
+    for r in trained_rows(out):
+        key = (r["step"], r["row"])
+        assert key not in got, f"row {key} trained twice"
+        got[key] = (r["sample"], r["tokens"])
+    return got
+
+
+def versions(out):
+    """step -> [(version_start, version_end)] of every row the trainer trained on, as the rows carried them."""
+    got = {}
+    for r in trained_rows(out):
+        got.setdefault(r["step"], []).append(tuple(r["versions"]))
     return got
 
 
@@ -211,11 +223,19 @@ def test_staleness_never_exceeds_the_bound(uninterrupted_k1):
     # trains step s, with version s: exactly one version old (the finish policy keeps a row's start version)
     assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1]
     assert all(r["async/staleness_frac_0"] + r["async/staleness_frac_1"] == 1 for r in rows)
+    rows_versions = versions(uninterrupted_k1)
     for r in rows:
+        # row by row, as the rollout ranks recorded them: step s (0-based) trains rows that began with version
+        # s - 1 or s, none of whose tokens came from a version newer than s (pushed before its rows were taken)
+        s, vs = r["step"] - 1, rows_versions[r["step"]]
+        assert len(vs) == 16 and all(s - 1 <= v0 <= v1 <= s for v0, v1 in vs), vs
+        assert r["async/staleness_max"] == max(s - v0 for v0, _ in vs)
+        # the rows of two versions, counted from the rows themselves, are the trainer's count and the rollout
+        # ranks' own count of rows an update reached mid-generation (finish: they finished under the new weights)
+        mixed = sum(v0 != v1 for v0, v1 in vs)
+        assert r["async/mixed_version_rows"] == mixed == r["async/partial_finished_rows"]
         assert r["async/weight_sync_bytes"] > 0 and r["async/weight_sync_s"] > 0
         assert 0 <= r["async/rollout_idle_frac"] <= 1 and 0 <= r["async/trainer_idle_frac"] <= 1
-        # finish: the rows a mid-generation update touched are exactly those of two versions
-        assert r["async/mixed_version_rows"] == r["async/partial_finished_rows"]
         assert r["async/partial_dropped_rows"] == 0
         assert "rollout/logprob_diff_max" in r and "rollout_correction/weight_mean" in r
     assert len(records(uninterrupted_k1)) == 4 * 16
@@ -289,7 +309,7 @@ class _Loadable:
 def _gen(cfg, st, model, **kw):
     import dataclasses
 
-    from megatron_gspo.async_rollout.worker import generate_with_updates
+    from megatron_gspo.rollout.worker import generate_with_updates
     from megatron_gspo.generation import generate
 
     g = dataclasses.replace(cfg.generation, n_samples_per_prompt=1, max_new_tokens=8, ignore_eos=True,
@@ -391,7 +411,7 @@ def test_async_counts_agree_with_their_definitions(two_versions, policy):
 
 
 def test_stop_leaves_generation(two_versions):
-    from megatron_gspo.async_rollout.worker import Stopped
+    from megatron_gspo.rollout.worker import Stopped
 
     cfg, st, model, v0, v1 = two_versions
     poll, apply = _updates_at(1, model, v1, stop=True)

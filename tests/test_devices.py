@@ -188,7 +188,8 @@ def test_rollout_helpers_make_their_tensors_on_the_state_device(nccl):
     from megatron_gspo.algorithms.advantages import grpo_advantages
     from megatron_gspo.algorithms.losses import LossConfig, batch_normalizer
     from megatron_gspo.model import aux_loss_scales, input_padding_mask
-    from megatron_gspo.rollout import RolloutBatch, common_length, global_advantages, local_rows
+    from megatron_gspo.rollout.prepare import TrainBatch, global_advantages
+    from megatron_gspo.rollout.rows import common_length, local_rows
 
     cuda = torch.device("cuda", 0)
     state = types.SimpleNamespace(device=cuda, dp_group=object(), sequence_parallel=True, tp=2, tp_rank=1,
@@ -207,7 +208,7 @@ def test_rollout_helpers_make_their_tensors_on_the_state_device(nccl):
         assert pad.device.type == "cuda" and pad.sum(1).tolist() == [3, 1, 2, 4]
         scales = aux_loss_scales([pad[:2], pad[2:]], state, "aux_loss", 1e-3)
         assert len(scales) == 2 and all(s > 0 for s in scales)
-        batch = RolloutBatch(tokens=torch.zeros(4, 6, dtype=torch.long, device=cuda), mask=~pad, seq_lengths=lengths,
+        batch = TrainBatch(tokens=torch.zeros(4, 6, dtype=torch.long, device=cuda), mask=~pad, seq_lengths=lengths,
                              row_ids=ids, rewards=rewards, advantages=adv, sample_logprobs=torch.zeros(4, 5, device=cuda))
         assert batch.rows(slice(1, 3)).input_padding_mask().device.type == "cuda"
         assert batch_normalizer(LossConfig(), batch.mask).device.type == "cuda"

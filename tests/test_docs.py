@@ -136,10 +136,10 @@ def _known_metrics() -> set[str]:
     for mode in ("tis", "mis"):
         keys |= set(correction_weights(old, logp, mask, mode, "token", 0.5, 2.0)[1])
     keys.add("eval/pass@k")  # named by eval.k (evaluation.py)
-    keys |= {f"async/staleness_frac_{j}" for j in range(2)}  # named by the staleness (async_rollout/source.py)
+    keys |= {f"async/staleness_frac_{j}" for j in range(2)}  # named by the staleness (rollout/remote.py)
     src = ""
     # where the trainer's, the rollout's and the evaluation's metrics are named
-    for module in ("trainer.py", "rollout.py", "evaluation.py", os.path.join("async_rollout", "source.py")):
+    for module in ("trainer.py", "evaluation.py", *(os.path.join("rollout", m) for m in ("prepare.py", "colocated.py", "remote.py"))):
         with open(os.path.join(ROOT, "megatron_gspo", module), encoding="utf-8") as f:
             src += f.read()
     keys |= set(re.findall(r"\"((?:" + _PREFIXES + r")/[A-Za-z0-9_/]+)\"", src))

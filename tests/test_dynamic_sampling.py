@@ -94,9 +94,14 @@ def trainer(tmp_path):
         yield build
 
 
+def _batch(t):
+    """Step 1's prepared batch of a built trainer."""
+    return t.prepare(t.source.collect(0))
+
+
 def test_rollout_keeps_only_informative_groups(trainer):
     t = trainer(["train.dynamic_sampling=true", f"reward.name={PLUGINS}:constant_for_odd_first_operand"])
-    batch = t.rollouts.collect(0)
+    batch = t.prepare(t.source.collect(0))
     groups = batch.rewards[torch.argsort(batch.row_ids)].reshape(4, 4)
     assert bool((groups.amax(1) > groups.amin(1)).all())  # every trained group carries signal
     s = batch.stats
@@ -114,7 +119,7 @@ def test_rollout_past_the_cap_fills_and_says_so(trainer):
     t = trainer(["train.dynamic_sampling=true", "train.dynamic_sampling_max_rounds=2",
                  f"reward.name={PLUGINS}:always_zero"])
     with LogLines(logging.WARNING) as said:
-        batch = t.rollouts.collect(0)
+        batch = t.prepare(t.source.collect(0))
     assert batch.stats == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/dropped_group_frac": 1.0,
                            "dynamic_sampling/filled_groups": 4.0, "dynamic_sampling/generated_reward_mean": 0.0}
     assert t.sampler.num_prompts == 12 and batch.num_rows == 16
@@ -124,8 +129,8 @@ def test_rollout_past_the_cap_fills_and_says_so(trainer):
 def test_dynamic_sampling_off_is_the_first_round(trainer):
     """Round 0 draws exactly the rollout of dynamic sampling off: same prompts, noise and rewards."""
     reward = f"reward.name={PLUGINS}:response_hash"  # distinct responses score differently
-    off = trainer([reward]).rollouts.collect(0)
-    on = trainer([reward, "train.dynamic_sampling=true"]).rollouts.collect(0)
+    off = _batch(trainer([reward]))
+    on = _batch(trainer([reward, "train.dynamic_sampling=true"]))
     assert on.stats["dynamic_sampling/rounds"] == 1  # every group informative: round 0 is the whole step
     assert torch.equal(off.tokens, on.tokens) and torch.equal(off.rewards, on.rewards)
     assert torch.equal(off.row_ids, on.row_ids) and len(set(off.rewards.tolist())) > 4
@@ -160,7 +165,8 @@ def test_steps_whose_every_response_is_truncated_update_nothing(tmp_path, monkey
     import json
     import math
 
-    from megatron_gspo import parallel, rollout
+    from megatron_gspo import parallel
+    from megatron_gspo.rollout import prepare as rollout
     from megatron_gspo.trainer import Trainer
 
     monkeypatch.setattr(rollout, "truncated", lambda stopped, lengths, max_len: torch.ones_like(stopped))
@@ -204,7 +210,7 @@ def test_dynamic_sampling_logs_each_round_and_keeps_only_what_it_can_pick(traine
     t = trainer(["train.dynamic_sampling=true", "train.dynamic_sampling_max_rounds=4",
                  f"reward.name={PLUGINS}:always_zero"])
     alive, seen = [], []
-    generate_round = t.rollouts._generate_round
+    generate_round = t.source._generate_round
 
     def counting(*args, **kwargs):
         seen.append(sum(r() is not None for r in alive))  # earlier rounds' outputs still held
@@ -212,9 +218,9 @@ def test_dynamic_sampling_logs_each_round_and_keeps_only_what_it_can_pick(traine
         alive.append(weakref.ref(result[1].tokens))
         return result
 
-    monkeypatch.setattr(t.rollouts, "_generate_round", counting)
+    monkeypatch.setattr(t.source, "_generate_round", counting)
     with LogLines(logging.INFO) as log:
-        batch = t.rollouts.collect(0)
+        batch = t.prepare(t.source.collect(0))
     assert len(seen) == 5 and batch.num_rows == 16 and batch.stats["dynamic_sampling/rounds"] == 5.0
     assert max(seen) <= 1, seen  # only the round just finished (the loop's local) while the next one runs
     rounds = [m for lvl, m in log.records if lvl == logging.INFO and "dynamic sampling: 0 of 4 informative" in m]

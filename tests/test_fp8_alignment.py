@@ -62,7 +62,7 @@ def test_decode_rows_and_micro_batch_widths():
     # the FP8 recipe (launch/recipes/gspo_qwen3_30b_a3b_fp8_16xh100.yaml): micro-batch 2, TP 1, no SP.
     # Before: widths rounded to the SP size only, so 2 rows x 37 tokens reached TE's GEMM.
     assert not te_accepts(2 * 37, 2048)
-    from megatron_gspo.rollout import plan_micro_batches
+    from megatron_gspo.rollout.prepare import plan_micro_batches
 
     _, _, widths = plan_micro_batches([38, 20, 7, 3], 1, 2, None, fp8_alignment.width_multiple(1, ALIGN))
     assert widths == [49, 17] and all((w - 1) % ALIGN == 0 for w in widths)
@@ -174,7 +174,7 @@ def test_aligned_micro_batches_give_the_same_rollout_losses_and_gradient(tmp_pat
             if force:
                 force_alignment(mp)
             trainer = build(variant + ["train.sft_steps=0"])
-            batch = trainer.rollouts.collect(0)
+            batch = trainer.prepare(trainer.source.collect(0))
             acc = MetricAccumulator()
             trainer.accumulate_gradients(batch, batch.minibatches[0], acc)
         grad = torch.cat([p.main_grad.reshape(-1).clone() for p in trainer.ddp.parameters()])

@@ -48,7 +48,7 @@ def test_trainer_minibatch_makes_one_guard_sync(tmp_path, minibatches):
 
     with built_trainers(TINY_JOB + [f"train.num_minibatches={minibatches}"], tmp_path) as build:
         trainer = build([])
-        batch = trainer.rollouts.collect(0)
+        batch = trainer.prepare(trainer.source.collect(0))
         assert len(batch.micro) == 4 and sum(1 for _ in trainer.ddp.parameters()) > 30
         with HostSyncCounter() as syncs:
             trainer.train_on(batch)
@@ -103,13 +103,13 @@ def test_decode_loop_syncs_every_few_tokens_only(tiny_model, stops):
 
 
 def test_async_weight_update_poll_rides_on_the_finished_row_vote(tiny_model):
-    """An asynchronous rollout rank generates with weight updates (async_rollout.worker.generate_with_updates)
+    """An asynchronous rollout rank generates with weight updates (rollout.worker.generate_with_updates)
     in generation lockstep (a state with EP 2: the vote is taken over the world, here one rank): the update
     poll and its agreement ride on the finished-row check, every 4 tokens, one host sync there and none
     per token elsewhere; an update applied mid-generation included."""
     import types
 
-    from megatron_gspo.async_rollout.worker import generate_with_updates
+    from megatron_gspo.rollout.worker import generate_with_updates
     from megatron_gspo.generation import GenerationConfig, Generator
 
     model, st = tiny_model
@@ -139,4 +139,4 @@ def test_async_weight_update_poll_rides_on_the_finished_row_vote(tiny_model):
     steps = forwards[20] - forwards[4]
     per_step = (counts[20].total() - counts[4].total()) / steps
     assert per_step <= 1 / 4, counts[20].by_site()
-    assert counts[20].total("megatron_gspo/async_rollout/worker.py") == counts[4].total("megatron_gspo/async_rollout/worker.py")
+    assert counts[20].total("megatron_gspo/rollout/worker.py") == counts[4].total("megatron_gspo/rollout/worker.py")

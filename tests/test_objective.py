@@ -13,7 +13,7 @@ from megatron_gspo.algorithms.objective import ObjectiveConfig, loss_units, obje
 from megatron_gspo.algorithms.rollout_correction import correction_weights, mismatch_metrics
 from megatron_gspo.config import LossConfig, RolloutCorrectionConfig, load_job_config
 from megatron_gspo.metrics import reduce_metrics
-from megatron_gspo.rollout import RolloutBatch
+from megatron_gspo.rollout.prepare import TrainBatch
 from megatron_gspo.trainer import nonfinite_rows
 
 
@@ -28,7 +28,7 @@ def _micro(logp_old, sample, adv, lengths, truncated=(False, False, False), widt
     mask = torch.zeros(b, width - 1, dtype=torch.bool)
     for i, n in enumerate(lengths):
         mask[i, :n] = True
-    return RolloutBatch(
+    return TrainBatch(
         tokens=torch.ones(b, width, dtype=torch.long), mask=mask, seq_lengths=torch.tensor(lengths) + 1,
         row_ids=torch.arange(b), rewards=torch.zeros(b), advantages=torch.tensor(adv),
         sample_logprobs=torch.tensor(sample), old_logprobs=torch.tensor(logp_old),

@@ -31,7 +31,8 @@ def _raise_oom(*a, **k):
     ("old_logprobs", ["train.micro_batch_size=2 (lower it)"]),
 ])
 def test_oom_names_the_phase_knobs_and_estimate(tmp_path, monkeypatch, capfd, where, knobs):
-    import megatron_gspo.rollout as rollout
+    import megatron_gspo.rollout.colocated as colocated
+    import megatron_gspo.rollout.prepare as prepare
     import megatron_gspo.trainer as trainer_mod
     from megatron_gspo.train import main
 
@@ -39,9 +40,9 @@ def test_oom_names_the_phase_knobs_and_estimate(tmp_path, monkeypatch, capfd, wh
     if where == "training":
         monkeypatch.setattr(trainer_mod, "forward_logprobs", _raise_oom)
     elif where == "generation":
-        monkeypatch.setattr(rollout.Generator, "generate", _raise_oom)  # the rollout source's kept generator
+        monkeypatch.setattr(colocated.Generator, "generate", _raise_oom)  # the rollout source's kept generator
     else:
-        monkeypatch.setattr(rollout, "forward_logprobs", _raise_oom)
+        monkeypatch.setattr(prepare, "forward_logprobs", _raise_oom)
     extra = ["train.old_logprobs=recompute"] if where == "old_logprobs" else []
     rc = main(JOB + extra + [f"train.output_dir={tmp_path}"])
     assert rc == 2
@@ -146,9 +147,10 @@ def test_a_cpu_allocation_failure_ends_the_job_in_one_line(tmp_path, monkeypatch
     """The trainer's phases, each failing with the CPU allocator's own RuntimeError: exit 2, one line."""
     import megatron_gspo.sft as sft
     import megatron_gspo.trainer as trainer_mod
+    import megatron_gspo.trainer_components as components
     from megatron_gspo.train import main
 
-    target = {"sft": (sft, "forward_logprobs"), "model": (trainer_mod, "build_model"),
+    target = {"sft": (sft, "forward_logprobs"), "model": (components, "build_model"),
               "optimizer": (trainer_mod, "optimizer_step"), "training": (trainer_mod, "forward_logprobs")}[where]
     monkeypatch.setattr(*target, _cpu_allocator_fails)
     extra = ["train.sft_steps=1", "train.sft_batch_size=4"] if where == "sft" else []

@@ -149,7 +149,7 @@ class SignalInRound(SignalAtStep):
         self.rnd = rnd
 
     def at_step_start(self, trainer) -> None:
-        generate_round, took = trainer.rollouts._generate_round, []
+        generate_round, took = trainer.source._generate_round, []
 
         def timed(step, rnd, *args, **kwargs):
             if rnd + 1 == self.rnd:
@@ -159,7 +159,7 @@ class SignalInRound(SignalAtStep):
             took.append(time.perf_counter() - t0)
             return out
 
-        trainer.rollouts._generate_round = timed
+        trainer.source._generate_round = timed
 
 
 def run_job(tmp_path, name, overrides, hooks=()):
@@ -260,9 +260,9 @@ class PhaseSignal(TrainerHook):
     def __init__(self, phase: str, twice: bool, monkeypatch):
         self.phase, self.twice, self.sent_at = phase, twice, None
         if phase == "start-up":
-            from megatron_gspo import trainer as trainer_module
+            from megatron_gspo import trainer_components
 
-            self._wrap_once(monkeypatch, trainer_module, "build_model", lambda: True)
+            self._wrap_once(monkeypatch, trainer_components, "build_model", lambda: True)
         elif phase == "sft":  # as SFT step 3 begins (one micro-batch, so one forward, per SFT step)
             from megatron_gspo import sft
 
@@ -287,9 +287,9 @@ class PhaseSignal(TrainerHook):
         at_step = lambda n: lambda: trainer.step + 1 == n  # noqa: E731 (inside step n)
         mp = pytest.MonkeyPatch()  # instance attributes of this trainer only: gone with it
         if self.phase == "generation":
-            self._wrap_once(mp, trainer.rollouts, "_generate_round", at_step(2))
+            self._wrap_once(mp, trainer.source, "_generate_round", at_step(2))
         elif self.phase == "rollout-tail":
-            self._wrap_once(mp, trainer.rollouts, "assemble", at_step(2))
+            self._wrap_once(mp, trainer.prepare, "_plan", at_step(2))  # the batch preparation begins
         elif self.phase == "update":
             self._wrap_once(mp, trainer, "train_on", at_step(2))
         elif self.phase == "evaluation":

@@ -311,7 +311,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_named_and_never_costs_the_new_on
 
 
 def test_plan_groups_rows_by_length_within_each_minibatch():
-    from megatron_gspo.rollout import plan_micro_batches
+    from megatron_gspo.rollout.prepare import plan_micro_batches
 
     lengths = [5, 9, 3, 9, 4, 12, 6, 2]  # two minibatches of 4 rows
     perm, plan, widths = plan_micro_batches(lengths, 2, 2, None, 1)
@@ -342,7 +342,7 @@ def _grads(trainer, batch, mini):
 def test_length_grouped_micro_batches_give_the_padded_gradient(trainer_on):
     trainer = trainer_on(["generation.max_new_tokens=12", "train.micro_batch_size=2", "train.num_minibatches=1",
                           "generation.stop_token_ids=[3,7,11]"])
-    batch = trainer.rollouts.collect(0)
+    batch = trainer.prepare(trainer.source.collect(0))
     lengths = batch.seq_lengths.tolist()
     assert max(lengths) - min(lengths) >= 3 and len(set(batch.widths)) > 1  # ragged, so widths differ
     assert lengths == sorted(lengths, reverse=True)  # rows grouped by length
@@ -369,7 +369,7 @@ def _training_forwards(trainer):
 def test_old_logprobs_from_the_rollout_save_a_pass(trainer_on, source):
     trainer = trainer_on([f"train.old_logprobs={source}", "train.num_minibatches=1"])
     forwards = _training_forwards(trainer)
-    batch = trainer.rollouts.collect(0)
+    batch = trainer.prepare(trainer.source.collect(0))
     n_micro = len(batch.micro)
     assert forwards[0] == (n_micro if source == "recompute" else 0)
     # never the same tensor object: writing to one cannot change the other
@@ -380,7 +380,7 @@ def test_old_logprobs_from_the_rollout_save_a_pass(trainer_on, source):
     # the sampling log-probs against a training forward on the same weights (a pass of its own here, so
     # the check does not compare a tensor with itself): the same policy up to float noise in fp32
     pads = [batch.micro_batch(i).input_padding_mask() for i in range(n_micro)]
-    recomputed = trainer.rollouts.logprobs(trainer.model, batch, pads)
+    recomputed = trainer.prepare.logprobs(trainer.model, batch, pads)
     gap = (recomputed - batch.sample_logprobs).abs()[batch.mask]
     assert 0 < gap.max() < 1e-5  # not zero: two different forwards (a KV-cache decode and a full one)
     if source == "recompute":

@@ -20,7 +20,7 @@ Rows of ``path`` (rank 0, JSON lines), one per update: ``step``, ``update``; ``c
 share of (token, expert) choices that changed (RoutingMonitor's measure, as the trainer's metric);
 ``token_change_frac``, the share of tokens whose top-k expert *set* changed; ``tokens`` compared per
 layer; ``layers`` (per MoE layer); ``vs_init`` (the same against the initial model). Only real input
-positions count (``RolloutBatch.input_padding_mask``: the router's statistics leave padding out).
+positions count (``TrainBatch.input_padding_mask``: the router's statistics leave padding out).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def save_initial_model(cfg, path: str) -> int:
     try:
         if cfg.train.sft_steps > 0:
             sft_warm_start(trainer.ddp, trainer.state, cfg, trainer.sampler.dataset, trainer.tokenizer,
-                           trainer.rollouts.gen_cfg.pad_id)
+                           trainer.prepare.gen_cfg.pad_id)
         save_model(trainer.ddp, path)
         log.info("initial model saved to %s (SFT steps: %d)", path, cfg.train.sft_steps)
     finally:

@@ -47,7 +47,7 @@ class ObjectiveConfig:
 
 
 class MicroBatch(Protocol):
-    """What the objective reads of a micro-batch (rollout.RolloutBatch has it): b rows, [b, w-1] grid."""
+    """What the objective reads of a micro-batch (rollout.prepare.TrainBatch has it): b rows, [b, w-1] grid."""
 
     mask: Tensor  # [b, w-1] bool: response tokens
     truncated: Optional[Tensor]  # [b] bool: cut at generation.max_new_tokens without a stop token

@@ -1,6 +1,6 @@
-"""The ``rollout`` section: where rollouts are generated (megatron_gspo/async_rollout/). Its checks across
+"""The ``rollout`` section: where rollouts are generated (megatron_gspo/rollout/). Its checks across
 sections are config/rules.py's (``async_*``, ``old_logprobs_under_async``); the checks that need the world
-size live with the rank split (async_rollout.layout.check_world)."""
+size live with the rank split (rollout.layout.check_world)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from megatron_gspo.config.fields import Resume, knob, validate
 
 ROLLOUT_MODES = ("colocated", "async")
 PARTIAL_ROLLOUT_POLICIES = ("finish", "drop")
-# Every rank of an async job bumps its heartbeat this often (async_rollout.side.Heartbeat). A timeout must
+# Every rank of an async job bumps its heartbeat this often (rollout.side.Heartbeat). A timeout must
 # span several beats: one beat late (a loaded host, a long GIL hold) must not declare a healthy rank dead.
 HEARTBEAT_PERIOD_S = 1.0
 MIN_HEARTBEAT_TIMEOUT_S = 3 * HEARTBEAT_PERIOD_S

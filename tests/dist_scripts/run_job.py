@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo import parallel
-from megatron_gspo.async_rollout.layout import ROLLOUT, role_of
-from megatron_gspo.async_rollout.worker import run_rollout_rank
+from megatron_gspo.rollout.layout import ROLLOUT, role_of
+from megatron_gspo.rollout.worker import run_rollout_rank
 from megatron_gspo.checkpoint import save_model
 from megatron_gspo.config import load_job_config
 from megatron_gspo.metrics import MetricAccumulator
-from megatron_gspo.rollout import micro_batch_slices
+from megatron_gspo.rollout.rows import micro_batch_slices
 from megatron_gspo.hooks import TrainerHook
 from megatron_gspo.train import DEMO_CONFIG, Trainer
 from megatron_gspo.trainer import TrainingStopped
@@ -90,7 +90,9 @@ class RecordRollouts(TrainerHook):
                 keep = batch.tokens[i, : int(batch.seq_lengths[i])].tolist()
                 f.write(json.dumps({"step": trainer.step + 1, "row": int(batch.row_ids[i]), "sample": batch.sample_ids[i],
                                     "tokens": keep,
-                                    "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i])}) + "\n")
+                                    "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i]),
+                                    # the policy versions that drew the row's first and last tokens (the record's)
+                                    "versions": [int(batch.version_start[i]), int(batch.version_end[i])]}) + "\n")
 
 
 def _optimizer_states(trainer):
@@ -148,15 +150,15 @@ def save_gradients(trainer, out_dir, micro_batch_sizes):
     # routing metrics compare the training forward with the old-log-prob pass micro-batch by
     # micro-batch; here the training pass is re-split on purpose (no replay: nothing else to keep)
     trainer.routing.train_pass = lambda mb: contextlib.nullcontext()
-    rollouts = trainer.rollouts
+    source = trainer.source
     for kind in ("policy", "aux"):
         if kind == "aux":  # greedy: identical samples per prompt -> all advantages exactly 0
-            rollouts.row_gen_cfg = dataclasses.replace(rollouts.row_gen_cfg, temperature=0.0)
-            rollouts.temperature = 1.0
+            source.row_gen_cfg = dataclasses.replace(source.row_gen_cfg, temperature=0.0)
+            trainer.prepare.temperature = 1.0
         # the coefficient is read by megatron's routers at every forward and by aux_loss_scales
         unwrap(trainer.ddp).config.moe_aux_loss_coeff = mcfg.moe_aux_loss_coeff = coeff if kind == "aux" else 0.0
         trainer.routing.monitor.clear()  # the routing records of the previous rollout (no metrics here)
-        batch = rollouts.collect(trainer.step)
+        batch = trainer.prepare(source.collect(trainer.step))
         trainer.hooks.after_rollout(trainer, batch)
         trainer.step += 1
         # one width for every micro-batch, agreed over the ranks (expert parallelism runs in lockstep)
@@ -183,12 +185,12 @@ def save_planned_gradient(trainer, out_dir):
     plan the rollout made itself (train.micro_batch_size / max_tokens_per_micro_batch, agreed over the
     ranks under EP). Prints this rank's own plan next to the agreed one."""
     from megatron_gspo.model import unwrap
-    from megatron_gspo.rollout import plan_micro_batches
+    from megatron_gspo.rollout.prepare import plan_micro_batches
 
     trainer.setup_optimizer()
     unwrap(trainer.ddp).config.moe_aux_loss_coeff = trainer.cfg.model.moe_aux_loss_coeff = 0.0
     t = trainer.cfg.train
-    batch = trainer.rollouts.collect(trainer.step)
+    batch = trainer.prepare(trainer.source.collect(trainer.step))
     own = plan_micro_batches(batch.seq_lengths.tolist(), t.num_minibatches, t.micro_batch_size,
                              t.max_tokens_per_micro_batch, trainer.state.tp if trainer.state.sequence_parallel else 1)
     print(f"[rank {trainer.state.rank}] plan: own {[len(m) for m in own[1]]} widths {own[2]}; "

@@ -20,9 +20,9 @@ import os
 import time
 
 from megatron_gspo import parallel
-from megatron_gspo.async_rollout.layout import ROLLOUT, rollout_parallel_config
-from megatron_gspo.async_rollout.side import join
-from megatron_gspo.async_rollout.weight_sync import WeightReceiver, WeightSender
+from megatron_gspo.rollout.layout import ROLLOUT, rollout_parallel_config
+from megatron_gspo.rollout.side import join
+from megatron_gspo.rollout.weight_sync import WeightReceiver, WeightSender
 from megatron_gspo.checkpoint import save_model
 from megatron_gspo.config import load_job_config
 from megatron_gspo.init_weights import init_weights

@@ -1,4 +1,4 @@
-"""Asynchronous rollouts' weight sync (megatron_gspo/async_rollout/weight_sync.py) with Transformer Engine-spec
+"""Asynchronous rollouts' weight sync (megatron_gspo/rollout/weight_sync.py) with Transformer Engine-spec
 models, under torchrun on gloo inside the TE tier's interpreter: trainer and rollout ranks build their
 models construct-only on the CPU (tests/dist_scripts/weight_sync.py --te), the trainer streams its weights
 across tensor / expert layouts and across specs, and every rank's copy equals the one-rank model's numbers

@@ -26,7 +26,6 @@ waits poll the control plane (side.Control) and check the trainer's heartbeat.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from typing import Optional
@@ -34,22 +33,19 @@ from typing import Optional
 import torch
 
 from megatron_gspo import comm, parallel
-from megatron_gspo.async_rollout.layout import ROLLOUT, rollout_parallel_config
-from megatron_gspo.async_rollout.side import Side, is_peer_loss, short_error
-from megatron_gspo.async_rollout.weight_sync import WeightReceiver
+from megatron_gspo.rollout.layout import ROLLOUT, rollout_parallel_config
+from megatron_gspo.rollout.record import RolloutRecord, pack
+from megatron_gspo.rollout.side import PeerState, Side, is_peer_loss, short_error
+from megatron_gspo.rollout.weight_sync import WeightReceiver
 from megatron_gspo.config import JobConfig
 from megatron_gspo.faults import PreemptionFlag, injected_faults
 from megatron_gspo.generation import Generator
 from megatron_gspo.logger import setup_logging
 from megatron_gspo.algorithms.overlong import overlong_penalty
 from megatron_gspo.rewards import build_reward_fn, compute_rewards
-from megatron_gspo.rollout import local_rows
+from megatron_gspo.rollout.rows import local_rows
 
 log = logging.getLogger("megatron_gspo")
-
-MAGIC = 0x6A5E
-HEADER = 8  # [MAGIC, step, rows, width, ints, floats, meta bytes, 0]
-
 
 class Stopped(Exception):
     """The trainer announced the end (or went silent): the rollout rank leaves its loop."""
@@ -116,7 +112,7 @@ def generate_with_updates(model, prompts, gen_cfg, *, vocab_size: int, state, se
 
 
 class RolloutWorker:
-    """A rollout rank: built from the job's config and its ``Side`` (async_rollout.side.join)."""
+    """A rollout rank: built from the job's config and its ``Side`` (rollout.side.join)."""
 
     def __init__(self, cfg: JobConfig, side: Side) -> None:
         from megatron_gspo.data import build_prompt_sampler
@@ -131,9 +127,7 @@ class RolloutWorker:
         precision, _ = job_precision(cfg.model, st.device)
         if precision != cfg.model.precision:
             self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=precision))
-        setup_logging(st.rank)
-        for h in logging.getLogger().handlers:  # say which side speaks
-            h.setFormatter(logging.Formatter(f"%(asctime)s [rollout rank {side.global_rank}] %(message)s", "%H:%M:%S"))
+        setup_logging(st.rank, prefix=f"rollout rank {side.global_rank}")  # say which side speaks
         side.open_bridge(st.device)
         self.control = side.control
         # a stop signal here is passed on to the trainer (_poll), which checkpoints and announces the stop
@@ -211,7 +205,7 @@ class RolloutWorker:
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
         rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine], device=dev)
         rc = self.cfg.reward
-        if rc.overlong_buffer_len > 0:  # as Rollouts._generate_round
+        if rc.overlong_buffer_len > 0:  # as ColocatedSource._generate_round
             rewards = rewards + overlong_penalty(out.response_lengths.to(dev), self.gen_cfg.max_new_tokens,
                                                  rc.overlong_buffer_len, rc.overlong_penalty_factor)
         if self.leader:
@@ -221,23 +215,20 @@ class RolloutWorker:
     def _send(self, step: int, gen: Generated, mine, texts, rewards, data_state) -> None:
         """This data-parallel rank's rows of ``step`` to trainer rank 0 (bridge rank 0), without waiting."""
         out, dev = gen.out, self.state.device
-        n, T = out.tokens.shape
+        n = out.tokens.shape[0]
         now = time.perf_counter()
         wall, self._since = now - self._since, now
         clock, self._clock = self._clock, {"idle": 0.0, "sync": 0.0}
-        meta = {"prompt_ids": [p.id for p in mine], "texts": texts, "data": data_state,
-                "stats": {"gen_s": out.elapsed_s, "decode_row_steps": out.decode_row_steps, "idle_s": clock["idle"],
-                          "sync_s": clock["sync"], "wall_s": wall, "partial_finished": gen.finished_partial,
-                          "dropped": gen.dropped_rows, "updates": gen.updates}}
-        v_start = torch.full((n,), gen.version_start, dtype=torch.long, device=dev)
-        ints = torch.cat([out.tokens.reshape(-1), out.prompt_lengths, out.response_lengths,
-                          torch.tensor(self.rows, dtype=torch.long, device=dev), out.stopped.long(), v_start,
-                          gen.version_end]).to(device=dev, dtype=torch.long).contiguous()
-        floats = torch.cat([out.logprobs.reshape(-1).float(), rewards.float()]).to(dev).contiguous()
-        raw = json.dumps(meta).encode()
-        metab = torch.tensor(list(raw), dtype=torch.uint8, device=dev)
-        header = torch.tensor([MAGIC, step, n, T, ints.numel(), floats.numel(), metab.numel(), 0], dtype=torch.long,
-                              device=dev)
+        record = RolloutRecord(
+            step=step, tokens=out.tokens, prompt_lengths=out.prompt_lengths, response_lengths=out.response_lengths,
+            stopped=out.stopped, sample_logprobs=out.logprobs, rewards=rewards,
+            row_ids=torch.tensor(self.rows, dtype=torch.long, device=dev),
+            version_start=torch.full((n,), gen.version_start, dtype=torch.long, device=dev),
+            version_end=gen.version_end, prompt_ids=[p.id for p in mine], texts=texts, gen_s=out.elapsed_s,
+            gen_tokens=out.num_generated_tokens, decode_row_steps=out.decode_row_steps, data_state=data_state,
+            stats={"idle_s": clock["idle"], "sync_s": clock["sync"], "wall_s": wall,
+                   "partial_finished": gen.finished_partial, "dropped": gen.dropped_rows, "updates": gen.updates})
+        header, ints, floats, metab = pack(record)
         # "ready" first: with NCCL the first send creates the pair's communicator, which waits for the receiver
         self.control.mark_ready(step, self.state.dp_rank)
         works = [comm.bridge_send(x, 0, self.side.data_pg, what=f"rollout rows of step {step + 1}")
@@ -287,7 +278,8 @@ class RolloutWorker:
         return self.version
 
     def _trainer_gone(self) -> Optional[str]:
-        return self.control.check_peers([0], self.timeout_s, "trainer")
+        state, why = self.control.check_peers([0], self.timeout_s, "trainer")
+        return None if state is PeerState.ALIVE else why
 
     def _idle_until(self, ready):
         """Wait (serving pushes, watching for the stop and the trainer's heartbeat) until ``ready()`` is truthy;
@@ -319,7 +311,7 @@ def run_rollout_rank(cfg: JobConfig) -> int:
     """A rollout rank's whole life (train.main calls it); returns the process exit code. Why it ended goes
     to the control plane, where the trainer reads it (a failure here stops the trainer with this message)."""
     from megatron_gspo import exit_status
-    from megatron_gspo.async_rollout.side import join
+    from megatron_gspo.rollout.side import join
     from megatron_gspo.errors import USER_ERRORS
 
     side = join(cfg, ROLLOUT)
@@ -330,7 +322,7 @@ def run_rollout_rank(cfg: JobConfig) -> int:
     except BaseException as e:
         msg = f"{type(e).__name__}: {e}".strip()
         if side.control is None:
-            from megatron_gspo.async_rollout.side import Control
+            from megatron_gspo.rollout.side import Control
 
             side.control = Control(side.store, side.split, side.global_rank)
         side.control.record_exit(msg, error=True)
@@ -344,7 +336,7 @@ def run_rollout_rank(cfg: JobConfig) -> int:
         if is_peer_loss(e):  # another rank of the job died: its failure is the story, not this traceback
             log.error("rollout rank %d: lost a peer of the bridge (%s); the trainer checkpoints and stops",
                       side.global_rank, short_error(e))
-            return 1
+            return exit_status.ExitCode.FAILED
         raise
     worker.close(why, error=False)
     parallel.destroy()

@@ -2,7 +2,7 @@
 
 One torchrun world of N ranks is split in two: global ranks 0 .. N-R-1 train (their layout is
 ``parallel.*``), the last R = ``rollout.world_size`` generate (their layout is ``rollout.*``). Each
-side is a torch.distributed world of its own (async_rollout.side): megatron-core's parallel groups,
+side is a torch.distributed world of its own (rollout.side): megatron-core's parallel groups,
 dist_checkpointing and every collective of the package run over one side's ranks, exactly as in a
 colocated job of that size, and the two sides talk over a separate bridge (see side.py).
 

@@ -247,7 +247,7 @@ class WeightSender:
             op()
             return None
         except RuntimeError as e:  # gloo: connection closed by a dead peer, or the group's timeout
-            from megatron_gspo.async_rollout.side import short_error
+            from megatron_gspo.rollout.side import short_error
 
             return short_error(e)
 

@@ -23,6 +23,7 @@ pushing, which rollout batches are ready, a heartbeat per rank, why a rank exite
 from __future__ import annotations
 
 import datetime
+import enum
 import json
 import os
 import re
@@ -34,7 +35,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.async_rollout.layout import ROLLOUT, TRAINER, RankSplit, check_world
+from megatron_gspo.rollout.layout import ROLLOUT, TRAINER, RankSplit, check_world
 from megatron_gspo.config import ConfigError, JobConfig
 from megatron_gspo.config.rollout import HEARTBEAT_PERIOD_S
 
@@ -128,10 +129,24 @@ def short_error(e: BaseException) -> str:
     return line.split(". ")[0].rstrip(".")  # gloo goes on with generic advice
 
 
+# What gloo / c10d say when the other end of a connection is gone (one test each: tests/test_rollout_record.py)
+PEER_LOSS_TEXTS = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe")
+
+
 def is_peer_loss(e: BaseException) -> bool:
-    """A c10d error that means a peer of the bridge is gone (its connection closed or reset, or a timeout)."""
-    return isinstance(e, RuntimeError) and any(s in str(e) for s in (
-        "Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe"))
+    """A c10d error that means a peer of the bridge is gone (its connection closed or reset, or a timeout).
+
+    By type first (torch.distributed.DistNetworkError: a connection to a peer failed); gloo raises the rest
+    as RuntimeError / DistBackendError with only the message to tell: ``peer_loss_text``."""
+    network = getattr(dist, "DistNetworkError", None)
+    if network is not None and isinstance(e, network):
+        return True
+    return isinstance(e, RuntimeError) and peer_loss_text(str(e))
+
+
+def peer_loss_text(message: str) -> bool:
+    """The one place a c10d message's wording is matched (PEER_LOSS_TEXTS)."""
+    return any(s in message for s in PEER_LOSS_TEXTS)
 
 
 def join(cfg: JobConfig, expect: Optional[str] = None) -> Side:
@@ -247,33 +262,29 @@ class Control:
             return 0.0
         return now - last[1]
 
-    def peer_problem(self, ranks: list[int], timeout_s: float, what: str) -> Optional["PeerProblem"]:
-        """None while every global rank of ``ranks`` is alive and has not exited, else what is wrong."""
+    def check_peers(self, ranks: list[int], timeout_s: float, what: str) -> tuple["PeerState", str]:
+        """(ALIVE, "") while every global rank of ``ranks`` beats and has not exited, else the first one's
+        state and what is wrong, in words."""
         for r in ranks:
             info = self.exit_of(r)
             if info is not None:
-                failed = bool(info.get("error"))
-                return PeerProblem(f"{what} rank {r} {'failed' if failed else 'exited'}: {info.get('message', '')}",
-                                   failed)
+                state = PeerState.FAILED if info.get("error") else PeerState.EXITED
+                return state, f"{what} rank {r} {'failed' if state is PeerState.FAILED else 'exited'}: {info.get('message', '')}"
             silent = self.silent_for(r)
             if silent > timeout_s:
-                return PeerProblem(f"{what} rank {r} sent no heartbeat for {silent:.0f} s (rollout.heartbeat_timeout_s="
-                                   f"{timeout_s:g}): killed, hung, or its node is gone", False)
-        return None
-
-    def check_peers(self, ranks: list[int], timeout_s: float, what: str) -> Optional[str]:
-        """``peer_problem`` in words (None: all well)."""
-        problem = self.peer_problem(ranks, timeout_s, what)
-        return problem.message if problem is not None else None
+                return PeerState.SILENT, (f"{what} rank {r} sent no heartbeat for {silent:.0f} s (rollout.heartbeat_timeout_s="
+                                          f"{timeout_s:g}): killed, hung, or its node is gone")
+        return PeerState.ALIVE, ""
 
 
-@dataclass(frozen=True)
-class PeerProblem:
-    """A rank of the other side is gone: ``message`` says which and why; ``failed``: it raised (a failure,
-    exit 1), else it was killed, went silent or left (a checkpoint and a resume are the remedy, exit 75)."""
+class PeerState(enum.Enum):
+    """A rank of the other side, as the control plane sees it: ALIVE; FAILED (it raised: a failure, exit 1);
+    EXITED (it left), SILENT (no heartbeat: killed, hung, node gone): a checkpoint and a resume are the remedy."""
 
-    message: str
-    failed: bool
+    ALIVE = "alive"
+    FAILED = "failed"
+    EXITED = "exited"
+    SILENT = "silent"
 
 
 class Heartbeat:

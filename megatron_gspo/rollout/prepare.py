@@ -1,0 +1,282 @@
+"""From a step's RolloutRecord to the training batch: ``BatchPreparer(record) -> TrainBatch``.
+
+    1. advantages over every rank's rewards (a group of G samples may be spread over DP ranks)   global_advantages
+    2. truncation flags (overlong filtering)                                                    algorithms.overlong
+    3. micro-batches of rows of similar length, the same shapes on every EP rank                plan_micro_batches
+    4. the routing policy's after_generation (R3 replays, reference routes), old log-probs (recomputed, or the
+       sampling ones per train.old_logprobs), reference log-probs (KL)
+Both rollout sources (colocated.py, remote.py) return a RolloutRecord; the trainer prepares either alike.
+``rollout_metrics`` reduces the rollout's own metrics over DP.
+
+Token grid. A record holds right-padded rows ``tokens [B, T]`` (prompt from column 0, then the response,
+then pad). Training forwards ``tokens[:, :-1]`` and scores ``tokens[:, 1:]``, so every per-token tensor
+used by the losses lives on the shifted ``[B, T-1]`` grid: ``mask = response_mask[:, 1:]``. The last
+token of a row is never an input, which is also why routing recorded during generation (R3) needs no
+route for it. Advantages are computed over the gathered rewards of all rows, so the minibatches and
+hence every update are the same under any DP / TP / EP layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from megatron_gspo import comm, fp8_alignment
+from megatron_gspo.algorithms.overlong import truncated
+from megatron_gspo.metrics import Metric, MetricAccumulator
+from megatron_gspo.model import forward_logprobs, input_padding_mask, unwrap
+from megatron_gspo.oom import explain_oom
+from megatron_gspo.rollout.record import RolloutRecord
+from megatron_gspo.rollout.rows import local_rows, pad_columns
+
+log = logging.getLogger("megatron_gspo")
+
+# Called around each micro-batch forward with its index: routing replay/monitor hooks use it.
+MicroBatchHook = Optional[Callable[[int], "object"]]
+
+
+@dataclass
+class TrainBatch:
+    """One rank's share of a step's rollouts on the shifted [B, T-1] grid (see module doc)."""
+
+    tokens: torch.Tensor  # [B, T] long
+    mask: torch.Tensor  # [B, T-1] bool: response tokens among the targets tokens[:, 1:]
+    seq_lengths: torch.Tensor  # [B] long: prompt + response tokens (the rest of the row is padding)
+    row_ids: torch.Tensor  # [B] long: global row index (prompt x G + sample) of each local row
+    rewards: torch.Tensor  # [B] fp32
+    advantages: torch.Tensor  # [B] fp32
+    sample_logprobs: torch.Tensor  # [B, T-1] fp32, from the generator
+    old_logprobs: Optional[torch.Tensor] = None  # [B, T-1] fp32, the old policy's (config.old_logprob_source)
+    ref_logprobs: Optional[torch.Tensor] = None  # [B, T-1] fp32, reference policy (KL)
+    # [B] bool: the response hit generation.max_new_tokens without a stop token (overlong.truncated)
+    truncated: Optional[torch.Tensor] = None
+    sample_ids: list = field(default_factory=list)  # "<prompt id>#<sample>" per row, for error reports
+    response_texts: list = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+    # Step-level rollout statistics that need no reduction (dynamic sampling: rounds, dropped groups)
+    stats: dict = field(default_factory=dict)
+    # The micro-batch plan both passes use (plan_micro_batches): row slices, the flat micro-batch
+    # indices of each minibatch, and each micro-batch's token-grid width (its longest row's length).
+    micro: list = field(default_factory=list)
+    minibatches: list = field(default_factory=list)
+    widths: list = field(default_factory=list)
+    # [B] long: the policy versions that sampled each row (record.version_start / version_end: async staleness)
+    version_start: Optional[torch.Tensor] = None
+    version_end: Optional[torch.Tensor] = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    def input_padding_mask(self) -> torch.Tensor:
+        """[B, T-1] bool: True where the forward's input ``tokens[:, :-1]`` holds no real token."""
+        return input_padding_mask(self.seq_lengths, self.tokens.shape[1] - 1)
+
+    def rows(self, idx, width: Optional[int] = None) -> "TrainBatch":
+        """The rows ``idx`` (a slice or an index tensor), cut to a token-grid width of ``width`` columns
+        (every row of them must fit: the columns cut are padding)."""
+        w = self.tokens.shape[1] if width is None else width
+        pick = lambda t: None if t is None else t[idx, : w - 1]  # noqa: E731
+        ids = self.sample_ids[idx] if isinstance(idx, slice) else [self.sample_ids[i] for i in idx.tolist()]
+        return TrainBatch(
+            tokens=self.tokens[idx, :w], mask=pick(self.mask), seq_lengths=self.seq_lengths[idx],
+            row_ids=self.row_ids[idx], rewards=self.rewards[idx], advantages=self.advantages[idx],
+            sample_logprobs=pick(self.sample_logprobs), old_logprobs=pick(self.old_logprobs),
+            ref_logprobs=pick(self.ref_logprobs), sample_ids=ids,
+            truncated=None if self.truncated is None else self.truncated[idx],
+        )
+
+    def micro_batch(self, i: int) -> "TrainBatch":
+        """Flat micro-batch ``i`` of the plan, at its own width."""
+        return self.rows(self.micro[i], self.widths[i])
+
+
+def forward_width_multiple(model, state) -> int:
+    """The forward input width (token-grid width - 1) of every micro-batch is a multiple of this: the
+    sequence-parallel size (megatron splits the input over TP) times the model's FP8 token alignment
+    (fp8_alignment.py; 1 without FP8), so rows x width / TP suits TE's FP8 GEMMs for any rows."""
+    sp = state.tp if state.sequence_parallel else 1
+    return fp8_alignment.width_multiple(sp, fp8_alignment.token_alignment(unwrap(model).config))
+
+
+def global_advantages(rewards: torch.Tensor, row_ids: torch.Tensor, num_rows: int, group_size: int,
+                      estimator, dp_size: int, num_minibatches: int, dp_group) -> torch.Tensor:
+    """Advantages of this rank's rows [B] computed over every rank's rewards.
+
+    rewards, row_ids: [B] on the compute device (this rank's rows). The rewards of all R rows are
+    gathered over the DP group (a group of G samples may be spread over ranks) and the estimator
+    runs on [R] in global row order, so every rank computes the same numbers."""
+    parts = comm.all_gather(rewards.float(), dp_group, what="advantages: rewards of every data-parallel rank")
+    full = torch.empty(num_rows, dtype=torch.float32, device=rewards.device)
+    for r, part in enumerate(parts):
+        ids = torch.tensor(local_rows(num_rows, num_minibatches, dp_size, r), device=rewards.device)
+        full[ids] = part
+    return estimator(full, group_size)[row_ids]
+
+
+def plan_micro_batches(seq_lengths: list[int], num_minibatches: int, micro_batch_size: int,
+                       max_tokens: Optional[int], multiple_of: int) -> tuple[list[int], list[list[slice]], list[int]]:
+    """Group each minibatch's rows by length into micro-batches no wider than their longest row.
+
+    seq_lengths: real tokens per local row. Rows are sorted (longest first) within each minibatch,
+    which never moves a row to another minibatch; then cut into micro-batches of
+    ``micro_batch_size`` rows, or, with a ``max_tokens`` budget, of as many rows as keep
+    rows x width <= max_tokens. Returns (perm: the new order of the rows, per minibatch its
+    micro-batches as slices of the permuted rows, each micro-batch's width: its longest row,
+    rounded up so that (width - 1) % multiple_of == 0: forward_width_multiple, the sequence-parallel
+    split of the input times FP8's token alignment)."""
+    n = len(seq_lengths)
+    per = n // num_minibatches
+    round_up = lambda w: 1 + math.ceil((max(w, 2) - 1) / multiple_of) * multiple_of  # noqa: E731
+    perm, plan, widths = [], [], []
+    for k in range(num_minibatches):
+        rows = sorted(range(k * per, (k + 1) * per), key=lambda r: -seq_lengths[r])  # stable: ties keep order
+        perm += rows
+        mini, lo = [], k * per
+        while lo < (k + 1) * per:
+            width = round_up(seq_lengths[perm[lo]])  # the longest row of the micro-batch comes first
+            take = micro_batch_size if max_tokens is None else max(1, max_tokens // width)
+            hi = min(lo + take, (k + 1) * per)
+            mini.append(slice(lo, hi))
+            widths.append(width)
+            lo = hi
+        plan.append(mini)
+    return perm, plan, widths
+
+
+def agreed_length_profile(seq_lengths: list[int], num_minibatches: int, device: torch.device, group=None) -> list[int]:
+    """The micro-batch plan's lengths under expert parallelism, the same on every rank.
+
+    Every MoE forward is a collective over the TP x EP ranks and needs the same [rows, width] on each,
+    but a token budget cuts each rank's rows by their own lengths. Each rank sorts every minibatch's
+    rows longest first (as plan_micro_batches does); the profile is, at each position of that order,
+    the longest length any rank has there (one MAX all-reduce). Planned on the profile, every rank
+    gets the same micro-batches of the same widths, its own row at each position fits (it is no
+    longer than the profile's), and rows x width stays within the budget."""
+    per = len(seq_lengths) // num_minibatches
+    local = [x for k in range(num_minibatches) for x in sorted(seq_lengths[k * per:(k + 1) * per], reverse=True)]
+    t = torch.tensor(local, dtype=torch.long, device=device)
+    return comm.all_reduce(t, "max", group, what="micro-batch plan: sorted lengths (EP lockstep)").tolist()
+
+
+
+
+class BatchPreparer:
+    """RolloutRecord -> TrainBatch on this rank (module doc); built once by the trainer.
+
+    cfg: the JobConfig; gen_cfg: the generation section with the tokenizer's stop and pad ids filled in;
+    model / ref_model: the policy (DDP-wrapped) and the frozen KL reference (or None); advantage_fn: the
+    advantage estimator; routing: the RoutingPolicy; timer: where the sections' wall times go;
+    recompute_old_logprobs: config.old_logprob_source's decision."""
+
+    def __init__(self, cfg, state, model, ref_model, advantage_fn, gen_cfg, routing, timer, *,
+                 recompute_old_logprobs: bool) -> None:
+        self.cfg, self.state, self.model, self.ref_model = cfg, state, model, ref_model
+        self.advantage_fn, self.gen_cfg, self.routing, self.timer = advantage_fn, gen_cfg, routing, timer
+        self.recompute_old_logprobs = recompute_old_logprobs
+        # log-probs are taken at the sampling temperature (greedy rollouts: the raw policy)
+        self.temperature = gen_cfg.temperature or 1.0
+
+    def __call__(self, record: RolloutRecord) -> TrainBatch:
+        st, dev, t = self.state, self.state.device, self.cfg.train
+        G = self.gen_cfg.n_samples_per_prompt
+        R = t.prompts_per_step * G
+        rows = record.row_ids.tolist()
+        row_ids = torch.tensor(rows, dtype=torch.long, device=dev)
+        rewards = record.rewards
+        advantages = global_advantages(rewards, row_ids, R, G, self.advantage_fn, st.dp, t.num_minibatches,
+                                       st.dp_group)
+        cut = truncated(record.stopped.to(dev), record.response_lengths.to(dev), self.gen_cfg.max_new_tokens)
+        # rows of similar length share a micro-batch as wide as its longest row; under expert
+        # parallelism every MoE forward is a collective: the widths are agreed over all ranks
+        seq_lengths = record.seq_lengths
+        perm, plan, widths = self._plan(seq_lengths.tolist())
+        T = max(max(widths), record.tokens.shape[1])
+        order = torch.tensor(perm, dtype=torch.long, device=dev)
+        tokens = pad_columns(record.tokens, T, self.gen_cfg.pad_id)[order]
+        mask = pad_columns(record.response_mask, T, False)[order]
+        sample_lp = pad_columns(record.sample_logprobs, T, 0.0)[order]
+        sample_ids = record.sample_ids(G)
+        batch = TrainBatch(tokens=tokens, mask=mask[:, 1:], seq_lengths=seq_lengths[order], row_ids=row_ids[order],
+                           rewards=rewards[order], advantages=advantages[order], truncated=cut[order],
+                           sample_logprobs=sample_lp[:, 1:], response_texts=[record.texts[i] for i in perm],
+                           sample_ids=[sample_ids[i] for i in perm],
+                           micro=[sl for mini in plan for sl in mini], widths=widths,
+                           version_start=record.version_start[order], version_end=record.version_end[order])
+        batch.minibatches, n = [], 0
+        for mini in plan:
+            batch.minibatches.append(list(range(n, n + len(mini))))
+            n += len(mini)
+        pads = [batch.micro_batch(i).input_padding_mask() for i in range(len(batch.micro))]
+        self.routing.after_generation(record, [order[sl] for sl in batch.micro], widths, pads)
+        with self.timer("old_logprob"):
+            if self.recompute_old_logprobs:
+                batch.old_logprobs = self.logprobs(self.model, batch, pads, on_micro_batch=self.routing.old_pass)
+                self.routing.after_old_pass()
+            else:  # the sampling log-probs stand for the old policy's (config.old_logprob_source); a copy,
+                # so that nothing written to one can change the other
+                batch.old_logprobs = batch.sample_logprobs.clone()
+            if self.ref_model is not None:
+                batch.ref_logprobs = self.logprobs(self.ref_model, batch, pads)
+        batch.stats = dict(record.stats)
+        batch.timings = {"gen_tokens": record.gen_tokens, "gen_s": record.gen_s,
+                         "decode_row_steps": record.decode_row_steps}
+        return batch
+
+    def _plan(self, seq_lengths: list[int]) -> tuple[list[int], list[list[slice]], list[int]]:
+        """plan_micro_batches on this rank's lengths; under expert parallelism the shapes agreed by every rank."""
+        st, t = self.state, self.cfg.train
+        # widths: the sequence-parallel split of the input, and FP8's token alignment (fp8_alignment.py)
+        multiple = forward_width_multiple(self.model, st)
+        perm, plan, widths = plan_micro_batches(seq_lengths, t.num_minibatches, t.micro_batch_size,
+                                                t.max_tokens_per_micro_batch, multiple)
+        if st.ep > 1 and t.max_tokens_per_micro_batch is not None:
+            # a token budget cuts each rank's rows its own way: plan once, on the longest length at
+            # each rank of the sorted order over every rank, so all ranks run the same shapes
+            _, plan, widths = plan_micro_batches(agreed_length_profile(seq_lengths, t.num_minibatches, st.device),
+                                                 t.num_minibatches, t.micro_batch_size,
+                                                 t.max_tokens_per_micro_batch, multiple)
+        elif st.ep > 1:
+            agreed = torch.tensor(widths, dtype=torch.long, device=st.device)
+            widths = comm.all_reduce(agreed, "max", None, what="micro-batch widths (EP lockstep)").tolist()
+        return perm, plan, widths
+
+    @torch.no_grad()
+    def logprobs(self, model, batch: TrainBatch, pads: list[torch.Tensor], on_micro_batch=None) -> torch.Tensor:
+        """Forward-only log-probs of the batch's targets [B, T-1], micro-batch by micro-batch at each one's
+        own width (0 past it)."""
+        out = torch.zeros_like(batch.sample_logprobs)
+        for i, sl in enumerate(batch.micro):
+            w = batch.widths[i]
+            ctx = on_micro_batch(i) if on_micro_batch is not None else contextlib.nullcontext()
+            shapes = f"micro-batch of {sl.stop - sl.start} rows x {w - 1} tokens"
+            with ctx, explain_oom("old_logprobs", self.cfg, self.state, shapes):
+                out[sl, : w - 1], _ = forward_logprobs(model, batch.tokens[sl, : w - 1], batch.tokens[sl, 1:w],
+                                                       self.cfg.model.vocab_size, temperature=self.temperature,
+                                                       with_entropy=False, padding_mask=pads[i])
+        return out
+
+
+def rollout_metrics(batch: TrainBatch, state) -> dict:
+    """rollout/* (rewards, lengths) and perf/gen_tokens, perf/decode_row_steps, reduced over DP; the batch's
+    source statistics as they are."""
+    m = batch.mask
+    dev = state.device
+    acc = MetricAccumulator()
+    acc.add({
+        "rollout/reward_mean": Metric.mean(batch.rewards),
+        "rollout/reward_std": Metric.std(batch.rewards),
+        "rollout/response_length_mean": Metric.mean(m.sum(-1).float()),
+        "rollout/response_length_max": Metric.max(m.sum(-1).float()),
+        "rollout/truncated_frac": Metric.mean(batch.truncated.double()),
+        # rows of a group whose rewards are all equal: advantages.py makes those exactly 0
+        "rollout/zero_advantage_frac": Metric.mean((batch.advantages == 0).double()),
+        "perf/gen_tokens": Metric.sum(torch.tensor([float(batch.timings["gen_tokens"])], device=dev)),
+        "perf/decode_row_steps": Metric.sum(torch.tensor([float(batch.timings["decode_row_steps"])], device=dev)),
+    })
+    return {**acc.reduce(state.dp_group), **batch.stats}

@@ -1,0 +1,117 @@
+"""The trainer's components, one builder each: ``Trainer._build`` is a list of assignments of these.
+
+Each builder takes what it needs explicitly (the config, the parallel state, the components built before
+it) and returns its component; none keeps state of its own. The order is the trainer's: the process
+groups, the data, the checkpoint decision, the models, the routing policy, the evaluator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from megatron_gspo.algorithms.rollout_correction import inactive_reason
+from megatron_gspo.checkpoint import CheckpointManager
+from megatron_gspo.config import JobConfig, to_dict
+from megatron_gspo.data import build_eval_prompts, build_prompt_sampler
+from megatron_gspo.evaluation import Evaluator
+from megatron_gspo.model import build_model, impl_reason, job_precision, model_summary, resolve_impl, wrap_ddp
+from megatron_gspo.oom import check_model_fits, explain_oom, model_shapes
+from megatron_gspo.rewards import check_reference_answers
+from megatron_gspo.routing import RoutingPolicy
+from megatron_gspo.tokenizer import build_tokenizer, check_vocab_fits
+
+log = logging.getLogger("megatron_gspo")
+
+
+def resolve_precision(cfg: JobConfig, st) -> JobConfig:
+    """The config with the numerics this device runs fast (model.precision=auto), decided once: everything
+    built after it reads it."""
+    precision, why = job_precision(cfg.model, st.device)
+    if precision != cfg.model.precision:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=precision))
+    log.info("numerics: %s on %s (%s); %s spec (%s)", precision, st.device, why,
+             resolve_impl(cfg.model, st.device), impl_reason(cfg.model, st.device))
+    return cfg
+
+
+def open_bridge(side, device) -> None:
+    """An async job's bridge to the rollout ranks (collective with them); nothing for a colocated job."""
+    if side is not None:
+        side.open_bridge(device)
+
+
+def build_data(cfg: JobConfig):
+    """(tokenizer, training prompt sampler), the reference answers checked against the reward."""
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    check_vocab_fits(tokenizer, cfg.model.vocab_size)
+    e = cfg.eval
+    # a held-out split of data.source leaves training (only a file loses records: see split_holdout)
+    holdout = e.num_prompts if e.interval > 0 and e.source is None else 0
+    sampler = build_prompt_sampler(cfg.data, tokenizer, cfg.train.prompts_per_step, holdout=holdout)
+    check_reference_answers(cfg.reward, sampler.dataset.references(), sampler.dataset.source)
+    return tokenizer, sampler
+
+
+def build_checkpoints(cfg: JobConfig, st) -> CheckpointManager:
+    checkpoints = CheckpointManager(cfg.checkpoint, st)
+    checkpoints.check_config(to_dict(cfg))  # a resume refuses a trajectory-changing config change
+    return checkpoints
+
+
+def build_models(cfg: JobConfig, st, checkpoints: CheckpointManager):
+    """(model, ref_model or None, ddp): the policy (checkpoint.load applied), the KL reference, DDP's wrap."""
+    t = cfg.train
+    # a model that cannot fit this rank's memory is refused now, not after minutes of building (on
+    # the CPU a memory cgroup would SIGKILL it, with nothing said); what does not fit later, each
+    # phase names (oom.explain_oom)
+    check_model_fits(cfg, st)
+    with explain_oom("model", cfg, st, model_shapes(cfg)):
+        model = build_model(cfg.model, cfg.parallel, st, routing_replay=t.routing_replay != "off",
+                            deterministic=t.deterministic)
+        # The KL reference is the initial policy: a frozen copy taken after checkpoint.load and the
+        # SFT warm start (in run()), saved in every checkpoint so a resumed run keeps it.
+        ref_model = None
+        if cfg.loss.kl_coef > 0:
+            ref_model = build_model(cfg.model, cfg.parallel, st, deterministic=t.deterministic).eval().requires_grad_(False)
+        checkpoints.prepare(model)  # refuse a wrong-shape resume, or load checkpoint.load
+        ddp = wrap_ddp(model, st)
+    return model, ref_model, ddp
+
+
+def build_routing(cfg: JobConfig, st, ddp, recompute: bool) -> RoutingPolicy:
+    routing = RoutingPolicy(cfg.train.routing_replay, ddp, st, old_pass=recompute)
+    if (inactive := inactive_reason(cfg.rollout_correction.mode, recompute)) and st.is_main:
+        log.warning("%s", inactive)  # legal (a no-op, bit for bit) but not what a run asking for correction expects
+    return routing
+
+
+def generation_config(cfg: JobConfig, tokenizer):
+    """The generation section with the tokenizer's stop and pad ids filled in."""
+    g = cfg.generation
+    return dataclasses.replace(g, stop_token_ids=g.stop_token_ids or list(tokenizer.eos_ids),
+                               pad_token_id=g.pad_token_id if g.pad_token_id is not None else tokenizer.pad_id)
+
+
+def build_evaluator(cfg: JobConfig, st, ddp, tokenizer, reward_fn, gen_cfg):
+    """The held-out evaluation every eval.interval steps, or None."""
+    e = cfg.eval
+    if e.interval <= 0:
+        return None
+    held = build_eval_prompts(cfg.data, e.source, e.num_prompts, tokenizer)
+    check_reference_answers(cfg.reward, [(f"{held.source} id {p.id}", p.answer) for p in held.prompts], held.source)
+    evaluator = Evaluator(cfg, st, ddp, tokenizer, reward_fn, gen_cfg, held.prompts,
+                          length_policy=(held.num_dropped, held.num_truncated))
+    log.info("evaluation: %d held-out prompts from %s every %d steps", len(held.prompts),
+             e.source or f"{cfg.data.source} (held out)", e.interval)
+    return evaluator
+
+
+def log_setup(cfg: JobConfig, st, recompute: bool, why: str) -> None:
+    """The start-up lines: model, layout, optimizer, the old log-probs' source."""
+    log.info("model: %s", model_summary(cfg.model, st.device))
+    log.info("layout: world %d = TP %d x PP %d x DP %d (EP %d, ETP %d, SP %s) on %s", st.world_size, st.tp, st.pp,
+             st.dp, st.ep, st.etp, st.sequence_parallel, st.device)
+    log.info("optimizer: %s", st.optimizer_layout())
+    log.info("old log-probs: %s (%s)%s", "recomputed by the training model" if recompute else "the rollout's",
+             why, "; deterministic mode on" if cfg.train.deterministic else "")
