@@ -8,14 +8,6 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "megatron_gspo"
 LIMIT = 60
 
-# Functions that other branches of issue 31 are restructuring at the same time (trainer.py, rollout.py,
-# async_rollout/, config/, the lean decoder's limits), with their length when this test was written. The lead empties
-# this list once those branches are merged: each is then split or given its ``# long:`` comment.
-NOT_YET = {
-    "config/job.py:JobConfig.__post_init__": 81,
-    "decode.py:lean_decode_unsupported": 64,  # the lean decoder's limit table (config branch)
-    "trainer.py:Trainer._build": 88,
-}
 
 
 def functions():
@@ -42,11 +34,8 @@ def functions():
 
 def test_no_long_function_without_a_reason():
     found = {name: n for name, n, marked in functions() if n > LIMIT and not marked}
-    unexplained = {name: n for name, n in found.items() if name not in NOT_YET}
-    assert not unexplained, ("functions over %d lines without a '# long: <why>' comment (split them, or say why "
-                             "they are one piece): %s" % (LIMIT, unexplained))
-    stale = sorted(set(NOT_YET) - set(found))
-    assert not stale, f"NOT_YET lists functions that are now short or marked: remove them: {stale}"
+    assert not found, ("functions over %d lines without a '# long: <why>' comment (split them, or say why "
+                       "they are one piece): %s" % (LIMIT, found))
 
 
 def test_generate_is_a_short_loop():
