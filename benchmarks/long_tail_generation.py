@@ -38,11 +38,11 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-from megatron_gspo import parallel  # noqa: E402
+from megatron_gspo.runtime import parallel  # noqa: E402
 from megatron_gspo.config import ParallelConfig, model_config_from_preset  # noqa: E402
-from megatron_gspo.generation import GenerationConfig, generate  # noqa: E402
-from megatron_gspo.model import build_model  # noqa: E402
-from megatron_gspo.sysinfo import load_avg, machine_info  # noqa: E402
+from megatron_gspo.generation.generator import GenerationConfig, generate  # noqa: E402
+from megatron_gspo.model.gpt import build_model  # noqa: E402
+from megatron_gspo.runtime.sysinfo import load_avg, machine_info  # noqa: E402
 
 from benchmarks.trl_side_by_side import SHAPES  # noqa: E402
 

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from megatron_gspo.plotting import pyplot, save_figure
+from megatron_gspo.runtime.plotting import pyplot, save_figure
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

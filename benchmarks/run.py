@@ -10,7 +10,7 @@ From the repository root, with the package installed (``pip install -e .``), as 
     python benchmarks/run.py --device cuda --shape 30b-cut --layers 2 --expert-impls auto  # 30B at full width
 
 Measured, for our model (megatron-core GPTModel, local spec; every --expert-impls variant, default
-"batched" = megatron_gspo.experts and megatron's "sequential") and for transformers (its defaults:
+"batched" = megatron_gspo.model.experts and megatron's "sequential") and for transformers (its defaults:
 sdpa attention, grouped_mm experts), interleaved iteration by iteration so both see the same load:
 
 * train_step     forward + backward + optimizer step on [batch, seq] tokens. Ours: forward_logits,
@@ -23,7 +23,7 @@ sdpa attention, grouped_mm experts), interleaved iteration by iteration so both 
                  log_softmax(float) + gather. Its peak memory (above the model) is measured in a
                  fresh subprocess per side (CPU: VmHWM with glibc's mmap threshold lowered so freed
                  buffers leave the RSS; CUDA: max_memory_allocated; --smoke: in this process);
-* generation     KV-cache greedy generation, same prompts: megatron_gspo.generation.generate vs
+* generation     KV-cache greedy generation, same prompts: megatron_gspo.generation.generator.generate vs
                  transformers generate(use_cache=True, min_new_tokens=max_new_tokens); both produce
                  batch x gen_new tokens; tokens/s counts generated tokens (prefill time included).
 
@@ -42,7 +42,7 @@ log_softmax of bf16 logits, vocab 151936 x 8192 tokens, peak RSS in subprocesses
 sweep (tokens/s vs batch size and vs sequence length, both implementations) that benchmarks/plot.py
 draws into docs/perf_scaling.png.
 
-FLOPs: megatron_gspo.flops (a log-prob pass is a third of a training step; generation counts the
+FLOPs: megatron_gspo.model.flops (a log-prob pass is a third of a training step; generation counts the
 prefill and each decode step with its context). Achieved FLOP/s are reported on every device; MFU
 where the GPU's peak is known (--device cuda: TFLOP/s per GPU and MFU, bf16 or FP8 peak).
 """
@@ -68,7 +68,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 import torch  # noqa: E402
 
-from megatron_gspo.sysinfo import current_rss, load_avg, machine_info, peak_rss, reset_peak_rss  # noqa: E402
+from megatron_gspo.runtime.sysinfo import current_rss, load_avg, machine_info, peak_rss, reset_peak_rss  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -173,7 +173,7 @@ def convert_weights(hf_model, cfg, workdir: str) -> str:
 
 def build_ours(cfg, state, ckpt: Optional[str], expert_impl: str):
     from megatron_gspo.checkpoint import load_model
-    from megatron_gspo.model import build_model
+    from megatron_gspo.model.gpt import build_model
 
     c = dataclasses.replace(cfg, moe_expert_impl=expert_impl)
     model = build_model(c, _parallel_config(state.device.type), state)
@@ -198,7 +198,7 @@ def _parallel_config(device: str):
 def ours_logprob_fn(model, tokens, vocab_size: int):
     """The trainer's old-policy pass on one micro-batch (what BatchPreparer.logprobs runs: the log-probs
     from the final hidden states, output layer fused in)."""
-    from megatron_gspo.model import forward_logprobs
+    from megatron_gspo.model.gpt import forward_logprobs
 
     @torch.no_grad()
     def fn():
@@ -225,8 +225,8 @@ def _autocast(device_type: str, on: bool):
 
 def ours_trainer(model, state, cfg):
     """A step function tokens -> None over one DDP wrapper and one megatron optimizer."""
-    from megatron_gspo.model import finalize_grads, forward_logprobs, wrap_ddp
-    from megatron_gspo.optim import OptimizerConfig, build_optimizer, optimizer_step
+    from megatron_gspo.model.gpt import finalize_grads, forward_logprobs, wrap_ddp
+    from megatron_gspo.trainer.optim import OptimizerConfig, build_optimizer, optimizer_step
 
     ddp = wrap_ddp(model, state)
     opt = build_optimizer(OptimizerConfig(lr=1e-6, clip_grad=1.0), ddp, state, bf16=cfg.precision == "bf16")
@@ -262,7 +262,7 @@ def hf_trainer(model, autocast: bool):
 
 
 def ours_generate_fn(model, prompts, new_tokens: int, vocab_size: int, out: dict):
-    from megatron_gspo.generation import GenerationConfig, generate
+    from megatron_gspo.generation.generator import GenerationConfig, generate
 
     gcfg = GenerationConfig(max_new_tokens=new_tokens, temperature=0.0, n_samples_per_prompt=1,
                             stop_token_ids=[], pad_token_id=0)
@@ -316,7 +316,7 @@ def run_probe(args_list: list[str], threads: int, timeout: int = 900) -> dict:
 
 def probe_logprob_memory(args) -> dict:
     """In this (fresh) process: build one side, one warm-up pass, then the peak of one pass."""
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
 
     cfg = model_config(args)
     device = args.device
@@ -359,7 +359,7 @@ def _measure_peak(fn, device: str) -> dict:
 
 def probe_lpmem(args) -> dict:
     """Log-prob memory of bf16 logits [T, V]: chunked vocab-parallel vs naive fp32 log_softmax."""
-    from megatron_gspo.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.model.logprobs import vocab_parallel_logprobs
 
     T, V = args.lpmem_tokens, args.lpmem_vocab
     g = torch.Generator().manual_seed(0)
@@ -387,7 +387,7 @@ def probe_lpmem(args) -> dict:
 
 def summarize(times: list[tuple[float, float]], tokens: int, flops: float, peak: Optional[float]) -> dict:
     """Median-based rates of one side (one device: per-GPU numbers on CUDA)."""
-    from megatron_gspo.flops import mfu
+    from megatron_gspo.model.flops import mfu
 
     wall = [w for w, _ in times]
     cpu = [c for _, c in times]
@@ -399,7 +399,7 @@ def summarize(times: list[tuple[float, float]], tokens: int, flops: float, peak:
 
 
 def peak_for(args) -> Optional[float]:
-    from megatron_gspo.flops import peak_flops
+    from megatron_gspo.model.flops import peak_flops
 
     if args.device != "cuda":
         return None
@@ -415,10 +415,10 @@ def _command() -> str:
 
 
 def run_benchmark(args) -> dict:
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.config import ConfigError
-    from megatron_gspo.flops import flops_per_token, generation_flops
-    from megatron_gspo.model import resolve_expert_impl, resolve_impl
+    from megatron_gspo.model.flops import flops_per_token, generation_flops
+    from megatron_gspo.model.gpt import resolve_expert_impl, resolve_impl
 
     device = args.device
     try:
@@ -473,7 +473,7 @@ def run_benchmark(args) -> dict:
             for i, m in ours.items()}
 
     sections = {}
-    # 0. the expert layer alone (the implementations of megatron_gspo.experts)
+    # 0. the expert layer alone (the implementations of megatron_gspo.model.experts)
     result["expert_layer"] = expert_layer_bench(args, cfg, ours, device)
 
     # 1. log-prob pass
@@ -590,8 +590,8 @@ def decode_step_bench(args, cfg, model, device: str) -> dict:
     token, the default decode path; --cuda-graphs captures it), per step excluding the prefill,
     against the weight-read floor: the bytes a step must read (flops.decode_bytes_per_step: every dense
     weight, the experts any row routes to, the KV cache) at the device's measured copy bandwidth."""
-    from megatron_gspo.flops import decode_bytes_per_step
-    from megatron_gspo.generation import GenerationConfig, generate
+    from megatron_gspo.model.flops import decode_bytes_per_step
+    from megatron_gspo.generation.generator import GenerationConfig, generate
 
     g = torch.Generator().manual_seed(args.seed + 2)
     prompts = torch.randint(0, cfg.vocab_size, (args.decode_rows, args.gen_prompt), generator=g).tolist()
@@ -624,7 +624,7 @@ def expert_layer_bench(args, cfg, ours: dict, device: str) -> dict:
     SequentialMLP vs BatchedSequentialMLP with each grouped-GEMM variant. "train": forward +
     backward of all batch x seq x top-k routed rows; "decode": a no-grad forward of batch x top-k
     rows (one generation step). Tokens are spread over experts by a fixed random routing."""
-    from megatron_gspo.experts import BatchedSequentialMLP
+    from megatron_gspo.model.experts import BatchedSequentialMLP
 
     def experts_of(model):
         return next(m for m in model.modules() if hasattr(m, "local_experts"))

@@ -45,7 +45,7 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-from megatron_gspo.sysinfo import load_avg, machine_info, package_version  # noqa: E402
+from megatron_gspo.runtime.sysinfo import load_avg, machine_info, package_version  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,9 +140,9 @@ def _step_record(t0: float, c0: float, tr: float, cr: float, t1: float, c1: floa
 
 def worker_ours(args, paths: dict) -> list[dict]:
     from megatron_gspo.config import load_job_config
-    from megatron_gspo.hooks import TrainerHook
+    from megatron_gspo.trainer.hooks import TrainerHook
     from megatron_gspo.train import DEMO_CONFIG
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.trainer.loop import Trainer
 
     shape = SHAPES[args.shape]
     over = [f"model.{k}={v}" for k, v in shape.items()] + [

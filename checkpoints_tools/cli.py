@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from checkpoints_tools.errors import ConversionError
-from megatron_gspo.sysinfo import current_rss, peak_rss, reset_peak_rss
+from megatron_gspo.runtime.sysinfo import current_rss, peak_rss, reset_peak_rss
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

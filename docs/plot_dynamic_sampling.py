@@ -10,7 +10,7 @@ biased toward mid-range rewards by the selection). Prints the markdown table of 
 import json
 import sys
 
-from megatron_gspo.plotting import pyplot, save_figure, smooth
+from megatron_gspo.runtime.plotting import pyplot, save_figure, smooth
 
 
 def load(path: str) -> list[dict]:

@@ -4,7 +4,7 @@ where the run evaluated: python docs/plot_reward.py RUN_DIR/metrics.jsonl OUT.pn
 import json
 import sys
 
-from megatron_gspo.plotting import pyplot, save_figure, smooth
+from megatron_gspo.runtime.plotting import pyplot, save_figure, smooth
 
 
 def main(jsonl: str, out: str) -> None:

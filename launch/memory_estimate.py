@@ -5,7 +5,7 @@
     python launch/memory_estimate.py --update-recipes      # rewrite the comment block of every recipe
     python launch/memory_estimate.py --check-recipes       # exit 1 if a block is stale or a recipe does not fit
 
-The estimate itself is ``megatron_gspo.memory_estimate.estimate_memory`` (what is counted, and
+The estimate itself is ``megatron_gspo.model.memory_estimate.estimate_memory`` (what is counted, and
 how, is documented there); this script applies it to the recipes under ``launch/recipes/`` and
 writes the ``# memory`` block at the top of each, so the numbers in the comments are that
 function's output, not hand arithmetic.
@@ -21,7 +21,7 @@ import sys
 from typing import Any, Optional
 
 from megatron_gspo.errors import USER_ERRORS, ConfigError
-from megatron_gspo.memory_estimate import GIB, H100_80GB_GIB, estimate_memory  # noqa: F401 (re-exported)
+from megatron_gspo.model.memory_estimate import GIB, H100_80GB_GIB, estimate_memory  # noqa: F401 (re-exported)
 from megatron_gspo.textfile import read_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -269,9 +269,9 @@ def _run(argv: list) -> int:
     if dry:
         # validate what this rank would run, start nothing; a mistake is one line and exit 2,
         # as in the trainer
-        from megatron_gspo import exit_status
+        from megatron_gspo.runtime import exit_status
         from megatron_gspo.config import ConfigError, load_job_config, split_job_args
-        from megatron_gspo.parallel import validate_layout
+        from megatron_gspo.runtime.parallel import validate_layout
 
         world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
         try:
@@ -295,14 +295,14 @@ def _run(argv: list) -> int:
         return 0
     import signal
 
-    from megatron_gspo import exit_status
+    from megatron_gspo.runtime import exit_status
 
     # First thing, before torch is imported (seconds). The trainer keeps a stop signal that comes
     # during start-up (under the supervisor it was ignored until now) and acts on it once it can;
     # another entry point gets Python's own signal behaviour back. Then this rank is registered:
     # the supervisor delivers the stop signals to registered ranks (one that came earlier, too).
     if entry == "megatron_gspo.train":
-        from megatron_gspo.faults import STOP_SIGNALS, PreemptionFlag
+        from megatron_gspo.runtime.stop import STOP_SIGNALS, PreemptionFlag
 
         PreemptionFlag.install(STOP_SIGNALS)
     else:

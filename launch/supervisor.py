@@ -3,7 +3,7 @@
 ``bash launch/pretrain_gspo.sh`` ends in ``exec python3 launch/pretrain_gspo.sh --gspo-supervise <the
 torchrun command>``, which imports this file from its own directory and calls :func:`supervise`. The
 ranks' side of the exchange (the codes, their meaning, ``rank_started`` / ``record`` writing into
-``$GSPO_EXIT_DIR``) is ``megatron_gspo/exit_status.py``; this file reads what they wrote. Only the
+``$GSPO_EXIT_DIR``) is ``megatron_gspo/runtime/exit_status.py``; this file reads what they wrote. Only the
 standard library (and that module, itself standard library only) is imported: it runs before torch.
 """
 
@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Optional
 
-from megatron_gspo.exit_status import EXIT_DIR_ENV, GRACEFUL, describe
+from megatron_gspo.runtime.exit_status import EXIT_DIR_ENV, GRACEFUL, describe
 
 # The supervisor delivers the stop signals (GRACEFUL) to the ranks itself, once each; torchrun runs
 # with them ignored. SIGQUIT stays a hard stop, passed to torchrun, which passes it to its workers.

@@ -1,7 +1,7 @@
 """GSPO / GRPO training entry point: ``python -m megatron_gspo.train [config.yaml] [section.key=value ...]``.
 
 With no YAML file it runs the packaged demo job (megatron_gspo/configs/demo_gspo.yaml: GSPO on the
-tiny MoE and the built-in arithmetic task). The trainer itself is megatron_gspo/trainer.py; this
+tiny MoE and the built-in arithmetic task). The trainer itself is megatron_gspo/trainer/loop.py; this
 module turns a command line into a run and the run's outcome into the process exit code (exit_status).
 Launch with torchrun for several ranks (launch/pretrain_gspo.sh).
 """
@@ -13,19 +13,19 @@ import os
 import sys
 from typing import Callable, Optional
 
-from megatron_gspo import exit_status
-from megatron_gspo.faults import STOP_SIGNALS, PreemptionFlag  # standard library only: no torch yet
+from megatron_gspo.runtime import exit_status
+from megatron_gspo.runtime.stop import STOP_SIGNALS, PreemptionFlag  # standard library only: no torch yet
 
 if __name__ == "__main__":
     # Before torch and megatron are imported (seconds): from here on a stop signal is kept, not fatal
     # (``python -m megatron_gspo.train``; under the launcher the ranks start with them ignored).
     PreemptionFlag.install(STOP_SIGNALS)
 
-from megatron_gspo import comm, parallel  # noqa: E402 (after the handlers: these import torch)
+from megatron_gspo.runtime import comm, parallel  # noqa: E402 (after the handlers: these import torch)
 from megatron_gspo.rollout.layout import ROLLOUT, role_of  # noqa: E402
 from megatron_gspo.config import DEMO_CONFIG, load_job_config, split_job_args  # noqa: E402
 from megatron_gspo.errors import USER_ERRORS  # noqa: E402
-from megatron_gspo.trainer import Trainer, TrainingStopped, summarize  # noqa: E402
+from megatron_gspo.trainer.loop import Trainer, TrainingStopped, summarize  # noqa: E402
 
 log = logging.getLogger("megatron_gspo")
 __all__ = ["DEMO_CONFIG", "Trainer", "main", "run_trainer"]

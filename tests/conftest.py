@@ -88,7 +88,7 @@ def in_process_tests_state_their_device():
     fails by construction in the container. The CPU device also fixes the spec: model.resolve_impl
     never picks Transformer Engine for a CPU job. Session-scoped, so module fixtures' models are checked too;
     torchrun ranks are pinned by multi_rank_env (no GPU visible)."""
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
 
     real = parallel.initialize
 
@@ -113,7 +113,7 @@ def run_dist():
 def single_rank():
     """A one-process megatron parallel state for in-process model tests, torn down afterwards: one CPU rank
     (so megatron's local spec) unless the test passes another ParallelConfig, stating its device."""
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
 
     created = []
 
@@ -136,9 +136,9 @@ def cpu_models():
     the CPU, built through the project's own code (parallel.initialize, model.build_model, init_weights); spec "te"
     (construct-only: parameters on the CPU, forward refused) or "local". Every model of one test shares the first
     call's parallel state (its layout); torn down afterwards."""
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.model import build_model
+    from megatron_gspo.model.gpt import build_model
 
     states = {}
 

@@ -18,7 +18,7 @@ cuda". Like CUDA it accepts 0-dim CPU tensors and CPU index tensors, and copies 
 (``.to``, ``.cpu()``, ``.cuda()``, ``copy_``). Factories asked for ``device="cuda"`` inside
 ``cuda_on_cpu()`` make CudaOnCpu tensors.
 
-``FakeNccl`` stands in for ``torch.distributed`` as megatron_gspo.comm's transport: it claims the NCCL
+``FakeNccl`` stands in for ``torch.distributed`` as megatron_gspo.runtime.comm's transport: it claims the NCCL
 backend on a group of ``world`` ranks, records every collective's tensor device and otherwise acts as
 if the other ranks sent zeros (sums), the same values (gathers, max) or nothing (broadcast).
 """

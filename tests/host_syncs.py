@@ -11,7 +11,7 @@ attributed to the Python file and line that made it::
 
     with HostSyncCounter() as syncs:
         train_on(batch)
-    syncs.total("megatron_gspo/trainer.py")   # syncs made by lines of trainer.py
+    syncs.total("megatron_gspo/trainer/loop.py")   # syncs made by lines of trainer.py
     syncs.by_site()                            # {(file, line, op): count}
 
 The caller is the first Python frame outside this module and torch (so ``if t:`` in trainer.py

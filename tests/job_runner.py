@@ -9,8 +9,8 @@ from typing import Callable, Iterator
 def run_job_rows(cfg) -> list[dict]:
     """Run a Trainer on ``cfg`` in this process (closed and torn down afterwards) and return the
     rows of its metrics.jsonl."""
-    from megatron_gspo import parallel
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.runtime import parallel
+    from megatron_gspo.trainer.loop import Trainer
 
     t = Trainer(cfg)
     try:
@@ -26,9 +26,9 @@ def run_job_rows(cfg) -> list[dict]:
 def built_trainers(base: list, out_dir) -> Iterator[Callable[[list], object]]:
     """``build(overrides)`` -> a Trainer of ``base + overrides`` (no YAML) with its optimizer set up,
     writing under out_dir/<n>; every trainer built is closed and the process group torn down on exit."""
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.config import load_job_config
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.trainer.loop import Trainer
 
     made = []
 

@@ -96,10 +96,10 @@ EP2 = "parallel.expert_model_parallel_size=2"
 @pytest.fixture(scope="module")
 def one_rank_weights(tmp_path_factory):
     """The trained weights of the sync test (seed 777) on one rank, fp32 and bf16."""
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.checkpoint import save_model
-    from megatron_gspo.init_weights import init_weights
-    from megatron_gspo.model import build_model
+    from megatron_gspo.model.init_weights import init_weights
+    from megatron_gspo.model.gpt import build_model
 
     out = {}
     for precision in ("fp32", "bf16"):
@@ -282,8 +282,8 @@ def test_dead_rollout_rank_checkpoints_stops_and_resumes(run_dist, tmp_path, uni
 @pytest.fixture
 def two_versions(single_rank):
     """The tiny model with version-0 weights (seed 1234) and a state dict of version 1 (seed 777)."""
-    from megatron_gspo.init_weights import init_weights
-    from megatron_gspo.model import build_model
+    from megatron_gspo.model.init_weights import init_weights
+    from megatron_gspo.model.gpt import build_model
 
     cfg = load_job_config(None, [])
     st = single_rank(cfg.model)
@@ -310,7 +310,7 @@ def _gen(cfg, st, model, **kw):
     import dataclasses
 
     from megatron_gspo.rollout.worker import generate_with_updates
-    from megatron_gspo.generation import generate
+    from megatron_gspo.generation.generator import generate
 
     g = dataclasses.replace(cfg.generation, n_samples_per_prompt=1, max_new_tokens=8, ignore_eos=True,
                             stop_token_ids=[1], pad_token_id=0)
@@ -355,8 +355,8 @@ def test_finish_policy_draws_the_rest_of_each_response_with_the_new_weights(two_
     # the log-probs recorded are those of the distribution each token was drawn from: before the update
     # v0's (a v0 forward gives them to float noise), after it the new weights' (over the prefix's KV cache,
     # kept from v0: no re-prefill), which a v0 forward does not give
-    from megatron_gspo.logprobs import vocab_parallel_logprobs
-    from megatron_gspo.model import forward_logits
+    from megatron_gspo.model.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.model.gpt import forward_logits
 
     with torch.no_grad():
         lp, _ = vocab_parallel_logprobs(forward_logits(model.model, out.tokens[:, :-1]), out.tokens[:, 1:],

@@ -1,11 +1,11 @@
 """The local spec's fast paths equal megatron's own modules on the same weights:
 
-- core attention on torch's SDPA (megatron_gspo.attention.SDPAttention) == megatron's unfused
+- core attention on torch's SDPA (megatron_gspo.model.attention.SDPAttention) == megatron's unfused
   DotProductAttention: logits and every gradient of a whole model with GQA, padded rows and an
   explicit mask; a query that sees no key (a left-padding slot) gets a finite output; generation
   with left-padded prompts draws the same tokens; megatron's mask-free causal default and a
   cached-prefix (sq < sk) call; the fallbacks (dropout while training) go to megatron's path;
-- the batch-first output layer (megatron_gspo.output_layer) gives megatron's logits and gradients
+- the batch-first output layer (megatron_gspo.model.output_layer) gives megatron's logits and gradients
   without the [s, b, V] transpose copy (the returned logits are a view of the layer's own output).
 The TP / EP / DP layouts run these modules in tests/test_layouts.py (gradient invariance).
 """
@@ -18,11 +18,11 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_gspo.attention import SDPAttention
+from megatron_gspo.model.attention import SDPAttention
 from megatron_gspo.config import ConfigError, ParallelConfig, model_config_from_preset
-from megatron_gspo.generation import GenerationConfig, generate
-from megatron_gspo.model import build_model, forward_logits, resolve_attention_impl
-from megatron_gspo.output_layer import BatchFirstOutputLayer
+from megatron_gspo.generation.generator import GenerationConfig, generate
+from megatron_gspo.model.gpt import build_model, forward_logits, resolve_attention_impl
+from megatron_gspo.model.output_layer import BatchFirstOutputLayer
 
 TOL = 2e-5
 

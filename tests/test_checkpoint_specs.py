@@ -14,7 +14,7 @@ import torch
 from megatron_gspo.checkpoint import load_model, save_model
 from megatron_gspo.config import ParallelConfig, model_config_from_preset
 from megatron_gspo.errors import CheckpointError
-from megatron_gspo.model import build_model
+from megatron_gspo.model.gpt import build_model
 
 CFG = model_config_from_preset("tiny", transformer_impl="local")
 

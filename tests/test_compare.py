@@ -203,7 +203,7 @@ PROBE_JOB = ["parallel.device=cpu", "train.prompts_per_step=4", "generation.n_sa
 def _train(out, probe_rows=None):
     """One run of the demo job (PROBE_JOB) in this process; -> (metrics rows, the first rollout)."""
     from megatron_gspo.config import load_job_config
-    from megatron_gspo.hooks import TrainerHook
+    from megatron_gspo.trainer.hooks import TrainerHook
     from megatron_gspo.train import DEMO_CONFIG, Trainer, run_trainer
 
     class FirstRollout(TrainerHook):

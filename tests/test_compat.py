@@ -11,7 +11,7 @@ instead of the job's device shows itself here.
 import pytest
 import torch
 
-from megatron_gspo import compat, parallel
+from megatron_gspo.runtime import compat, parallel
 from megatron_gspo.config import ConfigError, ParallelConfig, load_job_config
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -70,7 +70,7 @@ def test_one_device_decision(monkeypatch):
 
 
 def test_machine_dependent_choices_follow_the_job_device():
-    from megatron_gspo.model import build_transformer_config, resolve_dispatcher, resolve_impl
+    from megatron_gspo.model.gpt import build_transformer_config, resolve_dispatcher, resolve_impl
 
     cfg = load_job_config(None, []).model
     assert resolve_dispatcher(cfg, CPU) == "allgather" and resolve_dispatcher(cfg, CUDA) == "alltoall"
@@ -88,7 +88,7 @@ def test_the_device_is_decided_in_one_place():
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    allowed = {os.path.join("megatron_gspo", "parallel.py"), os.path.join("megatron_gspo", "sysinfo.py")}
+    allowed = {os.path.join("megatron_gspo", "runtime", "parallel.py"), os.path.join("megatron_gspo", "runtime", "sysinfo.py")}
     offenders = []
     for top in ("megatron_gspo", "checkpoints_tools", "benchmarks", "experiments"):
         for dirpath, _, files in os.walk(os.path.join(root, top)):

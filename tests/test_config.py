@@ -18,7 +18,7 @@ from megatron_gspo.config import (
     parse_overrides,
 )
 from megatron_gspo import config
-from megatron_gspo.parallel import validate_layout
+from megatron_gspo.runtime.parallel import validate_layout
 
 
 def test_qwen3_30b_a3b_parameter_count():
@@ -43,7 +43,7 @@ def test_proxy_preset_is_single_gpu_sized():
 
 
 def test_tiny_preset_matches_built_model(single_rank):
-    from megatron_gspo.model import build_model
+    from megatron_gspo.model.gpt import build_model
 
     cfg = model_config_from_preset("tiny", vocab_size=100)  # padded to 128 in the model
     par = ParallelConfig(device="cpu")
@@ -124,7 +124,7 @@ def test_layout_error_comes_before_any_distributed_setup(monkeypatch):
     """initialize() refuses a bad layout from WORLD_SIZE alone: no process group is created."""
     import torch.distributed as dist
 
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     cfg = model_config_from_preset("tiny")
@@ -142,7 +142,7 @@ def test_one_optimizer_layout_decided_in_one_place(monkeypatch):
     import torch.distributed as dist
     from megatron.core.optimizer import distrib_optimizer
 
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.config import load_job_config
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
@@ -199,7 +199,7 @@ def test_config_names_match_the_registries():
     """The config validates names without importing the subsystems; each registry offers exactly them."""
     from megatron_gspo.algorithms.advantages import ADVANTAGE_ESTIMATORS
     from megatron_gspo.algorithms.losses import POLICY_LOSSES
-    from megatron_gspo.tokenizer import build_tokenizer  # noqa: F401 (TOKENIZER_TYPES is its dispatch)
+    from megatron_gspo.data.tokenizer import build_tokenizer  # noqa: F401 (TOKENIZER_TYPES is its dispatch)
 
     assert tuple(POLICY_LOSSES) == config.LOSS_NAMES
     assert tuple(ADVANTAGE_ESTIMATORS) == config.ADVANTAGE_ESTIMATOR_NAMES
@@ -377,15 +377,15 @@ def test_transformer_engine_choices_on_the_cpu_device_are_refused_at_load(overri
 def test_a_te_request_the_job_cannot_run_names_the_reason(monkeypatch):
     """model.transformer_impl=transformer_engine where it cannot run: the reason is TE's own (compat.te_status)
     or the device, never a bare boolean."""
-    from megatron_gspo import compat
-    from megatron_gspo.model import resolve_impl
+    from megatron_gspo.runtime import compat
+    from megatron_gspo.model.gpt import resolve_impl
 
     cfg = model_config_from_preset("tiny", transformer_impl="transformer_engine")
     monkeypatch.setattr(compat, "te_status", lambda: (False, "`import transformer_engine.pytorch` failed: OSError: libcudnn.so.9"))
-    monkeypatch.setattr("megatron_gspo.model.te_status", compat.te_status)
+    monkeypatch.setattr("megatron_gspo.model.gpt.te_status", compat.te_status)
     with pytest.raises(ConfigError, match=r"cannot run here: `import transformer_engine\.pytorch` failed: OSError: libcudnn"):
         resolve_impl(cfg, torch.device("cuda", 0))
-    monkeypatch.setattr("megatron_gspo.model.te_status", lambda: (True, "TE 2.20.2 imports"))
+    monkeypatch.setattr("megatron_gspo.model.gpt.te_status", lambda: (True, "TE 2.20.2 imports"))
     with pytest.raises(ConfigError, match=r"the job runs on cpu and Transformer Engine's kernels need a CUDA device"):
         resolve_impl(cfg, torch.device("cpu"))
     assert resolve_impl(cfg, torch.device("cuda", 0)) == "transformer_engine"

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from megatron_gspo.data import DataConfig, DataError, PromptDataset, PromptSampler, build_prompt_sampler
-from megatron_gspo.tokenizer import CharTokenizer
+from megatron_gspo.data.prompts import DataConfig, DataError, PromptDataset, PromptSampler, build_prompt_sampler
+from megatron_gspo.data.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
 
@@ -260,7 +260,7 @@ def test_a_null_field_is_not_called_missing(tmp_path):
 
 
 def test_eval_source_errors_name_eval_source(tmp_path):
-    from megatron_gspo.data import build_eval_prompts
+    from megatron_gspo.data.prompts import build_eval_prompts
 
     cfg = DataConfig(source=_write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1=", "answer": "2"}] * 4))
     with pytest.raises(DataError, match=r"^eval\.source='builtin:nope': unknown built-in task 'nope'; "
@@ -283,7 +283,7 @@ def test_eval_source_errors_name_eval_source(tmp_path):
 def test_held_out_prompts_dropped_for_length_are_counted_and_said(tmp_path, caplog):
     import logging
 
-    from megatron_gspo.data import build_eval_prompts
+    from megatron_gspo.data.prompts import build_eval_prompts
 
     records = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "12345678+1=", "answer": "12345679"},
                {"prompt": "2+2=", "answer": "4"}]

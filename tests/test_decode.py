@@ -1,4 +1,4 @@
-"""The lean decode path (megatron_gspo/decode.py) against megatron's GPTModel forward.
+"""The lean decode path (megatron_gspo/generation/lean_decoder.py) against megatron's GPTModel forward.
 
 The reference for every check is megatron's own path (``generation.decode_impl=megatron``: the
 GPTModel forward with its StaticInferenceContext) or a fresh full forward without any cache, on the
@@ -8,12 +8,12 @@ compaction, tied and untied output weights."""
 import pytest
 import torch
 
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.config import ConfigError, ParallelConfig, model_config_from_preset
-from megatron_gspo.decode import LeanDecoder, lean_decode_unsupported
-from megatron_gspo.generation import GenerationConfig, generate
-from megatron_gspo.logprobs import vocab_parallel_logprobs
-from megatron_gspo.model import build_model, forward_logits
+from megatron_gspo.generation.lean_decoder import LeanDecoder, lean_decode_unsupported
+from megatron_gspo.generation.generator import GenerationConfig, generate
+from megatron_gspo.model.logprobs import vocab_parallel_logprobs
+from megatron_gspo.model.gpt import build_model, forward_logits
 
 VOCAB = 100
 PROMPT_LENS = (4, 1, 9, 6)
@@ -120,7 +120,7 @@ def test_auto_falls_back_and_lean_refuses_what_it_does_not_support(model):
 def test_device_moe_equals_megatron_moe_layer_bitwise(model, tokens):
     """DeviceMoE (permutation and grouped-GEMM offsets on the device) gives the megatron MoE layer's
     output bit for bit, and the router's own routing map."""
-    from megatron_gspo.decode import DeviceMoE, device_moe_unsupported
+    from megatron_gspo.generation.lean_decoder import DeviceMoE, device_moe_unsupported
 
     m, _ = model
     g = torch.Generator().manual_seed(3)
@@ -160,7 +160,7 @@ class StandInGraph:
 def _graph_mode(mp):
     """Every LeanDecoder built inside the monkeypatch context ``mp`` runs in graph mode, with
     StandInGraph in place of CUDA graphs."""
-    import megatron_gspo.decode as decode
+    import megatron_gspo.generation.lean_decoder as decode
 
     init = decode.LeanDecoder.__init__
 
@@ -238,7 +238,7 @@ def test_graph_mode_refuses_what_it_cannot_capture(model):
 
 def _counting(mp):
     """Counts of LeanDecoder constructions and KV-cache allocations (``_allocate``) inside ``mp``."""
-    import megatron_gspo.decode as decode
+    import megatron_gspo.generation.lean_decoder as decode
 
     n = {"decoders": 0, "kv": 0}
     init, alloc = decode.LeanDecoder.__init__, decode.LeanDecoder._allocate
@@ -267,7 +267,7 @@ def test_a_second_rollout_captures_nothing_new_and_allocates_no_kv_cache(model, 
     the decoder, allocates its KV cache and captures its decode step; a second rollout of other prompts
     (within the configured prompt length) builds, allocates and captures nothing, and gives what a
     fresh decoder gives. A rollout of more rows grows the decoder once, and says so."""
-    from megatron_gspo.generation import Generator
+    from megatron_gspo.generation.generator import Generator
 
     m, st = model
     cfg = GenerationConfig(max_new_tokens=6, n_samples_per_prompt=1, seed=7, decode_impl="lean", cuda_graphs=True,
@@ -317,7 +317,7 @@ def test_a_kept_decoder_reads_the_weights_of_each_rollout(model, graphs, change)
     expert weights moved to new storage): the second rollout is bitwise what a fresh decoder gives on
     the new weights. A captured step reads the weights' addresses: it is kept across an in-place update
     and captured again when they moved."""
-    from megatron_gspo.generation import Generator
+    from megatron_gspo.generation.generator import Generator
 
     st = model[1]  # a model of its own (its weights change), in the fixture's parallel state
     m = build_model(model_config_from_preset("tiny", vocab_size=VOCAB, moe_aux_loss_coeff=0.0),

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cuda_on_cpu import CudaOnCpu, DeviceMismatch, FakeNccl, cuda_on_cpu
-from megatron_gspo import comm
+from megatron_gspo.runtime import comm
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_gspo")
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
@@ -67,7 +67,7 @@ def test_every_collective_of_the_package_goes_through_comm():
     for root, _, files in os.walk(PACKAGE):
         for name in files:
             path = os.path.join(root, name)
-            if not name.endswith(".py") or path.endswith(os.path.join("megatron_gspo", "comm.py")):
+            if not name.endswith(".py") or path.endswith(os.path.join("megatron_gspo", "runtime", "comm.py")):
                 continue
             tree = ast.parse(open(path, encoding="utf-8").read())
             for node in ast.walk(tree):
@@ -75,7 +75,7 @@ def test_every_collective_of_the_package_goes_through_comm():
                     base = ast.unparse(node.value)
                     if base in ("dist", "torch.distributed") or base.endswith(".distributed"):
                         offenders.append(f"{os.path.relpath(path, PACKAGE)}:{node.lineno} {base}.{node.attr}")
-    assert not offenders, f"collectives outside megatron_gspo/comm.py: {offenders}"
+    assert not offenders, f"collectives outside megatron_gspo/runtime/comm.py: {offenders}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def test_every_collective_of_the_package_goes_through_comm():
 def test_losses_metrics_and_their_reduction_stay_on_cuda(nccl, name, extra):
     from megatron_gspo.config import from_dict
     from megatron_gspo.algorithms.losses import LossConfig, batch_normalizer, compute_policy_loss
-    from megatron_gspo.metrics import MetricAccumulator
+    from megatron_gspo.runtime.metrics import MetricAccumulator
 
     cfg = from_dict(LossConfig, {"name": name, **{k.split(".")[1]: v for k, v in extra.items()}})
     g = torch.Generator().manual_seed(0)
@@ -120,7 +120,7 @@ def test_losses_metrics_and_their_reduction_stay_on_cuda(nccl, name, extra):
 
 def test_advantages_and_rewards_to_tensor_on_cuda():
     from megatron_gspo.algorithms.advantages import ADVANTAGE_ESTIMATORS
-    from megatron_gspo.rewards import compute_rewards
+    from megatron_gspo.data.rewards import compute_rewards
 
     with cuda_on_cpu():
         r = compute_rewards(lambda p, resp, a: float(len(resp)), ["p"] * 6, ["a", "bb", "a", "ccc", "dd", "e"],
@@ -133,7 +133,7 @@ def test_advantages_and_rewards_to_tensor_on_cuda():
 
 
 def test_logprobs_forward_backward_and_tp_collectives_on_cuda(nccl):
-    from megatron_gspo.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.model.logprobs import vocab_parallel_logprobs
 
     g = torch.Generator().manual_seed(1)
     with cuda_on_cpu():
@@ -149,7 +149,7 @@ def test_logprobs_forward_backward_and_tp_collectives_on_cuda(nccl):
 
 
 def test_fused_output_layer_logprobs_forward_backward_and_tp_collectives_on_cuda(nccl):
-    from megatron_gspo.fused_logprobs import output_layer_logprobs
+    from megatron_gspo.model.fused_logprobs import output_layer_logprobs
 
     g = torch.Generator().manual_seed(2)
     with cuda_on_cpu():
@@ -169,7 +169,7 @@ def test_fused_output_layer_logprobs_forward_backward_and_tp_collectives_on_cuda
 
 
 def test_sampling_noise_and_draw_on_cuda():
-    from megatron_gspo.sampling import counter_uniform, sample_tokens
+    from megatron_gspo.generation.sampling import counter_uniform, sample_tokens
 
     with cuda_on_cpu():
         rows = torch.arange(6, device="cuda")
@@ -187,7 +187,7 @@ def test_sampling_noise_and_draw_on_cuda():
 def test_rollout_helpers_make_their_tensors_on_the_state_device(nccl):
     from megatron_gspo.algorithms.advantages import grpo_advantages
     from megatron_gspo.algorithms.losses import LossConfig, batch_normalizer
-    from megatron_gspo.model import aux_loss_scales, input_padding_mask
+    from megatron_gspo.model.gpt import aux_loss_scales, input_padding_mask
     from megatron_gspo.rollout.prepare import TrainBatch, global_advantages
     from megatron_gspo.rollout.rows import common_length, local_rows
 
@@ -216,9 +216,9 @@ def test_rollout_helpers_make_their_tensors_on_the_state_device(nccl):
 
 
 def test_sft_batch_is_built_on_the_state_device():
-    from megatron_gspo.data import Prompt
-    from megatron_gspo.sft import build_sft_batch
-    from megatron_gspo.tokenizer import CharTokenizer
+    from megatron_gspo.data.prompts import Prompt
+    from megatron_gspo.trainer.sft import build_sft_batch
+    from megatron_gspo.data.tokenizer import CharTokenizer
 
     tok = CharTokenizer()
     prompts = [Prompt(id="a", text="1+2=", ids=tok.encode("1+2="), answer="3"),
@@ -244,14 +244,14 @@ def gpu_and_te(monkeypatch):
     real, on the CPU if it means it."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr("megatron_gspo.model.te_status", lambda: (True, "Transformer Engine (stood in for) imports"))
+    monkeypatch.setattr("megatron_gspo.model.gpt.te_status", lambda: (True, "Transformer Engine (stood in for) imports"))
 
 
 def test_auto_on_a_gpu_machine_with_te_is_cuda_and_the_te_spec(gpu_and_te):
     """Why tests must say what they mean: the defaults there are a CUDA job on the TE spec."""
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.config import ParallelConfig, model_config_from_preset
-    from megatron_gspo.model import resolve_expert_impl, resolve_impl
+    from megatron_gspo.model.gpt import resolve_expert_impl, resolve_impl
 
     dev = parallel.resolve_device(ParallelConfig(), local_rank=0)
     cfg = model_config_from_preset("tiny")
@@ -265,11 +265,11 @@ def test_in_process_fixtures_build_the_local_cpu_model_on_a_gpu_machine_with_te(
     """The single_rank fixture and the module fixtures' ParallelConfig(device="cpu", ...) (test_decode.py,
     test_experts.py, ...) under the GPU + TE stand-in: a CPU state, every parameter on the CPU, the local spec
     with the project's own modules, and a model the lean decoder takes."""
-    from megatron_gspo.attention import SDPAttention
+    from megatron_gspo.model.attention import SDPAttention
     from megatron_gspo.config import ParallelConfig, model_config_from_preset
-    from megatron_gspo.decode import lean_decode_unsupported
-    from megatron_gspo.experts import BatchedSequentialMLP
-    from megatron_gspo.model import RMSNorm, build_model
+    from megatron_gspo.generation.lean_decoder import lean_decode_unsupported
+    from megatron_gspo.model.experts import BatchedSequentialMLP
+    from megatron_gspo.model.gpt import RMSNorm, build_model
 
     cfg = model_config_from_preset("tiny", vocab_size=100, untie_embeddings_and_output_weights=not tied)
     st = single_rank(cfg)  # the fixture's own default

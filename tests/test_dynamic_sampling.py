@@ -165,9 +165,9 @@ def test_steps_whose_every_response_is_truncated_update_nothing(tmp_path, monkey
     import json
     import math
 
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.rollout import prepare as rollout
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.trainer.loop import Trainer
 
     monkeypatch.setattr(rollout, "truncated", lambda stopped, lengths, max_len: torch.ones_like(stopped))
     cfg = load_job_config(None, JOB + [f"train.output_dir={tmp_path}", "train.overlong_filtering=true",

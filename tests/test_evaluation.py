@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.config import ConfigError, DataConfig, load_job_config
-from megatron_gspo.data import PromptDataset, split_holdout
-from megatron_gspo.evaluation import pass_at_k
+from megatron_gspo.data.prompts import PromptDataset, split_holdout
+from megatron_gspo.trainer.evaluation import pass_at_k
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -8,9 +8,9 @@ import re
 import pytest
 
 from megatron_gspo.config import load_job_config
-from megatron_gspo.data import PromptDataset, build_eval_prompts
-from megatron_gspo.rewards import math_reward
-from megatron_gspo.tokenizer import build_tokenizer
+from megatron_gspo.data.prompts import PromptDataset, build_eval_prompts
+from megatron_gspo.data.rewards import math_reward
+from megatron_gspo.data.tokenizer import build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "math", "gspo_math_tiny.yaml")
@@ -56,10 +56,10 @@ def test_the_chat_template_renders_the_question(in_root):
 
 
 def test_the_example_job_runs_and_evaluates(in_root, tmp_path):
-    from megatron_gspo import parallel
-    from megatron_gspo.hooks import TrainerHook
+    from megatron_gspo.runtime import parallel
+    from megatron_gspo.trainer.hooks import TrainerHook
     from megatron_gspo.algorithms.overlong import overlong_penalty
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.trainer.loop import Trainer
 
     class Batches(TrainerHook):
         def __init__(self):

@@ -1,4 +1,4 @@
-"""Batched experts (megatron_gspo.experts.BatchedSequentialMLP) == megatron's SequentialMLP.
+"""Batched experts (megatron_gspo.model.experts.BatchedSequentialMLP) == megatron's SequentialMLP.
 
 - the grouped GEMM variants (grouped_mm, loop, padded bmm) agree with a per-expert reference,
   forward and backward, with empty experts and zero-stride incoming gradients;
@@ -17,8 +17,8 @@ import torch
 
 from megatron_gspo.checkpoint import load_model, save_model
 from megatron_gspo.config import ConfigError, ParallelConfig, model_config_from_preset
-from megatron_gspo.experts import BatchedSequentialMLP, _packed_view, grouped_linear, stacked_weights
-from megatron_gspo.model import build_model, forward_logits, resolve_expert_impl
+from megatron_gspo.model.experts import BatchedSequentialMLP, _packed_view, grouped_linear, stacked_weights
+from megatron_gspo.model.gpt import build_model, forward_logits, resolve_expert_impl
 
 TOL = 1e-5
 

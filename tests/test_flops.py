@@ -1,9 +1,9 @@
-"""The FLOP counter (megatron_gspo.flops) on Qwen3-30B-A3B's published shape."""
+"""The FLOP counter (megatron_gspo.model.flops) on Qwen3-30B-A3B's published shape."""
 
 import pytest
 
 from megatron_gspo.config import model_config_from_preset
-from megatron_gspo.flops import (decode_flops_per_token, flops_per_token, generation_flops,
+from megatron_gspo.model.flops import (decode_flops_per_token, flops_per_token, generation_flops,
                                  matmul_params_per_token, mfu, peak_flops, s_avg)
 
 
@@ -54,7 +54,7 @@ def test_decode_bytes_per_step_by_hand():
     reads all ~2.0B parameters in bf16 (the issue's 'reading the 2B weights once per step'); one row
     touches top-8 experts only; the KV cache is rows x context x L x 2 x n_kv x d."""
     from megatron_gspo.config import model_config_from_preset
-    from megatron_gspo.flops import decode_bytes_per_step
+    from megatron_gspo.model.flops import decode_bytes_per_step
 
     cfg = model_config_from_preset("qwen3-moe-2b-proxy")
     h, L, V, E, f = 2048, 8, 151936, 32, 768

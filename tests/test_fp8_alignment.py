@@ -1,4 +1,4 @@
-"""FP8 token alignment (megatron_gspo/fp8_alignment.py): the shape arithmetic, and that padding every
+"""FP8 token alignment (megatron_gspo/model/fp8_alignment.py): the shape arithmetic, and that padding every
 forward to it changes no result.
 
 Transformer Engine's FP8 GEMMs refuse token counts not divisible by 8 (16 for grouped GEMMs, 32 for
@@ -13,10 +13,11 @@ import math
 import pytest
 import torch
 
-from megatron_gspo import fp8_alignment, parallel
+from megatron_gspo.model import fp8_alignment
+from megatron_gspo.runtime import parallel
 from megatron_gspo.config import ParallelConfig, load_job_config, model_config_from_preset
-from megatron_gspo.generation import GenerationConfig, generate
-from megatron_gspo.model import build_model, forward_logits
+from megatron_gspo.generation.generator import GenerationConfig, generate
+from megatron_gspo.model.gpt import build_model, forward_logits
 
 ALIGN = 16
 
@@ -165,7 +166,7 @@ def test_aligned_micro_batches_give_the_same_rollout_losses_and_gradient(tmp_pat
     """One rollout (generation, old and reference log-probs, R3 routes) and the first minibatch's
     forward + backward, with and without the alignment: the same rows and log-probs on the response
     tokens, every micro-batch width aligned, and the minibatch's losses, metrics and gradient equal."""
-    from megatron_gspo.metrics import MetricAccumulator
+    from megatron_gspo.runtime.metrics import MetricAccumulator
     from job_runner import built_trainers
 
     def first_minibatch(build, force: bool):
@@ -198,7 +199,7 @@ def test_aligned_micro_batches_give_the_same_rollout_losses_and_gradient(tmp_pat
 
 
 def _run(tmp_path, name, overrides):
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.trainer.loop import Trainer
 
     cfg = load_job_config(None, JOB + overrides + [f"train.output_dir={tmp_path}/{name}"])
     trainer = Trainer(cfg)

@@ -1,4 +1,4 @@
-"""Rollout generation on the Megatron model (megatron_gspo.generation).
+"""Rollout generation on the Megatron model (megatron_gspo.generation.generator).
 
 In-process (one rank, tiny Qwen3-MoE GPTModel, fp32 on CPU):
 - greedy with megatron's KV cache (StaticInferenceContext) and left-padded ragged prompts gives
@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import conftest
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.config import ConfigError, ParallelConfig, from_dict, model_config_from_preset
-from megatron_gspo.generation import GenerationConfig, generate
-from megatron_gspo.logprobs import vocab_parallel_logprobs
-from megatron_gspo.model import build_model, forward_logits
+from megatron_gspo.generation.generator import GenerationConfig, generate
+from megatron_gspo.model.logprobs import vocab_parallel_logprobs
+from megatron_gspo.model.gpt import build_model, forward_logits
 
 VOCAB = 100
 PROMPT_LENS = (4, 1, 9, 6)
@@ -163,7 +163,7 @@ def test_te_attention_gets_the_padding_mask_of_ragged_prompts(tiny, monkeypatch,
     mask for megatron's causal / no_mask inference types). With TE's contract in place of local
     attention, ragged greedy generation equals the local spec's, and it does not without the
     remapping (the check can fail)."""
-    import megatron_gspo.decode_backends as decode_backends
+    import megatron_gspo.generation.decoder as decode_backends
 
     model, st = tiny
     # megatron's path: the one that calls TE's attention (the lean decoder computes attention itself)

@@ -10,7 +10,7 @@ kernels that are not deterministic by default. The CPU suite checks each decisio
 import pytest
 import torch
 
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, load_job_config
 from job_runner import run_job_rows
 
@@ -21,7 +21,7 @@ SHORT = ["train.num_steps=2", "train.sft_steps=0", "eval.interval=0", "train.ten
 
 
 def _trainer_device(cfg):
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.trainer.loop import Trainer
 
     t = Trainer(cfg)
     try:

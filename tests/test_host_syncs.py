@@ -52,15 +52,15 @@ def test_trainer_minibatch_makes_one_guard_sync(tmp_path, minibatches):
         assert len(batch.micro) == 4 and sum(1 for _ in trainer.ddp.parameters()) > 30
         with HostSyncCounter() as syncs:
             trainer.train_on(batch)
-    assert syncs.total("megatron_gspo/trainer.py") == 0, syncs.by_site("megatron_gspo/trainer.py")
-    assert syncs.total("megatron_gspo/comm.py") == minibatches, syncs.by_site("megatron_gspo/comm.py")
+    assert syncs.total("megatron_gspo/trainer/loop.py") == 0, syncs.by_site("megatron_gspo/trainer/loop.py")
+    assert syncs.total("megatron_gspo/runtime/comm.py") == minibatches, syncs.by_site("megatron_gspo/runtime/comm.py")
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.config import ParallelConfig, model_config_from_preset
-    from megatron_gspo.model import build_model
+    from megatron_gspo.model.gpt import build_model
 
     cfg = model_config_from_preset("tiny", vocab_size=100)
     par = ParallelConfig(device="cpu", seed=5)
@@ -74,7 +74,7 @@ def test_decode_loop_syncs_every_few_tokens_only(tiny_model, stops):
     """generate() on the lean decoder with an R3 route recorder: the marginal host syncs per decode
     step (2 x 4 + ... tokens vs 4) are the finished-row check every 4 tokens and nothing else; the
     decode step (MoE layers included), the sampler and the recorder make none."""
-    from megatron_gspo.generation import GenerationConfig, generate
+    from megatron_gspo.generation.generator import GenerationConfig, generate
     from megatron_gspo.routing.rollout_routes import RolloutRecorder
 
     model, st = tiny_model
@@ -98,7 +98,8 @@ def test_decode_loop_syncs_every_few_tokens_only(tiny_model, stops):
     assert steps >= 8
     per_step = (counts[20].total() - counts[4].total()) / steps
     assert per_step <= 1 / 4, counts[20].by_site()
-    for f in ("decode.py", "decode_backends.py", "sampling.py", "rollout_routes.py"):
+    for f in ("generation/lean_decoder.py", "generation/decoder.py", "generation/sampling.py",
+              "routing/rollout_routes.py"):
         assert counts[20].total(f"megatron_gspo/{f}") == counts[4].total(f"megatron_gspo/{f}"), (f, counts[20].by_site(f))
 
 
@@ -110,7 +111,7 @@ def test_async_weight_update_poll_rides_on_the_finished_row_vote(tiny_model):
     import types
 
     from megatron_gspo.rollout.worker import generate_with_updates
-    from megatron_gspo.generation import GenerationConfig, Generator
+    from megatron_gspo.generation.generator import GenerationConfig, Generator
 
     model, st = tiny_model
     lockstep = types.SimpleNamespace(tp=1, ep=2, tp_group=None, device=st.device)

@@ -1,7 +1,7 @@
 """Every module imports alone, in a fresh interpreter: no import cycle hides behind an import order.
 
 A cycle (config importing every section's module, each importing ConfigError back) only shows when
-a module is the *first* one imported, e.g. `python -c "import megatron_gspo.optim"`: so each module
+a module is the *first* one imported, e.g. `python -c "import megatron_gspo.trainer.optim"`: so each module
 gets its own interpreter. And the config package is a leaf: importing it loads nothing else of
 megatron_gspo but the leaves `errors` and `textfile` (reading files as UTF-8, with the file and line
 of a bad byte).

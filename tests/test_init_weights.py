@@ -1,4 +1,4 @@
-"""Initial weights (megatron_gspo/init_weights.py): megatron's distributions, drawn from the seed
+"""Initial weights (megatron_gspo/model/init_weights.py): megatron's distributions, drawn from the seed
 alone. That TP=2, EP=2 and TP=2 x EP=2 draw the one-rank model's numbers bit for bit is checked in
 tests/test_parity_layouts.py (it builds those layouts anyway)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_gspo.config import ParallelConfig, model_config_from_preset
-from megatron_gspo.init_weights import init_std, unit_name
-from megatron_gspo.model import build_model
+from megatron_gspo.model.init_weights import init_std, unit_name
+from megatron_gspo.model.gpt import build_model
 
 
 def test_unit_names_are_layout_free():

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.config import load_job_config
 
 # short jobs of the demo's task; three shapes, shallow first (a stale tracker is too short for the next)
@@ -51,7 +51,7 @@ CLEAN = {"aux_loss_tracker": [], "router_replay_instances": 0, "aux_loss_scale":
 
 
 def _run(overrides, out_dir):
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.trainer.loop import Trainer
 
     t = Trainer(load_job_config(None, BASE + overrides + [f"train.output_dir={out_dir}"]))
     try:

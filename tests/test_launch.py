@@ -564,7 +564,7 @@ def test_the_recipes_are_all_there():
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipe_loads_validates_and_fits_80gb(path):
     from megatron_gspo.config import load_job_config
-    from megatron_gspo.parallel import validate_layout
+    from megatron_gspo.runtime.parallel import validate_layout
 
     cfg = load_job_config(str(path), [])
     world = mem.recipe_world_size(str(path))

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from megatron_gspo.logprobs import vocab_parallel_logprobs
+from megatron_gspo.model.logprobs import vocab_parallel_logprobs
 
 
 # bf16 keeps 8 significant bits: rounding to nearest moves a value by at most 2^-8 of itself
@@ -91,7 +91,7 @@ def test_tp2_matches_full_vocab(run_dist):
 
 _MEM_SCRIPT = textwrap.dedent("""
     import resource, sys, torch
-    from megatron_gspo.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.model.logprobs import vocab_parallel_logprobs
     mode = sys.argv[1]
     torch.manual_seed(0)
     V, N = 151936, 1024
@@ -135,7 +135,7 @@ def test_chunked_peak_memory_is_bounded():
 # Fused output layer (fused_logprobs.py): hidden states + weight in, vocabulary chunks
 # ----------------------------------------------------------------------------------------------
 
-from megatron_gspo.fused_logprobs import output_layer_logprobs, vocab_chunk  # noqa: E402
+from megatron_gspo.model.fused_logprobs import output_layer_logprobs, vocab_chunk  # noqa: E402
 
 
 def _hidden_weight(dtype=torch.float32, seed=4, n=(3, 7), h=16, vp=64):
@@ -250,7 +250,7 @@ def test_forward_logprobs_equals_the_logits_path_on_the_model(single_rank, tied)
     MoE aux loss on: same log-probs and entropy, same gradient of every parameter (router included:
     the aux loss and the padding mask reach megatron unchanged)."""
     from megatron_gspo.config import ParallelConfig, model_config_from_preset
-    from megatron_gspo.model import build_model, forward_logits, forward_logprobs, input_padding_mask
+    from megatron_gspo.model.gpt import build_model, forward_logits, forward_logprobs, input_padding_mask
 
     cfg = model_config_from_preset("tiny", vocab_size=100, moe_aux_loss_coeff=1e-2,
                                    untie_embeddings_and_output_weights=not tied)

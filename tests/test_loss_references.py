@@ -24,7 +24,7 @@ from megatron_gspo.algorithms.losses import (
     luspo_loss,
     sapo_loss,
 )
-from megatron_gspo.metrics import reduce_metrics
+from megatron_gspo.runtime.metrics import reduce_metrics
 
 F64 = torch.float64
 

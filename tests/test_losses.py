@@ -15,7 +15,7 @@ from megatron_gspo.algorithms.losses import (
     gspo_loss,
     gspo_token_loss,
 )
-from megatron_gspo.metrics import reduce_metrics
+from megatron_gspo.runtime.metrics import reduce_metrics
 
 X = 123.0  # a value at a masked position; must never matter
 

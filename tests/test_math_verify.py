@@ -2,7 +2,7 @@
 
 math-verify's own timeout is ``signal.alarm``: off the main thread it refuses to run, and in the
 main thread its ``alarm(0)`` cancels whatever alarm the process had set. The reward runs math-verify
-in a child process (megatron_gspo/math_verify_worker.py) instead; these tests show both failures of
+in a child process (megatron_gspo/data/math_verify_worker.py) instead; these tests show both failures of
 the in-process way and that the reward has neither, that a check past its CPU-time limit or past the
 wall-clock backstop scores 0 and the next check works, and that a stop signal reaches neither the
 check nor the verdict.
@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from megatron_gspo.faults import PreemptionFlag
-from megatron_gspo.math_verify_worker import process_checker
-from megatron_gspo.rewards import math_reward
+from megatron_gspo.runtime.stop import PreemptionFlag
+from megatron_gspo.data.math_verify_worker import process_checker
+from megatron_gspo.data.rewards import math_reward
 
 SLOW = r"\boxed{10^{10^{10}}}"  # sympy evaluates the power: far longer than any deadline here
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from megatron_gspo.metrics import Metric, MetricAccumulator, merge_metrics, reduce_metrics
+from megatron_gspo.runtime.metrics import Metric, MetricAccumulator, merge_metrics, reduce_metrics
 
 pytestmark = pytest.mark.slow  # trainer subprocesses under torchrun / the launcher
 

@@ -12,9 +12,9 @@ from megatron_gspo.algorithms.losses import batch_normalizer, compute_policy_los
 from megatron_gspo.algorithms.objective import ObjectiveConfig, loss_units, objective
 from megatron_gspo.algorithms.rollout_correction import correction_weights, mismatch_metrics
 from megatron_gspo.config import LossConfig, RolloutCorrectionConfig, load_job_config
-from megatron_gspo.metrics import reduce_metrics
+from megatron_gspo.runtime.metrics import reduce_metrics
 from megatron_gspo.rollout.prepare import TrainBatch
-from megatron_gspo.trainer import nonfinite_rows
+from megatron_gspo.trainer.loop import nonfinite_rows
 
 
 def _values(metrics):

@@ -1,5 +1,5 @@
 """An out-of-memory error in a phase of the RL step names the phase, the shapes, the config knobs and
-the memory estimate (megatron_gspo/oom.py) and ends the job as a user error (exit 2, one line), not a
+the memory estimate (megatron_gspo/model/oom.py) and ends the job as a user error (exit 2, one line), not a
 CUDA allocator trace. The GPU's error is injected: torch.OutOfMemoryError raised where the phase's
 forward runs."""
 
@@ -33,7 +33,7 @@ def _raise_oom(*a, **k):
 def test_oom_names_the_phase_knobs_and_estimate(tmp_path, monkeypatch, capfd, where, knobs):
     import megatron_gspo.rollout.colocated as colocated
     import megatron_gspo.rollout.prepare as prepare
-    import megatron_gspo.trainer as trainer_mod
+    import megatron_gspo.trainer.loop as trainer_mod
     from megatron_gspo.train import main
 
     assert MemoryBudgetError in USER_ERRORS
@@ -63,7 +63,7 @@ def test_oom_names_the_phase_knobs_and_estimate(tmp_path, monkeypatch, capfd, wh
 
 def test_describe_survives_a_config_it_cannot_estimate():
     from megatron_gspo.config import load_job_config
-    from megatron_gspo.oom import describe
+    from megatron_gspo.model.oom import describe
 
     cfg = load_job_config(None, ["train.micro_batch_size=64"])
     msg = describe("training", cfg, 0, "cuda:0", "micro-batch of 64 rows x 575 tokens", torch.OutOfMemoryError(CUDA_OOM))
@@ -110,7 +110,7 @@ def _kernel_fails(*a, **k):
 @pytest.mark.parametrize("fail", [_cpu_allocator_fails, _python_fails, _kernel_fails])
 def test_every_allocation_failure_in_every_phase_is_explained(phase, title, knob, fail):
     from megatron_gspo.config import load_job_config
-    from megatron_gspo.oom import explain_oom
+    from megatron_gspo.model.oom import explain_oom
 
     cfg = load_job_config(None, JOB)
     state = SimpleNamespace(world_size=1, device=torch.device("cpu"))
@@ -127,7 +127,7 @@ def test_every_allocation_failure_in_every_phase_is_explained(phase, title, knob
 
 def test_other_errors_pass_through_and_an_explanation_is_not_explained_twice():
     from megatron_gspo.config import load_job_config
-    from megatron_gspo.oom import explain_oom, is_out_of_memory
+    from megatron_gspo.model.oom import explain_oom, is_out_of_memory
 
     cfg = load_job_config(None, JOB)
     state = SimpleNamespace(world_size=1, device=torch.device("cpu"))
@@ -145,9 +145,9 @@ def test_other_errors_pass_through_and_an_explanation_is_not_explained_twice():
 @pytest.mark.parametrize("where", ["sft", "model", "optimizer", "training"])
 def test_a_cpu_allocation_failure_ends_the_job_in_one_line(tmp_path, monkeypatch, capfd, where):
     """The trainer's phases, each failing with the CPU allocator's own RuntimeError: exit 2, one line."""
-    import megatron_gspo.sft as sft
-    import megatron_gspo.trainer as trainer_mod
-    import megatron_gspo.trainer_components as components
+    import megatron_gspo.trainer.sft as sft
+    import megatron_gspo.trainer.loop as trainer_mod
+    import megatron_gspo.trainer.components as components
     from megatron_gspo.train import main
 
     target = {"sft": (sft, "forward_logprobs"), "model": (components, "build_model"),
@@ -182,7 +182,7 @@ def _write_cgroup(tmp_path, v1_limit=None, v2_limit=None):
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_the_cgroup_limit_of_an_ancestor_counts(tmp_path, version):
-    from megatron_gspo.sysinfo import memory_limits
+    from megatron_gspo.runtime.sysinfo import memory_limits
 
     mount, proc = _write_cgroup(tmp_path, **{f"v{version}_limit": 6 << 30})
     limits = memory_limits(mount, proc)
@@ -196,9 +196,9 @@ def test_the_cgroup_limit_of_an_ancestor_counts(tmp_path, version):
 
 
 def test_a_model_that_cannot_fit_is_refused_before_it_is_built(monkeypatch):
-    import megatron_gspo.sysinfo as sysinfo
+    import megatron_gspo.runtime.sysinfo as sysinfo
     from megatron_gspo.config import load_job_config
-    from megatron_gspo.oom import check_model_fits
+    from megatron_gspo.model.oom import check_model_fits
 
     cfg = load_job_config(None, ["model.preset=qwen3-moe-2b-proxy"])  # 2.03B params: 36 GiB of weights, grads, Adam
     cpu = SimpleNamespace(world_size=1, device=torch.device("cpu"))
@@ -226,7 +226,7 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_built(monkeypatch):
 
 def test_a_model_that_cannot_fit_the_gpu_is_refused_before_it_is_built():
     from megatron_gspo.config import load_job_config
-    from megatron_gspo.oom import check_model_fits
+    from megatron_gspo.model.oom import check_model_fits
 
     gpu = SimpleNamespace(world_size=1, device=torch.device("cuda", 0))
     h100 = 81559 << 20

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from megatron_gspo.checkpoint import iter_dir, latest_complete
-from megatron_gspo.faults import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, EXIT_TOO_MANY_SKIPS
+from megatron_gspo.runtime.stop import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, EXIT_TOO_MANY_SKIPS
 from test_launch import BASH, LAUNCHER, ROOT, SBATCH, clean_env, fake_bin
 from test_reliability import JOB, assert_same, final_weights
 

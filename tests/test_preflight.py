@@ -86,7 +86,7 @@ def test_main_exits_1_when_a_check_raises(monkeypatch, tmp_path, capsys):
 def stop_handlers():
     """The process-wide stop flag starts unset; this test process's handlers come back afterwards."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    from megatron_gspo.faults import PreemptionFlag
+    from megatron_gspo.runtime.stop import PreemptionFlag
 
     if (earlier := PreemptionFlag.of_process()) is not None:
         earlier.release()  # main() makes a fresh flag, as in a new process
@@ -267,9 +267,9 @@ VOCAB = 100
 def tiny():
     import dataclasses
 
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.config import ParallelConfig, model_config_from_preset
-    from megatron_gspo.model import build_model
+    from megatron_gspo.model.gpt import build_model
 
     cfg = model_config_from_preset("tiny", vocab_size=VOCAB)
     par = ParallelConfig(seed=4, device="cpu")
@@ -325,7 +325,7 @@ def test_fp8_unaligned_measurement_with_the_alignment_forced(tiny, monkeypatch):
     """numerics.fp8_unaligned's measurement on two local-spec twins with FP8's alignment forced (the
     padding code path FP8 takes; no FP8 here): finite forwards, backwards and generation at unaligned
     shapes, and no difference between the twins."""
-    from megatron_gspo import fp8_alignment
+    from megatron_gspo.model import fp8_alignment
     from megatron_gspo.preflight.fp8 import measure_fp8_unaligned
 
     m, twin, st = tiny
@@ -358,10 +358,10 @@ def test_env_item_says_which_spec_runs_and_why_on_a_gpu_with_a_broken_te(monkeyp
     from megatron_gspo.preflight.environment import check_auto_impl
 
     broken = "Transformer Engine 2.9.0 is installed but `import transformer_engine.pytorch` failed: OSError: libcudnn.so.9"
-    monkeypatch.setattr("megatron_gspo.model.te_status", lambda: (False, broken))
-    monkeypatch.setattr("megatron_gspo.compat.te_status", lambda: (False, broken))
-    monkeypatch.setattr("megatron_gspo.model.bf16_supported", lambda device: True)  # an H100 as torch reports it
-    monkeypatch.setattr("megatron_gspo.experts.grouped_mm_available", lambda device, dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr("megatron_gspo.model.gpt.te_status", lambda: (False, broken))
+    monkeypatch.setattr("megatron_gspo.runtime.compat.te_status", lambda: (False, broken))
+    monkeypatch.setattr("megatron_gspo.model.gpt.bf16_supported", lambda device: True)  # an H100 as torch reports it
+    monkeypatch.setattr("megatron_gspo.model.experts.grouped_mm_available", lambda device, dtype: dtype == torch.bfloat16)
     ctx = Context(quick=True, overrides=[], workdir=str(tmp_path), device=torch.device("cuda", 0))
     value, data = check_auto_impl(ctx)
     assert data["transformer_impl"] == "local" and data["moe_expert_impl"] == "batched"

@@ -10,11 +10,11 @@ import sys
 import pytest
 
 from megatron_gspo.config import ConfigError, RewardConfig, load_job_config
-from megatron_gspo.data import PromptDataset, PromptSampler, build_eval_prompts, build_prompt_sampler, split_holdout
+from megatron_gspo.data.prompts import PromptDataset, PromptSampler, build_eval_prompts, build_prompt_sampler, split_holdout
 from megatron_gspo.errors import DataError
-from megatron_gspo.reasoning_gym_tasks import TaskAnswer
-from megatron_gspo.rewards import build_reward_fn, check_reference_answers, compute_rewards, extract_task_answer
-from megatron_gspo.tokenizer import build_tokenizer
+from megatron_gspo.data.reasoning_gym_tasks import TaskAnswer
+from megatron_gspo.data.rewards import build_reward_fn, check_reference_answers, compute_rewards, extract_task_answer
+from megatron_gspo.data.tokenizer import build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "reasoning_gym", "gspo_basic_arithmetic_tiny.yaml")

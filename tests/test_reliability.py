@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_gspo.checkpoint import dist_checkpoint_to_tensors, iter_dir, latest_complete, verify_checkpoint
-from megatron_gspo.faults import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
+from megatron_gspo.runtime.stop import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
 
 pytestmark = pytest.mark.slow  # trainer subprocesses under torchrun / the launcher
 

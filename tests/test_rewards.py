@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gspo.rewards import (
+from megatron_gspo.data.rewards import (
     RewardConfig,
     RewardError,
     build_reward_fn,
@@ -249,7 +249,7 @@ def test_length_mismatch():
     ("\\boxed{}", False), (None, False),
 ])
 def test_math_reference_problem(answer, readable):
-    from megatron_gspo.rewards import math_reference_problem
+    from megatron_gspo.data.rewards import math_reference_problem
 
     problem = math_reference_problem(answer)
     assert (problem is None) == readable, problem
@@ -263,7 +263,7 @@ def test_unreadable_references_are_counted_said_and_refused_above_the_share(capl
 
     from megatron_gspo.config import RewardConfig
     from megatron_gspo.errors import DataError
-    from megatron_gspo.rewards import check_reference_answers
+    from megatron_gspo.data.rewards import check_reference_answers
 
     refs = [(f"f.jsonl:{i}", f"... #### {i}") for i in range(1, 39)] + [("f.jsonl:39", "forty-two"),
                                                                            ("f.jsonl:40", None)]

@@ -7,7 +7,7 @@ import torch
 
 from megatron_gspo.config import ConfigError, LossConfig, RolloutCorrectionConfig, load_job_config
 from megatron_gspo.algorithms.losses import compute_policy_loss
-from megatron_gspo.metrics import reduce_metrics
+from megatron_gspo.runtime.metrics import reduce_metrics
 from megatron_gspo.algorithms.rollout_correction import correction_weights, log_rho, mismatch_metrics
 from log_capture import LogLines
 
@@ -163,7 +163,7 @@ JOB = ["parallel.device=cpu", "train.num_steps=2", "train.prompts_per_step=4", "
 
 
 def _train(tmp_path, name, overrides):
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.train import Trainer
 
     t = Trainer(load_job_config(None, JOB + [f"train.output_dir={tmp_path}/{name}"] + overrides))
@@ -204,7 +204,7 @@ def test_a_correction_that_cannot_correct_anything_says_so(tmp_path):
     decision is the job's resolved old-log-prob source (config.old_logprob_source)."""
     import logging
 
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.train import Trainer
 
     said = {}

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import exit_status
-from megatron_gspo.exit_status import ExitCode, StopReason
+from megatron_gspo.runtime import exit_status
+from megatron_gspo.runtime.exit_status import ExitCode, StopReason
 from megatron_gspo.rollout import record as wire
 from megatron_gspo.rollout.record import RolloutRecord, concat, pack, unpack
 
@@ -170,7 +170,7 @@ def test_exit_codes_keep_their_integers():
 ])
 def test_each_stop_reason_has_its_exit_code(reason, code):
     from megatron_gspo.rollout.remote import RolloutRanksLost
-    from megatron_gspo.trainer import TrainingStopped
+    from megatron_gspo.trainer.loop import TrainingStopped
 
     assert reason.exit_code == code
     # whatever the message says: the code is the reason's

@@ -74,7 +74,7 @@ def test_routing_stats_hand_example():
     assert s["moe/aux_loss"] == pytest.approx(1.5) and s["moe/load_max_over_mean"] == pytest.approx(1.5)
     assert s["moe/routing_change_frac"] == 3 / 8 and s["moe/routing_change_frac/layer_1"] == 3 / 8
     assert "moe/routing_change_frac/layer_0" not in s
-    from megatron_gspo.metrics import reduce_metrics
+    from megatron_gspo.runtime.metrics import reduce_metrics
 
     red = reduce_metrics(st.to_metrics())
     assert red["moe/routing_change_frac"] == 3 / 8 and math.isnan(red["moe/routing_change_frac/layer_0"])
@@ -130,7 +130,7 @@ def test_load_converts_to_sequence_parallel_router_layout():
 
 
 def test_router_fusion_with_replay_is_refused():
-    from megatron_gspo.model import build_transformer_config
+    from megatron_gspo.model.gpt import build_transformer_config
 
     cfg = model_config_from_preset("tiny", moe_router_fusion=True)
     with pytest.raises(ConfigError, match="moe_router_fusion=true cannot be combined with routing replay"):
@@ -143,7 +143,7 @@ def test_router_fusion_with_replay_is_refused():
 
 
 def _loss(logits, tokens, vocab):
-    from megatron_gspo.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.model.logprobs import vocab_parallel_logprobs
 
     lp, _ = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], vocab, None, with_entropy=False)
     w = torch.linspace(-1.0, 1.0, lp.numel(), device=lp.device).view_as(lp)  # a fixed, non-trivial weighting
@@ -161,7 +161,7 @@ def _set_equal(a, b):
 def test_r2_replay_single_rank(single_rank):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from megatron_gspo.model import build_model, forward_logits
+    from megatron_gspo.model.gpt import build_model, forward_logits
 
     cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=0.0)
     par = ParallelConfig(device="cpu", seed=5)
@@ -270,7 +270,7 @@ def test_monitor_without_replay_matches_megatron_aux_loss(single_rank):
     """GSPO-style: no replay; the monitor's aux loss equals megatron's tracked load_balancing_loss."""
     from megatron.core.transformer.moe import moe_utils
 
-    from megatron_gspo.model import build_model, forward_logits
+    from megatron_gspo.model.gpt import build_model, forward_logits
 
     cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=1e-2)
     st = single_rank(cfg, ParallelConfig(device="cpu", seed=9))
@@ -293,7 +293,7 @@ def test_monitor_without_replay_matches_megatron_aux_loss(single_rank):
 def test_r2_replay_inside_activation_recompute(single_rank, monkeypatch):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from megatron_gspo.model import build_model, forward_logits
+    from megatron_gspo.model.gpt import build_model, forward_logits
 
     cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=0.0, recompute_granularity="full",
                                    recompute_method="uniform", recompute_num_layers=1)
@@ -361,8 +361,8 @@ def test_r2_replay_inside_activation_recompute(single_rank, monkeypatch):
 
 
 def test_r3_routes_from_generation_replay_exactly(single_rank):
-    generation = pytest.importorskip("megatron_gspo.generation")
-    from megatron_gspo.model import build_model, forward_logits
+    generation = pytest.importorskip("megatron_gspo.generation.generator")
+    from megatron_gspo.model.gpt import build_model, forward_logits
     from megatron_gspo.routing import RolloutRecorder
 
     cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=0.0)

@@ -1,4 +1,4 @@
-"""Token sampling (megatron_gspo.sampling): the draw's distribution, and counter-based noise that
+"""Token sampling (megatron_gspo.generation.sampling): the draw's distribution, and counter-based noise that
 depends on (seed, row key, position) only, never on the batch it is drawn in.
 
 Layout independence of whole rollouts (TP / EP / DP give the same tokens) is tested end to end in
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.sampling import counter_uniform, mix32, sample_tokens
+from megatron_gspo.generation.sampling import counter_uniform, mix32, sample_tokens
 
 
 def test_mix32_matches_reference_lowbias32():
@@ -112,7 +112,7 @@ def test_counter_noise_refuses_negative_keys(bad):
 def _sample_tokens_before_issue_23(logits, temperature, top_k=0, top_p=1.0, uniform=None, allowed=None):
     """The sampler as it was (a materialized log-softmax, a separate temperature copy): the reference
     the current one must draw the same tokens as, for the same noise."""
-    from megatron_gspo.sampling import filter_top_k_top_p
+    from megatron_gspo.generation.sampling import filter_top_k_top_p
 
     x = logits.float()
     if temperature == 0:

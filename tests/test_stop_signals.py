@@ -28,14 +28,14 @@ import pytest
 import torch
 
 from launch_modules import supervisor
-from megatron_gspo import exit_status
+from megatron_gspo.runtime import exit_status
 from megatron_gspo.checkpoint import iter_dir, latest_complete
 from megatron_gspo.config import ParallelConfig, load_job_config, model_config_from_preset
-from megatron_gspo.faults import PreemptionFlag
-from megatron_gspo.generation import GenerationConfig, generate
-from megatron_gspo.hooks import TrainerHook
-from megatron_gspo.model import build_model
-from megatron_gspo.trainer import TrainingStopped, summarize
+from megatron_gspo.runtime.stop import PreemptionFlag
+from megatron_gspo.generation.generator import GenerationConfig, generate
+from megatron_gspo.trainer.hooks import TrainerHook
+from megatron_gspo.model.gpt import build_model
+from megatron_gspo.trainer.loop import TrainingStopped, summarize
 from megatron_gspo.train import run_history
 from test_reliability import ENV, JOB, assert_same, final_weights
 
@@ -80,7 +80,7 @@ def test_flag_records_the_first_signal_and_counts_repeats(fresh_flag):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
 
     cfg = model_config_from_preset("tiny", vocab_size=100, moe_aux_loss_coeff=0.0)
     st = parallel.initialize(cfg, ParallelConfig(device="cpu", seed=3))
@@ -163,8 +163,8 @@ class SignalInRound(SignalAtStep):
 
 
 def run_job(tmp_path, name, overrides, hooks=()):
-    from megatron_gspo import parallel
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.runtime import parallel
+    from megatron_gspo.trainer.loop import Trainer
 
     cfg = load_job_config(None, ["parallel.device=cpu", *overrides, f"train.output_dir={tmp_path}/{name}", f"checkpoint.save={tmp_path}/{name}/ckpt"])
     t = Trainer(cfg, hooks=hooks)
@@ -260,11 +260,11 @@ class PhaseSignal(TrainerHook):
     def __init__(self, phase: str, twice: bool, monkeypatch):
         self.phase, self.twice, self.sent_at = phase, twice, None
         if phase == "start-up":
-            from megatron_gspo import trainer_components
+            from megatron_gspo.trainer import components as trainer_components
 
             self._wrap_once(monkeypatch, trainer_components, "build_model", lambda: True)
         elif phase == "sft":  # as SFT step 3 begins (one micro-batch, so one forward, per SFT step)
-            from megatron_gspo import sft
+            from megatron_gspo.trainer import sft
 
             calls = []
             self._wrap_once(monkeypatch, sft, "forward_logprobs", lambda: calls.append(1) or len(calls) == 3)
@@ -307,7 +307,7 @@ class PhaseSignal(TrainerHook):
 
 def run_to_code(tmp_path, name, overrides, hooks=()) -> int:
     """The job in this process as ``python -m megatron_gspo.train`` runs it (train.run_trainer): its exit code."""
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.trainer.loop import Trainer
     from megatron_gspo.train import run_trainer
 
     PreemptionFlag.install()  # first, as train.main does (SIGTERM / SIGUSR1: pytest keeps its Ctrl-C)
@@ -378,7 +378,7 @@ def test_a_warm_start_stopped_twice_continues_to_the_straight_weights(fresh_flag
     again, the older copy moved aside until the new one is in place), resumed: the straight weights."""
     from megatron.core import dist_checkpointing
 
-    from megatron_gspo import sft
+    from megatron_gspo.trainer import sft
 
     original = sft.forward_logprobs  # one micro-batch, so one forward, per SFT step
     root = f"{tmp_path}/cut/ckpt"

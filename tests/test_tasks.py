@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from megatron_gspo.tasks import ArithmeticTask, SortTask, build_task
-from megatron_gspo.tokenizer import CharTokenizer
+from megatron_gspo.data.tasks import ArithmeticTask, SortTask, build_task
+from megatron_gspo.data.tokenizer import CharTokenizer
 
 
 def test_arithmetic_answers_are_correct():
@@ -56,7 +56,7 @@ def test_deterministic_and_random_access(name):
 
 def test_same_examples_in_a_fresh_interpreter():
     # Random(str) is SHA-512 based: examples must not depend on PYTHONHASHSEED / process.
-    code = "from megatron_gspo.tasks import build_task; print(build_task('sort', seed=11)[123])"
+    code = "from megatron_gspo.data.tasks import build_task; print(build_task('sort', seed=11)[123])"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
                            env={**os.environ, "PYTHONHASHSEED": str(s)}).stdout for s in (1, 2)}

@@ -46,8 +46,8 @@ def test_config_yaml(tmp_path):
 
 def test_eval_source_jsonl(tmp_path):
     from megatron_gspo.config import DataConfig
-    from megatron_gspo.data import build_eval_prompts
-    from megatron_gspo.tokenizer import CharTokenizer
+    from megatron_gspo.data.prompts import build_eval_prompts
+    from megatron_gspo.data.tokenizer import CharTokenizer
 
     p = tmp_path / "test.jsonl"
     p.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "' + LATIN1 + b'", "answer": "2"}\n')
@@ -71,7 +71,7 @@ def test_hf_config_json(tmp_path):
 def test_hf_tokenizer_side_files(tmp_path, name):
     from test_tokenizer import _write_hf_tokenizer
 
-    from megatron_gspo.tokenizer import HFTokenizer
+    from megatron_gspo.data.tokenizer import HFTokenizer
 
     _write_hf_tokenizer(tmp_path)
     p = tmp_path / name
@@ -83,7 +83,7 @@ def test_hf_tokenizer_side_files(tmp_path, name):
 
 def test_chat_template_file(tmp_path):
     from megatron_gspo.config import TokenizerConfig
-    from megatron_gspo.tokenizer import build_tokenizer
+    from megatron_gspo.data.tokenizer import build_tokenizer
 
     p = tmp_path / "t.jinja"
     p.write_bytes(b"{% for m in messages %}" + LATIN1 + b"{% endfor %}")
@@ -103,7 +103,7 @@ def test_memory_estimate_recipe(tmp_path):
 
 
 def test_a_damaged_metrics_file_does_not_stop_a_resume(tmp_path):
-    from megatron_gspo.logger import truncate_jsonl
+    from megatron_gspo.runtime.logger import truncate_jsonl
 
     p = tmp_path / "metrics.jsonl"
     p.write_bytes(json.dumps({"step": 1}).encode() + b"\n" + b'{"step": 2, "x": "' + LATIN1 + b'"}\n'

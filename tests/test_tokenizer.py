@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from megatron_gspo.tokenizer import (
+from megatron_gspo.data.tokenizer import (
     CharTokenizer,
     HFTokenizer,
     SentencePieceTokenizer,
@@ -278,7 +278,7 @@ def test_a_chat_template_that_does_not_parse_is_refused_at_start_up_naming_its_f
     (data.apply_chat_template): the error names the template's file, not the first prompt's record."""
     pytest.importorskip("jinja2")
     from megatron_gspo.config import DataConfig
-    from megatron_gspo.data import build_prompt_sampler
+    from megatron_gspo.data.prompts import build_prompt_sampler
 
     bad = tmp_path / "broken.jinja"
     bad.write_text("{% for m in messages %}{{ m.content }}\n{% endfo %}")

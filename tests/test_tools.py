@@ -173,8 +173,8 @@ def test_walk_of_the_default_step_is_deterministic_and_reads_the_step():
     assert walks[0][0].startswith("megatron_gspo/train.py:run_trainer")
     assert walks[0][-1] == "megatron_gspo/train.py:run_trainer"
     files = {w.split(":")[0] for w in walks[0]}
-    assert {"megatron_gspo/trainer.py", "megatron_gspo/rollout/prepare.py", "megatron_gspo/algorithms/losses.py",
-            "megatron_gspo/generation.py"} <= files
+    assert {"megatron_gspo/trainer/loop.py", "megatron_gspo/rollout/prepare.py", "megatron_gspo/algorithms/losses.py",
+            "megatron_gspo/generation/generator.py"} <= files
     assert not [f for f in files if any(__import__("fnmatch").fnmatch(f, p) for p in step_walk.STEP_OVER)]
     s = step_walk.summarize(step_walk.walk(tops[0]), step_walk.import_graph())
     assert len(s.stays) == sum(s.entries.values()) and s.climbs

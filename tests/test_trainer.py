@@ -10,7 +10,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.config import load_job_config
 from job_runner import built_trainers
 from log_capture import LogLines
@@ -107,7 +107,7 @@ def test_resume_with_a_changed_config_names_the_change(tmp_path):
     (dynamic sampling switched on, the learning rate) is refused by name, with the opt-in to accept it;
     keys that may change (the run's length, logging) are accepted and logged; so is an allowed one."""
     from megatron_gspo.config import ConfigError
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.trainer.loop import Trainer
 
     common = [f"checkpoint.save={tmp_path}/ck", "checkpoint.save_interval=1", "train.tensorboard=false"]
     run_job(["train.num_steps=1", f"train.output_dir={tmp_path}/a"] + common)
@@ -157,7 +157,7 @@ def test_allow_config_change_names_real_keys():
     ("truncate_left", [1, 1, 0], [1, 2]),
 ], ids=["drop", "truncate_left"])
 def test_overlong_prompts_are_counted_logged_and_in_the_metrics(tmp_path, policy, per_step, logged_steps):
-    from megatron_gspo.tokenizer import TokenizerConfig, build_tokenizer
+    from megatron_gspo.data.tokenizer import TokenizerConfig, build_tokenizer
 
     prompts = ["1+2=", "123456789+1=", "987654321+2=", "3+4=", "5+6="]
     tok = build_tokenizer(TokenizerConfig(type="builtin"))
@@ -196,7 +196,7 @@ def test_overlong_prompts_are_counted_logged_and_in_the_metrics(tmp_path, policy
 def test_metrics_restart_at_the_resumed_step(tmp_path):
     """A run killed after logging steps 4-5 but checkpointed at 3 logs 4 and 5 again when resumed:
     each step keeps one row (the new one), in metrics.jsonl and in TensorBoard."""
-    from megatron_gspo.logger import MetricsLogger
+    from megatron_gspo.runtime.logger import MetricsLogger
 
     first = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True)
     for step in range(1, 6):
@@ -264,7 +264,7 @@ def test_resume_refuses_a_root_whose_only_checkpoint_is_damaged(tmp_path):
     """checkpoint.resume=true over a root whose one checkpoint is truncated: refused (exit 2 from the entry
     point) naming the directory and what is wrong with it; never a fresh start from step 0 beside it."""
     from megatron_gspo.checkpoint import CheckpointError
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.trainer.loop import Trainer
 
     ckpt = f"{tmp_path}/ckpt"
     common = [f"checkpoint.save={ckpt}", "checkpoint.save_interval=2", "train.tensorboard=false"]
@@ -333,7 +333,7 @@ def trainer_on(tmp_path):
 
 
 def _grads(trainer, batch, mini):
-    from megatron_gspo.metrics import MetricAccumulator
+    from megatron_gspo.runtime.metrics import MetricAccumulator
 
     trainer.accumulate_gradients(batch, mini, MetricAccumulator())
     return torch.cat([p.main_grad.reshape(-1).clone() for p in trainer.ddp.parameters()])

@@ -1,7 +1,7 @@
 """Helpers the comparison shares with the rest of the project's tools, kept in this one place.
 
 ``finite`` / ``mean`` are the reports' NaN-tolerant statistics; ``smooth`` and ``machine_info`` are
-the package's shared helpers (megatron_gspo.plotting, megatron_gspo.sysinfo), re-exported for the
+the package's shared helpers (megatron_gspo.runtime.plotting, megatron_gspo.runtime.sysinfo), re-exported for the
 comparison's modules.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from megatron_gspo.plotting import smooth  # noqa: F401
-from megatron_gspo.sysinfo import machine_info  # noqa: F401
+from megatron_gspo.runtime.plotting import smooth  # noqa: F401
+from megatron_gspo.runtime.sysinfo import machine_info  # noqa: F401
 
 
 def finite(x) -> bool:

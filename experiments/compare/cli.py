@@ -92,7 +92,7 @@ def parse_args(argv: list[str]):
             p.error(f"unknown variant {v!r}; valid: {', '.join(VARIANTS)}")
     if args.threads is None and "OMP_NUM_THREADS" not in os.environ:
         from megatron_gspo.config import ParallelConfig
-        from megatron_gspo.parallel import resolve_device
+        from megatron_gspo.runtime.parallel import resolve_device
 
         # CPU workers share the machine's cores: one thread each (the runs' own device decision, with
         # parallel.device as the overrides set it)

@@ -1,6 +1,6 @@
 """The routing-volatility probe: how much MoE routing moves in ONE optimizer update, router free.
 
-A :class:`~megatron_gspo.hooks.TrainerHook`, attached with ``Trainer(cfg, hooks=[RoutingProbe(path)])``;
+A :class:`~megatron_gspo.trainer.hooks.TrainerHook`, attached with ``Trainer(cfg, hooks=[RoutingProbe(path)])``;
 the trainer is unchanged:
 
     after_rollout   (first rollout only, before any update of the run) keep a fixed probe batch, the
@@ -32,9 +32,9 @@ from typing import Optional
 
 import torch
 
-from megatron_gspo import comm
-from megatron_gspo.hooks import TrainerHook
-from megatron_gspo.model import forward_logits
+from megatron_gspo.runtime import comm
+from megatron_gspo.trainer.hooks import TrainerHook
+from megatron_gspo.model.gpt import forward_logits
 from megatron_gspo.routing import RoutingMonitor, change_counts
 
 from experiments.compare._shared import mean

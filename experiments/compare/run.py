@@ -208,7 +208,7 @@ def run_in_process(wargs: list[str], log_path: str, threads: Optional[int], tag:
             traceback.print_exc(file=f)
             rc = 1
             with contextlib.suppress(Exception):
-                from megatron_gspo import parallel
+                from megatron_gspo.runtime import parallel
 
                 parallel.destroy()
     # the trainer pointed logging at the (now closed) log file

@@ -37,9 +37,9 @@ def worker_main(argv: list[str]) -> int:
 def save_initial_model(cfg, path: str) -> int:
     """The model every variant starts from: the job's weights (seeded init or checkpoint.load), then
     the SFT warm start when ``train.sft_steps > 0``, saved with ``checkpoint.save_model``."""
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.checkpoint import save_model
-    from megatron_gspo.sft import sft_warm_start
+    from megatron_gspo.trainer.sft import sft_warm_start
     from megatron_gspo.train import Trainer
 
     trainer = Trainer(cfg)

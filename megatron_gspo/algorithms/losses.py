@@ -54,7 +54,7 @@ import torch
 from megatron_gspo.config import AGG_MODE_LOSSES, LOSS_AGG_MODES, SAPO_TAUS, LossConfig
 from megatron_gspo.config.checks import check_clip_range, check_loss_range
 from megatron_gspo.config.checks import finite as _finite
-from megatron_gspo.metrics import Metric
+from megatron_gspo.runtime.metrics import Metric
 
 Tensor = torch.Tensor
 Metrics = dict[str, Metric]

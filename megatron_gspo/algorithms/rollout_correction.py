@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from megatron_gspo.metrics import Metric
+from megatron_gspo.runtime.metrics import Metric
 
 Tensor = torch.Tensor
 

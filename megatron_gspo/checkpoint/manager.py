@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_gspo import comm
+from megatron_gspo.runtime import comm
 from megatron_gspo.checkpoint.config_change import WARM_START, allowed, check_resume_config
 from megatron_gspo.checkpoint.directory import TRACKER, iter_dir, iter_steps, no_complete_checkpoint, scan
 from megatron_gspo.checkpoint.storage import check_compatible, load_model

@@ -16,7 +16,7 @@ import torch
 
 from megatron_gspo.checkpoint.directory import resolve
 from megatron_gspo.errors import CheckpointError
-from megatron_gspo.model import unwrap
+from megatron_gspo.model.gpt import unwrap
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from megatron_gspo import comm
+from megatron_gspo.runtime import comm
 from megatron_gspo.checkpoint.directory import (
     MANIFEST,
     TRACKER,
@@ -30,7 +30,7 @@ from megatron_gspo.checkpoint.storage import (
     sharded_state_dict_to_load,
 )
 from megatron_gspo.errors import CheckpointError
-from megatron_gspo.model import unwrap
+from megatron_gspo.model.gpt import unwrap
 
 # How megatron lays out a DistributedOptimizer's state in the checkpoint. "fully_reshardable" stores
 # its shards as per-parameter tensors (the replicated optimizer's layout), so a checkpoint resumes
@@ -46,7 +46,7 @@ def _model_device(model) -> torch.device:
 
 
 def _training_sharded_state_dict(model, optimizer, is_loading: bool, extra_models: Optional[dict] = None) -> dict:
-    from megatron_gspo import compat
+    from megatron_gspo.runtime import compat
 
     model_sd = model_sharded_state_dict(model)
     sd = {"model": model_sd}
@@ -146,7 +146,7 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None, extra_mode
         if "optimizer" not in loaded:
             raise CheckpointError(f"{path}: has no optimizer state (a weights-only checkpoint?); "
                                   "load it with checkpoint.load as initial weights instead of resuming")
-        from megatron_gspo import compat
+        from megatron_gspo.runtime import compat
 
         with compat.optimizer_context(_model_device(model)):
             optimizer.load_state_dict(loaded["optimizer"])

@@ -69,12 +69,12 @@ class ModelConfig:
     # "auto": alltoall on GPU, allgather on CPU (alltoall creates CUDA streams).
     moe_token_dispatcher_type: str = knob("auto", resume=Resume.MAY_CHANGE,
                                           choices=("auto", "allgather", "alltoall", "flex"))
-    # "auto": TE grouped GEMM with TE; otherwise "batched" (megatron_gspo.experts: SequentialMLP's
+    # "auto": TE grouped GEMM with TE; otherwise "batched" (megatron_gspo.model.experts: SequentialMLP's
     # parameters, all local experts in grouped GEMMs). "sequential" = megatron's per-expert loop.
     moe_expert_impl: str = knob("auto", resume=Resume.MAY_CHANGE,
                                 choices=("auto", "sequential", "batched", "te_grouped"))
     moe_router_fusion: bool = knob(False, resume=Resume.MAY_CHANGE)
-    # Core attention: "auto" = TE's fused attention with TE, else "sdpa" (megatron_gspo.attention:
+    # Core attention: "auto" = TE's fused attention with TE, else "sdpa" (megatron_gspo.model.attention:
     # torch's fused scaled_dot_product_attention, no K/V copies under GQA). "unfused" = megatron's
     # DotProductAttention (baddbmm + masked softmax + bmm).
     attention_impl: str = knob("auto", resume=Resume.MAY_CHANGE, choices=("auto", "sdpa", "unfused"))

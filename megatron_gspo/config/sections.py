@@ -221,7 +221,7 @@ class GenerationConfig:
     # has finished (0 = never: the static batch decodes until its longest row ends). Results do not
     # depend on it; long-tailed response lengths run faster with it.
     compact_finished_rows: float = knob(0.25, resume=Resume.MAY_CHANGE, ge=0, lt=1, hint="(0 = off)")
-    # The forward of prefill and decode steps: "lean" (megatron_gspo/decode.py: the model's own
+    # The forward of prefill and decode steps: "lean" (megatron_gspo/generation/lean_decoder.py: the model's own
     # modules and weights, a KV cache of roped keys, last-position logits only), "megatron"
     # (GPTModel.forward with megatron's StaticInferenceContext), "auto" (lean where it supports
     # the model, i.e. one rank of TP/EP/PP, RoPE and the local attention; else megatron). Routing
@@ -285,8 +285,8 @@ class DataConfig:
     """``data:`` section of a job.
 
     source: ``builtin:arithmetic`` / ``builtin:sort`` (generated from ``seed``, see
-        :mod:`megatron_gspo.tasks`), ``reasoning_gym:<task>`` (a reasoning-gym task, generated from
-        ``seed``, needs ``pip install -e .[tasks]``: :mod:`megatron_gspo.reasoning_gym_tasks`) or a path
+        :mod:`megatron_gspo.data.tasks`), ``reasoning_gym:<task>`` (a reasoning-gym task, generated from
+        ``seed``, needs ``pip install -e .[tasks]``: :mod:`megatron_gspo.data.reasoning_gym_tasks`) or a path
         to a ``.jsonl`` or ``.parquet`` file.
     prompt_key / answer_key: field names in each record; a dotted name (``reward_model.ground_truth``)
         reaches into nested objects. ``answer_key: null`` for answer-free data (e.g. a format-only reward).
@@ -445,7 +445,7 @@ class TrainConfig:
     log_interval: int = knob(1, resume=Resume.MAY_CHANGE, ge=1)
     seed: int = knob(1234, resume=Resume.REFUSED)
     # Deterministic kernels, cuBLAS workspace, NCCL algorithm and megatron's deterministic mode
-    # (megatron_gspo/determinism.py): the same bits from the same inputs on a GPU too (evaluation on
+    # (megatron_gspo/runtime/determinism.py): the same bits from the same inputs on a GPU too (evaluation on
     # or off, a resumed run against an uninterrupted one), at some speed. The CPU path is deterministic
     # without it.
     deterministic: bool = knob(False, resume=Resume.REFUSED)

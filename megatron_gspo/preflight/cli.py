@@ -15,8 +15,8 @@ import tempfile
 from typing import Optional
 
 from megatron_gspo.errors import USER_ERRORS, ConfigError
-from megatron_gspo.exit_status import EXIT_PREEMPTED_NOTHING_SAVED as EXIT_STOPPED
-from megatron_gspo.faults import PreemptionFlag
+from megatron_gspo.runtime.exit_status import EXIT_PREEMPTED_NOTHING_SAVED as EXIT_STOPPED
+from megatron_gspo.runtime.stop import PreemptionFlag
 from megatron_gspo.preflight import collectives, decoding, environment, fp8, memory, numerics, resume, training
 from megatron_gspo.preflight.context import Context, validate_overrides
 from megatron_gspo.preflight.runner import (
@@ -124,8 +124,8 @@ def _workdir() -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from megatron_gspo import comm, parallel
-    from megatron_gspo.logger import setup_logging
+    from megatron_gspo.runtime import comm, parallel
+    from megatron_gspo.runtime.logger import setup_logging
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     rank = int(os.environ.get("RANK", 0))

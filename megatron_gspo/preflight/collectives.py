@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from megatron_gspo import comm
+from megatron_gspo.runtime import comm
 from megatron_gspo.preflight.context import Context
 from megatron_gspo.preflight.runner import Skip
 
@@ -19,7 +19,7 @@ ITERS_QUICK, ITERS_FULL = 3, 10
 
 
 def _ep_state(ctx: Context):
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
 
     if comm.world_size() < 2:
         raise Skip("single process (run under torchrun for the collectives)")

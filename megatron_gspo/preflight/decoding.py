@@ -36,9 +36,9 @@ MIN_ARGMAX_AGREEMENT = 0.98
 def build(ctx: Context, name: str, model: dict, *overrides: str):
     """This check's model (the demo job's section replaced by ``model``, the user's overrides on top)
     on the preflight's device, in eval mode: (model, parallel state, job config)."""
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.model import build_model
+    from megatron_gspo.model.gpt import build_model
 
     cfg = ctx.job(name, *overrides, model=model)
     par = ParallelConfig(use_distributed_optimizer=False, device=ctx.device.type, seed=cfg.parallel.seed)
@@ -71,7 +71,7 @@ def measure_decode_graphs(m, vocab_size: int, rows: int, prompt: int, steps: int
     the same computation, while eager-vs-captured also holds the rounding of a wider attention
     reduction. (The first H100 run, bf16, 2B proxy, 256 rows, compared eager with captured only:
     agreement 0.9785, max |d logit| 0.118; the static pair was added after it and has not run on a GPU.)"""
-    from megatron_gspo.decode import LeanDecoder
+    from megatron_gspo.generation.lean_decoder import LeanDecoder
 
     dev = next(m.parameters()).device
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -113,8 +113,8 @@ def measure_decode_graphs(m, vocab_size: int, rows: int, prompt: int, steps: int
 def check_cuda_graphs(ctx: Context):
     need_cuda(ctx)
     need_bf16(ctx)
-    from megatron_gspo.decode import lean_decode_unsupported
-    from megatron_gspo.model import model_summary
+    from megatron_gspo.generation.lean_decoder import lean_decode_unsupported
+    from megatron_gspo.model.gpt import model_summary
 
     shape = GRAPHS_QUICK if ctx.quick else GRAPHS_FULL
     m, _, cfg = build(ctx, "decode_graphs", shape["model"])
@@ -150,7 +150,7 @@ def measure_decode_paths(m, state, vocab_size: int, rows: int, prompt: int, new:
     prompts: decode ms/step, prefill seconds, peak memory (CUDA), and how often the paths' greedy tokens
     agree (bf16 rounding differs between them, so a near-tie may go either way)."""
     from megatron_gspo.config import GenerationConfig
-    from megatron_gspo.generation import generate
+    from megatron_gspo.generation.generator import generate
 
     dev = state.device
     out: dict = {"rows": rows, "prompt": prompt, "new": new}
@@ -180,8 +180,8 @@ def measure_decode_paths(m, state, vocab_size: int, rows: int, prompt: int, new:
 def check_te_decode(ctx: Context):
     need_te(ctx)
     need_bf16(ctx)
-    from megatron_gspo.decode import lean_decode_unsupported
-    from megatron_gspo.model import model_summary
+    from megatron_gspo.generation.lean_decoder import lean_decode_unsupported
+    from megatron_gspo.model.gpt import model_summary
 
     shape = TE_QUICK if ctx.quick else TE_FULL
     m, state, cfg = build(ctx, "decode_te", {**shape["model"], "transformer_impl": "transformer_engine"})

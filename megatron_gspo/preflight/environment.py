@@ -7,7 +7,7 @@ import torch
 
 from megatron_gspo.preflight.context import Context, bf16_support, need_fp8
 from megatron_gspo.preflight.runner import Skip
-from megatron_gspo.sysinfo import machine_info, package_version
+from megatron_gspo.runtime.sysinfo import machine_info, package_version
 
 
 def check_versions(ctx: Context):
@@ -55,9 +55,9 @@ def check_auto_impl(ctx: Context):
     """Which spec, experts and precision the job's model runs here, and why (model.resolve_impl / impl_reason
     and job_precision: the code the trainer runs). Where Transformer Engine is installed but does not import,
     the reason is its import error (compat.te_status), not a bare "not installed"."""
-    from megatron_gspo.compat import te_status
-    from megatron_gspo.experts import grouped_mm_available
-    from megatron_gspo.model import impl_reason, job_precision, resolve_dispatcher, resolve_expert_impl, resolve_impl
+    from megatron_gspo.runtime.compat import te_status
+    from megatron_gspo.model.experts import grouped_mm_available
+    from megatron_gspo.model.gpt import impl_reason, job_precision, resolve_dispatcher, resolve_expert_impl, resolve_impl
 
     cfg = ctx.job("auto_impl").model
     impl = resolve_impl(cfg, ctx.device)

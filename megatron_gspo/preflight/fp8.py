@@ -1,4 +1,4 @@
-"""FP8 forwards at shapes Transformer Engine refuses unpadded (megatron_gspo/fp8_alignment.py).
+"""FP8 forwards at shapes Transformer Engine refuses unpadded (megatron_gspo/model/fp8_alignment.py).
 
 ``numerics.fp8_unaligned`` builds the demo's tiny model twice from one seed (same weights), bf16 + FP8
 GEMMs and plain bf16, and
@@ -23,8 +23,8 @@ TOLERANCE = {"max": 1.0, "mean": 0.1}
 
 def measure_fp8_unaligned(fp8_model, bf16_model, state, vocab_size: int) -> dict:
     from megatron_gspo.config import GenerationConfig
-    from megatron_gspo.generation import generate
-    from megatron_gspo.model import forward_logprobs
+    from megatron_gspo.generation.generator import generate
+    from megatron_gspo.model.gpt import forward_logprobs
 
     dev = state.device
     g = torch.Generator(device=dev).manual_seed(0)
@@ -65,9 +65,9 @@ def check_fp8_unaligned(ctx: Context):
     need_fp8(ctx)
     import dataclasses
 
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.model import build_model
+    from megatron_gspo.model.gpt import build_model
 
     cfg = ctx.job("fp8_unaligned", "model.precision=bf16", "model.fp8=hybrid", "model.transformer_impl=transformer_engine")
     par = ParallelConfig(use_distributed_optimizer=False, device=ctx.device.type, seed=cfg.parallel.seed)

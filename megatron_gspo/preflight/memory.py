@@ -1,5 +1,5 @@
 """Peak memory of one RL step of a Qwen3-30B-A3B-shaped model cut to a few layers at full width,
-beside the estimate for the same job (megatron_gspo/memory_estimate.py, which
+beside the estimate for the same job (megatron_gspo/model/memory_estimate.py, which
 launch/memory_estimate.py writes into the recipes), so the 30B recipes' estimates are
 checked against a measurement.
 
@@ -20,10 +20,10 @@ import os
 
 import torch
 
-from megatron_gspo.memory_estimate import estimate_memory
+from megatron_gspo.model.memory_estimate import estimate_memory
 from megatron_gspo.preflight.context import Context
 from megatron_gspo.preflight.runner import Skip
-from megatron_gspo.sysinfo import current_rss, peak_rss, reset_peak_rss
+from megatron_gspo.runtime.sysinfo import current_rss, peak_rss, reset_peak_rss
 
 GIB = 2**30
 MEMORY_MODEL = "qwen3-30b-a3b"

@@ -51,10 +51,10 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
 
 def compare_logprobs(ctx: Context, ref_cfg, test_cfg) -> dict:
     """Build both models on this device, same weights, same tokens: the log-prob differences."""
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.config import ParallelConfig
-    from megatron_gspo.logprobs import vocab_parallel_logprobs
-    from megatron_gspo.model import build_model, forward_logits
+    from megatron_gspo.model.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.model.gpt import build_model, forward_logits
 
     par = ParallelConfig(use_distributed_optimizer=False, device=ctx.device.type)
     state = parallel.initialize(ref_cfg, par)
@@ -102,7 +102,7 @@ def check_te_vs_local(ctx: Context):
 def check_experts(ctx: Context):
     """The expert path ``auto`` picks against megatron's SequentialMLP loop, same spec; runs on the
     CPU too (bf16 on a GPU, fp32 on a CPU: the precision each one trains in by default)."""
-    from megatron_gspo.model import resolve_expert_impl, resolve_impl
+    from megatron_gspo.model.gpt import resolve_expert_impl, resolve_impl
 
     m = _model(ctx, "bf16" if ctx.cuda else "fp32")
     fast = dataclasses.replace(m, moe_expert_impl="auto")
@@ -131,8 +131,8 @@ def measure_fused_logprobs(device: torch.device, dtype: torch.dtype, tokens: int
     memory above the inputs (GiB)."""
     import torch.nn.functional as F
 
-    from megatron_gspo.fused_logprobs import output_layer_logprobs
-    from megatron_gspo.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.model.fused_logprobs import output_layer_logprobs
+    from megatron_gspo.model.logprobs import vocab_parallel_logprobs
 
     g = torch.Generator(device=device).manual_seed(seed)
     h0 = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)

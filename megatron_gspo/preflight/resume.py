@@ -16,7 +16,7 @@ KEYS = ("loss/loss", "train/grad_norm", "rollout/reward_mean", "loss/seq_ratio/m
 
 
 def check_resume(ctx: Context):
-    from megatron_gspo.model import model_summary
+    from megatron_gspo.model.gpt import model_summary
     from megatron_gspo.preflight.training import run_steps
 
     ckpt = os.path.join(ctx.workdir, "resume_ckpt")

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from megatron_gspo.flops import flops_per_token, mfu, peak_flops
-from megatron_gspo.hooks import TrainerHook
+from megatron_gspo.model.flops import flops_per_token, mfu, peak_flops
+from megatron_gspo.trainer.hooks import TrainerHook
 from megatron_gspo.preflight.context import Context, need_bf16, need_fp8
 from megatron_gspo.preflight.runner import Skip
 
@@ -37,7 +37,7 @@ class _BatchShapes(TrainerHook):
 
 def run_steps(cfg) -> tuple[dict, dict]:
     """Run ``cfg`` (train.num_steps steps) in this process; (last step's metrics, its local batch)."""
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.trainer.loop import Trainer
 
     shapes = _BatchShapes()
     trainer = Trainer(cfg, hooks=[shapes])
@@ -49,7 +49,7 @@ def run_steps(cfg) -> tuple[dict, dict]:
 
 
 def _step_summary(m: dict, shape: dict, cfg, device) -> tuple[str, dict]:
-    from megatron_gspo.model import job_precision
+    from megatron_gspo.model.gpt import job_precision
 
     precision = job_precision(cfg.model, device)[0]  # what the job ran in (model.precision=auto resolved)
     loss, gnorm = m["loss/loss"], m["train/grad_norm"]

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_gspo import comm
+from megatron_gspo.runtime import comm
 from megatron_gspo.algorithms.dynamic_sampling import informative_groups, prune_groups
 from megatron_gspo.algorithms.overlong import overlong_penalty
-from megatron_gspo.faults import StepAbandoned
-from megatron_gspo.generation import Generator
-from megatron_gspo.oom import explain_oom
-from megatron_gspo.rewards import compute_rewards
+from megatron_gspo.runtime.stop import StepAbandoned
+from megatron_gspo.generation.generator import Generator
+from megatron_gspo.model.oom import explain_oom
+from megatron_gspo.data.rewards import compute_rewards
 from megatron_gspo.rollout.record import RolloutRecord
 from megatron_gspo.rollout.rows import local_rows
 

@@ -60,7 +60,7 @@ def check_world(cfg: JobConfig, world_size: int) -> RankSplit:
 
     Both sides' layouts are validated as a job of their own size would be (parallel.validate_layout),
     and the rollout rows must split evenly over the rollout ranks' data-parallel groups."""
-    from megatron_gspo.parallel import validate_layout
+    from megatron_gspo.runtime.parallel import validate_layout
 
     r = cfg.rollout
     if not r.is_async:

@@ -26,11 +26,12 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_gspo import comm, fp8_alignment
+from megatron_gspo.runtime import comm
+from megatron_gspo.model import fp8_alignment
 from megatron_gspo.algorithms.overlong import truncated
-from megatron_gspo.metrics import Metric, MetricAccumulator
-from megatron_gspo.model import forward_logprobs, input_padding_mask, unwrap
-from megatron_gspo.oom import explain_oom
+from megatron_gspo.runtime.metrics import Metric, MetricAccumulator
+from megatron_gspo.model.gpt import forward_logprobs, input_padding_mask, unwrap
+from megatron_gspo.model.oom import explain_oom
 from megatron_gspo.rollout.record import RolloutRecord
 from megatron_gspo.rollout.rows import local_rows, pad_columns
 

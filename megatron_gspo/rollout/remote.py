@@ -25,9 +25,9 @@ from typing import Optional
 
 import torch
 
-from megatron_gspo import comm
-from megatron_gspo.exit_status import StopReason, StoppedFor
-from megatron_gspo.hooks import TrainerHook
+from megatron_gspo.runtime import comm
+from megatron_gspo.runtime.exit_status import StopReason, StoppedFor
+from megatron_gspo.trainer.hooks import TrainerHook
 from megatron_gspo.rollout.record import HEADER, RolloutRecord, WireFormatError, check_header, concat, pack, unpack
 from megatron_gspo.rollout.rows import local_rows
 from megatron_gspo.rollout.side import PeerState, short_error

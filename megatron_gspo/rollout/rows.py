@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from megatron_gspo import comm
+from megatron_gspo.runtime import comm
 
 
 def common_length(length: int, multiple_of: int, device: torch.device, group=None) -> int:

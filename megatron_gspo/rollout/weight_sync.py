@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from megatron_gspo import comm
-from megatron_gspo.init_weights import shard, shard_spec, unit_names, unshard
+from megatron_gspo.runtime import comm
+from megatron_gspo.model.init_weights import shard, shard_spec, unit_names, unshard
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
@@ -63,7 +63,7 @@ class Plan:
     """This rank's parameters as units, and the whole model's unit list (every rank of both sides agrees)."""
 
     def __init__(self, model, state, gated_linear_unit: bool = True) -> None:
-        from megatron_gspo.model import unwrap
+        from megatron_gspo.model.gpt import unwrap
 
         m = unwrap(model)
         self.state = state

@@ -32,17 +32,17 @@ from typing import Optional
 
 import torch
 
-from megatron_gspo import comm, parallel
+from megatron_gspo.runtime import comm, parallel
 from megatron_gspo.rollout.layout import ROLLOUT, rollout_parallel_config
 from megatron_gspo.rollout.record import RolloutRecord, pack
 from megatron_gspo.rollout.side import PeerState, Side, is_peer_loss, short_error
 from megatron_gspo.rollout.weight_sync import WeightReceiver
 from megatron_gspo.config import JobConfig
-from megatron_gspo.faults import PreemptionFlag, injected_faults
-from megatron_gspo.generation import Generator
-from megatron_gspo.logger import setup_logging
+from megatron_gspo.runtime.stop import PreemptionFlag, injected_faults
+from megatron_gspo.generation.generator import Generator
+from megatron_gspo.runtime.logger import setup_logging
 from megatron_gspo.algorithms.overlong import overlong_penalty
-from megatron_gspo.rewards import build_reward_fn, compute_rewards
+from megatron_gspo.data.rewards import build_reward_fn, compute_rewards
 from megatron_gspo.rollout.rows import local_rows
 
 log = logging.getLogger("megatron_gspo")
@@ -115,9 +115,9 @@ class RolloutWorker:
     """A rollout rank: built from the job's config and its ``Side`` (rollout.side.join)."""
 
     def __init__(self, cfg: JobConfig, side: Side) -> None:
-        from megatron_gspo.data import build_prompt_sampler
-        from megatron_gspo.model import build_model, job_precision
-        from megatron_gspo.tokenizer import build_tokenizer, check_vocab_fits
+        from megatron_gspo.data.prompts import build_prompt_sampler
+        from megatron_gspo.model.gpt import build_model, job_precision
+        from megatron_gspo.data.tokenizer import build_tokenizer, check_vocab_fits
 
         assert side.role == ROLLOUT
         self.cfg, self.side = cfg, side
@@ -310,7 +310,7 @@ class RolloutWorker:
 def run_rollout_rank(cfg: JobConfig) -> int:
     """A rollout rank's whole life (train.main calls it); returns the process exit code. Why it ended goes
     to the control plane, where the trainer reads it (a failure here stops the trainer with this message)."""
-    from megatron_gspo import exit_status
+    from megatron_gspo.runtime import exit_status
     from megatron_gspo.rollout.side import join
     from megatron_gspo.errors import USER_ERRORS
 

@@ -11,7 +11,7 @@ from typing import Hashable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from megatron_gspo.model import unwrap
+from megatron_gspo.model.gpt import unwrap
 from megatron_gspo.routing.common import RoutingReplayError, find_routers, index_dtype
 
 
@@ -85,7 +85,7 @@ class RoutingStats:
 
     def all_reduce(self, group=None) -> "RoutingStats":
         """SUM over ``group`` in place (one collective); no-op without torch.distributed."""
-        from megatron_gspo import comm
+        from megatron_gspo.runtime import comm
 
         if comm.world_size(group) == 1:
             return self
@@ -141,7 +141,7 @@ class RoutingStats:
     def to_metrics(self, prefix: str = "moe/") -> dict:
         """The change fraction as ``metrics.Metric`` sum/count pairs (overall and per layer with data),
         for ``metrics.reduce_metrics``. Load and aux loss are ratios of sums: use all_reduce + summary."""
-        from megatron_gspo.metrics import Metric
+        from megatron_gspo.runtime.metrics import Metric
 
         out = {f"{prefix}routing_change_frac": Metric.from_sum_count(self.changed.sum(), self.compared.sum())}
         for l in range(self.changed.numel()):

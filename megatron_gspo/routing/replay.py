@@ -10,7 +10,7 @@ from typing import Hashable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.model import unwrap
+from megatron_gspo.model.gpt import unwrap
 from megatron_gspo.routing.common import (
     RoutingReplayError,
     Routes,

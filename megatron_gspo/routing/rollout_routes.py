@@ -8,7 +8,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
-from megatron_gspo.model import unwrap
+from megatron_gspo.model.gpt import unwrap
 from megatron_gspo.routing.common import RoutingReplayError, Routes, find_routers, index_dtype
 from megatron_gspo.routing.metrics import routing_map_to_indices
 
@@ -177,7 +177,7 @@ class RolloutRoutes:
 
 
 class RolloutRecorder:
-    """R3 recorder for ``megatron_gspo.generation.generate`` (which calls ``on_forward(step, kind)``
+    """R3 recorder for ``megatron_gspo.generation.generator.generate`` (which calls ``on_forward(step, kind)``
     after every model forward: step 0 "prefill", then "decode" steps)::
 
         rec = RolloutRecorder(model)                    # once per model (hooks on every router)

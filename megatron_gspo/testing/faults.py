@@ -18,8 +18,8 @@ import os
 import signal
 from typing import Optional
 
-from megatron_gspo.faults import FAULTS_ENV
-from megatron_gspo.hooks import TrainerHook
+from megatron_gspo.runtime.stop import FAULTS_ENV
+from megatron_gspo.trainer.hooks import TrainerHook
 
 _KINDS = ("nan_logprob", "raise", "kill", "sigterm", "kill_in_save")
 

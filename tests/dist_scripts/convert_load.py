@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from checkpoints_tools.megatron_to_hf import load_model_config
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.checkpoint import load_model, save_checkpoint, save_model
 from megatron_gspo.config import ParallelConfig, to_dict
-from megatron_gspo.model import build_model, forward_logits, unwrap
+from megatron_gspo.model.gpt import build_model, forward_logits, unwrap
 
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "ep2": (1, 2), "tp2ep2": (2, 2)}
 

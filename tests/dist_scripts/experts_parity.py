@@ -28,9 +28,9 @@ def run(cfg, par, st, impl, ckpt, save):
     import torch
 
     from megatron_gspo.checkpoint import load_model, save_model
-    from megatron_gspo.experts import BatchedSequentialMLP, _packed_view
-    from megatron_gspo.logprobs import vocab_parallel_logprobs
-    from megatron_gspo.model import build_model, finalize_grads, forward_logits, wrap_ddp
+    from megatron_gspo.model.experts import BatchedSequentialMLP, _packed_view
+    from megatron_gspo.model.logprobs import vocab_parallel_logprobs
+    from megatron_gspo.model.gpt import build_model, finalize_grads, forward_logits, wrap_ddp
 
     model = build_model(dataclasses.replace(cfg, moe_expert_impl=impl), par, st)
     if save:
@@ -57,7 +57,7 @@ def run(cfg, par, st, impl, ckpt, save):
 
 
 def main():
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.config import ParallelConfig, model_config_from_preset
 
     ap = argparse.ArgumentParser()

@@ -23,12 +23,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.checkpoint import load_model, save_model
 from megatron_gspo.config import ParallelConfig, model_config_from_preset
-from megatron_gspo.generation import GenerationConfig, generate
-from megatron_gspo.logprobs import vocab_parallel_logprobs
-from megatron_gspo.model import build_model, forward_logits
+from megatron_gspo.generation.generator import GenerationConfig, generate
+from megatron_gspo.model.logprobs import vocab_parallel_logprobs
+from megatron_gspo.model.gpt import build_model, forward_logits
 
 VOCAB = 100
 PROMPT_LENS = (5, 2, 9, 1, 6)

@@ -9,8 +9,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.fused_logprobs import output_layer_logprobs
-from megatron_gspo.logprobs import vocab_parallel_logprobs
+from megatron_gspo.model.fused_logprobs import output_layer_logprobs
+from megatron_gspo.model.logprobs import vocab_parallel_logprobs
 
 
 def main():

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 
 from megatron_gspo.algorithms.losses import LossConfig, batch_normalizer, compute_policy_loss
-from megatron_gspo.metrics import Metric, MetricAccumulator, reduce_metrics
+from megatron_gspo.runtime.metrics import Metric, MetricAccumulator, reduce_metrics
 
 WORLD = 2
 B, T, F = 8, 16, 3

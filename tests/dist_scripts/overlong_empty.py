@@ -15,7 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.rollout import prepare as rollout  # where the batch's truncation flags are computed
 from megatron_gspo.config import load_job_config
 from megatron_gspo.train import DEMO_CONFIG, Trainer

@@ -13,11 +13,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.checkpoint import load_model, save_model
 from megatron_gspo.config import ParallelConfig, model_config_from_preset
-from megatron_gspo.logprobs import vocab_parallel_logprobs
-from megatron_gspo.model import build_model, finalize_grads, forward_logits, forward_logprobs, wrap_ddp
+from megatron_gspo.model.logprobs import vocab_parallel_logprobs
+from megatron_gspo.model.gpt import build_model, finalize_grads, forward_logits, forward_logprobs, wrap_ddp
 
 
 def batch(vocab):

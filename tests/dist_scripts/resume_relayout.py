@@ -8,7 +8,7 @@ usage: torchrun ... resume_relayout.py --src ROOT --dst ROOT [config overrides .
 import argparse
 
 
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.config import load_job_config
 from megatron_gspo.train import DEMO_CONFIG, Trainer
 

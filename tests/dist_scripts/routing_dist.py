@@ -16,10 +16,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.config import ParallelConfig, model_config_from_preset
-from megatron_gspo.logprobs import vocab_parallel_logprobs
-from megatron_gspo.model import build_model, finalize_grads, forward_logits, wrap_ddp
+from megatron_gspo.model.logprobs import vocab_parallel_logprobs
+from megatron_gspo.model.gpt import build_model, finalize_grads, forward_logits, wrap_ddp
 from megatron_gspo.routing import RoutingMonitor, RoutingReplay, RoutingReplayError, RoutingStats
 
 FAILED = []

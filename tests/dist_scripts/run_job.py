@@ -27,16 +27,16 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.rollout.layout import ROLLOUT, role_of
 from megatron_gspo.rollout.worker import run_rollout_rank
 from megatron_gspo.checkpoint import save_model
 from megatron_gspo.config import load_job_config
-from megatron_gspo.metrics import MetricAccumulator
+from megatron_gspo.runtime.metrics import MetricAccumulator
 from megatron_gspo.rollout.rows import micro_batch_slices
-from megatron_gspo.hooks import TrainerHook
+from megatron_gspo.trainer.hooks import TrainerHook
 from megatron_gspo.train import DEMO_CONFIG, Trainer
-from megatron_gspo.trainer import TrainingStopped
+from megatron_gspo.trainer.loop import TrainingStopped
 
 
 class SilenceHeartbeat(TrainerHook):
@@ -55,7 +55,7 @@ def kill_in_push(version):
     """This rollout rank dies (SIGKILL) right after receiving the header of the push of ``version``."""
     import signal
 
-    from megatron_gspo import comm
+    from megatron_gspo.runtime import comm
 
     real = comm.bridge_broadcast
 
@@ -142,7 +142,7 @@ def save_gradients(trainer, out_dir, micro_batch_sizes):
     grads_aux_mb<N>:    a greedy rollout (every advantage 0, so the policy loss has no gradient), aux
                         loss as configured: the load-balancing gradient alone.
     Each rollout is drawn once and reused for every micro-batch size."""
-    from megatron_gspo.model import unwrap
+    from megatron_gspo.model.gpt import unwrap
 
     model, mcfg = trainer.model, trainer.cfg.model
     coeff = mcfg.moe_aux_loss_coeff
@@ -184,7 +184,7 @@ def save_planned_gradient(trainer, out_dir):
     """grads_policy_planned: the first minibatch's policy gradient (aux loss off) with the micro-batch
     plan the rollout made itself (train.micro_batch_size / max_tokens_per_micro_batch, agreed over the
     ranks under EP). Prints this rank's own plan next to the agreed one."""
-    from megatron_gspo.model import unwrap
+    from megatron_gspo.model.gpt import unwrap
     from megatron_gspo.rollout.prepare import plan_micro_batches
 
     trainer.setup_optimizer()

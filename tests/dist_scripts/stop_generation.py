@@ -14,10 +14,10 @@ import sys
 
 import torch
 
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.config import ParallelConfig, model_config_from_preset
-from megatron_gspo.generation import GenerationConfig, generate
-from megatron_gspo.model import build_model
+from megatron_gspo.generation.generator import GenerationConfig, generate
+from megatron_gspo.model.gpt import build_model
 
 VOCAB = 100
 MAX_NEW = 20

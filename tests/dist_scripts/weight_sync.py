@@ -19,14 +19,14 @@ import dataclasses
 import os
 import time
 
-from megatron_gspo import parallel
+from megatron_gspo.runtime import parallel
 from megatron_gspo.rollout.layout import ROLLOUT, rollout_parallel_config
 from megatron_gspo.rollout.side import join
 from megatron_gspo.rollout.weight_sync import WeightReceiver, WeightSender
 from megatron_gspo.checkpoint import save_model
 from megatron_gspo.config import load_job_config
-from megatron_gspo.init_weights import init_weights
-from megatron_gspo.model import build_model
+from megatron_gspo.model.init_weights import init_weights
+from megatron_gspo.model.gpt import build_model
 
 TRAINED_SEED = 777
 

@@ -77,8 +77,8 @@ def test_a_strict_load_does_not_need_core_attentions_extra_state(cpu_models):
 def _trained(model, state, step_seed: int):
     """DDP + megatron's optimizer on ``model``, one Adam step on fixed gradients (no forward: a construct-only
     model has none). Returns (ddp, optimizer, scheduler)."""
-    from megatron_gspo.model import wrap_ddp
-    from megatron_gspo.optim import build_optimizer, build_scheduler, optimizer_step
+    from megatron_gspo.model.gpt import wrap_ddp
+    from megatron_gspo.trainer.optim import build_optimizer, build_scheduler, optimizer_step
 
     ddp = wrap_ddp(model, state)
     opt = build_optimizer(OptimizerConfig(lr=1e-2, clip_grad=0.0), ddp, state, bf16=False)
@@ -87,7 +87,7 @@ def _trained(model, state, step_seed: int):
         ddp.zero_grad_buffer()
         g = torch.Generator().manual_seed(step_seed)
         # gradients keyed by the spec-free unit name: both specs get the same gradient for the same tensor
-        from megatron_gspo.init_weights import unit_names
+        from megatron_gspo.model.init_weights import unit_names
 
         names = unit_names(model, state)
         for n, p in model.named_parameters():

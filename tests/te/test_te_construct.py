@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_gspo.config import ConfigError, model_config_from_preset
-from megatron_gspo.model import ConstructOnlyError, forward_logits, resolve_impl
+from megatron_gspo.model.gpt import ConstructOnlyError, forward_logits, resolve_impl
 
 
 def _tiny(**kw):

@@ -19,7 +19,7 @@ JOB = ["parallel.device=cpu", "train.num_steps=2", "train.sft_steps=1", "train.s
 def test_a_cpu_job_trains_where_transformer_engine_is_installed(tmp_path):
     import transformer_engine.pytorch  # noqa: F401  (this tier: TE imports here)
 
-    from megatron_gspo import compat
+    from megatron_gspo.runtime import compat
 
     assert compat.have_te() and "cpu_optimizer_without_te_kernels" in compat.needed(compat.environment(torch.device("cpu")))
     rows = run_job_rows(load_job_config(None, JOB + [f"train.output_dir={tmp_path}"]))

@@ -1,4 +1,4 @@
-"""The FP8 padding arithmetic (megatron_gspo/fp8_alignment.py) against Transformer Engine's own rules,
+"""The FP8 padding arithmetic (megatron_gspo/model/fp8_alignment.py) against Transformer Engine's own rules,
 which are plain Python and run on the CPU: ``assert_dim_for_fp8_exec`` (what te.Linear and
 te.LayerNormLinear call on their input under FP8), the grouped GEMMs' alignment per recipe
 (``get_align_size_for_quantization``) and MXFP8's quantizability."""
@@ -6,7 +6,7 @@ te.LayerNormLinear call on their input under FP8), the grouped GEMMs' alignment 
 import pytest
 import torch
 
-from megatron_gspo import fp8_alignment
+from megatron_gspo.model import fp8_alignment
 
 HIDDEN = 2048  # Qwen3-30B-A3B's hidden size (the last dimension TE checks: % 16)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_gspo.config import model_config_from_preset
-from megatron_gspo.decode import LeanDecoder, lean_decode_unsupported
-from megatron_gspo.generation import GenerationConfig, generate
+from megatron_gspo.generation.lean_decoder import LeanDecoder, lean_decode_unsupported
+from megatron_gspo.generation.generator import GenerationConfig, generate
 
 VOCAB = 100
 PROMPTS = {"uniform": (6, 6, 6), "ragged": (4, 1, 9)}
@@ -125,7 +125,7 @@ def test_graph_ready_step_on_te_weights(both, monkeypatch):
 def test_te_experts_without_grouped_mm_loop_eagerly_and_refuse_graphs(both, monkeypatch):
     """Where torch._grouped_mm cannot take the weights (CUDA fp32, older torch) TE's experts run as a
     loop of GEMMs over host-side counts: the same tokens, and CUDA graphs refused by name."""
-    import megatron_gspo.decode as decode
+    import megatron_gspo.generation.lean_decoder as decode
 
     te_model, local, st = both
     cfg = GenerationConfig(max_new_tokens=6, n_samples_per_prompt=2, seed=9, decode_impl="lean")

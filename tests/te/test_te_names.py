@@ -17,7 +17,7 @@ CFG = model_config_from_preset("tiny")
 def test_unit_names_are_the_same_for_both_specs(cpu_models):
     """init_weights' layout-free units (which also name what weight sync streams) do not depend on the spec:
     the TE spec's fused input norm and grouped experts are the local spec's units."""
-    from megatron_gspo.init_weights import unit_names
+    from megatron_gspo.model.init_weights import unit_names
 
     te, st = cpu_models(CFG, "te")
     local, _ = cpu_models(CFG, "local")
@@ -29,7 +29,7 @@ def test_unit_names_are_the_same_for_both_specs(cpu_models):
 
 
 def test_every_te_parameter_has_the_local_specs_init_rule(cpu_models):
-    from megatron_gspo.init_weights import init_std, unit_names
+    from megatron_gspo.model.init_weights import init_std, unit_names
 
     te, st = cpu_models(CFG, "te")
     for name, unit in unit_names(te, st).items():

@@ -21,11 +21,11 @@ def weights(path) -> dict:
 def one_rank(tmp_path_factory):
     """The trained weights of weight_sync.py (seed 777) on one rank: the local spec, since the seed alone
     decides every number whatever the spec (tests/te/test_te_checkpoints.py)."""
-    from megatron_gspo import parallel
+    from megatron_gspo.runtime import parallel
     from megatron_gspo.checkpoint import save_model
     from megatron_gspo.config import ParallelConfig, load_job_config
-    from megatron_gspo.init_weights import init_weights
-    from megatron_gspo.model import build_model
+    from megatron_gspo.model.init_weights import init_weights
+    from megatron_gspo.model.gpt import build_model
 
     cfg = load_job_config(None, ["parallel.device=cpu", "model.transformer_impl=local"])
     st = parallel.initialize(cfg.model, ParallelConfig(device="cpu"))

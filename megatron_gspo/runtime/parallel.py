@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import compat
+from megatron_gspo.runtime import compat
 from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig
 
 

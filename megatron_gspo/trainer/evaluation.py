@@ -25,10 +25,10 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_gspo import comm
-from megatron_gspo.generation import Generator
-from megatron_gspo.oom import explain_oom
-from megatron_gspo.rewards import compute_rewards
+from megatron_gspo.runtime import comm
+from megatron_gspo.generation.generator import Generator
+from megatron_gspo.model.oom import explain_oom
+from megatron_gspo.data.rewards import compute_rewards
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -31,27 +31,27 @@ from typing import Iterable
 
 import torch
 
-from megatron_gspo import comm, determinism, parallel
-from megatron_gspo import trainer_components as components
+from megatron_gspo.runtime import comm, determinism, parallel
+from megatron_gspo.trainer import components as components
 from megatron_gspo.algorithms.advantages import get_advantage_estimator
 from megatron_gspo.algorithms.objective import ObjectiveConfig, loss_units, objective
 from megatron_gspo.checkpoint import has_manifest, iter_dir
 from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, JobConfig, old_logprob_source, to_dict
-from megatron_gspo.evaluation import EvaluationAbandoned
-from megatron_gspo.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, StopReason, StoppedFor
-from megatron_gspo.faults import PreemptionFlag, StepAbandoned, injected_faults
-from megatron_gspo.hooks import Hooks, TrainerHook
-from megatron_gspo.logger import MetricsLogger, Timer, progress_line, setup_logging
-from megatron_gspo.metrics import MetricAccumulator
-from megatron_gspo.oom import explain_oom, model_shapes
-from megatron_gspo.model import aux_loss_scales, clear_aux_losses_tracker, finalize_grads, forward_logprobs, set_aux_loss_scale
-from megatron_gspo.optim import build_optimizer, build_scheduler, optimizer_step
-from megatron_gspo.rewards import build_reward_fn
+from megatron_gspo.trainer.evaluation import EvaluationAbandoned
+from megatron_gspo.runtime.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, StopReason, StoppedFor
+from megatron_gspo.runtime.stop import PreemptionFlag, StepAbandoned, injected_faults
+from megatron_gspo.trainer.hooks import Hooks, TrainerHook
+from megatron_gspo.runtime.logger import MetricsLogger, Timer, progress_line, setup_logging
+from megatron_gspo.runtime.metrics import MetricAccumulator
+from megatron_gspo.model.oom import explain_oom, model_shapes
+from megatron_gspo.model.gpt import aux_loss_scales, clear_aux_losses_tracker, finalize_grads, forward_logprobs, set_aux_loss_scale
+from megatron_gspo.trainer.optim import build_optimizer, build_scheduler, optimizer_step
+from megatron_gspo.data.rewards import build_reward_fn
 from megatron_gspo.rollout.prepare import BatchPreparer, TrainBatch, rollout_metrics
 from megatron_gspo.rollout.remote import RolloutRanksLost
 from megatron_gspo.rollout.source import build_source, join_side
-from megatron_gspo.sft import SFTWarmStart
-from megatron_gspo.sysinfo import current_rss
+from megatron_gspo.trainer.sft import SFTWarmStart
+from megatron_gspo.runtime.sysinfo import current_rss
 
 log = logging.getLogger("megatron_gspo")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo import compat
+from megatron_gspo.runtime import compat
 from megatron_gspo.config import OptimizerConfig
 
 

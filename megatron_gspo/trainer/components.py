@@ -13,13 +13,13 @@ import logging
 from megatron_gspo.algorithms.rollout_correction import inactive_reason
 from megatron_gspo.checkpoint import CheckpointManager
 from megatron_gspo.config import JobConfig, to_dict
-from megatron_gspo.data import build_eval_prompts, build_prompt_sampler
-from megatron_gspo.evaluation import Evaluator
-from megatron_gspo.model import build_model, impl_reason, job_precision, model_summary, resolve_impl, wrap_ddp
-from megatron_gspo.oom import check_model_fits, explain_oom, model_shapes
-from megatron_gspo.rewards import check_reference_answers
+from megatron_gspo.data.prompts import build_eval_prompts, build_prompt_sampler
+from megatron_gspo.trainer.evaluation import Evaluator
+from megatron_gspo.model.gpt import build_model, impl_reason, job_precision, model_summary, resolve_impl, wrap_ddp
+from megatron_gspo.model.oom import check_model_fits, explain_oom, model_shapes
+from megatron_gspo.data.rewards import check_reference_answers
 from megatron_gspo.routing import RoutingPolicy
-from megatron_gspo.tokenizer import build_tokenizer, check_vocab_fits
+from megatron_gspo.data.tokenizer import build_tokenizer, check_vocab_fits
 
 log = logging.getLogger("megatron_gspo")
 

@@ -2,7 +2,7 @@
 
 Each task is an infinite, random-access sequence: ``task[i]`` is a pure function of ``(task name,
 seed, knobs, i)``. Nothing is stored, any position can be regenerated, and a checkpoint only needs
-the data position to resume on exactly the same prompts (see :mod:`megatron_gspo.data`).
+the data position to resume on exactly the same prompts (see :mod:`megatron_gspo.data.prompts`).
 
 Examples are ``{"prompt": str, "answer": str, "id": str}``, scored by the ``exact_match`` (or the
 denser ``digit_match``) reward. Prompts stay short (about 5-15 characters with the defaults) because

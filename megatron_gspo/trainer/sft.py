@@ -24,19 +24,19 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import comm
-from megatron_gspo.data import PromptSampler
+from megatron_gspo.runtime import comm
+from megatron_gspo.data.prompts import PromptSampler
 from megatron_gspo.errors import DataError
-from megatron_gspo.hooks import TrainerHook
-from megatron_gspo.model import (
+from megatron_gspo.trainer.hooks import TrainerHook
+from megatron_gspo.model.gpt import (
     aux_loss_scales,
     finalize_grads,
     forward_logprobs,
     input_padding_mask,
     set_aux_loss_scale,
 )
-from megatron_gspo.oom import explain_oom
-from megatron_gspo.optim import build_optimizer, optimizer_step
+from megatron_gspo.model.oom import explain_oom
+from megatron_gspo.trainer.optim import build_optimizer, optimizer_step
 from megatron_gspo.rollout.prepare import forward_width_multiple
 from megatron_gspo.rollout.rows import common_length, micro_batch_slices, pad_columns
 

@@ -150,7 +150,7 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     Returns a dict with the components documented in the module docstring (GiB), ``total``,
     ``budget`` (an 80 GB H100), ``fits`` and the layout numbers it used (dp, expert_dp, params).
     """
-    from megatron_gspo.parallel import validate_layout
+    from megatron_gspo.runtime.parallel import validate_layout
 
     m, par, t, g, d = job_cfg.model, job_cfg.parallel, job_cfg.train, job_cfg.generation, job_cfg.data
     dp = validate_layout(m, par, world_size)

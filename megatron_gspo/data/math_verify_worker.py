@@ -7,7 +7,7 @@ pytest-timeout's), its handler raises an exception into whatever code runs when 
 C-level computation (a huge integer power) is not interrupted at all. The trainer's ranks also own
 their signal handling (faults.PreemptionFlag: SIGTERM / SIGUSR1 mean "save and stop").
 
-So the checking runs in a child process (``python -m megatron_gspo.math_verify_worker``), started on
+So the checking runs in a child process (``python -m megatron_gspo.data.math_verify_worker``), started on
 first use and kept for the process's lifetime, and touches no signal of the trainer. Two limits:
 
 * ``cpu_timeout_s``: the CPU time one check may use (ITIMER_VIRTUAL in the child, which owns its
@@ -62,7 +62,7 @@ class MathVerifyProcess:
 
     def _start(self) -> subprocess.Popen:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "megatron_gspo.math_verify_worker"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_gspo.data.math_verify_worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1,
                                 start_new_session=True)
         reply = self._read(proc, STARTUP_TIMEOUT_S)

@@ -130,10 +130,11 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import comm, fp8_alignment
+from megatron_gspo.runtime import comm
+from megatron_gspo.model import fp8_alignment
 from megatron_gspo.config import GenerationConfig
-from megatron_gspo.decode_backends import make_backend
-from megatron_gspo.sampling import counter_uniform, sample_tokens
+from megatron_gspo.generation.decoder import make_backend
+from megatron_gspo.generation.sampling import counter_uniform, sample_tokens
 
 OnForward = Callable[[int, str, Optional[torch.Tensor]], None]
 
@@ -333,8 +334,8 @@ class Generator:
     def lean_decoder(self, graphs: bool, batch: int, slots: int):
         """The kept LeanDecoder for a call of ``batch`` rows and ``slots`` KV slots (built at the first
         call, or when cuda_graphs changed; ``LeanDecoder.begin`` grows it)."""
-        from megatron_gspo.decode import LeanDecoder
-        from megatron_gspo.model import unwrap
+        from megatron_gspo.generation.lean_decoder import LeanDecoder
+        from megatron_gspo.model.gpt import unwrap
 
         if self._dec is None or self._dec_graphs != graphs:
             if graphs:
@@ -402,7 +403,7 @@ def generate(
             itself; None: a throwaway one, for a one-off generation).
     Collective when ``state`` has TP or EP > 1: every rank of the layout must call it.
     """
-    from megatron_gspo.model import unwrap
+    from megatron_gspo.model.gpt import unwrap
 
     if poll is not None and (should_stop is not None or on_update is None):
         raise ValueError("generate(): poll replaces should_stop and needs on_update")

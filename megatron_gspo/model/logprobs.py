@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from megatron_gspo import comm
+from megatron_gspo.runtime import comm
 
 # Finite stand-in for -inf on padded vocabulary columns: exp() gives exactly 0 and, unlike -inf,
 # 0 * x stays 0 (no NaN) in the entropy sum.

@@ -33,7 +33,7 @@ from typing import Iterable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import comm
+from megatron_gspo.runtime import comm
 
 KINDS = ("mean", "std", "sum", "min", "max", "cat")
 _SUMMED = ("mean", "std", "sum")

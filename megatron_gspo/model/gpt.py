@@ -15,10 +15,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_gspo import compat
-from megatron_gspo.compat import have_te, te_status
+from megatron_gspo.runtime import compat
+from megatron_gspo.runtime.compat import have_te, te_status
 from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig, resolve_precision
-from megatron_gspo.parallel import ParallelState
+from megatron_gspo.runtime.parallel import ParallelState
 
 # Every choice below that depends on the machine takes the job's device (ParallelState.device, decided
 # once by parallel.resolve_device), never torch.cuda.is_available(): a CPU job on a GPU machine must
@@ -86,7 +86,7 @@ def job_precision(cfg: ModelConfig, device: torch.device) -> tuple[str, str]:
 
 
 def resolve_expert_impl(cfg: ModelConfig, impl: str) -> str:
-    # "batched" (megatron_gspo.experts.BatchedSequentialMLP): SequentialMLP's parameters and
+    # "batched" (megatron_gspo.model.experts.BatchedSequentialMLP): SequentialMLP's parameters and
     # checkpoint layout, all local experts in grouped GEMMs; equal to "sequential" and faster.
     if cfg.moe_expert_impl == "auto":
         return "te_grouped" if impl == "transformer_engine" else "batched"
@@ -289,11 +289,11 @@ def build_layer_spec(tcfg, cfg: ModelConfig, device: torch.device, pp_rank: Opti
         sub.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
         final_norm = RMSNorm
         if resolve_attention_impl(cfg, impl) == "sdpa":
-            from megatron_gspo.attention import SDPAttention
+            from megatron_gspo.model.attention import SDPAttention
 
             sub.self_attention.submodules.core_attention = SDPAttention
         if resolve_expert_impl(cfg, impl) == "batched":
-            from megatron_gspo.experts import BatchedSequentialMLP
+            from megatron_gspo.model.experts import BatchedSequentialMLP
 
             sub.mlp.submodules.experts.module = BatchedSequentialMLP
     n = get_num_layers_to_build(tcfg, vp_stage=None, pp_rank=pp_rank)
@@ -341,7 +341,7 @@ def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, rou
             pg_collection=state.pg,
         )
     if model.post_process:
-        from megatron_gspo.output_layer import use_batch_first_output
+        from megatron_gspo.model.output_layer import use_batch_first_output
 
         use_batch_first_output(model)  # logits [b, s, V] without megatron's transpose copy
     if state.device.type == "cuda":  # a CPU job initialized on the CPU (use_cpu_initialization)
@@ -350,7 +350,7 @@ def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, rou
     # from the seed alone. (megatron's pass cannot be skipped: perform_initialization=False also skips
     # setting the tensor-parallel attributes that grad-norm and finalize_model_grads rely on.)
     if init_from_seed:
-        from megatron_gspo.init_weights import init_weights
+        from megatron_gspo.model.init_weights import init_weights
 
         init_weights(model, par.seed, state, init_method_std=cfg.init_method_std, num_layers=cfg.num_layers,
                      gated_linear_unit=tcfg.gated_linear_unit)
@@ -407,7 +407,7 @@ def forward_logits(model, tokens: torch.Tensor, position_ids: Optional[torch.Ten
     Routing replay needs the caller to pad instead: its routes are per position of the input it was
     given.)
     """
-    from megatron_gspo import fp8_alignment
+    from megatron_gspo.model import fp8_alignment
 
     b, s = tokens.shape
     cfg = unwrap(model).config
@@ -445,8 +445,8 @@ def forward_logprobs(model, tokens: torch.Tensor, target: torch.Tensor, vocab_si
     the log-probs and their backward does not grow with tokens x vocabulary. Padding mask, sequence-
     parallel padding and routing hooks are those of forward_logits (the decoder runs unchanged); the
     vocabulary shards and their statistics are reduced over the output layer's TP group."""
-    from megatron_gspo.fused_logprobs import output_layer_logprobs
-    from megatron_gspo.output_layer import returning_hidden
+    from megatron_gspo.model.fused_logprobs import output_layer_logprobs
+    from megatron_gspo.model.output_layer import returning_hidden
 
     m = unwrap(model)
     with returning_hidden(m):
@@ -491,7 +491,7 @@ def aux_loss_scales(padding_masks: list[torch.Tensor], state: ParallelState, loa
     padding_masks: per micro-batch [b, s] bool (True = padding) of the training forwards' inputs,
     every rank of the DP group passing the same number of micro-batches. Collective over DP (one
     all-reduce) unless the aux loss is off."""
-    from megatron_gspo import comm
+    from megatron_gspo.runtime import comm
 
     if coeff == 0 or load_balancing_type == "none" or not padding_masks:
         return [0.0] * len(padding_masks)

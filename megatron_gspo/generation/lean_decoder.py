@@ -246,7 +246,7 @@ def device_moe_unsupported(mlp) -> Optional[str]:
         MoEAlltoAllTokenDispatcher,
     )
 
-    from megatron_gspo.experts import BatchedSequentialMLP, _aligned_for_grouped_mm, grouped_mm_available
+    from megatron_gspo.model.experts import BatchedSequentialMLP, _aligned_for_grouped_mm, grouped_mm_available
 
     if not isinstance(mlp, MoELayer):
         return f"{type(mlp).__name__} is not an MoE layer"
@@ -284,7 +284,7 @@ def _expert_stack(params: list[torch.Tensor]) -> tuple[Optional[torch.Tensor], b
     parameters out in reverse module order, experts N-1 .. 0. Parameters that each own their storage
     (TE's weight0..N as built) are packed into one buffer first (experts._pack: the same Parameter
     objects, their ``.data`` views of it), which nothing else can observe."""
-    from megatron_gspo.experts import _pack, _packed_view
+    from megatron_gspo.model.experts import _pack, _packed_view
 
     for rev in (False, True):
         view = _packed_view(params[::-1] if rev else params)
@@ -297,7 +297,7 @@ def _expert_stack(params: list[torch.Tensor]) -> tuple[Optional[torch.Tensor], b
 
 
 def _grouped_mm_ok(w1: list[torch.Tensor], w2: list[torch.Tensor]) -> bool:
-    from megatron_gspo.experts import _aligned_for_grouped_mm, grouped_mm_available
+    from megatron_gspo.model.experts import _aligned_for_grouped_mm, grouped_mm_available
 
     probe = torch.empty(0, w1[0].shape[1], dtype=w1[0].dtype, device=w1[0].device)
     return grouped_mm_available(w1[0].device, w1[0].dtype) and _aligned_for_grouped_mm(probe, w1, w2)
@@ -346,7 +346,7 @@ class DeviceMoE:
     def __call__(self, h: torch.Tensor, hooks: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """h [s, b, H] -> (output [s, b, H], routing map [s*b, E] bool). ``hooks=False`` calls the
         router's forward directly (forward hooks are Python: they cannot run in a replayed graph)."""
-        from megatron_gspo.experts import expert_activation, grouped_linear
+        from megatron_gspo.model.experts import expert_activation, grouped_linear
 
         mlp = self.mlp
         probs, routing_map = mlp.router(h) if hooks else mlp.router.forward(h)
@@ -389,7 +389,7 @@ class DeviceMoE:
 def _grouped(x: torch.Tensor, weights: list[torch.Tensor], offs: torch.Tensor) -> torch.Tensor:
     """x [N, in] grouped by expert (int32 cumulative ``offs``) times each expert's weight: ``weights`` is
     the [E, out, in] stack alone, or one [out, in] tensor per expert (stacked here: a copy)."""
-    from megatron_gspo.experts import grouped_linear
+    from megatron_gspo.model.experts import grouped_linear
 
     if len(weights) == 1 and weights[0].dim() == 3:
         return torch._grouped_mm(x, weights[0].transpose(1, 2), offs=offs)

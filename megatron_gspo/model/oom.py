@@ -106,7 +106,7 @@ def local_ranks(cfg) -> int:
 def host_budget(ranks: int = 1) -> tuple[int, str]:
     """(bytes one rank may use, what sets it): the lowest of the machine's limits (sysinfo.memory_limits),
     those the machine's processes share divided among ``ranks``."""
-    from megatron_gspo.sysinfo import memory_limits
+    from megatron_gspo.runtime.sysinfo import memory_limits
 
     share = [(v if per_process else v // ranks, what + ("" if per_process or ranks == 1 else f", shared by {ranks} ranks"))
              for v, what, per_process in memory_limits()]
@@ -116,8 +116,8 @@ def host_budget(ranks: int = 1) -> tuple[int, str]:
 def _cpu_estimate(cfg, world_size: int):
     """estimate_memory for a job on the CPU: the optimizer is never distributed there, and the
     process's imports (its resident set now) stand for the CUDA runtime's fixed overhead."""
-    from megatron_gspo.memory_estimate import GIB, estimate_memory
-    from megatron_gspo.sysinfo import current_rss
+    from megatron_gspo.model.memory_estimate import GIB, estimate_memory
+    from megatron_gspo.runtime.sysinfo import current_rss
 
     par = dataclasses.replace(cfg.parallel, use_distributed_optimizer=False)
     return estimate_memory(dataclasses.replace(cfg, parallel=par), world_size, runtime_overhead_gib=current_rss() / GIB,
@@ -130,7 +130,7 @@ def _static(r: dict) -> float:
 
 
 def _estimate(cfg, world_size: int, device=None) -> str:
-    from megatron_gspo.memory_estimate import GIB, estimate_memory
+    from megatron_gspo.model.memory_estimate import GIB, estimate_memory
 
     try:
         r = _cpu_estimate(cfg, world_size) if _on_cpu(device) else estimate_memory(cfg, world_size)
@@ -192,8 +192,8 @@ def check_model_fits(cfg, state, device_bytes: Optional[int] = None) -> None:
     the job's ranks on the machine); on a GPU the device's memory (``device_bytes``: given, or asked
     of the device). Only where it clearly cannot fit: activations and generation, which depend on the
     batch, are left to the phases themselves (explain_oom)."""
-    from megatron_gspo.memory_estimate import GIB, estimate_memory
-    from megatron_gspo.sysinfo import current_rss
+    from megatron_gspo.model.memory_estimate import GIB, estimate_memory
+    from megatron_gspo.runtime.sysinfo import current_rss
 
     cpu = _on_cpu(state.device)
     try:

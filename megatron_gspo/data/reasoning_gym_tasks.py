@@ -19,7 +19,7 @@ import dataclasses
 from typing import Any, Optional
 
 from megatron_gspo.errors import DataError
-from megatron_gspo.tasks import Task
+from megatron_gspo.data.tasks import Task
 
 PREFIX = "reasoning_gym:"
 

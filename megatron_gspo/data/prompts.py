@@ -29,11 +29,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from megatron_gspo.config import DataConfig
 from megatron_gspo.errors import DataError, TokenizerError
-from megatron_gspo.reasoning_gym_tasks import PREFIX as RG_PREFIX
-from megatron_gspo.reasoning_gym_tasks import build_reasoning_gym_task
-from megatron_gspo.tasks import TASKS, Task, build_task
+from megatron_gspo.data.reasoning_gym_tasks import PREFIX as RG_PREFIX
+from megatron_gspo.data.reasoning_gym_tasks import build_reasoning_gym_task
+from megatron_gspo.data.tasks import TASKS, Task, build_task
 from megatron_gspo.textfile import decode_line
-from megatron_gspo.tokenizer import Tokenizer
+from megatron_gspo.data.tokenizer import Tokenizer
 
 BUILTIN_PREFIX = "builtin:"
 log = logging.getLogger("megatron_gspo")

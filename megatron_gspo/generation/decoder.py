@@ -4,7 +4,7 @@ A ``DecodeBackend`` runs a prefill forward over the left-padded prompt block and
 decode forwards against its KV cache, for the rows still in the decode batch; ``generate()`` owns
 everything else (sampling, stop tokens, lockstep, which rows finished). Two back-ends:
 
-``LeanBackend``      megatron_gspo/decode.py's ``LeanDecoder``: the model's own modules and weights
+``LeanBackend``      megatron_gspo/generation/lean_decoder.py's ``LeanDecoder``: the model's own modules and weights
                      (local spec or Transformer Engine spec, read as they are; no TE kernel runs),
                      a KV cache of roped keys, device-side MoE dispatch, a graph-ready decode step
                      (optionally captured with CUDA graphs: ``generation.cuda_graphs``); one rank of
@@ -91,7 +91,7 @@ class LeanBackend(DecodeBackend):
 
 
 def _device_moes(m) -> list:
-    from megatron_gspo.decode import device_moe_unsupported
+    from megatron_gspo.generation.lean_decoder import device_moe_unsupported
 
     return [True if device_moe_unsupported(layer.mlp) is None else None for layer in m.decoder.layers]
 
@@ -146,7 +146,7 @@ def make_backend(m, cfg, batch: int, slots: int, positions: torch.Tensor, key_pa
     cfg: the GenerationConfig; positions / key_pad [B, slots] per slot; left_pad [B]; ragged: some
     real prompts are left-padded; record_routes: the caller wants each forward's routes;
     lean_decoder(graphs, batch, slots): the LeanDecoder to run (generation.Generator keeps one)."""
-    from megatron_gspo.decode import lean_decode_unsupported
+    from megatron_gspo.generation.lean_decoder import lean_decode_unsupported
 
     graphs = cfg.cuda_graphs
     if cfg.decode_impl != "megatron":

@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_gspo import comm
+from megatron_gspo.runtime import comm
 
 # Defaults: the fp32 working chunk, and the size below which the forward keeps its chunk logits.
 CHUNK_BYTES = 64 << 20

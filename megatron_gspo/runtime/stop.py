@@ -22,7 +22,7 @@ import signal
 import time
 from typing import Optional
 
-from megatron_gspo.exit_status import (  # noqa: F401 (re-exported)
+from megatron_gspo.runtime.exit_status import (  # noqa: F401 (re-exported)
     EXIT_PREEMPTED,
     EXIT_PREEMPTED_NOTHING_SAVED,
     EXIT_TOO_MANY_SKIPS,
