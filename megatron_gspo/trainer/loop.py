@@ -81,7 +81,7 @@ class Trainer:
             raise
 
     def _build(self, cfg: JobConfig, hooks: Iterable[TrainerHook]) -> None:
-        """The components (trainer_components.py), in dependency order; collective."""
+        """The components (trainer/components.py), in dependency order; collective."""
         self.side = join_side(cfg)  # rollout.mode=async: the trainer's ranks are a world of their own
         self.state = st = parallel.initialize(cfg.model, cfg.parallel, side=self.side)
         setup_logging(st.rank)
