@@ -1,7 +1,7 @@
-"""Deprecated: ``megatron_gspo.hooks`` moved to ``megatron_gspo.trainer.hooks`` (issue 31); this alias goes in 0.3.
+"""Deprecated: ``megatron_gspo.hooks`` moved to ``megatron_gspo.trainer.hooks``; this alias goes in 0.3.
 
 Importing it warns once (FutureWarning) and binds this name to the module itself, so every name,
-class identity and monkeypatch is the new module's. MOVE_KEEP
+class identity and monkeypatch is the new module's.
 """
 
 import sys

@@ -1,7 +1,7 @@
-"""Deprecated: ``megatron_gspo.rewards`` moved to ``megatron_gspo.data.rewards`` (issue 31); this alias goes in 0.3.
+"""Deprecated: ``megatron_gspo.rewards`` moved to ``megatron_gspo.data.rewards``; this alias goes in 0.3.
 
 Importing it warns once (FutureWarning) and binds this name to the module itself, so every name,
-class identity and monkeypatch is the new module's. MOVE_KEEP
+class identity and monkeypatch is the new module's.
 """
 
 import sys

@@ -383,8 +383,8 @@ def test_drop_policy_generates_again_under_the_new_weights(two_versions):
 @pytest.mark.parametrize("policy", ["finish", "drop"])
 def test_async_counts_agree_with_their_definitions(two_versions, policy):
     """Two updates mid-generation (at the 2nd and the 5th forward), against docs/algorithms.md's async/*:
-    mid_generation_updates = updates applied while generating (2, under either policy: drop used to say 0
-    beside 6 dropped rows); partial_dropped_rows = every row of each generation in flight that was thrown
+    mid_generation_updates = updates applied while generating (2, under either policy: drop counts them
+    beside its 6 dropped rows); partial_dropped_rows = every row of each generation in flight that was thrown
     away (drop: 2 x 3); partial_finished_rows = rows in flight at an update that finished under the new
     weights (finish: 3, never under drop) = mixed_version_rows (rows whose tokens come from two versions);
     staleness counts from the version a row started with (drop: the last restart's)."""
@@ -456,7 +456,7 @@ def stopped_line(run_dist, tmp_path, steps: int, *overrides: str) -> str:
 def test_a_heartbeat_timeout_says_so_in_the_stop_line(run_dist, tmp_path):
     """The trainer's heartbeat stops at step 2 (a hung trainer, seen from the rollout rank): after
     rollout.heartbeat_timeout_s the rollout rank leaves, and the trainer's stop line says that a heartbeat
-    timeout ended it, quoting the timeout (it used to say "rollout rank 1 exited: finished")."""
+    timeout ended it, quoting the timeout (not "rollout rank 1 exited: finished")."""
     line = stopped_line(run_dist, tmp_path, 40, "rollout.heartbeat_timeout_s=3", "--silence-trainer-at", "2")
     assert line.startswith("STOPPED exit 75: stopping before step "), line
     assert ("rollout rank 1 exited: declared the trainer dead: trainer rank 0 sent no heartbeat for "
@@ -481,8 +481,8 @@ def test_a_rollout_rank_killed_in_a_weight_push_is_named(run_dist, tmp_path):
 
 def test_a_stop_signal_to_a_rollout_rank_alone_stops_the_job(run_dist, tmp_path):
     """SIGTERM to the rollout rank only (`kill <its pid>`), as it begins step 3: it asks the trainer to stop
-    (the control plane), the trainer saves the last trained step and exits 75, the rollout rank follows.
-    (It used to swallow the signal: the job ran on to its end.)"""
+    (the control plane), the trainer saves the last trained step and exits 75, the rollout rank follows
+    (the signal is not swallowed: the job does not run on to its end)."""
     line = stopped_line(run_dist, tmp_path, 40, "--sigterm-rollout-at", "3:1")
     assert "preempted by signal SIGTERM (on rollout rank 1)" in line, line
     saved = latest_complete(f"{tmp_path}/ckpt")

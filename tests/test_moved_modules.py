@@ -1,4 +1,4 @@
-"""The deprecated aliases of moved modules (issue 31; MOVE_KEEP): each warns with a FutureWarning naming
+"""The deprecated aliases of moved modules: each warns with a FutureWarning naming
 the new path, and *is* the new module (same objects: a hook subclassing the old path's TrainerHook is a
 TrainerHook; a reward registered through the old path is in the one registry)."""
 

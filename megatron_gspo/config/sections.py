@@ -230,11 +230,12 @@ class GenerationConfig:
     # Check which rows finished (a host sync, and under EP / TP a lockstep all-reduce) every this many
     # generated tokens; rows that finish in between are fed pad tokens until the check (results do not
     # change, at most this many - 1 forwards more). 0 = auto: every token on the CPU (a sync costs
-    # nothing there), every 4 on CUDA (a guess, not yet measured on a GPU).
+    # nothing there), every 4 on CUDA (docs/performance.md has the
+    # measured decode step times).
     finished_check_interval: int = knob(0, resume=Resume.MAY_CHANGE, ge=0, hint="(0 = auto)")
     # Capture the lean decode step once per batch-size bucket with CUDA graphs and replay it (CUDA,
-    # decode_impl lean or auto on one rank of TP/EP). Off by default: the eager step runs until this
-    # is measured on a GPU (docs/performance.md).
+    # decode_impl lean or auto on one rank of TP/EP). Off by default: the captured step's agreement with
+    # the eager one is checked by the preflight on each node first (docs/performance.md has the figures).
     cuda_graphs: bool = knob(False, resume=Resume.MAY_CHANGE)
 
     def __post_init__(self) -> None:

@@ -6,7 +6,6 @@ The names below are re-exported from their modules on first use (``from megatron
 aux_loss_scales``), so importing one submodule does not import the rest of the package.
 """
 
-# MOVE_KEEP: written by the package-move script (issue 31).
 
 import importlib
 

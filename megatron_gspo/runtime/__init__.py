@@ -4,4 +4,3 @@ machine facts (sysinfo), plot helpers (plotting), exit codes and stop reasons (e
 Import the modules themselves: this package re-exports nothing.
 """
 
-# MOVE_KEEP: written by the package-move script (issue 31).

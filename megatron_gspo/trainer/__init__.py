@@ -5,7 +5,6 @@ The names below are re-exported from their modules on first use (``from megatron
 Hooks``), so importing one submodule does not import the rest of the package.
 """
 
-# MOVE_KEEP: written by the package-move script (issue 31).
 
 import importlib
 
