@@ -54,6 +54,37 @@ def test_a_sibling_file_is_a_re_entry_not_a_climb():
     assert (len(s.stays), len(s.climbs), s.entries["p/x.py"]) == (3, 0, 2)
 
 
+def test_reading_order_counts_no_return_into_the_caller():
+    # returns=False: the functions in the order first read; a.h after c.g is a re-entry into a (a climb:
+    # a imports c), c.g2 after a.h goes down again
+    stays = step_walk.walk(_tree(), step_over=("p/rt.py",), returns=False)
+    assert [str(s) for s in stays] == ["p/a.py:run", "p/b.py:f", "p/c.py:g", "p/a.py:h", "p/c.py:g2"]
+    s = step_walk.summarize(stays, ABOVE)
+    assert [str(stays[i]) for i in s.climbs] == ["p/a.py:h"]
+    assert s.entries == {"p/a.py": 2, "p/c.py": 2, "p/b.py": 1}
+
+
+def test_a_functions_own_nested_code_is_read_with_it():
+    # a comprehension / lambda / local def that run calls itself is part of run's text (Python 3.12 inlines
+    # comprehensions: the walk must not depend on that); its calls are run's calls
+    comp = Call("p/a.py", "run.<locals>.<listcomp>", [Call("p/b.py", "f")])
+    top = Call("<traced>", "<traced>", [Call("p/a.py", "run", [comp, Call("p/a.py", "h")])])
+    assert [str(s) for s in step_walk.walk(top, step_over=())] == ["p/a.py:run", "p/b.py:f", "p/a.py:run,h,run"]
+
+
+def test_the_package_grain_reads_a_package_as_one_place():
+    run = Call("p/x/a.py", "run", [Call("p/x/b.py", "f"), Call("p/y/c.py", "g"), Call("p/x/b.py", "f2")])
+    top = Call("<traced>", "<traced>", [run])
+    above = step_walk.by_unit({"p/x/a.py": {"p/x/b.py", "p/y/c.py"}, "p/x/b.py": {"p/y/c.py"}, "p/y/c.py": set()},
+                              step_walk.package_of)
+    assert above == {"p/x/": {"p/y/"}, "p/y/": set()}
+    stays = step_walk.walk(top, step_over=(), returns=False, unit=step_walk.package_of)
+    assert [str(s) for s in stays] == ["p/x/:run,f", "p/y/:g", "p/x/:f2"]
+    s = step_walk.summarize(stays, above)
+    assert [str(stays[i]) for i in s.climbs] == ["p/x/:f2"] and s.entries == {"p/x/": 2, "p/y/": 1}
+    assert step_walk.package_of("megatron_gspo/train.py") == "megatron_gspo/train.py"
+
+
 @pytest.fixture
 def tiny_package(tmp_path, monkeypatch):
     """A package ``walkpkg`` on disk: a.run calls b through a context manager, a decorator, a torch module

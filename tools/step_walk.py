@@ -26,8 +26,14 @@ no warm start, no evaluation; plus any overrides) in this process, with ``run_tr
   callee into its caller is one; going back down into a file read earlier (the trainer calling into
   rollout.py a second time) or sideways (a callback's file returning into a file it does not import) is
   a re-entry, not a climb.
-* Two walks are reported: the **full** one, and **depth 2**, which follows calls at most two files below
-  the entry (run_trainer -> the trainer -> the files the trainer calls, nothing under them).
+* **A function's own nested code** (a comprehension, a lambda or a local def that the function itself
+  calls) is part of its text: its calls are the function's calls (Python 3.12 inlines comprehensions; the
+  walk must not depend on the interpreter).
+* Walks reported: the **full** one, and **depth 2**, which follows calls at most two files below the entry
+  (run_trainer -> the trainer -> the files the trainer calls, nothing under them); each also as the
+  **reading order** (a return into the caller starts no stay: the functions in the order first read, a
+  stay = consecutive functions of one file), and the reading order with a **package** as the place read
+  (``megatron_gspo/rollout/`` for all its files; a top-level module is its own place).
 
 The numbers printed: stays, files, climbs back up, and how often each file was entered. The walk is
 deterministic for a given tree (same config, same code, any hash seed): tests/test_tools.py traces twice.
@@ -214,11 +220,31 @@ class Stay:
         return f"{self.file}:{','.join(self.functions)}"
 
 
-def walk(top: Call, step_over: Iterable[str] = STEP_OVER, max_depth: Optional[int] = None) -> list[Stay]:
+def package_of(file: str) -> str:
+    """The package a file belongs to: ``megatron_gspo/rollout/`` for megatron_gspo/rollout/prepare.py; a
+    top-level module (train.py, errors.py) is its own."""
+    parts = file.split("/")
+    return "/".join(parts[:2]) + "/" if len(parts) > 2 else file
+
+
+def by_unit(above: dict[str, set[str]], unit: Callable[[str], str]) -> dict[str, set[str]]:
+    """The import graph between units: U imports V if a file of U imports a file of V (V != U)."""
+    out: dict[str, set[str]] = {}
+    for f, imported in above.items():
+        u = unit(f)
+        out.setdefault(u, set()).update(unit(g) for g in imported if unit(g) != u)
+    return out
+
+
+def walk(top: Call, step_over: Iterable[str] = STEP_OVER, max_depth: Optional[int] = None,
+         returns: bool = True, unit: Callable[[str], str] = lambda f: f) -> list[Stay]:
     """The stays of a reader following ``top``'s calls (see the module doc: read once, runtime stepped over).
 
     ``max_depth``: follow calls at most that many files below the entry (a call into another file is one
-    level; None: no limit). 2 is the trainer's own collaborators: run_trainer -> Trainer -> what it calls."""
+    level; None: no limit). 2 is the trainer's own collaborators: run_trainer -> Trainer -> what it calls.
+    ``returns``: a return into the caller's file starts a stay (True), or the walk is the reading order
+    alone (False: the functions in the order first read, a stay = consecutive functions of one file).
+    ``unit``: what a stay is in (the file; ``package_of``: the package)."""
     patterns = tuple(step_over)
     read: set[tuple[str, str]] = set()
     stays: list[Stay] = []
@@ -233,15 +259,25 @@ def walk(top: Call, step_over: Iterable[str] = STEP_OVER, max_depth: Optional[in
         else:
             stays.append(Stay(file, [name]))
 
-    def visit(node: Call, depth: int) -> None:
-        at(node.file, node.name)
+    def calls(node: Call) -> Iterable[Call]:
+        """node's calls, with those of its own nested code (a comprehension, a lambda or a local def that it
+        calls itself) as its own: they are lines of its text (Python 3.12 inlines comprehensions)."""
         for c in node.children:
+            if c.file == node.file and c.name.startswith(node.name + ".<locals>."):
+                yield from calls(c)
+            else:
+                yield c
+
+    def visit(node: Call, depth: int) -> None:
+        at(unit(node.file), node.name)
+        for c in calls(node):
             d = depth + (c.file != node.file)
             if skipped(c) or (max_depth is not None and d > max_depth):
                 continue
             read.add(c.key)
             visit(c, d)
-            at(node.file, node.name)  # back in the caller
+            if returns:
+                at(unit(node.file), node.name)  # back in the caller
 
     for r in top.children:
         if not skipped(r):
@@ -319,7 +355,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = ap.parse_args(argv)
     top = trace_default_step(a.overrides)
     above = import_graph()
-    walks = {"full": summarize(walk(top), above), "depth 2": summarize(walk(top, max_depth=2), above)}
+    walks = {"full": summarize(walk(top), above), "depth 2": summarize(walk(top, max_depth=2), above),
+             "reading order": summarize(walk(top, returns=False), above),
+             "reading order, depth 2": summarize(walk(top, max_depth=2, returns=False), above)}
+    pkg_above = by_unit(above, package_of)
+    for name, depth in (("packages, reading order", None), ("packages, reading order, depth 2", 2)):
+        walks[name] = summarize(walk(top, max_depth=depth, returns=False, unit=package_of), pkg_above)
     if a.json:
         print(json.dumps({k: s.as_dict() for k, s in walks.items()}, indent=1))
         return 0
