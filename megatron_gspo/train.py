@@ -25,7 +25,7 @@ from megatron_gspo.runtime import comm, parallel  # noqa: E402 (after the handle
 from megatron_gspo.rollout.layout import ROLLOUT, role_of  # noqa: E402
 from megatron_gspo.config import DEMO_CONFIG, load_job_config, split_job_args  # noqa: E402
 from megatron_gspo.errors import USER_ERRORS  # noqa: E402
-from megatron_gspo.trainer.loop import Trainer, TrainingStopped, summarize  # noqa: E402
+from megatron_gspo.trainer.loop import Trainer, TrainingStopped  # noqa: E402
 
 log = logging.getLogger("megatron_gspo")
 __all__ = ["DEMO_CONFIG", "Trainer", "main", "run_trainer"]
@@ -128,6 +128,18 @@ def run_history(output_dir: str, segment: list[dict], last_step: int) -> tuple[l
     if [r.get("step") for r in rows] == list(range(1, last_step + 1)):
         return rows, 1
     return segment, last_step - len(segment) + 1
+
+
+def summarize(history: list[dict], first_step: int, loss_name: str) -> str:
+    """Mean reward of the first and last (up to) 10 steps of ``history`` (rows of consecutive steps
+    from ``first_step``), naming the steps: after a resume the rows may be this segment's only."""
+    r = [h["rollout/reward_mean"] for h in history]
+    k = min(10, max(1, len(r) // 2))
+    first, last = sum(r[:k]) / k, sum(r[-k:]) / k
+    end = first_step + len(r) - 1
+    part = "" if first_step == 1 else f" of this run segment (the run resumed at step {first_step - 1})"
+    return (f"mean reward of the first {k} {loss_name.upper()} steps ({first_step}-{first_step + k - 1}) {first:.3f} -> "
+            f"last {k} steps ({end - k + 1}-{end}) {last:.3f} ({last - first:+.3f}){part}")
 
 
 if __name__ == "__main__":

@@ -29,13 +29,15 @@ def built_trainers(base: list, out_dir) -> Iterator[Callable[[list], object]]:
     from megatron_gspo.runtime import parallel
     from megatron_gspo.config import load_job_config
     from megatron_gspo.trainer.loop import Trainer
+    from megatron_gspo.trainer.optim import setup_optimizer
 
     made = []
 
     def build(overrides: list):
-        made.append(Trainer(load_job_config(None, list(base) + [f"train.output_dir={out_dir}/{len(made)}"] + overrides)))
-        made[-1].setup_optimizer()
-        return made[-1]
+        made.append(t := Trainer(load_job_config(None, list(base) + [f"train.output_dir={out_dir}/{len(made)}"] + overrides)))
+        t.optimizer, t.scheduler, t.step = setup_optimizer(  # the RL optimizer (and a resume's state)
+            t.cfg, t.state, t.ddp, t.checkpoints, t.sampler, t.ref_model, t.step)
+        return t
 
     try:
         yield build

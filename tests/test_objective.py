@@ -14,7 +14,7 @@ from megatron_gspo.algorithms.rollout_correction import correction_weights, mism
 from megatron_gspo.config import LossConfig, RolloutCorrectionConfig, load_job_config
 from megatron_gspo.runtime.metrics import reduce_metrics
 from megatron_gspo.rollout.prepare import TrainBatch
-from megatron_gspo.trainer.loop import nonfinite_rows
+from megatron_gspo.algorithms.objective import nonfinite_rows
 
 
 def _values(metrics):

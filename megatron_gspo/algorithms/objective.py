@@ -19,6 +19,7 @@ rows and w token columns; ``micro.mask`` marks the response tokens among the tar
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -27,9 +28,10 @@ import torch
 from megatron_gspo.algorithms.losses import Metrics, batch_normalizer, compute_policy_loss, on_policy_metrics
 from megatron_gspo.algorithms.overlong import loss_mask as overlong_loss_mask
 from megatron_gspo.algorithms.rollout_correction import correction_weights, mismatch_metrics
-from megatron_gspo.config import LossConfig, RolloutCorrectionConfig
+from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, LossConfig, RolloutCorrectionConfig
 
 Tensor = torch.Tensor
+log = logging.getLogger("megatron_gspo")
 
 
 @dataclass(frozen=True)
@@ -96,3 +98,27 @@ def objective(cfg: ObjectiveConfig, micro: MicroBatch, logp: Tensor, entropy: Op
         metrics.update(mismatch_metrics(logp, micro.sample_logprobs, micro.mask, *rc.bounds))
         metrics.update(on_policy_metrics(logp, micro.old_logprobs, mask, metrics))
     return loss, metrics
+
+
+def nonfinite_rows(micro: MicroBatch, logp: Tensor) -> Tensor:
+    """[b] bool on logp's device: the rows of a micro-batch whose current or old log-probs are not finite
+    on a response token (no host sync: ``bad_sample_ids`` reads them only when the update is skipped)."""
+    return ~torch.where(micro.mask, logp.detach() - micro.old_logprobs, 0.0).isfinite().all(-1)
+
+
+def bad_sample_ids(bad_rows: list[tuple[list, Tensor]]) -> list[str]:
+    """The sample ids of the rows that ``nonfinite_rows`` flagged, per micro-batch (host syncs: the failure
+    path only)."""
+    return [ids[r] for ids, mask in bad_rows for r in torch.nonzero(mask).flatten().tolist()]
+
+
+def warn_off_policy(deviation: float, step: int, recompute_old_logprobs: bool) -> bool:
+    """Warn, and return True, if the first minibatch of ``step``, trained on the sampling weights, was not at
+    ratio 1 (``deviation``: its loss/onpolicy/seq_ratio_dev_max). The trainer says it once per run."""
+    if not deviation > ON_POLICY_RATIO_TOLERANCE:
+        return False
+    log.warning("step %d: the first minibatch's sequence ratios deviate from 1 by up to %.3g (> %g) although it "
+                "trains on the weights that sampled it: the old log-probs carry another forward's rounding%s",
+                step, deviation, ON_POLICY_RATIO_TOLERANCE,
+                "; set train.old_logprobs=recompute" if not recompute_old_logprobs else "")
+    return True

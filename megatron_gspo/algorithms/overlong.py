@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_gspo.runtime import comm
+
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> torch.Tensor:
     """DAPO eq. 13: R_length(y) = 0 if |y| <= L_max - L_cache, (L_max - L_cache - |y|) / L_cache in the
@@ -36,3 +38,11 @@ def truncated(stopped: torch.Tensor, lengths: torch.Tensor, max_len: int) -> tor
 def loss_mask(mask: torch.Tensor, truncated_rows: torch.Tensor) -> torch.Tensor:
     """[B, T] bool: the response mask with truncated rows removed (overlong filtering)."""
     return mask & ~truncated_rows[:, None]
+
+
+def empty_minibatch(batch, mini: list[int], device: torch.device) -> bool:
+    """Overlong filtering masked every response of minibatch ``mini`` (flat micro-batch indices into
+    ``batch``, a rollout.prepare.TrainBatch) out of the loss on every DP rank (each rank holds its share
+    of the minibatch; the vote, a collective, makes every rank skip alike)."""
+    local = all(bool(batch.truncated[batch.micro[i]].all()) for i in mini)
+    return comm.all_ranks(local, device, what="overlong filtering: empty minibatch vote")

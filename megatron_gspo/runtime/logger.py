@@ -1,5 +1,5 @@
 """Rank-0 logging: tensorboard scalars and histograms, a JSONL copy, one progress line per step,
-and the step's section timings (``Timer``)."""
+the step's section timings (``Timer``) and the perf/* and data/* metrics of a step."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import time
 from typing import Mapping, Optional, Union
 
 import torch
+
+from megatron_gspo.runtime.sysinfo import current_rss
 
 Value = Union[float, int, torch.Tensor]
 
@@ -175,3 +177,29 @@ class Timer:
     def pop(self) -> dict[str, float]:
         t, self.times = self.times, {}
         return t
+
+
+def perf_metrics(timer: Timer, gen_tokens: float, step_time: float) -> dict:
+    """perf/*: the step's timed sections (``timer`` is emptied), its wall time, the process's RSS and the
+    generation throughput (``gen_tokens``: the step's perf/gen_tokens)."""
+    times = timer.pop()
+    out = {f"perf/{k}_s": v for k, v in times.items()}
+    out["perf/step_time_s"] = step_time
+    out["perf/rss_mb"] = current_rss() / 2**20
+    out["perf/gen_tokens_per_s"] = gen_tokens / max(times.get("generate", 0.0), 1e-9)
+    return out
+
+
+def data_metrics(before: dict, after: dict, step: int, data_cfg, log_it: bool) -> dict:
+    """Prompts that data.overlong_prompt_policy dropped or cut this step, and since the start of the
+    run (the sampler's counters survive a resume); said once per step when any, never silently.
+    Every DP rank draws the same prompts, so the counts need no reduction."""
+    out = {"data/dropped_prompts": after["num_dropped"] - before["num_dropped"],
+           "data/truncated_prompts": after["num_truncated"] - before["num_truncated"],
+           "data/dropped_prompts_total": after["num_dropped"], "data/truncated_prompts_total": after["num_truncated"]}
+    if log_it and (out["data/dropped_prompts"] or out["data/truncated_prompts"]):
+        log.warning("step %d: %d prompt(s) dropped and %d left-truncated for exceeding data.max_prompt_length=%d "
+                    "tokens (data.overlong_prompt_policy=%s; %d dropped, %d truncated since the start)",
+                    step, out["data/dropped_prompts"], out["data/truncated_prompts"], data_cfg.max_prompt_length,
+                    data_cfg.overlong_prompt_policy, after["num_dropped"], after["num_truncated"])
+    return out

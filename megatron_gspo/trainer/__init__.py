@@ -13,7 +13,6 @@ _EXPORTS = {
     "Trainer": "loop",
     "TrainerHook": "hooks",
     "TrainingStopped": "loop",
-    "summarize": "loop",
 }
 __all__ = sorted(_EXPORTS)
 

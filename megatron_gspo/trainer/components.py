@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from megatron_gspo.runtime import parallel
 from megatron_gspo.algorithms.rollout_correction import inactive_reason
 from megatron_gspo.checkpoint import CheckpointManager
 from megatron_gspo.config import JobConfig, to_dict
@@ -115,3 +116,16 @@ def log_setup(cfg: JobConfig, st, recompute: bool, why: str) -> None:
     log.info("optimizer: %s", st.optimizer_layout())
     log.info("old log-probs: %s (%s)%s", "recomputed by the training model" if recompute else "the rollout's",
              why, "; deterministic mode on" if cfg.train.deterministic else "")
+
+
+def release_process_state(trainer) -> None:
+    """Give back what ``trainer`` set process-wide: the rollout ranks of an async job follow it out,
+    megatron's per-model globals are reset, deterministic mode is undone. Each once (a second call is a
+    no-op for the side and determinism)."""
+    if trainer.side is not None:  # the rollout ranks follow the trainer out
+        trainer.side.close(stop="the trainer ended")
+        trainer.side = None
+    parallel.reset_megatron_globals()
+    if trainer._restore_determinism is not None:
+        trainer._restore_determinism()
+        trainer._restore_determinism = None

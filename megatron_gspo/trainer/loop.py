@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from typing import Iterable
 
@@ -34,24 +33,25 @@ import torch
 from megatron_gspo.runtime import comm, determinism, parallel
 from megatron_gspo.trainer import components as components
 from megatron_gspo.algorithms.advantages import get_advantage_estimator
-from megatron_gspo.algorithms.objective import ObjectiveConfig, loss_units, objective
+from megatron_gspo.algorithms.objective import (ObjectiveConfig, bad_sample_ids, loss_units, nonfinite_rows, objective,
+                                                warn_off_policy)
+from megatron_gspo.algorithms.overlong import empty_minibatch
 from megatron_gspo.checkpoint import has_manifest, iter_dir
-from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, JobConfig, old_logprob_source, to_dict
+from megatron_gspo.config import JobConfig, old_logprob_source, to_dict
 from megatron_gspo.trainer.evaluation import EvaluationAbandoned
 from megatron_gspo.runtime.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, StopReason, StoppedFor
 from megatron_gspo.runtime.stop import PreemptionFlag, StepAbandoned, injected_faults
 from megatron_gspo.trainer.hooks import Hooks, TrainerHook
-from megatron_gspo.runtime.logger import MetricsLogger, Timer, progress_line, setup_logging
+from megatron_gspo.runtime.logger import MetricsLogger, Timer, data_metrics, perf_metrics, progress_line, setup_logging
 from megatron_gspo.runtime.metrics import MetricAccumulator
 from megatron_gspo.model.oom import explain_oom, model_shapes
 from megatron_gspo.model.gpt import aux_loss_scales, clear_aux_losses_tracker, finalize_grads, forward_logprobs, set_aux_loss_scale
-from megatron_gspo.trainer.optim import build_optimizer, build_scheduler, optimizer_step
+from megatron_gspo.trainer.optim import nonfinite_grads, optimizer_step, setup_optimizer
 from megatron_gspo.data.rewards import build_reward_fn
 from megatron_gspo.rollout.prepare import BatchPreparer, TrainBatch, rollout_metrics
 from megatron_gspo.rollout.remote import RolloutRanksLost
 from megatron_gspo.rollout.source import build_source, join_side
 from megatron_gspo.trainer.sft import SFTWarmStart
-from megatron_gspo.runtime.sysinfo import current_rss
 
 log = logging.getLogger("megatron_gspo")
 
@@ -77,7 +77,7 @@ class Trainer:
         try:
             self._build(cfg, hooks)
         except BaseException:
-            self._release_process_state()  # a refused config leaves the process as it found it
+            components.release_process_state(self)  # a refused config leaves the process as it found it
             raise
 
     def _build(self, cfg: JobConfig, hooks: Iterable[TrainerHook]) -> None:
@@ -129,9 +129,11 @@ class Trainer:
         t = self.cfg.train
         self.stop_if_preempted()  # a signal during start-up: stop before the SFT warm start and the restore
         self.hooks.before_training(self)  # the SFT warm start, unless resuming a training checkpoint
-        if self.ref_model is not None and not self.resumed:
+        if self.ref_model is not None and not self.checkpoints.resuming:
             self.ref_model.load_state_dict(self.model.state_dict())
-        self.setup_optimizer()  # and, when resuming, everything the checkpoint holds
+        # the RL optimizer; when resuming, restored with everything else the checkpoint holds
+        self.optimizer, self.scheduler, self.step = setup_optimizer(
+            self.cfg, self.state, self.ddp, self.checkpoints, self.sampler, self.ref_model, self.step)
         self.first_step = self.step  # no step of this run completed yet: a stop now has no new step to save
         history = []
         while self.step < t.num_steps:
@@ -159,8 +161,8 @@ class Trainer:
             metrics.update(rollout_metrics(batch, self.state))
             metrics.update(self.routing.step_metrics(len(batch.micro)))
             self.step += 1
-            metrics.update(self.perf_metrics(metrics, time.perf_counter() - t0))
-            metrics.update(_data_metrics(data_before, self.sampler.counters(), self.step, self.cfg.data, self.state.is_main))
+            metrics.update(perf_metrics(self.timer, metrics["perf/gen_tokens"], time.perf_counter() - t0))
+            metrics.update(data_metrics(data_before, self.sampler.counters(), self.step, self.cfg.data, self.state.is_main))
             if (self.evaluator is not None and self.evaluator.due(self.step)
                     and not self.stop_requested("preemption vote before evaluation")):
                 metrics.update(self._evaluate())
@@ -195,21 +197,6 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------------------------------
-    def setup_optimizer(self) -> None:
-        cfg = self.cfg
-        with explain_oom("model", cfg, self.state, model_shapes(cfg)):  # bf16: the fp32 master copy
-            self.optimizer = build_optimizer(cfg.optimizer, self.ddp, self.state, cfg.model.precision == "bf16")
-        self.scheduler = build_scheduler(cfg.optimizer, self.optimizer, cfg.train.num_steps * cfg.train.num_minibatches)
-        if self.resumed:
-            with explain_oom("model", cfg, self.state, model_shapes(cfg) + ", restored from a checkpoint"):
-                info = self.checkpoints.restore(self.ddp, self.optimizer, self.scheduler,
-                                                extra_models=self._extra_models())
-            self.step = info["step"]
-            self.sampler.load_state_dict(info["extra"]["data"], accept=self.checkpoints.change_allowed)
-            skipped = "; ".join(os.path.basename(p) for p, _ in self.checkpoints.skipped)
-            log.info("resumed from %s at step %d%s", info["path"], self.step,
-                     f" (newer, damaged: {skipped}; the steps after {self.step} are trained again)" if skipped else "")
-
     def train_on(self, batch: TrainBatch) -> dict:
         """num_minibatches optimizer steps over the rollout; returns reduced metrics."""
         st = self.state
@@ -218,7 +205,9 @@ class Trainer:
         for k, mini in enumerate(batch.minibatches):
             # the first minibatch runs on the sampling weights: its log-probs measure the rollout's gap
             bad_rows = self.accumulate_gradients(batch, mini, acc, measure_rollout_gap=k == 0)
-            if self._empty_minibatch(batch, mini):  # nothing to learn from: no update (not even the aux loss's)
+            # overlong filtering masked every response of the minibatch out on every DP rank: nothing to
+            # learn from, no update (not even the aux loss's)
+            if self.cfg.train.overlong_filtering and empty_minibatch(batch, mini, st.device):
                 empty += 1
                 continue
             # NaN/Inf guard: decided collectively so every rank skips the same update. The local
@@ -244,7 +233,9 @@ class Trainer:
                for k, v in acc.reduce(st.dp_group).items()}
         out["loss/clip_frac"] = out["loss/clip_frac_low"] + out["loss/clip_frac_high"]
         out["loss/onpolicy/clip_frac"] = out["loss/onpolicy/clip_frac_low"] + out["loss/onpolicy/clip_frac_high"]
-        self._check_on_policy(out["loss/onpolicy/seq_ratio_dev_max"])
+        # said once: the first minibatch, trained on the sampling weights, was not at ratio 1
+        self._warned_off_policy = self._warned_off_policy or warn_off_policy(
+            out["loss/onpolicy/seq_ratio_dev_max"], self.step + 1, self.prepare.recompute_old_logprobs)
         out["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         out["train/skipped_updates"] = skipped
         if self.cfg.train.overlong_filtering:
@@ -277,6 +268,7 @@ class Trainer:
         self.optimizer.zero_grad()
         bad_rows: list[tuple[list, torch.Tensor]] = []
         for j, micro in enumerate(micros):
+            set_aux_loss_scale(scales[j], st.device)  # megatron reads it in this micro-batch's backward only
             shape = f"micro-batch of {micro.tokens.shape[0]} rows x {micro.tokens.shape[1] - 1} tokens"
             with explain_oom("training", cfg, st, shape), self.routing.train_pass(mini[j]):
                 # log-probs from the final hidden states, output layer fused in: no [b, s, V] logits
@@ -284,30 +276,11 @@ class Trainer:
                                              temperature=self.prepare.temperature, padding_mask=pad_masks[j])
                 bad_rows.append((micro.sample_ids, nonfinite_rows(micro, logp)))
                 loss, metrics = objective(obj, micro, logp, ent, norm[0], on_sampling_weights=measure_rollout_gap)
-            set_aux_loss_scale(scales[j], st.device)
             with explain_oom("training", cfg, st, "backward of the " + shape), self.routing.backward():
                 loss.backward()
             acc.add(metrics)
         finalize_grads(self.ddp, st)
         return bad_rows
-
-    def _check_on_policy(self, deviation: float) -> None:
-        """Say once if the first minibatch, trained on the sampling weights, was not at ratio 1."""
-        if self._warned_off_policy or not deviation > ON_POLICY_RATIO_TOLERANCE:
-            return
-        self._warned_off_policy = True
-        log.warning("step %d: the first minibatch's sequence ratios deviate from 1 by up to %.3g (> %g) although it "
-                    "trains on the weights that sampled it: the old log-probs carry another forward's rounding%s",
-                    self.step + 1, deviation, ON_POLICY_RATIO_TOLERANCE,
-                    "; set train.old_logprobs=recompute" if not self.prepare.recompute_old_logprobs else "")
-
-    def _empty_minibatch(self, batch: TrainBatch, mini: list[int]) -> bool:
-        """Overlong filtering masked every response of minibatch ``mini`` out of the loss on every DP
-        rank (each rank holds its share of the minibatch; the vote makes every rank skip alike)."""
-        if not self.cfg.train.overlong_filtering:
-            return False
-        local = all(bool(batch.truncated[batch.micro[i]].all()) for i in mini)
-        return comm.all_ranks(local, self.state.device, what="overlong filtering: empty minibatch vote")
 
     def _empty_step_metrics(self, out: dict, empty: int, minibatches: int) -> dict:
         """``out`` with train/empty_minibatches (a warning the first time), and for a step that trained on
@@ -337,14 +310,6 @@ class Trainer:
                 f"(train.max_consecutive_skips={self.cfg.train.max_consecutive_skips}) at step {self.step + 1}; "
                 f"the last good state was saved to {self.cfg.checkpoint.save or '(checkpoint.save not set)'}",
                 StopReason.TOO_MANY_SKIPS)
-
-    def perf_metrics(self, metrics: dict, step_time: float) -> dict:
-        times = self.timer.pop()
-        out = {f"perf/{k}_s": v for k, v in times.items()}
-        out["perf/step_time_s"] = step_time
-        out["perf/rss_mb"] = current_rss() / 2**20
-        out["perf/gen_tokens_per_s"] = metrics["perf/gen_tokens"] / max(times.get("generate", 0.0), 1e-9)
-        return out
 
     # ------------------------------------------------------------------------------------------
     def stop_requested(self, what: str) -> bool:
@@ -451,63 +416,4 @@ class Trainer:
         self.hooks.close(self)
         self.source.close()
         self.logger.close()
-        self._release_process_state()
-
-    def _release_process_state(self) -> None:
-        if self.side is not None:  # the rollout ranks follow the trainer out
-            self.side.close(stop="the trainer ended")
-            self.side = None
-        parallel.reset_megatron_globals()
-        if self._restore_determinism is not None:
-            self._restore_determinism()
-            self._restore_determinism = None
-
-
-def nonfinite_grads(ddp) -> torch.Tensor:
-    """A 0-dim bool on the gradients' device: some gradient is NaN or Inf. One min/max reduction per
-    DDP gradient buffer (the main grads are views into them; NaN propagates through min and max), so
-    no per-parameter host sync and no temporary the size of the gradients."""
-    bufs = [b.grad_data for b in getattr(ddp, "buffers", []) + getattr(ddp, "expert_parallel_buffers", [])]
-    if not bufs:
-        bufs = [p.main_grad for p in ddp.parameters() if getattr(p, "main_grad", None) is not None]
-    if not bufs:
-        return torch.zeros((), dtype=torch.bool, device=next(ddp.parameters()).device)
-    return torch.stack([torch.stack(torch.aminmax(g)) for g in bufs]).isfinite().all().logical_not()
-
-
-def nonfinite_rows(micro: TrainBatch, logp: torch.Tensor) -> torch.Tensor:
-    """[b] bool on logp's device: the rows of a micro-batch whose current or old log-probs are not finite
-    on a response token (no host sync: ``bad_sample_ids`` reads them only when the update is skipped)."""
-    return ~torch.where(micro.mask, logp.detach() - micro.old_logprobs, 0.0).isfinite().all(-1)
-
-
-def bad_sample_ids(bad_rows: list[tuple[list, torch.Tensor]]) -> list[str]:
-    """The sample ids of the rows flagged by accumulate_gradients (host syncs: the failure path only)."""
-    return [ids[r] for ids, mask in bad_rows for r in torch.nonzero(mask).flatten().tolist()]
-
-
-def _data_metrics(before: dict, after: dict, step: int, data_cfg, log_it: bool) -> dict:
-    """Prompts that data.overlong_prompt_policy dropped or cut this step, and since the start of the
-    run (the sampler's counters survive a resume); said once per step when any, never silently.
-    Every DP rank draws the same prompts, so the counts need no reduction."""
-    out = {"data/dropped_prompts": after["num_dropped"] - before["num_dropped"],
-           "data/truncated_prompts": after["num_truncated"] - before["num_truncated"],
-           "data/dropped_prompts_total": after["num_dropped"], "data/truncated_prompts_total": after["num_truncated"]}
-    if log_it and (out["data/dropped_prompts"] or out["data/truncated_prompts"]):
-        log.warning("step %d: %d prompt(s) dropped and %d left-truncated for exceeding data.max_prompt_length=%d "
-                    "tokens (data.overlong_prompt_policy=%s; %d dropped, %d truncated since the start)",
-                    step, out["data/dropped_prompts"], out["data/truncated_prompts"], data_cfg.max_prompt_length,
-                    data_cfg.overlong_prompt_policy, after["num_dropped"], after["num_truncated"])
-    return out
-
-
-def summarize(history: list[dict], first_step: int, loss_name: str) -> str:
-    """Mean reward of the first and last (up to) 10 steps of ``history`` (rows of consecutive steps
-    from ``first_step``), naming the steps: after a resume the rows may be this segment's only."""
-    r = [h["rollout/reward_mean"] for h in history]
-    k = min(10, max(1, len(r) // 2))
-    first, last = sum(r[:k]) / k, sum(r[-k:]) / k
-    end = first_step + len(r) - 1
-    part = "" if first_step == 1 else f" of this run segment (the run resumed at step {first_step - 1})"
-    return (f"mean reward of the first {k} {loss_name.upper()} steps ({first_step}-{first_step + k - 1}) {first:.3f} -> "
-            f"last {k} steps ({end - k + 1}-{end}) {last:.3f} ({last - first:+.3f}){part}")
+        components.release_process_state(self)

@@ -9,10 +9,16 @@ redirected by compat.optimizer_context(), which is what lets both layouts run th
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from megatron_gspo.runtime import compat
-from megatron_gspo.config import OptimizerConfig
+from megatron_gspo.config import JobConfig, OptimizerConfig
+from megatron_gspo.model.oom import explain_oom, model_shapes
+
+log = logging.getLogger("megatron_gspo")
 
 
 def build_optimizer(cfg: OptimizerConfig, ddp_model, state, bf16: bool):
@@ -34,6 +40,18 @@ def build_optimizer(cfg: OptimizerConfig, ddp_model, state, bf16: bool):
         return get_megatron_optimizer(mcfg, [ddp_model], use_gloo_process_groups=False, pg_collection=state.pg)
 
 
+def nonfinite_grads(ddp) -> torch.Tensor:
+    """A 0-dim bool on the gradients' device: some gradient is NaN or Inf. One min/max reduction per
+    DDP gradient buffer (the main grads are views into them; NaN propagates through min and max), so
+    no per-parameter host sync and no temporary the size of the gradients."""
+    bufs = [b.grad_data for b in getattr(ddp, "buffers", []) + getattr(ddp, "expert_parallel_buffers", [])]
+    if not bufs:
+        bufs = [p.main_grad for p in ddp.parameters() if getattr(p, "main_grad", None) is not None]
+    if not bufs:
+        return torch.zeros((), dtype=torch.bool, device=next(ddp.parameters()).device)
+    return torch.stack([torch.stack(torch.aminmax(g)) for g in bufs]).isfinite().all().logical_not()
+
+
 def optimizer_step(optimizer, device: torch.device) -> tuple[bool, float]:
     """One step (grad clipping included) of a job on ``device``. Returns (update applied, global grad norm)."""
     with compat.optimizer_context(device):
@@ -51,3 +69,23 @@ def build_scheduler(cfg: OptimizerConfig, optimizer, total_steps: int):
         lr_decay_style=cfg.lr_decay_style, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
         wd_incr_steps=max(1, total_steps), wd_incr_style="constant",
     )
+
+
+def setup_optimizer(cfg: JobConfig, state, ddp, checkpoints, sampler, ref_model, step: int):
+    """The RL optimizer and LR schedule of ``ddp``, built after the SFT warm start; when ``checkpoints`` is
+    resuming a training checkpoint, restored with everything it holds (weights, Adam states, schedule, the
+    KL reference ``ref_model`` if any, the ``sampler``'s data position). Returns (optimizer, scheduler, the
+    step to continue after: ``step`` unless restored)."""
+    with explain_oom("model", cfg, state, model_shapes(cfg)):  # bf16: the fp32 master copy
+        optimizer = build_optimizer(cfg.optimizer, ddp, state, cfg.model.precision == "bf16")
+    scheduler = build_scheduler(cfg.optimizer, optimizer, cfg.train.num_steps * cfg.train.num_minibatches)
+    if checkpoints.resuming:
+        with explain_oom("model", cfg, state, model_shapes(cfg) + ", restored from a checkpoint"):
+            info = checkpoints.restore(ddp, optimizer, scheduler,
+                                       extra_models={"ref_model": ref_model} if ref_model is not None else {})
+        step = info["step"]
+        sampler.load_state_dict(info["extra"]["data"], accept=checkpoints.change_allowed)
+        skipped = "; ".join(os.path.basename(p) for p, _ in checkpoints.skipped)
+        log.info("resumed from %s at step %d%s", info["path"], step,
+                 f" (newer, damaged: {skipped}; the steps after {step} are trained again)" if skipped else "")
+    return optimizer, scheduler, step

@@ -11,6 +11,7 @@ import argparse
 from megatron_gspo.runtime import parallel
 from megatron_gspo.config import load_job_config
 from megatron_gspo.train import DEMO_CONFIG, Trainer
+from megatron_gspo.trainer.optim import setup_optimizer
 
 
 def main() -> None:
@@ -21,7 +22,8 @@ def main() -> None:
     a = p.parse_args()
     cfg = load_job_config(DEMO_CONFIG, a.overrides + [f"checkpoint.save={a.src}", "checkpoint.resume=true"])
     trainer = Trainer(cfg)
-    trainer.setup_optimizer()  # loads weights, Adam moments, scheduler and data position
+    trainer.optimizer, trainer.scheduler, trainer.step = setup_optimizer(  # loads weights, Adam moments, scheduler and data position
+        trainer.cfg, trainer.state, trainer.ddp, trainer.checkpoints, trainer.sampler, trainer.ref_model, trainer.step)
     assert trainer.step > 0, "nothing was resumed"
     cfg.checkpoint.save = a.dst
     trainer.save()

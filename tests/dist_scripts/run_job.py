@@ -143,10 +143,12 @@ def save_gradients(trainer, out_dir, micro_batch_sizes):
                         loss as configured: the load-balancing gradient alone.
     Each rollout is drawn once and reused for every micro-batch size."""
     from megatron_gspo.model.gpt import unwrap
+    from megatron_gspo.trainer.optim import setup_optimizer
 
     model, mcfg = trainer.model, trainer.cfg.model
     coeff = mcfg.moe_aux_loss_coeff
-    trainer.setup_optimizer()
+    trainer.optimizer, trainer.scheduler, trainer.step = setup_optimizer(  # the RL optimizer (and a resume's state)
+        trainer.cfg, trainer.state, trainer.ddp, trainer.checkpoints, trainer.sampler, trainer.ref_model, trainer.step)
     # routing metrics compare the training forward with the old-log-prob pass micro-batch by
     # micro-batch; here the training pass is re-split on purpose (no replay: nothing else to keep)
     trainer.routing.train_pass = lambda mb: contextlib.nullcontext()
@@ -185,9 +187,11 @@ def save_planned_gradient(trainer, out_dir):
     plan the rollout made itself (train.micro_batch_size / max_tokens_per_micro_batch, agreed over the
     ranks under EP). Prints this rank's own plan next to the agreed one."""
     from megatron_gspo.model.gpt import unwrap
+    from megatron_gspo.trainer.optim import setup_optimizer
     from megatron_gspo.rollout.prepare import plan_micro_batches
 
-    trainer.setup_optimizer()
+    trainer.optimizer, trainer.scheduler, trainer.step = setup_optimizer(  # the RL optimizer (and a resume's state)
+        trainer.cfg, trainer.state, trainer.ddp, trainer.checkpoints, trainer.sampler, trainer.ref_model, trainer.step)
     unwrap(trainer.ddp).config.moe_aux_loss_coeff = trainer.cfg.model.moe_aux_loss_coeff = 0.0
     t = trainer.cfg.train
     batch = trainer.prepare(trainer.source.collect(trainer.step))
