@@ -188,5 +188,7 @@ def test_trl_side_by_side_against_trl(tmp_path):
     if importlib.util.find_spec("trl") is None:
         pytest.skip("TRL is not installed here (a benchmark-only extra: pip install -e '.[bench]')")
     res = _side_by_side(tmp_path, "ours,trl")
-    median = {s: statistics.median(r["wall_s"] for run in res["runs"][s] for r in run) for s in ("ours", "trl")}
-    assert res["speedup"] == pytest.approx(median["trl"] / median["ours"], abs=1e-3)
+    # the benchmark reports the medians to 1e-4 s and the speedup to 1e-3: the same rounding here, or a fast
+    # step (a median near 0.05 s) misses by the medians' rounding alone
+    median = {s: round(statistics.median(r["wall_s"] for run in res["runs"][s] for r in run), 4) for s in ("ours", "trl")}
+    assert res["speedup"] == pytest.approx(median["trl"] / median["ours"], abs=6e-4)

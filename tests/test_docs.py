@@ -102,7 +102,8 @@ def test_overrides_in_docs_exist():
 # Quoted log text that looks like a metric name ("non-finite loss/gradients, update skipped").
 NOT_METRICS = {"loss/gradients"}
 _PREFIXES = "loss|rollout|routing|perf|train|data|rollout_correction|dynamic_sampling|eval|async"
-_METRIC = re.compile(r"(?<![\w/.-])((?:" + _PREFIXES + r")/[A-Za-z0-9_/@]*[A-Za-z0-9_])")
+# a module path (rollout/prepare.py, data/rewards.py) is not a metric name
+_METRIC = re.compile(r"(?<![\w/.-])((?:" + _PREFIXES + r")/[A-Za-z0-9_/@]*[A-Za-z0-9_])(?![A-Za-z0-9_/@])(?!\.py\b)")
 
 
 def _known_metrics() -> set[str]:

@@ -7,7 +7,7 @@ aux_loss_scales``), so importing one submodule does not import the rest of the p
 """
 
 
-import importlib
+from megatron_gspo import lazy_exports
 
 _EXPORTS = {
     "aux_loss_scales": "gpt",
@@ -29,13 +29,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value  # the next lookup is a plain attribute
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

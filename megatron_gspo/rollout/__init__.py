@@ -16,7 +16,7 @@ docs/algorithms.md#asynchronous-rollouts has the protocol, the staleness bound a
 The names below are imported on first use, so that ``megatron_gspo.rollout.layout`` stays light.
 """
 
-import importlib
+from megatron_gspo import lazy_exports
 
 _EXPORTS = {
     "RolloutRecord": "record", "pack": "record", "unpack": "record", "concat": "record",
@@ -28,7 +28,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"megatron_gspo.rollout.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'megatron_gspo.rollout' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
