@@ -140,7 +140,9 @@ def _known_metrics() -> set[str]:
     keys |= {f"async/staleness_frac_{j}" for j in range(2)}  # named by the staleness (rollout/remote.py)
     src = ""
     # where the trainer's, the rollout's and the evaluation's metrics are named
-    for module in (os.path.join("trainer", "loop.py"), os.path.join("trainer", "evaluation.py"), *(os.path.join("rollout", m) for m in ("prepare.py", "colocated.py", "remote.py"))):
+    for module in (os.path.join("trainer", "loop.py"), os.path.join("trainer", "evaluation.py"),
+                   os.path.join("runtime", "logger.py"),  # perf/* and data/* (perf_metrics, data_metrics)
+                   *(os.path.join("rollout", m) for m in ("prepare.py", "colocated.py", "remote.py"))):
         with open(os.path.join(ROOT, "megatron_gspo", module), encoding="utf-8") as f:
             src += f.read()
     keys |= set(re.findall(r"\"((?:" + _PREFIXES + r")/[A-Za-z0-9_/]+)\"", src))
