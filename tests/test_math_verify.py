@@ -97,8 +97,9 @@ def test_stop_signals_reach_neither_the_check_nor_the_verdict():
     """A preemption (SIGTERM to every process of the job) during a check: this process records it in
     its PreemptionFlag (the trainer decides at its next check point), the child ignores it and answers."""
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    if (earlier := PreemptionFlag.of_process()) is not None:
-        earlier.release()  # a fresh flag below, as in a new process
+    old = PreemptionFlag.of_process()
+    if old is not None:
+        old.release()  # a fresh flag below, as in a new process
     try:
         flag = PreemptionFlag.install()
         checker = process_checker()
@@ -112,6 +113,7 @@ def test_stop_signals_reach_neither_the_check_nor_the_verdict():
         assert checker._proc.poll() is None and checker._proc.pid == child and checker.num_starts == starts
         assert math_reward("", r"\boxed{2}", "2") == 1.0
     finally:
+        PreemptionFlag._process = old  # the signalled flag is not the next test's
         for s, h in previous.items():
             signal.signal(s, h)
 

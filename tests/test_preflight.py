@@ -92,6 +92,8 @@ def stop_handlers():
         earlier.release()  # main() makes a fresh flag, as in a new process
     signal.signal(signal.SIGTERM, lambda *a: None)  # never the test process's death, whatever main() installs
     yield
+    if (flag := PreemptionFlag.of_process()) is not None:
+        flag.release()  # main()'s flag, signalled here, is not the next test's
     for s, h in saved.items():
         signal.signal(s, h)
 

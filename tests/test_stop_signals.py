@@ -45,7 +45,7 @@ STOP = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def new_process_flag():
-    """As in a new process: no stop flag catches a signal (the next install makes a fresh one)."""
+    """As in a new process: no stop flag yet (the next install makes a fresh one)."""
     flag = PreemptionFlag.of_process()
     if flag is not None:
         flag.release()
@@ -57,6 +57,7 @@ def fresh_flag():
     saved = {s: signal.getsignal(s) for s in STOP}
     new_process_flag()
     yield
+    new_process_flag()
     for s, h in saved.items():
         signal.signal(s, h)
 
@@ -325,6 +326,7 @@ def phase_straight(tmp_path_factory):
     assert run_to_code(tmp, "straight", PHASE_JOB) == 0
     for s, h in saved.items():
         signal.signal(s, h)
+    new_process_flag()
     slowest = max(r["perf/step_time_s"] + r.get("perf/eval_s", 0.0) for r in metrics(tmp / "straight"))
     return final_weights(f"{tmp}/straight/ckpt", 3), slowest
 

@@ -40,53 +40,52 @@ STOP_SIGNALS = GRACEFUL
 
 
 class PreemptionFlag:
-    """Set by a stop signal. A signal handler is process-wide, so there is at most one flag per process:
-    the one whose handler is installed (``of_process``), found in the signal table rather than kept in a
-    global. The entry point creates it first thing (``install``: a signal during start-up is kept) and
-    hands it to the Trainer (``Trainer(cfg, stop=flag)``); ``release`` puts the previous handlers back.
+    """Set by a stop signal; one per process (``install``), shared by everything that checks it. The
+    entry point installs it first thing (a signal during start-up is kept) and hands it to the Trainer
+    (``Trainer(cfg, stop=flag)``); a Trainer built by another program installs it itself.
+
+    Why a class attribute and not the signal table: a handler is process-wide, and the flag must keep a
+    signal that came before the Trainer was built; the table can also hold an older flag's handler again
+    (a program that saves and restores handlers), which would bring back that flag's state. ``release``
+    forgets the process's flag (tests: "as in a new process"); the next ``install`` makes a fresh one.
 
     ``received``: the first signal (its number), ``received_at``: when (time.time()), ``count``:
     how many deliveries arrived (SLURM and the launcher both deliver most signals)."""
+
+    _process: Optional["PreemptionFlag"] = None
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)) -> None:
         self.received: Optional[int] = None
         self.received_at: Optional[float] = None
         self.count = 0
         self.signals: set = set()
-        self._previous: dict = {}  # signal -> the handler this flag's replaced
         self.catch(signals)
 
     @classmethod
     def of_process(cls) -> Optional["PreemptionFlag"]:
-        """The flag whose handler catches a stop signal in this process, if any."""
-        for sig in STOP_SIGNALS:
-            handler = signal.getsignal(sig)
-            owner = getattr(handler, "__self__", None)
-            if isinstance(owner, cls) and getattr(handler, "__func__", None) is cls._handler:
-                return owner
-        return None
+        """The process's flag, if one was installed."""
+        return cls._process
 
     @classmethod
     def install(cls, signals=(signal.SIGTERM, signal.SIGUSR1)) -> "PreemptionFlag":
-        """The process's flag (``of_process``), created if there is none; ``signals`` are added to what it catches."""
-        flag = cls.of_process()
-        if flag is None:
-            return cls(signals)
-        flag.catch(signals)
-        return flag
+        """The process's flag, created on first use; ``signals`` are added to what it catches."""
+        if cls._process is None:
+            cls._process = cls(signals)
+        else:
+            cls._process.catch(signals)
+        return cls._process
 
     def catch(self, signals) -> None:
         for sig in signals:
             if sig not in self.signals:
-                self._previous[sig] = signal.signal(sig, self._handler)
+                signal.signal(sig, self._handler)
                 self.signals.add(sig)
 
     def release(self) -> None:
-        """Stop catching: the handlers this flag replaced come back (a later ``install`` makes a new flag)."""
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
-        self.signals.clear()
+        """No longer the process's flag: the next ``install`` makes a fresh one (whose handlers replace
+        this one's; until then a signal still lands here, never in the default handler)."""
+        if type(self)._process is self:
+            type(self)._process = None
 
     def _handler(self, signum, frame) -> None:
         # Nothing but bookkeeping here: the handler may run in the middle of any Python code
