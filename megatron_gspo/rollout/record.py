@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from megatron_gspo.rollout.rows import pad_columns
+
 MAGIC = 0x6A5E
 WIRE_VERSION = 1
 HEADER = ("magic", "version", "step", "rows", "width", "ints", "floats", "meta_bytes")
@@ -161,6 +163,13 @@ def check_header(header, step: Optional[int] = None, sender: str = "the sender")
     return head
 
 
+def empty_payload(head: dict, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ints, floats, meta) buffers for the payload a checked header (``check_header``) announces."""
+    return (torch.empty(head["ints"], dtype=torch.long, device=device),
+            torch.empty(head["floats"], dtype=torch.float32, device=device),
+            torch.empty(head["meta_bytes"], dtype=torch.uint8, device=device))
+
+
 def _sizes(n: int, width: int, fields) -> list[int]:
     return [n * width if dims == 2 else n for _, dims in fields]
 
@@ -198,11 +207,10 @@ def concat(parts: list[RolloutRecord], pad_id: int) -> RolloutRecord:
     ``pad_id``, log-probs with 0). gen_s: the slowest part's; gen_tokens, decode_row_steps: summed; stats
     by STAT_MERGE; data_state: the first part's (every leader draws the same prompts)."""
     T = max(p.tokens.shape[1] for p in parts)
-    pad = lambda t, value: torch.nn.functional.pad(t, (0, T - t.shape[1]), value=value)  # noqa: E731
     tensors = {}
     for name, dims in INT_FIELDS + FLOAT_FIELDS:
         if dims == 2:
-            tensors[name] = torch.cat([pad(getattr(p, name), pad_id if name == "tokens" else 0.0) for p in parts])
+            tensors[name] = torch.cat([pad_columns(getattr(p, name), T, pad_id if name == "tokens" else 0.0) for p in parts])
         else:
             tensors[name] = torch.cat([getattr(p, name) for p in parts])
     raw = [{**p.stats, "idle_frac": p.stats["idle_s"] / max(p.stats["wall_s"], 1e-9)} for p in parts]

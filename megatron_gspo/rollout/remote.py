@@ -18,6 +18,8 @@ the trainer checkpoints and exits (trainer.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import signal
 import time
@@ -28,7 +30,8 @@ import torch
 from megatron_gspo.runtime import comm
 from megatron_gspo.runtime.exit_status import StopReason, StoppedFor
 from megatron_gspo.trainer.hooks import TrainerHook
-from megatron_gspo.rollout.record import HEADER, RolloutRecord, WireFormatError, check_header, concat, pack, unpack
+from megatron_gspo.rollout.record import (HEADER, RolloutRecord, WireFormatError, check_header, concat,
+                                          empty_payload, pack, unpack)
 from megatron_gspo.rollout.rows import local_rows
 from megatron_gspo.rollout.side import PeerState, short_error
 from megatron_gspo.rollout.weight_sync import WeightSender
@@ -117,13 +120,9 @@ class RemoteSource:
             "async/partial_dropped_rows": float(raw["dropped"]),
             "async/mid_generation_updates": float(raw["updates"]),
         }
-        return RolloutRecord(
-            step=step, tokens=mine.tokens, prompt_lengths=mine.prompt_lengths, response_lengths=mine.response_lengths,
-            stopped=mine.stopped, sample_logprobs=mine.sample_logprobs, rewards=mine.rewards, row_ids=mine.row_ids,
-            version_start=mine.version_start, version_end=mine.version_end, prompt_ids=mine.prompt_ids,
-            texts=mine.texts, gen_s=full.gen_s, gen_tokens=int(mine.response_lengths.sum().item()),
-            decode_row_steps=full.decode_row_steps if st.dp_rank == 0 else 0, stats=stats,
-            data_state=full.data_state)
+        # step, gen_s and data_state are the whole step's (select keeps them); the tokens are this rank's
+        return dataclasses.replace(mine, gen_tokens=int(mine.response_lengths.sum().item()),
+                                   decode_row_steps=full.decode_row_steps if st.dp_rank == 0 else 0, stats=stats)
 
     # ------------------------------------------------------------------------------------------
     def _push(self, version: int):
@@ -171,10 +170,7 @@ class RemoteSource:
             if head[0] == _STOP:
                 self._stop_everywhere(None, None)
             header = head[1:]
-            h = check_header(header, step, "trainer rank 0")
-            ints = torch.empty(h["ints"], dtype=torch.long, device=dev)
-            floats = torch.empty(h["floats"], dtype=torch.float32, device=dev)
-            meta = torch.empty(h["meta_bytes"], dtype=torch.uint8, device=dev)
+            ints, floats, meta = empty_payload(check_header(header, step, "trainer rank 0"), dev)
         ints = comm.broadcast(ints, 0, None, what="async: rollout rows (ints)")
         floats = comm.broadcast(floats, 0, None, what="async: rollout rows (floats)")
         meta = comm.broadcast(meta, 0, None, what="async: rollout rows (meta)")
@@ -207,10 +203,8 @@ class RemoteSource:
                 sender = f"rollout leader {i}"
                 recv = lambda t, what: comm.bridge_recv(t, src, self.side.data_pg, what=what)  # noqa: E731
                 header = recv(torch.zeros(len(HEADER), dtype=torch.long, device=dev), "async: rollout rows header")
-                h = check_header(header, step, sender)
-                ints = recv(torch.empty(h["ints"], dtype=torch.long, device=dev), "async: rollout rows (ints)")
-                floats = recv(torch.empty(h["floats"], dtype=torch.float32, device=dev), "async: rollout rows (floats)")
-                meta = recv(torch.empty(h["meta_bytes"], dtype=torch.uint8, device=dev), "async: rollout rows (meta)")
+                ints, floats, meta = [recv(t, f"async: rollout rows ({what})") for t, what in
+                                      zip(empty_payload(check_header(header, step, sender), dev), ("ints", "floats", "meta"))]
                 parts.append(unpack(header, ints, floats, meta, step=step, sender=sender))
                 self.control.consumed(step, i)
         except RuntimeError as e:
