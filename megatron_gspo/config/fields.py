@@ -71,12 +71,13 @@ def knob_of(f: dataclasses.Field) -> Optional[Knob]:
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
+def type_hints(cls: type) -> dict[str, Any]:
     """The resolved annotations of ``cls`` (the sections use ``from __future__ import annotations``)."""
     return typing.get_type_hints(cls)
 
 
-def _split_optional(tp: Any) -> tuple[Any, bool]:
+def split_optional(tp: Any) -> tuple[Any, bool]:
+    """(the base type, whether null is allowed) of a field annotation (``Optional[int]`` -> (int, True))."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return (args[0] if len(args) == 1 else Any), True
@@ -152,7 +153,7 @@ def _in_bounds(x: float, k: Knob) -> bool:
 
 def check_field(name: str, value: Any, tp: Any, k: Knob) -> None:
     """Raise ConfigError naming ``name`` unless ``value`` is of type ``tp`` and within ``k``'s constraints."""
-    base, optional = _split_optional(tp)
+    base, optional = split_optional(tp)
     if value is None:
         if optional or (k.choices is not None and None in k.choices):
             return
@@ -175,14 +176,14 @@ def check_field(name: str, value: Any, tp: Any, k: Knob) -> None:
 def validate(section: Any, where: str) -> None:
     """Check every declared field of the dataclass ``section`` against its annotation and its knob; a list
     field given as a tuple is stored as a list."""
-    hints = _hints(type(section))
+    hints = type_hints(type(section))
     for f in dataclasses.fields(section):
         k = knob_of(f)
         if k is None:
             continue
         value = getattr(section, f.name)
         check_field(f"{where}.{f.name}", value, hints[f.name], k)
-        if isinstance(value, tuple) and typing.get_origin(_split_optional(hints[f.name])[0]) is list:
+        if isinstance(value, tuple) and typing.get_origin(split_optional(hints[f.name])[0]) is list:
             setattr(section, f.name, list(value))
 
 
@@ -190,7 +191,7 @@ def walk_knobs(cls: type, prefix: str = "") -> list[tuple[str, Optional[Knob]]]:
     """[("section.key", its Knob or None)] of every leaf field under the dataclass ``cls`` (nested sections
     walked); the test that every field declares a resume policy reads it."""
     out: list[tuple[str, Optional[Knob]]] = []
-    hints = _hints(cls)
+    hints = type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):

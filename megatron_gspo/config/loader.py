@@ -12,27 +12,18 @@ import difflib
 import io
 import os
 import re
-import types
 import typing
 from dataclasses import fields
 from typing import Any
 
+from megatron_gspo.config.fields import split_optional, type_hints
 from megatron_gspo.config.model import MODEL_PRESETS, ModelConfig
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.textfile import read_text
 
 
-def _resolve_type(tp: Any) -> tuple[Any, bool]:
-    """Return (base type, optional?) for a dataclass field annotation."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return (args[0] if len(args) == 1 else Any), True
-    return tp, False
-
-
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    base, optional = _resolve_type(tp)
+    base, optional = split_optional(tp)
     if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
         if optional or base is Any:
             return None
@@ -100,7 +91,7 @@ def _unknown_key(cls: type, key: str, where: str) -> ConfigError:
 
 def from_dict(cls: type, data: dict, where: str = "") -> Any:
     """Build dataclass ``cls`` from a (possibly nested) dict, rejecting unknown keys by name."""
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     known = {f.name: f for f in fields(cls) if f.init}
     kwargs = {}
     # A model section names a preset ("tiny" when absent, null for none); its values are the
