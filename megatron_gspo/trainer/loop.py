@@ -46,7 +46,7 @@ from megatron_gspo.runtime.logger import MetricsLogger, Timer, data_metrics, per
 from megatron_gspo.runtime.metrics import MetricAccumulator
 from megatron_gspo.model.oom import explain_oom, model_shapes
 from megatron_gspo.model.gpt import aux_loss_scales, clear_aux_losses_tracker, finalize_grads, forward_logprobs, set_aux_loss_scale
-from megatron_gspo.trainer.optim import nonfinite_grads, optimizer_step, setup_optimizer
+from megatron_gspo.trainer.optim import extra_checkpoint_models, nonfinite_grads, optimizer_step, setup_optimizer
 from megatron_gspo.data.rewards import build_reward_fn
 from megatron_gspo.rollout.prepare import BatchPreparer, TrainBatch, rollout_metrics
 from megatron_gspo.rollout.remote import RolloutRanksLost
@@ -401,11 +401,9 @@ class Trainer:
             self.save()
         return f"checkpoint saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
 
-    def _extra_models(self) -> dict:
-        return {"ref_model": self.ref_model} if self.ref_model is not None else {}
-
     def save(self) -> None:
-        self.checkpoints.save(self.step, self.ddp, self.optimizer, self.scheduler, extra_models=self._extra_models(),
+        self.checkpoints.save(self.step, self.ddp, self.optimizer, self.scheduler,
+                              extra_models=extra_checkpoint_models(self.ref_model),
                               extra={"data": self.sampler.state_dict(), "config": to_dict(self.cfg)},
                               during_save=lambda tmp: self.hooks.during_save(self, tmp))
 

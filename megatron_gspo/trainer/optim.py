@@ -71,6 +71,11 @@ def build_scheduler(cfg: OptimizerConfig, optimizer, total_steps: int):
     )
 
 
+def extra_checkpoint_models(ref_model) -> dict:
+    """The models a training checkpoint holds beside the policy, by the name it saves and restores them under."""
+    return {"ref_model": ref_model} if ref_model is not None else {}
+
+
 def setup_optimizer(cfg: JobConfig, state, ddp, checkpoints, sampler, ref_model, step: int):
     """The RL optimizer and LR schedule of ``ddp``, built after the SFT warm start; when ``checkpoints`` is
     resuming a training checkpoint, restored with everything it holds (weights, Adam states, schedule, the
@@ -82,7 +87,7 @@ def setup_optimizer(cfg: JobConfig, state, ddp, checkpoints, sampler, ref_model,
     if checkpoints.resuming:
         with explain_oom("model", cfg, state, model_shapes(cfg) + ", restored from a checkpoint"):
             info = checkpoints.restore(ddp, optimizer, scheduler,
-                                       extra_models={"ref_model": ref_model} if ref_model is not None else {})
+                                       extra_models=extra_checkpoint_models(ref_model))
         step = info["step"]
         sampler.load_state_dict(info["extra"]["data"], accept=checkpoints.change_allowed)
         skipped = "; ".join(os.path.basename(p) for p, _ in checkpoints.skipped)
