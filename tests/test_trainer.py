@@ -102,6 +102,46 @@ def test_resume_is_exact(tmp_path):
     assert os.path.isdir(tmp_path / "cb" / "iter_0000004")
 
 
+def test_the_checkpoint_manager_saves_the_tracked_state_when_due_and_at_the_end(tmp_path):
+    """CheckpointManager.track is handed the training state once; save_if_due writes it at every
+    save_interval-th step, save_final at the end unless that step's periodic save holds it already, and the
+    data position and config are read when a save runs (a position taken at track time would resume every
+    run at the prompts of its first step). The writer itself: the resume tests above and below."""
+    from types import SimpleNamespace
+
+    from megatron_gspo.checkpoint import CheckpointManager
+    from megatron_gspo.config import CheckpointConfig
+
+    class Data:
+        position = 0
+
+        def state_dict(self):
+            return {"position": self.position}
+
+    def schedule(num_steps, interval):
+        ck = CheckpointManager(CheckpointConfig(save=str(tmp_path), save_interval=interval),
+                               SimpleNamespace(is_main=True, device=torch.device("cpu")))
+        written = []
+        ck.save = lambda step, model, opt, sched, *, extra, extra_models, during_save: written.append(
+            (step, model, opt, sched, extra["data"]["position"], extra["config"]["train"]["num_steps"],
+             sorted(extra_models), during_save))
+        with pytest.raises(RuntimeError, match=r"save_step before track\(\)"):
+            ck.save_step(1)
+        data, job = Data(), load_job_config(None, TINY_JOB + [f"train.num_steps={num_steps}"])
+        ck.track("ddp", "opt", "sched", job=job, data=data, extra_models={"ref_model": None}, during_save=print)
+        for step in range(1, num_steps + 1):
+            data.position = 10 * step
+            ck.save_if_due(step)
+        ck.save_final(num_steps)
+        assert all(w[1:4] == ("ddp", "opt", "sched") and w[5] == num_steps and w[6] == ["ref_model"]
+                   and w[7] is print for w in written)
+        return [(w[0], w[4]) for w in written]
+
+    assert schedule(5, 2) == [(2, 20), (4, 40), (5, 50)]
+    assert schedule(4, 2) == [(2, 20), (4, 40)]  # the end is step 4's periodic save
+    assert schedule(3, 0) == [(3, 30)]  # no periodic saves: the end only
+
+
 def test_resume_with_a_changed_config_names_the_change(tmp_path):
     """The checkpoint's job is compared with the resumed one: a key that changes the trajectory
     (dynamic sampling switched on, the learning rate) is refused by name, with the opt-in to accept it;

@@ -34,7 +34,7 @@ from megatron_gspo.checkpoint.config_change import WARM_START, allowed, check_re
 from megatron_gspo.checkpoint.directory import TRACKER, iter_dir, iter_steps, no_complete_checkpoint, scan
 from megatron_gspo.checkpoint.storage import check_compatible, load_model
 from megatron_gspo.checkpoint.training import load_checkpoint, save_checkpoint
-from megatron_gspo.config import CheckpointConfig
+from megatron_gspo.config import CheckpointConfig, to_dict
 from megatron_gspo.errors import CheckpointError
 
 log = logging.getLogger("megatron_gspo")
@@ -56,6 +56,7 @@ class CheckpointManager:
         if self.resume_dir is None and cfg.load:
             self.initial_weights = self._settle(cfg.load, required=True)
         self._common: Optional[dict] = None
+        self._tracked: Optional[dict] = None  # what save_step writes (track)
 
     @property
     def resuming(self) -> bool:
@@ -148,6 +149,35 @@ class CheckpointManager:
     def due(self, step: int) -> bool:
         """A periodic save is due after ``step`` completed steps."""
         return bool(self.cfg.save and self.cfg.save_interval and step % self.cfg.save_interval == 0)
+
+    def track(self, model, optimizer, scheduler, *, job, data, extra_models: dict,
+              during_save: Optional[Callable[[str], None]] = None) -> None:
+        """The training state every later ``save_step`` writes, handed over once (trainer.optim.setup_optimizer,
+        beside the restore of the same state): the policy ``model`` (DDP), its ``optimizer`` and
+        ``scheduler``, the ``extra_models`` by name, and, read when a save runs, the position of ``data``
+        (its ``state_dict()``) and the ``job`` config (the resume compares it, config_change.py)."""
+        self._tracked = dict(model=model, optimizer=optimizer, scheduler=scheduler, job=job, data=data,
+                             extra_models=extra_models, during_save=during_save)
+
+    def save_step(self, step: int) -> Optional[str]:
+        """Collective: the tracked state after ``step`` completed steps, now (a periodic save, the end of the
+        run, a stop). None when checkpoint.save is unset."""
+        if self._tracked is None:
+            raise RuntimeError("CheckpointManager.save_step before track(): nothing to save")
+        t = self._tracked
+        return self.save(step, t["model"], t["optimizer"], t["scheduler"], extra_models=t["extra_models"],
+                         extra={"data": t["data"].state_dict(), "config": to_dict(t["job"])},
+                         during_save=t["during_save"])
+
+    def save_if_due(self, step: int) -> None:
+        """At the end of step ``step``: the periodic save, when ``due``."""
+        if self.due(step):
+            self.save_step(step)
+
+    def save_final(self, step: int) -> None:
+        """At the end of the run: the last step, unless its periodic save holds it already."""
+        if not self.due(step):
+            self.save_step(step)
 
     def save(self, step: int, model, optimizer, scheduler, *, extra: dict, extra_models: Optional[dict] = None,
              during_save: Optional[Callable[[str], None]] = None) -> Optional[str]:

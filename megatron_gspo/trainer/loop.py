@@ -23,6 +23,7 @@ The components, each behind a narrow interface:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -46,7 +47,7 @@ from megatron_gspo.runtime.logger import MetricsLogger, Timer, data_metrics, per
 from megatron_gspo.runtime.metrics import MetricAccumulator
 from megatron_gspo.model.oom import explain_oom, model_shapes
 from megatron_gspo.model.gpt import aux_loss_scales, clear_aux_losses_tracker, finalize_grads, forward_logprobs, set_aux_loss_scale
-from megatron_gspo.trainer.optim import extra_checkpoint_models, nonfinite_grads, optimizer_step, setup_optimizer
+from megatron_gspo.trainer.optim import nonfinite_grads, optimizer_step, setup_optimizer
 from megatron_gspo.data.rewards import build_reward_fn
 from megatron_gspo.rollout.prepare import BatchPreparer, TrainBatch, rollout_metrics
 from megatron_gspo.rollout.remote import RolloutRanksLost
@@ -131,9 +132,11 @@ class Trainer:
         self.hooks.before_training(self)  # the SFT warm start, unless resuming a training checkpoint
         if self.ref_model is not None and not self.checkpoints.resuming:
             self.ref_model.load_state_dict(self.model.state_dict())
-        # the RL optimizer; when resuming, restored with everything else the checkpoint holds
+        # the RL optimizer; when resuming, restored with everything else the checkpoint holds, which is then
+        # handed to self.checkpoints for every later save
         self.optimizer, self.scheduler, self.step = setup_optimizer(
-            self.cfg, self.state, self.ddp, self.checkpoints, self.sampler, self.ref_model, self.step)
+            self.cfg, self.state, self.ddp, self.checkpoints, self.sampler, self.ref_model, self.step,
+            during_save=functools.partial(self.hooks.during_save, self))
         self.first_step = self.step  # no step of this run completed yet: a stop now has no new step to save
         history = []
         while self.step < t.num_steps:
@@ -171,10 +174,8 @@ class Trainer:
             history.append({k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor) or v.numel() == 1})
             if self.step % t.log_interval == 0:
                 log.info(progress_line(self.step, t.num_steps, metrics))
-            if self.checkpoints.due(self.step):
-                self.save()
-        if not self.checkpoints.due(self.step):
-            self.save()  # the end of the run (a no-op without checkpoint.save)
+            self.checkpoints.save_if_due(self.step)
+        self.checkpoints.save_final(self.step)  # a no-op without checkpoint.save
         if self.preempt.set and self.state.is_main:  # it came too late to cut anything short: nothing is lost
             log.warning("%s: %s, during the last step or after it: the run is complete (step %d%s); exiting with 0",
                         self.preempt.name, self.preempt.timing(), self.step,
@@ -379,7 +380,7 @@ class Trainer:
         self.checkpoints.save(0, self.ddp, ws.optimizer, None, extra_models={},
                               extra={"data": self.sampler.state_dict(), "config": to_dict(self.cfg),
                                      "sft": ws.state_dict()},
-                              during_save=lambda tmp: self.hooks.during_save(self, tmp))
+                              during_save=functools.partial(self.hooks.during_save, self))
         return f"warm start saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
 
     def _stop_without_rollouts(self, e: RolloutRanksLost) -> None:
@@ -402,10 +403,8 @@ class Trainer:
         return f"checkpoint saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
 
     def save(self) -> None:
-        self.checkpoints.save(self.step, self.ddp, self.optimizer, self.scheduler,
-                              extra_models=extra_checkpoint_models(self.ref_model),
-                              extra={"data": self.sampler.state_dict(), "config": to_dict(self.cfg)},
-                              during_save=lambda tmp: self.hooks.during_save(self, tmp))
+        """Every rank: the state after ``self.step``, now (a stop, a skipped update)."""
+        self.checkpoints.save_step(self.step)
 
     def close(self) -> None:
         """Close the hooks and the logger and give back what the job set process-wide (megatron's

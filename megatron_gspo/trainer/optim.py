@@ -76,11 +76,13 @@ def extra_checkpoint_models(ref_model) -> dict:
     return {"ref_model": ref_model} if ref_model is not None else {}
 
 
-def setup_optimizer(cfg: JobConfig, state, ddp, checkpoints, sampler, ref_model, step: int):
+def setup_optimizer(cfg: JobConfig, state, ddp, checkpoints, sampler, ref_model, step: int, during_save=None):
     """The RL optimizer and LR schedule of ``ddp``, built after the SFT warm start; when ``checkpoints`` is
     resuming a training checkpoint, restored with everything it holds (weights, Adam states, schedule, the
-    KL reference ``ref_model`` if any, the ``sampler``'s data position). Returns (optimizer, scheduler, the
-    step to continue after: ``step`` unless restored)."""
+    KL reference ``ref_model`` if any, the ``sampler``'s data position); then the same state is handed to
+    ``checkpoints`` for every later save (CheckpointManager.track; ``during_save(tmp_dir)`` runs inside
+    each), so what a checkpoint restores and what it saves are named in one place. Returns (optimizer,
+    scheduler, the step to continue after: ``step`` unless restored)."""
     with explain_oom("model", cfg, state, model_shapes(cfg)):  # bf16: the fp32 master copy
         optimizer = build_optimizer(cfg.optimizer, ddp, state, cfg.model.precision == "bf16")
     scheduler = build_scheduler(cfg.optimizer, optimizer, cfg.train.num_steps * cfg.train.num_minibatches)
@@ -93,4 +95,6 @@ def setup_optimizer(cfg: JobConfig, state, ddp, checkpoints, sampler, ref_model,
         skipped = "; ".join(os.path.basename(p) for p, _ in checkpoints.skipped)
         log.info("resumed from %s at step %d%s", info["path"], step,
                  f" (newer, damaged: {skipped}; the steps after {step} are trained again)" if skipped else "")
+    checkpoints.track(ddp, optimizer, scheduler, job=cfg, data=sampler, extra_models=extra_checkpoint_models(ref_model),
+                      during_save=during_save)
     return optimizer, scheduler, step
