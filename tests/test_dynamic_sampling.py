@@ -11,6 +11,7 @@ from megatron_gspo.config import ConfigError, load_job_config
 from megatron_gspo.algorithms.dynamic_sampling import informative_groups, pick_groups
 from megatron_gspo.algorithms.overlong import loss_mask, overlong_penalty, truncated
 from job_runner import built_trainers, run_job_rows
+from megatron_gspo.trainer.optim import setup_optimizer
 from log_capture import LogLines
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -72,9 +73,7 @@ def test_config_names_the_field(override, field):
         load_job_config(None, [override])
 
 
-def test_dynamic_sampling_is_refused_with_r3_and_single_samples():
-    with pytest.raises(ConfigError, match="train.dynamic_sampling=true with train.routing_replay=R3"):
-        load_job_config(None, ["train.dynamic_sampling=true", "train.routing_replay=R3", "loss.name=grpo"])
+def test_dynamic_sampling_is_refused_with_single_samples():
     with pytest.raises(ConfigError, match="train.dynamic_sampling=true needs generation.n_samples_per_prompt >= 2"):
         load_job_config(None, ["train.dynamic_sampling=true", "generation.n_samples_per_prompt=1",
                                "train.advantage_estimator=dr_grpo"])
@@ -113,6 +112,31 @@ def test_rollout_keeps_only_informative_groups(trainer):
     # kept groups' prompts are those with an even first operand
     assert all(int(next(c for c in t.tokenizer.decode(batch.tokens[i].tolist()) if c.isdigit())) % 2 == 0
                for i in range(batch.num_rows))
+
+
+@pytest.mark.parametrize("routing", [["train.routing_replay=R3", "loss.name=grpo"],
+                                     ["train.old_logprobs=rollout"]], ids=["R3", "reference-without-old-pass"])
+def test_kept_rows_of_several_rounds_carry_their_own_routes(trainer, routing):
+    """The record carries each row's routes from the round that generated it, so R3 replays them (its
+    recomputed old log-probs equal the sampling ones, as on the model's own routes: another round's routes
+    would move them far beyond float noise), and without an old-log-prob pass they are the routing
+    reference (the first minibatch, on-policy, changes no route)."""
+    t = trainer(["train.dynamic_sampling=true", f"reward.name={PLUGINS}:constant_for_odd_first_operand", *routing])
+    record = t.source.collect(0)
+    assert record.stats["dynamic_sampling/rounds"] > 1  # rows of several rounds
+    assert record.routes.count.tolist() == (record.seq_lengths - 1).tolist()
+    batch = t.prepare(record)
+    if t.prepare.recompute_old_logprobs:  # R3: the old-log-prob pass replays the record's routes
+        assert float((batch.old_logprobs - batch.sample_logprobs).abs()[batch.mask].max()) < 1e-4
+    else:
+        from megatron_gspo.runtime.metrics import MetricAccumulator
+
+        t.optimizer, t.scheduler, t.step = setup_optimizer(t.cfg, t.state, t.ddp, t.checkpoints, t.sampler,
+                                                           t.ref_model, t.step)
+        t.accumulate_gradients(batch, batch.minibatches[0], MetricAccumulator())
+        first = [t.routing.monitor.stats(("train", i)) for i in batch.minibatches[0]]
+        changed = sum(float(s.changed.sum()) for s in first) / sum(float(s.compared.sum()) for s in first)
+        assert changed == 0.0, changed
 
 
 def test_rollout_past_the_cap_fills_and_says_so(trainer):

@@ -54,7 +54,8 @@ def test_pack_unpack_is_the_identity_on_every_field():
     assert back.stopped.dtype == torch.bool
     # every field of the record travels (a new field needs its place in one of the tuples)
     on_wire = {n for n, _ in wire.INT_FIELDS + wire.FLOAT_FIELDS} | set(wire.META_FIELDS) | {"step"}
-    assert on_wire == set(RolloutRecord.__dataclass_fields__)
+    assert on_wire | set(wire.LOCAL_FIELDS) == set(RolloutRecord.__dataclass_fields__)
+    assert not on_wire & set(wire.LOCAL_FIELDS)
 
 
 def test_the_response_mask_is_generations():

@@ -114,6 +114,31 @@ def test_rollout_routes_contract_hand_example():
     assert y.shape == (1, 2, 3, 2) and y[0, 1, 2].tolist() == x[0, 5].tolist() and y[0, 0, 1].tolist() == x[0, 2].tolist()
 
 
+def test_rollout_routes_select_and_cat_keep_each_row_its_own_routes():
+    """Dynamic sampling keeps groups of several generation rounds: select() cuts a round's rows out, cat()
+    joins rounds of different widths; each row keeps its routes and count (routes_for as in its round)."""
+
+    def round_of(base, lengths, max_len):  # row r's route at position j: [base + 10 r + j, 1]
+        rr = RolloutRoutes(num_layers=1, batch_size=len(lengths), max_len=max_len, topk=2, num_experts=8)
+        b = len(lengths)
+        pos = torch.arange(b)[:, None] * 10 + torch.arange(max_len)[None, :] + base
+        rr.add_step(torch.stack([pos, torch.ones_like(pos)], -1)[None],
+                    valid=torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None] - 1)
+        rr.check(torch.tensor(lengths))
+        return rr
+
+    a, b = round_of(100, [4, 6, 3], max_len=5), round_of(500, [7, 2], max_len=6)
+    kept = RolloutRoutes.cat([a.select([2, 0]), b.select(torch.tensor([0]))])
+    assert (kept.batch_size, kept.max_len) == (3, 6) and kept.count.tolist() == [2, 3, 6]
+    got = kept.routes_for([0, 1, 2], seq_len=7)
+    assert got[0, 0, :, 0].tolist() == [120, 121, 0, 0, 0, 0, 0]  # a's row 2, then the filler
+    assert got[0, 1, :, 0].tolist() == [100, 101, 102, 0, 0, 0, 0]  # a's row 0
+    assert got[0, 2, :, 0].tolist() == [500, 501, 502, 503, 504, 505, 0]  # b's row 0, wider than a's grid
+    assert torch.equal(kept.routes_for([1], 7), a.routes_for([0], 7))
+    with pytest.raises(RoutingReplayError, match="check"):
+        RolloutRoutes.cat([RolloutRoutes(num_layers=1, batch_size=1, max_len=2, topk=2)])
+
+
 def test_load_converts_to_sequence_parallel_router_layout():
     # [b=2, s=4, k=2] per layer; TP rank 1 of 2 under SP sees positions 2, 3 in order (s, b)
     routes = torch.tensor([[[[10 * b + s, 0] for s in range(4)] for b in range(2)]])  # [L=1, 2, 4, 2]

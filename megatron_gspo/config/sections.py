@@ -414,8 +414,8 @@ class TrainConfig:
     # sampling log-probs, one forward pass saved; they carry the decode's rounding, which in bf16 is
     # larger than GSPO's clip range) or "auto", resolved in one place (config/rules.py:
     # old_logprob_source): rollout only where the two agree to float noise (fp32 on the CPU, measured),
-    # recompute everywhere else and whenever routing replay R2, dynamic sampling or asynchronous
-    # rollouts need the pass ("rollout" with one of them is refused).
+    # recompute everywhere else, with dynamic sampling, and whenever routing replay R2 or asynchronous
+    # rollouts need the pass ("rollout" with one of those two is refused).
     old_logprobs: str = knob("auto", resume=Resume.REFUSED, choices=OLD_LOGPROB_SOURCES)
     advantage_estimator: str = knob("grpo", resume=Resume.REFUSED, choices=ADVANTAGE_ESTIMATOR_NAMES)
     # MoE routing replay for the GRPO baseline: off | R2 (old-log-prob pass) | R3 (rollout).
@@ -453,13 +453,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         validate(self, "train")
-        # the rows kept by dynamic sampling and R2's routes need the old-log-prob pass
-        check(not (self.dynamic_sampling and self.old_logprobs == "rollout"),
-              "train.dynamic_sampling=true with train.old_logprobs=rollout: the kept rows come from several "
-              "generation rounds, whose routes are not recorded per row; use train.old_logprobs=auto or recompute")
-        check(not (self.dynamic_sampling and self.routing_replay == "R3"),
-              "train.dynamic_sampling=true with train.routing_replay=R3: R3 replays the routes of every generated "
-              "row, dynamic sampling drops rows after generation; use routing_replay=R2 or off")
+        # R2's routes need the old-log-prob pass (rows kept by dynamic sampling carry their own rollout
+        # routes in the record, so R3 and the rollout log-probs work with it)
         check(not (self.old_logprobs == "rollout" and self.routing_replay == "R2"),
               "train.old_logprobs='rollout' skips the old-log-prob pass, where routing replay R2 records its routes; "
               "use train.old_logprobs=recompute (or auto) with train.routing_replay=R2, or R3")

@@ -7,7 +7,8 @@
     5. dynamic sampling: more rounds until P informative groups              algorithms.dynamic_sampling
 -> a RolloutRecord of this rank's rows (record.py); rollout/prepare.py turns it into the training batch.
 Sampling noise is keyed by the global row (sampling.py), so the rows are the same under any DP / TP / EP
-layout. The routing policy is told while generating (R3 records routes).
+layout. The routing policy is told while generating: the routes it records (R3, or the routing reference
+without an old-log-prob pass) travel with their rows, in the record.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -27,6 +29,7 @@ from megatron_gspo.model.oom import explain_oom
 from megatron_gspo.data.rewards import compute_rewards
 from megatron_gspo.rollout.record import RolloutRecord
 from megatron_gspo.rollout.rows import local_rows
+from megatron_gspo.routing.rollout_routes import RolloutRoutes
 
 log = logging.getLogger("megatron_gspo")
 
@@ -72,7 +75,8 @@ class ColocatedSource:
 
         Round ``rnd`` > 0 (dynamic sampling) keys its noise by rows rnd * R + g: every row of every
         round of a step draws distinct noise, and round 0 is exactly the rollout without dynamic
-        sampling. Returns (this rank's prompts per row, GenerationOutput, texts, rewards [B])."""
+        sampling. Returns (this rank's prompts per row, GenerationOutput, texts, rewards [B], the routes it
+        was generated with: routing.RolloutRoutes, or None when the routing policy records none)."""
         cfg, st, dev = self.cfg, self.state, self.state.device
         prompts = self.sampler.next_batch()  # 1. the same P prompts on every rank
         G = self.gen_cfg.n_samples_per_prompt
@@ -87,6 +91,7 @@ class ColocatedSource:
         # decode loop itself stopped at once, agreed within its lockstep group at no extra cost)
         if comm.any_rank(out.abandoned or self.should_stop(), dev, what="stop vote after generation"):
             raise StepAbandoned(step + 1, f"in generation round {rnd + 1}" + (", decoding cut short" if out.abandoned else ""))
+        routes = self.routing.rollout_routes(out)
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
         with self.timer("reward"):  # 4.
             rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine],
@@ -95,27 +100,28 @@ class ColocatedSource:
             if r.overlong_buffer_len > 0:  # DAPO's soft overlong punishment, part of the reward
                 rewards = rewards + overlong_penalty(out.response_lengths.to(dev), self.gen_cfg.max_new_tokens,
                                                      r.overlong_buffer_len, r.overlong_penalty_factor)
-        return mine, out, texts, rewards
+        return mine, out, texts, rewards, routes
 
     def _dynamic_rounds(self, step: int, rows: list[int], R: int, G: int):
         """Dynamic sampling (dynamic_sampling.py; data-parallel size 1, so ``rows`` is every row): rounds
         of P prompts until P informative groups, or train.dynamic_sampling_max_rounds extra rounds (each
         one logged). Between rounds only the groups that can still be picked are kept (prune_groups: at
         most P, their rows copied out of the round's output), so memory does not grow with the rounds.
-        Returns the kept rows merged like one round's output, the step's statistics and every round's
-        generated-token count."""
+        Returns the kept rows merged like one round's output (prompts, output, texts, rewards, routes), the
+        step's statistics and every round's generated-token count."""
         t = self.cfg.train
         P = t.prompts_per_step
         kept: list[_Group] = []  # informative first, each part in (round, group) order
         rounds = groups = dropped = gen_tokens = 0
         reward_sum, times = 0.0, dict(elapsed_s=0.0, prefill_s=0.0, num_forwards=0, decode_row_steps=0)
         while True:
-            mine, out, texts, rewards = self._generate_round(step, rounds, rows, R)
+            mine, out, texts, rewards, routes = self._generate_round(step, rounds, rows, R)
             flags = informative_groups(rewards, G).tolist()
             groups, dropped = groups + len(flags), dropped + flags.count(False)
             reward_sum, gen_tokens = reward_sum + float(rewards.double().sum()), gen_tokens + out.num_generated_tokens
             times = {k: v + getattr(out, k) for k, v in times.items()}
             new = [_Group(ok, mine[g * G:(g + 1) * G], texts[g * G:(g + 1) * G], rewards[g * G:(g + 1) * G].clone(),
+                          routes.select(range(g * G, (g + 1) * G)) if routes is not None else None,
                           _merge_rows([out], [(0, g * G + j) for j in range(G)], self.gen_cfg.pad_id))
                    for g, ok in enumerate(flags)]
             kept = prune_groups(kept + new, P, informative=lambda grp: grp.informative)
@@ -141,8 +147,10 @@ class ColocatedSource:
         out = dataclasses.replace(out, **times)
         mine = [p for grp in kept for p in grp.prompts]
         texts = [x for grp in kept for x in grp.texts]
+        # R3: the kept rows' own routes, whichever round generated them
+        routes = RolloutRoutes.cat([grp.routes for grp in kept]) if kept[0].routes is not None else None
         # gen_tokens: every round's, kept or not
-        return mine, out, texts, torch.cat([grp.rewards for grp in kept]), stats, gen_tokens
+        return mine, out, texts, torch.cat([grp.rewards for grp in kept]), routes, stats, gen_tokens
 
     def collect(self, step: int) -> RolloutRecord:
         st, t = self.state, self.cfg.train
@@ -150,11 +158,11 @@ class ColocatedSource:
         R = t.prompts_per_step * G
         rows = local_rows(R, t.num_minibatches, st.dp, st.dp_rank)  # 2.
         if t.dynamic_sampling:
-            mine, out, texts, rewards, stats, gen_tokens = self._dynamic_rounds(step, rows, R, G)
+            mine, out, texts, rewards, routes, stats, gen_tokens = self._dynamic_rounds(step, rows, R, G)
         else:
-            (mine, out, texts, rewards), stats, gen_tokens = self._generate_round(step, 0, rows, R), {}, None
+            (mine, out, texts, rewards, routes), stats, gen_tokens = self._generate_round(step, 0, rows, R), {}, None
         return RolloutRecord.from_generation(step, out, rows, [p.id for p in mine], texts, rewards,
-                                             gen_tokens=gen_tokens, stats=stats)
+                                             gen_tokens=gen_tokens, stats=stats, routes=routes)
 
 
 @dataclass
@@ -165,6 +173,7 @@ class _Group:
     prompts: list
     texts: list
     rewards: torch.Tensor  # [G]
+    routes: Optional[RolloutRoutes]  # the G rows' routes (routing.RolloutRoutes), when recorded
     out: object  # GenerationOutput of the G rows
 
 

@@ -3,7 +3,7 @@
     1. advantages over every rank's rewards (a group of G samples may be spread over DP ranks)   global_advantages
     2. truncation flags (overlong filtering)                                                    algorithms.overlong
     3. micro-batches of rows of similar length, the same shapes on every EP rank                plan_micro_batches
-    4. the routing policy's after_generation (R3 replays, reference routes), old log-probs (recomputed, or the
+    4. the routing policy's after_generation (the record's routes: R3 replays, reference), old log-probs (recomputed, or the
        sampling ones per train.old_logprobs), reference log-probs (KL)
 Both rollout sources (colocated.py, remote.py) return a RolloutRecord; the trainer prepares either alike.
 ``rollout_metrics`` reduces the rollout's own metrics over DP.
@@ -214,7 +214,7 @@ class BatchPreparer:
             batch.minibatches.append(list(range(n, n + len(mini))))
             n += len(mini)
         pads = [batch.micro_batch(i).input_padding_mask() for i in range(len(batch.micro))]
-        self.routing.after_generation(record, [order[sl] for sl in batch.micro], widths, pads)
+        self.routing.after_generation(record.routes, [order[sl] for sl in batch.micro], widths, pads)
         with self.timer("old_logprob"):
             if self.recompute_old_logprobs:
                 batch.old_logprobs = self.logprobs(self.model, batch, pads, on_micro_batch=self.routing.old_pass)

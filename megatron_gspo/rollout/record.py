@@ -14,7 +14,9 @@ ranks, each time as four tensors::
     meta    uint8       META_FIELDS as one JSON object (utf-8)
 
 A new field is one entry in one of the three tuples (and WIRE_VERSION + 1, so that a rank of another
-version is refused by name instead of misreading the tensors).
+version is refused by name instead of misreading the tensors). ``LOCAL_FIELDS`` never travel: the
+routes a colocated rollout recorded (the asynchronous job refuses R3 and recomputes the old log-probs,
+so nothing on its trainer ranks reads rollout routes: config/rules.py).
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from megatron_gspo.rollout.rows import pad_columns
+
+if TYPE_CHECKING:
+    from megatron_gspo.routing.rollout_routes import RolloutRoutes
 
 MAGIC = 0x6A5E
 WIRE_VERSION = 1
@@ -36,6 +41,7 @@ INT_FIELDS = (("tokens", 2), ("prompt_lengths", 1), ("response_lengths", 1), ("r
               ("version_start", 1), ("version_end", 1))
 FLOAT_FIELDS = (("sample_logprobs", 2), ("rewards", 1))
 META_FIELDS = ("prompt_ids", "texts", "gen_s", "gen_tokens", "decode_row_steps", "stats", "data_state")
+LOCAL_FIELDS = ("routes",)  # not on the wire (module doc)
 _DTYPES = {"stopped": torch.bool}  # int64 on the wire, this dtype in the record
 
 
@@ -64,6 +70,9 @@ class RolloutRecord:
     stats             source statistics: logged as they are (dynamic_sampling/*), or the remote source's
                       raw counters (STAT_MERGE)
     data_state        the prompt sampler's position after the step's prompts (remote: the rollout side's)
+    routes            routing.RolloutRoutes: per row, the top-k experts of every MoE layer for each of its
+                      tokens but the last, as generated (R3 replays them; without an old-log-prob pass they
+                      are the routing reference); None when the routing policy records none
     """
 
     step: int
@@ -83,6 +92,7 @@ class RolloutRecord:
     decode_row_steps: int = 0
     stats: dict = field(default_factory=dict)
     data_state: Optional[dict] = None
+    routes: Optional["RolloutRoutes"] = None
 
     @property
     def num_rows(self) -> int:
@@ -106,7 +116,8 @@ class RolloutRecord:
     @classmethod
     def from_generation(cls, step: int, out, rows: list[int], prompt_ids: list[str], texts: list[str],
                         rewards: torch.Tensor, *, gen_tokens: Optional[int] = None, stats: Optional[dict] = None,
-                        data_state: Optional[dict] = None, version_start=None, version_end=None) -> "RolloutRecord":
+                        data_state: Optional[dict] = None, version_start=None, version_end=None,
+                        routes: Optional["RolloutRoutes"] = None) -> "RolloutRecord":
         """A GenerationOutput ``out`` of the global rows ``rows`` as a record; the versions default to the step
         (a colocated rollout samples with the weights it trains)."""
         dev = rewards.device
@@ -119,18 +130,20 @@ class RolloutRecord:
                    version_end=full(version_end) if not isinstance(version_end, torch.Tensor) else version_end,
                    prompt_ids=list(prompt_ids), texts=list(texts), gen_s=out.elapsed_s,
                    gen_tokens=out.num_generated_tokens if gen_tokens is None else gen_tokens,
-                   decode_row_steps=out.decode_row_steps, stats=dict(stats or {}), data_state=data_state)
+                   decode_row_steps=out.decode_row_steps, stats=dict(stats or {}), data_state=data_state,
+                   routes=routes)
 
     def select(self, idx: torch.Tensor, width: Optional[int] = None) -> "RolloutRecord":
         """The rows ``idx`` ([n] int64 index tensor), the grid cut to ``width`` columns (default: the
-        longest of those rows); step, timings, stats and data state unchanged."""
+        longest of those rows), their routes if any; step, timings, stats and data state unchanged."""
         if width is None:
             width = int(self.seq_lengths[idx].max())
         pick = idx.tolist()
         grids = {name: getattr(self, name)[idx, :width] for name, dims in INT_FIELDS + FLOAT_FIELDS if dims == 2}
         cols = {name: getattr(self, name)[idx] for name, dims in INT_FIELDS + FLOAT_FIELDS if dims == 1}
         return dataclasses.replace(self, **grids, **cols, prompt_ids=[self.prompt_ids[i] for i in pick],
-                                   texts=[self.texts[i] for i in pick])
+                                   texts=[self.texts[i] for i in pick],
+                                   routes=self.routes.select(idx) if self.routes is not None else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,6 +153,9 @@ class RolloutRecord:
 
 def pack(rec: RolloutRecord) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(header [8] int64, ints int64, floats fp32, meta uint8), contiguous, on the record's device."""
+    if rec.routes is not None:
+        raise WireFormatError(f"step {rec.step + 1}'s record carries rollout routes, which never travel on the wire "
+                              "(routing replay R3 runs colocated only)")
     dev = rec.tokens.device
     n, width = rec.tokens.shape
     ints = torch.cat([getattr(rec, name).reshape(-1).to(device=dev, dtype=torch.long) for name, _ in INT_FIELDS])

@@ -4,7 +4,8 @@ An RL step calls, in order (the trainer never asks which mode is on)::
 
     with policy.generating():                          # record the rollout's routes (R3, or the reference)
         out = generate(..., on_forward=policy.on_generation_forward)
-    policy.after_generation(out, rows, widths, pads)    # R3: the rollout's routes -> replay, per micro-batch
+    record.routes = policy.rollout_routes(out)          # the routes it generated with, in the rollout record
+    policy.after_generation(record.routes, rows, widths, pads)  # R3: the record's routes -> replay, per micro-batch
     with policy.old_pass(i): forward(micro-batch i)    # old log-probs, when they get a pass of their own:
     policy.after_old_pass()                            #   reference routes (+ R2 record, R3 replay)
     with policy.train_pass(i): forward(micro-batch i)  # routing change vs the reference (+ R2/R3 replay)
@@ -25,10 +26,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from megatron_gspo.routing.common import normalize_mode
+from megatron_gspo.routing.common import RoutingReplayError, normalize_mode
 from megatron_gspo.routing.metrics import RoutingMonitor
 from megatron_gspo.routing.replay import RoutingReplay
-from megatron_gspo.routing.rollout_routes import RolloutRecorder
+from megatron_gspo.routing.rollout_routes import RolloutRecorder, RolloutRoutes
 
 
 class RoutingPolicy:
@@ -53,12 +54,23 @@ class RoutingPolicy:
     def on_generation_forward(self) -> Optional[Callable]:
         return self.recorder.on_forward if self.recorder is not None else None
 
-    def after_generation(self, out, rows: list[torch.Tensor], widths: list[int], pads: list[torch.Tensor]) -> None:
-        """rows[i]: the generation-output rows of micro-batch i; widths[i]: its token-grid width (the
-        forward's input is widths[i] - 1 wide); pads[i]: that input's padding mask [b, widths[i] - 1]."""
+    def rollout_routes(self, out) -> Optional[RolloutRoutes]:
+        """The routes of the generation that just ran (``out``: its GenerationOutput), for the rollout
+        record; None when this policy records none (GSPO with an old-log-prob pass)."""
+        return self.recorder.finish(out) if self.recorder is not None else None
+
+    def after_generation(self, routes: Optional[RolloutRoutes], rows: list[torch.Tensor], widths: list[int],
+                         pads: list[torch.Tensor]) -> None:
+        """routes: the rollout record's (rollout_routes); rows[i]: the record's rows of micro-batch i;
+        widths[i]: its token-grid width (the forward's input is widths[i] - 1 wide); pads[i]: that input's
+        padding mask [b, widths[i] - 1]."""
         if self.recorder is None:
             return
-        routes = self.recorder.finish(out)
+        if routes is None:
+            raise RoutingReplayError(
+                f"the rollout record carries no routes, but routing replay {self.mode} "
+                f"{'replays them' if self.mode == 'R3' else 'compares the training routes with them (no old-log-prob pass)'}: "
+                "the rollout source must record them (RoutingPolicy.rollout_routes)")
         for i, (r, w, pad) in enumerate(zip(rows, widths, pads)):
             mb_routes = routes.routes_for(r, seq_len=w - 1)  # [L, b, w-1, k]
             if self.mode == "R3":
