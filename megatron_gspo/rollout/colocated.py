@@ -147,7 +147,7 @@ class ColocatedSource:
         out = dataclasses.replace(out, **times)
         mine = [p for grp in kept for p in grp.prompts]
         texts = [x for grp in kept for x in grp.texts]
-        # R3: the kept rows' own routes, whichever round generated them
+        # the kept rows' own routes (R3, or the routing reference), whichever round generated them
         routes = RolloutRoutes.cat([grp.routes for grp in kept]) if kept[0].routes is not None else None
         # gen_tokens: every round's, kept or not
         return mine, out, texts, torch.cat([grp.rewards for grp in kept]), routes, stats, gen_tokens

@@ -53,7 +53,7 @@ class WireFormatError(RuntimeError):
 class RolloutRecord:
     """One step's rows on this rank. B rows, T: the grid's width (>= the longest prompt + response);
     row r holds global row ``row_ids[r]`` (prompt row_ids // G, sample row_ids % G). Every tensor on
-    the rank's compute device.
+    the rank's compute device, the routes on the host.
 
     tokens            [B, T] int64  prompt (from column 0) + response + pad, right-padded
     prompt_lengths    [B] int64
@@ -72,7 +72,7 @@ class RolloutRecord:
     data_state        the prompt sampler's position after the step's prompts (remote: the rollout side's)
     routes            routing.RolloutRoutes: per row, the top-k experts of every MoE layer for each of its
                       tokens but the last, as generated (R3 replays them; without an old-log-prob pass they
-                      are the routing reference); None when the routing policy records none
+                      are the routing reference); on the host; None when the routing policy records none
     """
 
     step: int

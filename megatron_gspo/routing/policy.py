@@ -56,7 +56,8 @@ class RoutingPolicy:
 
     def rollout_routes(self, out) -> Optional[RolloutRoutes]:
         """The routes of the generation that just ran (``out``: its GenerationOutput), for the rollout
-        record; None when this policy records none (GSPO with an old-log-prob pass)."""
+        record; None when this policy records none (no R3, and an old-log-prob pass gives the
+        routing reference)."""
         return self.recorder.finish(out) if self.recorder is not None else None
 
     def after_generation(self, routes: Optional[RolloutRoutes], rows: list[torch.Tensor], widths: list[int],

@@ -113,14 +113,19 @@ class RolloutRoutes:
         out[:, pad] = filler
         return out
 
+    @classmethod
+    def _of(cls, routes: torch.Tensor, count: torch.Tensor, num_experts: Optional[int], num_steps: int,
+            checked: bool) -> "RolloutRoutes":
+        """A RolloutRoutes around existing tensors: routes [L, B, max_len, k], count [B]."""
+        out = cls.__new__(cls)
+        out.num_layers, out.batch_size, out.max_len, out.topk = routes.shape
+        out.num_experts, out.routes, out.count, out.num_steps, out._checked = num_experts, routes, count, num_steps, checked
+        return out
+
     def select(self, rows: Sequence[int] | torch.Tensor) -> "RolloutRoutes":
         """The routes of sequences ``rows`` (in that order), as a RolloutRoutes of len(rows) sequences."""
         rows = torch.as_tensor(rows, device=self.routes.device).long().reshape(-1)
-        out = RolloutRoutes.__new__(RolloutRoutes)
-        out.num_layers, out.max_len, out.topk, out.num_experts = self.num_layers, self.max_len, self.topk, self.num_experts
-        out.batch_size, out.num_steps, out._checked = rows.numel(), self.num_steps, self._checked
-        out.routes, out.count = self.routes[:, rows], self.count[rows]
-        return out
+        return self._of(self.routes[:, rows], self.count[rows], self.num_experts, self.num_steps, self._checked)
 
     @classmethod
     def cat(cls, parts: Sequence["RolloutRoutes"]) -> "RolloutRoutes":
@@ -128,19 +133,13 @@ class RolloutRoutes:
         rounds). Every part must be checked; so is the result."""
         if not parts or any(not p._checked for p in parts):
             raise RoutingReplayError("RolloutRoutes.cat: needs at least one part, each check()ed")
-        first = parts[0]
-        if any((p.num_layers, p.topk) != (first.num_layers, first.topk) for p in parts):
+        if len({(p.num_layers, p.topk) for p in parts}) > 1:
             raise RoutingReplayError(f"RolloutRoutes.cat: parts of {[(p.num_layers, p.topk) for p in parts]} "
                                      "(layers, top-k) differ")
-        out = cls.__new__(cls)
-        out.num_layers, out.topk, out.num_experts = first.num_layers, first.topk, first.num_experts
-        out.max_len = max(p.max_len for p in parts)
-        out.batch_size = sum(p.batch_size for p in parts)
-        out.routes = torch.cat([torch.nn.functional.pad(p.routes, (0, 0, 0, out.max_len - p.max_len), value=-1)
-                                for p in parts], dim=1)
-        out.count = torch.cat([p.count for p in parts])
-        out.num_steps, out._checked = sum(p.num_steps for p in parts), True
-        return out
+        width = max(p.max_len for p in parts)
+        routes = torch.cat([torch.nn.functional.pad(p.routes, (0, 0, 0, width - p.max_len), value=-1) for p in parts], 1)
+        return cls._of(routes, torch.cat([p.count for p in parts]), parts[0].num_experts,
+                       sum(p.num_steps for p in parts), True)
 
     @classmethod
     def from_generation(cls, steps: Sequence[torch.Tensor], prompt_lengths: torch.Tensor,
