@@ -132,8 +132,8 @@ class Trainer:
         self.hooks.before_training(self)  # the SFT warm start, unless resuming a training checkpoint
         if self.ref_model is not None and not self.checkpoints.resuming:
             self.ref_model.load_state_dict(self.model.state_dict())
-        # the RL optimizer; when resuming, restored with everything else the checkpoint holds, which is then
-        # handed to self.checkpoints for every later save
+        # the RL optimizer (restored with the rest of the checkpoint when resuming); the training state is
+        # then handed to self.checkpoints, which every later save writes
         self.optimizer, self.scheduler, self.step = setup_optimizer(
             self.cfg, self.state, self.ddp, self.checkpoints, self.sampler, self.ref_model, self.step,
             during_save=functools.partial(self.hooks.during_save, self))
