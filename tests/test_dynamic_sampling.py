@@ -11,7 +11,6 @@ from megatron_gspo.config import ConfigError, load_job_config
 from megatron_gspo.algorithms.dynamic_sampling import informative_groups, pick_groups
 from megatron_gspo.algorithms.overlong import loss_mask, overlong_penalty, truncated
 from job_runner import built_trainers, run_job_rows
-from megatron_gspo.trainer.optim import setup_optimizer
 from log_capture import LogLines
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -131,8 +130,6 @@ def test_kept_rows_of_several_rounds_carry_their_own_routes(trainer, routing):
     else:
         from megatron_gspo.runtime.metrics import MetricAccumulator
 
-        t.optimizer, t.scheduler, t.step = setup_optimizer(t.cfg, t.state, t.ddp, t.checkpoints, t.sampler,
-                                                           t.ref_model, t.step)
         t.accumulate_gradients(batch, batch.minibatches[0], MetricAccumulator())
         first = [t.routing.monitor.stats(("train", i)) for i in batch.minibatches[0]]
         changed = sum(float(s.changed.sum()) for s in first) / sum(float(s.compared.sum()) for s in first)

@@ -35,9 +35,8 @@ from megatron_gspo.runtime.stop import PreemptionFlag
 from megatron_gspo.generation.generator import GenerationConfig, generate
 from megatron_gspo.trainer.hooks import TrainerHook
 from megatron_gspo.model.gpt import build_model
-from megatron_gspo.train import summarize
 from megatron_gspo.trainer.loop import TrainingStopped
-from megatron_gspo.train import run_history
+from megatron_gspo.train import run_history, summarize
 from test_reliability import ENV, JOB, assert_same, final_weights
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -19,7 +19,6 @@ the trainer checkpoints and exits (trainer.py).
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import signal
 import time
