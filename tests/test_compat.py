@@ -15,7 +15,7 @@ from megatron_gspo.runtime import compat, parallel
 from megatron_gspo.config import ConfigError, ParallelConfig, load_job_config
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
-CPU_ONES = ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "rng_tracker_without_cuda"]
+CPU_ONES = ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "cuda_current_stream_is_host", "rng_tracker_without_cuda"]
 
 
 @pytest.mark.parametrize("device_type,have_te,expected", [
@@ -46,7 +46,7 @@ def test_cuda_without_te_binds_the_router_gemm_and_leaves_torch_cuda_alone(monke
         assert torch.cuda.current_device is original  # a CUDA job gets the real torch.cuda back
         assert type(mrandom._CUDA_RNG_STATE_TRACKER).__name__ != "InferenceCudaRNGStatesTracker"
         # and a CPU job after it in the same process gets the CPU workarounds again
-        assert compat.apply(CPU)[:3] == CPU_ONES and torch.cuda.current_device() == "cpu"
+        assert compat.apply(CPU)[:4] == CPU_ONES and torch.cuda.current_device() == "cpu"
         assert type(mrandom._CUDA_RNG_STATE_TRACKER).__name__ == "InferenceCudaRNGStatesTracker"
     finally:
         compat.apply(parallel.resolve_device(ParallelConfig()))
@@ -200,3 +200,44 @@ def test_a_cpu_job_on_a_gpu_machine_leaves_torch_compiles_device_checks_working(
     finally:
         _triton.has_triton.cache_clear()
         compat._restore_dynamo_device()
+
+
+def test_a_cpu_job_answers_the_current_stream_with_the_host_and_restore_gives_cuda_back():
+    """megatron-core 0.19's DDP asks torch.cuda.current_stream() at every gradient sync (for CUDA-graph
+    gradient events): a CPU job gets the host's stream, on which waiting is already done; restore() puts
+    torch's back (a CUDA job in the same process waits on real streams)."""
+    original = compat._ORIGINAL.get("torch.cuda.current_stream", torch.cuda.current_stream)
+    try:
+        compat.apply(CPU)
+        stream = torch.cuda.current_stream()
+        assert stream is compat._HOST_STREAM
+        assert stream.wait_event(object()) is None and stream.wait_stream(stream) is None
+        compat.restore()
+        assert torch.cuda.current_stream is original
+    finally:
+        compat.apply(parallel.resolve_device(ParallelConfig()))
+
+
+def test_spec_helpers_read_and_swap_both_spec_forms():
+    """megatron-core 0.16's ModuleSpec(module, submodules) and 0.19's functools.partial(cls, submodules=...)
+    (its MoE layer and experts): the submodules read the same way, and the built class swapped with the
+    submodules and arguments kept."""
+    import functools
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    class A:
+        def __init__(self, *args, submodules=None, **kwargs):
+            self.args, self.submodules, self.kwargs = args, submodules, kwargs
+
+    class B(A):
+        pass
+
+    subs = object()
+    as_spec, as_partial = ModuleSpec(module=A, submodules=subs), functools.partial(A, 7, submodules=subs, x=1)
+    assert compat.spec_submodules(as_spec) is subs and compat.spec_submodules(as_partial) is subs
+    swapped = compat.with_module(as_spec, B)
+    assert swapped is as_spec and swapped.module is B and swapped.submodules is subs
+    built = compat.with_module(as_partial, B)(2)
+    assert type(built) is B and built.args == (7, 2) and built.submodules is subs and built.kwargs == {"x": 1}
+    assert as_partial.func is A  # the original spec is left as it was

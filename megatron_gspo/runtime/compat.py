@@ -49,6 +49,10 @@ WORKAROUNDS = {
     "cuda_synchronize_noop":
         "dist_checkpointing's writer calls torch.cuda.synchronize() around saves: 'Torch not compiled with "
         "CUDA enabled' (or a CUDA context on GPU 0 for a CPU job)",
+    "cuda_current_stream_is_host":
+        "megatron-core 0.19's DDP waits on torch.cuda.current_stream() for CUDA-graph gradient events at "
+        "every gradient sync (param_and_grad_buffer.start_grad_sync): 'Torch not compiled with CUDA enabled' "
+        "at the first step of a CPU job (0.16 never asks for a stream on that path)",
     "rng_tracker_without_cuda":
         "the RNG tracker's fork() swaps CUDA RNG states (attention forks it even at dropout 0) and "
         "activation recompute saves/restores the CUDA RNG state: 'cuda rng state model-parallel-rng is "
@@ -121,7 +125,8 @@ def needed(env: Environment) -> list[str]:
     """The workarounds this environment needs (names of WORKAROUNDS), in application order."""
     out = []
     if env.device_type != "cuda":
-        out += ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "rng_tracker_without_cuda"]
+        out += ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "cuda_current_stream_is_host",
+                "rng_tracker_without_cuda"]
         if env.have_te:
             out.append("cpu_optimizer_without_te_kernels")  # applied by optimizer_context, scoped
     if not env.have_te:
@@ -157,6 +162,7 @@ def apply(device: torch.device) -> list[str]:
         _dynamo_keeps_the_real_cuda_device()
         _patch(torch.cuda, "current_device", lambda: "cpu", "torch.cuda.current_device")
         _patch(torch.cuda, "synchronize", lambda *a, **k: None, "torch.cuda.synchronize")
+        _patch(torch.cuda, "current_stream", lambda *a, **k: _HOST_STREAM, "torch.cuda.current_stream")
         if not _inference_tracker(mrandom):
             # megatron's inference tracker has a no-op fork(); CPU seeding is torch.manual_seed per
             # rank (parallel.set_seed); recompute's RNG save/restore has no CUDA state to keep.
@@ -181,8 +187,8 @@ def apply(device: torch.device) -> list[str]:
 
 
 def restore() -> None:
-    """Put back what ``apply`` replaced for a CPU job (torch.cuda's current_device / synchronize,
-    megatron's CUDA RNG-state accessors, dynamo's device cache): the parallel state that applied them
+    """Put back what ``apply`` replaced for a CPU job (torch.cuda's current_device / synchronize /
+    current_stream, megatron's CUDA RNG-state accessors, dynamo's device cache): the parallel state that applied them
     calls this when it is torn down (parallel.destroy). megatron's RNG tracker is not swapped back
     here: every job's ``apply`` installs the one its device needs (and parallel.set_seed seeds it)."""
     from megatron.core.tensor_parallel import random as mrandom
@@ -190,8 +196,26 @@ def restore() -> None:
     _restore(torch.cuda, "current_device", "torch.cuda.current_device")
     _restore_dynamo_device()
     _restore(torch.cuda, "synchronize", "torch.cuda.synchronize")
+    _restore(torch.cuda, "current_stream", "torch.cuda.current_stream")
     _restore(mrandom, "_get_cuda_rng_state", "mrandom._get_cuda_rng_state")
     _restore(mrandom, "_set_cuda_rng_state", "mrandom._set_cuda_rng_state")
+
+
+class _HostStream:
+    """What torch.cuda.current_stream() answers in a CPU job: the host's one stream of work, in which every
+    operation has finished when the next starts, so waiting on it (or on an event) is already done."""
+
+    def wait_event(self, event=None) -> None:
+        pass
+
+    def wait_stream(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
 
 
 def _dynamo_keeps_the_real_cuda_device() -> None:
@@ -227,6 +251,74 @@ def _inference_tracker(mrandom) -> bool:
     tracker = getattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
     return tracker is not None and type(tracker).__name__ == "InferenceCudaRNGStatesTracker"
 
+
+
+# ---- megatron-core's release lines (0.16 and 0.19 are tested; each helper keys on what it finds) ------
+
+
+def spec_submodules(spec):
+    """The submodules of one of megatron's module specs.
+
+    megatron-core 0.16 writes every spec as ``ModuleSpec(module=cls, submodules=...)``; 0.19 writes some
+    as ``functools.partial(cls, submodules=...)`` (the MoE layer and its experts,
+    ``moe_module_specs.get_moe_module_spec_for_backend``): ``spec.submodules`` there is "AttributeError:
+    'functools.partial' object has no attribute 'submodules'"."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords["submodules"]
+    return spec.submodules
+
+
+def with_module(spec, module: type):
+    """``spec`` building ``module`` instead of its own class, with the same submodules and arguments
+    (a ModuleSpec, changed in place, or a functools.partial, replaced: see spec_submodules)."""
+    if isinstance(spec, functools.partial):
+        return functools.partial(module, *spec.args, **spec.keywords)
+    spec.module = module
+    return spec
+
+
+def align_param_groups(optimizer, state: dict) -> None:
+    """Give the loaded optimizer state's param groups, in order, the current groups' identifying settings.
+
+    megatron-core 0.19 matches saved param groups to the optimizer's by those settings (its
+    ``param_group_identifier_keys``: max_lr, min_lr, weight decay, ...) instead of by position as 0.16 does, so
+    a resume that was allowed to change the learning rate (checkpoint.allow_config_change) failed with "Could
+    not find parameter group with key ...". The groups are the same groups in the same order (the same model
+    and layout: resume checks it); only what the run was allowed to change differs. Nothing to do on 0.16."""
+    from megatron.core.optimizer import optimizer as mopt
+
+    keys = getattr(mopt, "param_group_identifier_keys", None)
+    if keys is None:
+        return
+    current = list(getattr(optimizer, "param_groups", []))
+    stack = [state]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        groups = node.get("param_groups")
+        if isinstance(groups, list) and len(groups) == len(current):
+            for loaded, cur in zip(groups, current):
+                loaded.update({k: cur[k] for k in keys if k in cur})
+        stack.extend(v for k, v in node.items() if k != "param_groups")
+
+
+def reset_moe_metrics_tracker() -> None:
+    """Drop megatron's MoE aux-loss logging tracker (sized by the first model built, kept on its device).
+
+    megatron-core 0.16 keeps it as the dict ``get_moe_layer_wise_logging_tracker()`` returns; 0.19 keeps a
+    MoEMetricsTracker object (moe_logging.py) of which that function returns a fresh dict, so clearing the dict
+    left the tracker as it was (the next job of another depth in the process found the last one's entries)."""
+    try:
+        from megatron.core.transformer.moe import moe_logging
+    except ImportError:  # 0.16
+        moe_logging = None
+    if moe_logging is not None and hasattr(moe_logging, "destroy_moe_metrics_tracker"):
+        moe_logging.destroy_moe_metrics_tracker()
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 
 @contextlib.contextmanager
