@@ -66,21 +66,21 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWA
 # ---- the checks: name | timeout (s) | needs (te, mcore019, -) | GPU command | CPU command ("-": none) ------
 PF="$py -m megatron_gspo.preflight"
 TE="model.transformer_impl=transformer_engine"
-TINY="train.sft_steps=0 train.tensorboard=false reward.name=digit_match eval.interval=0 train.num_steps=2"
+TINY="train.sft_steps=0 train.tensorboard=false reward.name=digit_match eval.interval=0"
 JOB2B="model.preset=qwen3-moe-2b-proxy train.sft_steps=0 train.tensorboard=false reward.name=digit_match eval.interval=0"
 # 256 rows x 576 tokens: 64 prompts x 4 samples, 64 prompt + 512 generated tokens
 SHAPE="train.prompts_per_step=64 generation.n_samples_per_prompt=4 data.max_prompt_length=64 generation.max_new_tokens=512 generation.ignore_eos=true"
 CHECKS=(
-"te-rl-bf16|60|te|$py -m megatron_gspo.train $TINY $TE model.precision=bf16 train.output_dir=\$OUT/te_rl_bf16|-"
-"te-rl-fp8-delayed|60|te|$py -m megatron_gspo.train $TINY $TE model.precision=bf16 model.fp8=hybrid model.fp8_recipe=delayed train.output_dir=\$OUT/te_rl_fp8_delayed|-"
-"te-rl-fp8-current|60|te|$py -m megatron_gspo.train $TINY $TE model.precision=bf16 model.fp8=hybrid model.fp8_recipe=tensorwise train.output_dir=\$OUT/te_rl_fp8_current|-"
+"te-rl-bf16|60|te|$py -m megatron_gspo.train $TINY train.num_steps=2 $TE model.precision=bf16 train.output_dir=\$OUT/te_rl_bf16|-"
+"te-rl-fp8-delayed|60|te|$py -m megatron_gspo.train $TINY train.num_steps=2 $TE model.precision=bf16 model.fp8=hybrid model.fp8_recipe=delayed train.output_dir=\$OUT/te_rl_fp8_delayed|-"
+"te-rl-fp8-current|60|te|$py -m megatron_gspo.train $TINY train.num_steps=2 $TE model.precision=bf16 model.fp8=hybrid model.fp8_recipe=tensorwise train.output_dir=\$OUT/te_rl_fp8_current|-"
 "decode-te-spec|60|te|$PF --only decode.te_spec --json \$OUT/decode_te_spec.json|$PF --quick --only decode.te_spec --json \$OUT/decode_te_spec.json"
 "mfu-2b-te|120|te|$PF --only speed.mfu_bf16 $TE $SHAPE --json \$OUT/mfu_2b_te.json|-"
 "mfu-2b-local|120|-|$PF --only speed.mfu_bf16 model.transformer_impl=local $SHAPE --json \$OUT/mfu_2b_local.json|-"
 "memory-30b-te|60|te|$PF --only memory.30b_cut $TE --json \$OUT/memory_30b_te.json|-"
 "pytest-in-process|150|-|$py -m pytest -q -p no:cacheprovider -m 'not slow' \$XDIST tests/test_decode.py tests/test_generation.py tests/test_experts.py tests/test_logprobs.py tests/test_devices.py tests/test_on_policy.py tests/test_jobs_in_one_process.py tests/test_fp8_alignment.py tests/test_compat.py tests/test_routing.py tests/test_trainer.py|-"
 "decode-cuda-graphs|60|-|$PF --only decode.cuda_graphs --json \$OUT/decode_cuda_graphs.json|$PF --quick --only decode.cuda_graphs --json \$OUT/decode_cuda_graphs.json"
-"rl-2b-512-tokens|90|-|$py -m megatron_gspo.train $JOB2B train.num_steps=2 generation.max_new_tokens=512 generation.ignore_eos=true train.max_tokens_per_micro_batch=16384 train.output_dir=\$OUT/rl_2b_512|-"
+"rl-2b-512-tokens|90|-|$py -m megatron_gspo.train $JOB2B train.num_steps=2 generation.max_new_tokens=512 generation.ignore_eos=true train.max_tokens_per_micro_batch=16384 train.output_dir=\$OUT/rl_2b_512|$py -m megatron_gspo.train $TINY train.num_steps=1 generation.max_new_tokens=32 train.max_tokens_per_micro_batch=256 train.output_dir=\$OUT/rl_2b_512"
 "preflight-mcore019|240|mcore019|PYTHONPATH=\$MCORE019:\$PYTHONPATH $PF --json \$OUT/preflight_mcore019.json|PYTHONPATH=\$MCORE019:\$PYTHONPATH $PF --quick --json \$OUT/preflight_mcore019.json"
 )
 
@@ -190,10 +190,12 @@ metrics() {  # the last step's figures worth a line: loss, reward, log-prob gap,
 import json, sys
 rows = [json.loads(ln) for ln in open(sys.argv[1]) if ln.strip()]
 last = rows[-1]
-keys = ["step", "loss/total", "reward/mean", "rollout/logprob_diff_mean", "rollout/logprob_diff_max",
-        "loss/onpolicy/clip_frac", "loss/clip_frac", "perf/step_time_s"]
-print(", ".join(f"{k.split('/', 1)[-1]} {last[k]:.4g}" if isinstance(last.get(k), float) else f"{k} {last[k]}"
-                for k in keys if k in last))
+# onpolicy/clip_frac: the first minibatch's (the one on the rollout's own policy); logprob_diff: rollout vs training
+names = {"step": "step", "loss/loss": "loss", "rollout/reward_mean": "reward", "rollout/logprob_diff_mean": "lp gap mean",
+         "rollout/logprob_diff_max": "lp gap max", "loss/onpolicy/clip_frac": "clip 1st mb",
+         "loss/clip_frac": "clip", "perf/step_time_s": "s/step"}
+print(", ".join(f"{v} {last[k]:.4g}" if isinstance(last[k], float) else f"{v} {last[k]}"
+                for k, v in names.items() if k in last))
 EOF
 }
 detail() {  # the line of a check's log worth showing

@@ -118,12 +118,16 @@ def test_checks_that_need_transformer_engine_say_so_where_it_does_not_import(tmp
 
 @pytest.mark.slow
 def test_cpu_form_runs_the_checks_one_line_each(tmp_path):
-    """The preflight items with a CPU form (--quick --only), for real on the CPU, and a GPU-only check: one
-    line per check, the logs kept, exit 0."""
-    p = _run("--cpu", "--only", "decode-cuda-graphs,rl-2b-512-tokens", "--out", str(tmp_path), timeout=1800)
+    """A preflight item with a CPU form (--quick --only) and an RL job's CPU form, for real on the CPU, and a
+    GPU-only check: one line per check, the logs kept, exit 0."""
+    p = _run("--cpu", "--only", "decode-cuda-graphs,mfu-2b-local,rl-2b-512-tokens", "--out", str(tmp_path),
+             timeout=1800)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = _lines(p.stdout)
     assert lines["decode-cuda-graphs"].split()[1] == "ok" and "no CUDA" in lines["decode-cuda-graphs"]
-    assert lines["rl-2b-512-tokens"].split()[1] == "skipped" and "GPU only" in lines["rl-2b-512-tokens"]
+    assert lines["mfu-2b-local"].split()[1] == "skipped" and "GPU only" in lines["mfu-2b-local"]
+    # an RL job's line: its last step's loss, the rollout-vs-training log-prob gap, the first minibatch's clips
+    rl = lines["rl-2b-512-tokens"]
+    assert rl.split()[1] == "ok" and "step 1, loss " in rl and "lp gap mean " in rl and "clip 1st mb " in rl, rl
     assert (tmp_path / "decode_cuda_graphs.json").is_file() and (tmp_path / "decode-cuda-graphs.log").is_file()
     assert (tmp_path / "summary.txt").read_text().count("\n") == len(p.stdout.strip().splitlines())
