@@ -23,7 +23,7 @@ CPU_ONES = ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "cuda_current
     ("cuda", False, ["te_general_gemm_none"]),  # the H100 without TE
     # a CPU job on a machine with TE (an NGC container asked for parallel.device=cpu): also torch's Adam and
     # megatron's own multi-tensor kernels instead of TE's CUDA ones (found by the TE tier, tests/te/)
-    ("cpu", True, CPU_ONES + ["cpu_optimizer_without_te_kernels"]),
+    ("cpu", True, CPU_ONES + ["cpu_optimizer_without_te_kernels", "cpu_router_without_te_gemm"]),
     ("cpu", False, CPU_ONES + ["te_general_gemm_none"]),
 ])
 def test_workarounds_are_keyed_on_what_is_missing(device_type, have_te, expected):
@@ -241,3 +241,23 @@ def test_spec_helpers_read_and_swap_both_spec_forms():
     built = compat.with_module(as_partial, B)(2)
     assert type(built) is B and built.args == (7, 2) and built.submodules is subs and built.kwargs == {"x": 1}
     assert as_partial.func is A  # the original spec is left as it was
+
+
+def test_a_cpu_job_where_te_is_installed_routes_with_torchs_gemm_and_a_cuda_job_gets_tes_back(monkeypatch):
+    """megatron-core 0.19 binds moe_utils.te_general_gemm (TE's CUDA GEMM) wherever TE imports, and its router
+    takes it for a CPU job too ('Found no NVIDIA driver', the TE tier under 0.19.2): a CPU job gets None
+    (megatron's torch GEMM), restore() gives the CUDA job TE's back. Here with TE stood in."""
+    from megatron.core.transformer.moe import moe_utils
+
+    te_gemm = object()
+    monkeypatch.setattr(compat, "have_te", lambda: True)
+    monkeypatch.setattr(moe_utils, "te_general_gemm", te_gemm, raising=False)
+    try:
+        assert "cpu_router_without_te_gemm" in compat.apply(CPU)
+        assert moe_utils.te_general_gemm is None
+        compat.restore()
+        assert moe_utils.te_general_gemm is te_gemm
+    finally:
+        compat.restore()
+        monkeypatch.undo()
+        compat.apply(parallel.resolve_device(ParallelConfig()))

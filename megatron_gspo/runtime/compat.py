@@ -62,6 +62,11 @@ WORKAROUNDS = {
         "grad-norm / scale / copy kernels, CUDA kernels, for a CPU job too: 'CUDA driver version is "
         "insufficient' at the first step (TE without a GPU), or CPU tensors handed to a CUDA kernel (a CPU job "
         "in an NGC container); found by the Transformer Engine test tier",
+    "cpu_router_without_te_gemm":
+        "with Transformer Engine installed, megatron-core 0.19's MoE router computes its logits with TE's GEMM "
+        "(moe_utils.router_gating_linear -> te_general_gemm), a CUDA kernel, for a CPU job too: 'Found no NVIDIA "
+        "driver' at the first forward (0.16 never binds it with TE 2.20: its import of TE's get_workspace fails); "
+        "found by the TE tier under 0.19.2",
     # Transformer Engine absent (any device) -----------------------------------------------------
     "te_general_gemm_none":
         "moe_utils.router_gating_linear references te_general_gemm, bound only when TE imports: "
@@ -129,6 +134,7 @@ def needed(env: Environment) -> list[str]:
                 "rng_tracker_without_cuda"]
         if env.have_te:
             out.append("cpu_optimizer_without_te_kernels")  # applied by optimizer_context, scoped
+            out.append("cpu_router_without_te_gemm")
     if not env.have_te:
         out.append("te_general_gemm_none")
     return out
@@ -175,6 +181,11 @@ def apply(device: torch.device) -> list[str]:
             # a CPU job installed the no-op tracker: megatron's CUDA tracker again (seeded by
             # parallel.set_seed through model_parallel_cuda_manual_seed)
             mrandom.initialize_rng_tracker(force_reset=True)
+    if "cpu_router_without_te_gemm" in want:
+        from megatron.core.transformer.moe import moe_utils
+
+        if getattr(moe_utils, "te_general_gemm", None) is not None:  # 0.19 binds it; None: torch's GEMM
+            _patch(moe_utils, "te_general_gemm", None, "moe_utils.te_general_gemm")
     if "te_general_gemm_none" in want:
         # its import sits in a try block that fails before the name is bound; None makes megatron
         # take its plain torch GEMM. Process-wide on purpose (restore() leaves it): it binds a name
@@ -188,7 +199,8 @@ def apply(device: torch.device) -> list[str]:
 
 def restore() -> None:
     """Put back what ``apply`` replaced for a CPU job (torch.cuda's current_device / synchronize /
-    current_stream, megatron's CUDA RNG-state accessors, dynamo's device cache): the parallel state that applied them
+    current_stream, megatron's CUDA RNG-state accessors and TE router GEMM, dynamo's device cache): the parallel
+    state that applied them
     calls this when it is torn down (parallel.destroy). megatron's RNG tracker is not swapped back
     here: every job's ``apply`` installs the one its device needs (and parallel.set_seed seeds it)."""
     from megatron.core.tensor_parallel import random as mrandom
@@ -197,6 +209,10 @@ def restore() -> None:
     _restore_dynamo_device()
     _restore(torch.cuda, "synchronize", "torch.cuda.synchronize")
     _restore(torch.cuda, "current_stream", "torch.cuda.current_stream")
+    if "moe_utils.te_general_gemm" in _ORIGINAL:
+        from megatron.core.transformer.moe import moe_utils
+
+        _restore(moe_utils, "te_general_gemm", "moe_utils.te_general_gemm")
     _restore(mrandom, "_get_cuda_rng_state", "mrandom._get_cuda_rng_state")
     _restore(mrandom, "_set_cuda_rng_state", "mrandom._set_cuda_rng_state")
 
@@ -387,6 +403,10 @@ def _torch_optimizer_kernels():
              (clip_grads, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale),
              (mopt_optimizer, "multi_tensor_applier", mutils.local_multi_tensor_applier),
              (mopt_optimizer, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale)]
+    if hasattr(clip_grads, "multi_tensor_scale_tensor_impl"):
+        # megatron-core 0.19: TE's scale-by-a-tensor kernel where TE imports ("CUDA driver version is
+        # insufficient" in clip_grad_by_total_norm_fp32); None is its own choice without TE / apex (a float norm)
+        swaps.append((clip_grads, "multi_tensor_scale_tensor_impl", None))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in swaps]
     for obj, name, value in swaps:
         setattr(obj, name, value)
