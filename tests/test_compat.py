@@ -261,3 +261,31 @@ def test_a_cpu_job_where_te_is_installed_routes_with_torchs_gemm_and_a_cuda_job_
         compat.restore()
         monkeypatch.undo()
         compat.apply(parallel.resolve_device(ParallelConfig()))
+
+
+def test_loaded_param_groups_take_the_schedule_of_the_group_they_are(monkeypatch):
+    """megatron-core 0.19 finds saved param groups by their settings, max_lr among them: a resume allowed to
+    change optimizer.lr gets each loaded group the current lr of the group with the same other settings (by
+    those, not by position); a group that matches none is left for megatron to name."""
+    from megatron.core.optimizer import optimizer as mopt
+
+    monkeypatch.setattr(mopt, "param_group_identifier_keys",
+                        ("wd_mult", "lr_mult", "is_expert_parallel", "max_lr", "min_lr"), raising=False)
+
+    class Opt:
+        param_groups = [{"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "max_lr": 2e-3, "min_lr": 0.0},
+                        {"wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False, "max_lr": 2e-3, "min_lr": 0.0}]
+
+    saved = {"optimizer": {"param_groups": [
+        {"wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False, "max_lr": 1e-3, "min_lr": 0.0, "params": [1]},
+        {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "max_lr": 1e-3, "min_lr": 0.0, "params": [0]},
+        {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": True, "max_lr": 1e-3, "min_lr": 0.0, "params": [2]}]}}
+    compat.align_param_groups(Opt(), saved)
+    groups = saved["optimizer"]["param_groups"]
+    assert [g["max_lr"] for g in groups] == [2e-3, 2e-3, 1e-3]  # the expert group matches none: left as saved
+    assert [g["params"] for g in groups] == [[1], [0], [2]] and groups[0]["wd_mult"] == 0.0
+    # megatron-core 0.16: nothing a resume may change identifies a group; nothing is touched
+    monkeypatch.setattr(mopt, "param_group_identifier_keys", ("wd_mult", "lr_mult"), raising=False)
+    saved = {"param_groups": [{"wd_mult": 1.0, "lr_mult": 1.0, "max_lr": 1e-3}]}
+    compat.align_param_groups(Opt(), saved)
+    assert saved["param_groups"][0]["max_lr"] == 1e-3

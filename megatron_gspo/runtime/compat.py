@@ -293,29 +293,36 @@ def with_module(spec, module: type):
     return spec
 
 
-def align_param_groups(optimizer, state: dict) -> None:
-    """Give the loaded optimizer state's param groups, in order, the current groups' identifying settings.
+# What a resume may have been allowed to change in a param group (checkpoint.allow_config_change: optimizer.lr,
+# min_lr, weight_decay): the learning-rate and weight-decay schedule's ends.
+_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
 
-    megatron-core 0.19 matches saved param groups to the optimizer's by those settings (its
-    ``param_group_identifier_keys``: max_lr, min_lr, weight decay, ...) instead of by position as 0.16 does, so
-    a resume that was allowed to change the learning rate (checkpoint.allow_config_change) failed with "Could
-    not find parameter group with key ...". The groups are the same groups in the same order (the same model
-    and layout: resume checks it); only what the run was allowed to change differs. Nothing to do on 0.16."""
+
+def align_param_groups(optimizer, state: dict) -> None:
+    """Give each loaded param group the schedule settings of the current group it is (the same by every other
+    identifying setting), so that megatron-core 0.19 finds it.
+
+    0.19 matches saved param groups to the optimizer's by ``param_group_identifier_keys``, which there include
+    max_lr / min_lr / start_wd / end_wd (0.16's are wd_mult, lr_mult and two flags only): a resume that was
+    allowed to change the learning rate failed with "Could not find parameter group with key ...". A loaded
+    group that matches no current group, or several, is left as it is (megatron's own error then names it)."""
     from megatron.core.optimizer import optimizer as mopt
 
-    keys = getattr(mopt, "param_group_identifier_keys", None)
-    if keys is None:
-        return
+    keys = [k for k in getattr(mopt, "param_group_identifier_keys", ()) if k not in _SCHEDULE_KEYS]
+    if len(keys) == len(getattr(mopt, "param_group_identifier_keys", ())):
+        return  # 0.16: nothing a resume may change identifies a group
     current = list(getattr(optimizer, "param_groups", []))
+    def ident(g):
+        return tuple(g.get(k, g.get(f"pre_{k}")) for k in keys)
     stack = [state]
     while stack:
         node = stack.pop()
         if not isinstance(node, dict):
             continue
-        groups = node.get("param_groups")
-        if isinstance(groups, list) and len(groups) == len(current):
-            for loaded, cur in zip(groups, current):
-                loaded.update({k: cur[k] for k in keys if k in cur})
+        for loaded in node.get("param_groups") or []:
+            same = [g for g in current if ident(g) == ident(loaded)]
+            if len(same) == 1:
+                loaded.update({k: same[0][k] for k in _SCHEDULE_KEYS if k in same[0]})
         stack.extend(v for k, v in node.items() if k != "param_groups")
 
 
