@@ -1,4 +1,4 @@
-"""Every workaround megatron-core 0.16 needs, each keyed on what is actually missing, in one place.
+"""Every workaround megatron-core 0.16 and 0.19 need, each keyed on what is actually missing, in one place.
 
 Two things can be missing, and they are independent:
 
@@ -6,6 +6,13 @@ Two things can be missing, and they are independent:
   machine). megatron-core asks ``torch.cuda`` for devices, streams and RNG states in many places.
 * **Transformer Engine**: absent on any device (a GPU box with a pip-installed torch usually has
   no TE). megatron-core's MoE router references a TE symbol whose import failed.
+
+megatron-core 0.16 and 0.19 are both supported (CI runs the fast tier under each); where 0.19 differs the
+helper below says so and keys on what it finds (a spec's form, a function's presence), not on a version
+string: ``spec_submodules`` / ``with_module`` (0.19 writes MoE specs as partials), ``align_param_groups``
+(0.19 finds saved param groups by their lr), ``reset_moe_metrics_tracker`` (0.19's tracker is an object), and
+the CPU job's ``current_stream`` and TE router GEMM (WORKAROUNDS). megatron-core 0.19 imports triton at
+``import megatron.core``: setup.py asks for it on Python >= 3.12.
 
 ``apply(device)`` decides from the job's device and from what is importable (``environment``) and
 applies the workarounds that need applying; ``restore()`` undoes the CPU ones. Their owner is the
@@ -70,7 +77,8 @@ WORKAROUNDS = {
     # Transformer Engine absent (any device) -----------------------------------------------------
     "te_general_gemm_none":
         "moe_utils.router_gating_linear references te_general_gemm, bound only when TE imports: "
-        "NameError at the first MoE forward (seen on an H100 without TE)",
+        "NameError at the first MoE forward (seen on an H100 without TE). megatron-core 0.19 binds it to None "
+        "itself without TE, so there this one changes nothing (apply() binds it only where it is missing)",
 }
 
 
