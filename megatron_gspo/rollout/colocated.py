@@ -27,6 +27,7 @@ from megatron_gspo.runtime.stop import StepAbandoned
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.model.oom import explain_oom
 from megatron_gspo.data.rewards import compute_rewards
+from megatron_gspo.rollout.multiturn import build_multiturn, multiturn_rewards
 from megatron_gspo.rollout.record import RolloutRecord
 from megatron_gspo.rollout.rows import local_rows
 from megatron_gspo.routing.rollout_routes import RolloutRoutes
@@ -52,6 +53,8 @@ class ColocatedSource:
         # one decoder for every rollout of the job (its KV cache and CUDA graphs sized for the longest prompt)
         self.generator = Generator(model, vocab_size=cfg.model.vocab_size, state=state,
                                    slots=cfg.data.max_prompt_length + gen_cfg.max_new_tokens - 1)
+        # env.name: every row talks with an environment over turns (rollout/multiturn.py)
+        self.multiturn = build_multiturn(cfg, state, self.generator, tokenizer, gen_cfg)
 
     def should_stop(self) -> bool:
         return self.stop.set
@@ -64,7 +67,8 @@ class ColocatedSource:
         return None
 
     def close(self) -> None:
-        pass
+        if self.multiturn is not None:
+            self.multiturn.close()
 
     def sampling_seed(self, step: int) -> int:
         """(generation.seed, step) in one 64-bit key; sampling.py keys every draw by row and position too."""
@@ -83,6 +87,8 @@ class ColocatedSource:
         mine = [prompts[g // G] for g in rows]
         shapes = (f"{len(mine)} rows, prompts up to {max(len(p.ids) for p in mine)} tokens + "
                   f"{self.gen_cfg.max_new_tokens} new")
+        if self.multiturn is not None:
+            return (mine, *self._talk(step, rnd, rows, R, mine, shapes))
         with self.timer("generate"), self.routing.generating(), explain_oom("generation", cfg, st, shapes):  # 3.
             out = self.generator.generate([p.ids for p in mine], self.row_gen_cfg, seed=self.sampling_seed(step),
                                           row_keys=[rnd * R + g for g in rows],
@@ -101,6 +107,21 @@ class ColocatedSource:
                 rewards = rewards + overlong_penalty(out.response_lengths.to(dev), self.gen_cfg.max_new_tokens,
                                                      r.overlong_buffer_len, r.overlong_penalty_factor)
         return mine, out, texts, rewards, routes
+
+    def _talk(self, step: int, rnd: int, rows: list[int], R: int, mine: list, shapes: str):
+        """Steps 3-4 of a multi-turn job: every row talks with its environment (rollout/multiturn.py), then is
+        scored: the environment's reward, or reward.name on its last response. (output, texts, rewards, routes)"""
+        cfg, st = self.cfg, self.state
+        with self.timer("generate"), explain_oom("generation", cfg, st, shapes + ", over turns"):
+            out = self.multiturn.run(mine, [rnd * R + g for g in rows], self.sampling_seed(step), self.routing,
+                                     self.should_stop)
+        if comm.any_rank(out.abandoned or self.should_stop(), st.device, what="stop vote after generation"):
+            raise StepAbandoned(step + 1, f"in generation round {rnd + 1}, over turns" +
+                                (", cut short" if out.abandoned else ""))
+        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
+        with self.timer("reward"):
+            rewards = multiturn_rewards(out, mine, self.reward_fn, cfg, st.device)
+        return out, texts, rewards, out.routes
 
     def _dynamic_rounds(self, step: int, rows: list[int], R: int, G: int):
         """Dynamic sampling (dynamic_sampling.py; data-parallel size 1, so ``rows`` is every row): rounds
@@ -196,4 +217,6 @@ def _merge_rows(outs: list, take: list[tuple[int, int]], pad_id: int):
         logprobs=gather("logprobs", 0.0), stopped=gather("stopped"), prompt_index=gather("prompt_index"),
         elapsed_s=sum(o.elapsed_s for o in outs), prefill_s=sum(o.prefill_s for o in outs),
         num_forwards=sum(o.num_forwards for o in outs), decode_row_steps=sum(o.decode_row_steps for o in outs))
+    if getattr(outs[0], "trajectories", None):  # multi-turn rows: their conversations follow them
+        merged = dataclasses.replace(merged, trajectories=[outs[k].trajectories[i] for k, i in take])
     return merged

@@ -128,6 +128,18 @@ class RolloutRoutes:
         return self._of(self.routes[:, rows], self.count[rows], self.num_experts, self.num_steps, self._checked)
 
     @classmethod
+    def from_rows(cls, rows: Sequence[torch.Tensor], num_experts: Optional[int] = None) -> "RolloutRoutes":
+        """Routes assembled row by row (multi-turn rollouts: rollout/multiturn.py): ``rows[i]`` [L, n_i - 1, k],
+        the routes of row i's n_i tokens but the last, in order. Checked by construction."""
+        L, _, k = rows[0].shape
+        width = max(1, max(r.shape[1] for r in rows))
+        routes = torch.full((L, len(rows), width, k), -1, dtype=index_dtype(num_experts))
+        for i, r in enumerate(rows):
+            routes[:, i, :r.shape[1]] = r.to(routes.dtype)
+        count = torch.tensor([r.shape[1] for r in rows], dtype=torch.long)
+        return cls._of(routes, count, num_experts, 0, True)
+
+    @classmethod
     def cat(cls, parts: Sequence["RolloutRoutes"]) -> "RolloutRoutes":
         """Several generations' routes as one (sequences in order; dynamic sampling keeps groups of several
         rounds). Every part must be checked; so is the result."""
