@@ -42,9 +42,23 @@ class ToolCall:
     error: Optional[str] = None
 
 
-def _arguments(name: str, raw, single: Optional[str]) -> tuple[dict, Optional[str]]:
+def _bare(raw: str, json_type: Optional[str]):
+    """A plain-format bare value as its parameter's JSON type (integer, number, boolean), else the text."""
+    try:
+        if json_type == "integer":
+            return int(raw)
+        if json_type == "number":
+            return float(raw)
+        if json_type == "boolean" and raw in ("true", "false"):
+            return raw == "true"
+    except ValueError:
+        pass
+    return raw
+
+
+def _arguments(name: str, raw, single: Optional[tuple]) -> tuple[dict, Optional[str]]:
     """(arguments, error) of a call's argument part: a dict, a JSON string of one, or (plain format, a
-    tool of one parameter ``single``) the bare value."""
+    tool of one parameter: ``single`` = (its name, its JSON type)) the bare value."""
     if isinstance(raw, dict):
         return raw, None
     if isinstance(raw, str):
@@ -55,7 +69,7 @@ def _arguments(name: str, raw, single: Optional[str]) -> tuple[dict, Optional[st
         if isinstance(parsed, dict):
             return parsed, None
         if single is not None:
-            return {single: raw}, None
+            return {single[0]: _bare(raw, single[1])}, None
     return {}, f"the arguments of {name!r} are not a JSON object: {str(raw)[:80]!r}"
 
 
@@ -70,7 +84,7 @@ def _parse_qwen3(body: str) -> ToolCall:
     return ToolCall(obj["name"], args, error=err)
 
 
-def _parse_plain(body: str, single_params: dict[str, Optional[str]]) -> ToolCall:
+def _parse_plain(body: str, single_params: dict[str, Optional[tuple]]) -> ToolCall:
     name, _, rest = body.strip().partition(" ")
     if not name:
         return ToolCall(None, error="the tool call names no tool: expected <call>NAME ARGUMENTS</call>")
@@ -81,9 +95,9 @@ def _parse_plain(body: str, single_params: dict[str, Optional[str]]) -> ToolCall
     return ToolCall(name, args, error=err)
 
 
-def parse_tool_calls(text: str, fmt: str, single_params: Optional[dict[str, Optional[str]]] = None) -> list[ToolCall]:
-    """Every call in ``text``, in order (module doc). ``single_params``: {tool name: its one parameter's
-    name, or None}, for the plain format's bare values."""
+def parse_tool_calls(text: str, fmt: str, single_params: Optional[dict[str, Optional[tuple]]] = None) -> list[ToolCall]:
+    """Every call in ``text``, in order (module doc). ``single_params``: {tool name: (its one parameter's name,
+    JSON type), or None}, for the plain format's bare values."""
     if fmt not in _TAGS:
         raise EnvError(f"env.tool_format={fmt!r} is not one of {list(TOOL_FORMATS)}")
     open_tag, close_tag = _TAGS[fmt]

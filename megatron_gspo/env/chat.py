@@ -122,3 +122,38 @@ def build_format(tokenizer, data_cfg, tool_format: str = "auto") -> ChatFormat:
     if tool_format != "auto":
         fmt.tool_format = tool_format
     return fmt
+
+
+def conversation_ids(fmt: ChatFormat, messages: list[dict], tools: Optional[list] = None) -> tuple[list[int], list[int]]:
+    """A demonstration as the rollout would have built it: (ids, loss mask), the mask 1 on the assistant turns.
+
+    messages: a user message (the prompt), then assistant turns, each but the last followed by tool or user
+    messages (the observations). Tokenized piece by piece exactly as rollout/multiturn.py builds a row, so
+    the warm start learns the very stream the policy samples (EnvError for any other shape)."""
+    if not messages or messages[0].get("role") != "user":
+        raise EnvError("a demonstration starts with the user's message (the prompt), got "
+                       f"{messages[0].get('role') if messages else 'no message'!r}")
+    ids = fmt.prompt_ids(messages[0]["content"], tools)
+    mask = [0] * len(ids)
+    pending: list[dict] = []
+    last: Optional[int] = None
+    for m in messages[1:]:
+        role = m.get("role")
+        if role == "assistant":
+            if pending or last is not None:
+                if not pending:
+                    raise EnvError("a demonstration has two assistant turns in a row; an observation (tool or user) "
+                                   "comes between them")
+                obs = fmt.observation_ids(pending, last)
+                ids, mask, pending = ids + obs, mask + [0] * len(obs), []
+            turn = fmt.assistant_ids(m["content"])
+            ids, mask, last = ids + turn, mask + [1] * len(turn), turn[-1]
+        elif role in ("tool", "user"):
+            if last is None:
+                raise EnvError(f"a demonstration's {role} message comes before any assistant turn")
+            pending.append({"role": role, "content": m["content"]})
+        else:
+            raise EnvError(f"a demonstration's messages are user, assistant and tool turns, got role {role!r}")
+    if pending or last is None:
+        raise EnvError("a demonstration ends with an assistant turn (what the policy says last)")
+    return ids, mask

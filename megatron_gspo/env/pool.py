@@ -64,6 +64,7 @@ class Reply:
     timeout: bool = False
     lost: bool = False
     generation: int = 0
+    where: Optional[str] = None  # file:line of the user code that raised
 
     @property
     def ok(self) -> bool:
@@ -167,7 +168,8 @@ class WorkerPool:
                     slot.proc, slot.busy = None, None
                     continue
                 msg = json.loads(line)
-                replies[i] = Reply(value=msg.get("ok"), error=msg.get("error"), generation=slot.generation)
+                replies[i] = Reply(value=msg.get("ok"), error=msg.get("error"), where=msg.get("where"),
+                                   generation=slot.generation)
                 slot.busy = None
             elif time.monotonic() - t0 >= timeout_s:
                 replies[i] = Reply(timeout=True)

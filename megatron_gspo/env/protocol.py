@@ -102,9 +102,10 @@ class ToolRunner:
                  end_on_error: bool = False) -> None:
         self.tools, self.pool, self.tool_format = tools, pool, tool_format
         self.timeout_s, self.end_on_error = timeout_s, end_on_error
-        # the plain format writes a one-parameter tool's value bare
-        self.single = {n: (next(iter(t.parameters["properties"])) if len(t.parameters["properties"]) == 1 else None)
-                       for n, t in tools.items()}
+        # the plain format writes a one-parameter tool's value bare: (its name, its JSON type)
+        self.single = {n: (next(iter(t.parameters["properties"].items())) if len(t.parameters["properties"]) == 1
+                           else None) for n, t in tools.items()}
+        self.single = {n: (p[0], p[1].get("type")) if p else None for n, p in self.single.items()}
 
     def schemas(self) -> list:
         return [t.schema() for t in self.tools.values()]
@@ -133,12 +134,14 @@ class ToolRunner:
         out, messages, errors = [], [], 0
         for c, call in enumerate(calls):
             entry = {"name": call.name, "arguments": call.arguments}
-            if call.error is not None:
-                entry["error"] = call.error
-            elif call.name not in self.tools:
+            if call.name is not None and call.name not in self.tools:
                 entry["error"] = f"there is no tool {call.name!r}; the tools are {', '.join(self.tools)}"
+            elif call.error is not None:
+                entry["error"] = call.error
             elif not replies[c].ok:
                 entry["error"] = _failure(replies[c], f"the tool {call.name!r}", self.timeout_s)
+                if replies[c].where:
+                    entry["where"] = replies[c].where
             else:
                 entry["result"] = replies[c].value
             errors += "error" in entry

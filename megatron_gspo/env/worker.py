@@ -14,7 +14,7 @@ Protocol: one JSON object per line. The first line out is ``{"ready": true}``. R
     {"op": "step", "id": k, "response": "..."}                      -> {"ok": [observation, reward, done]}
     {"op": "close", "id": k}                                        -> {"ok": null}
 
-or ``{"error": "<type>: <message>"}`` when the user code raised or returned something else than the
+or ``{"error": "<type>: <message>", "where": "<file>:<line>"}`` when the user code raised or returned something else than the
 protocol says (env/protocol.py checks a step's result).
 """
 
@@ -73,11 +73,11 @@ class Worker:
         raise ValueError(f"unknown request {op!r}")
 
 
-def _error_text(e: BaseException) -> str:
-    """``Type: message`` and where in the user's code it was raised (the last frame outside this package)."""
+def _error_reply(e: BaseException) -> dict:
+    """``{"error": "Type: message", "where": file:line}``: where in the user's code it was raised (the last frame
+    outside this package; the model reads the message, the rollout record keeps both)."""
     frames = [f for f in traceback.extract_tb(e.__traceback__) if "megatron_gspo/env/" not in f.filename.replace("\\", "/")]
-    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    return f"{type(e).__name__}: {e}{where}"
+    return {"error": f"{type(e).__name__}: {e}", "where": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None}
 
 
 def main() -> None:
@@ -91,7 +91,7 @@ def main() -> None:
         try:
             reply = {"ok": worker.handle(json.loads(line))}
         except BaseException as e:  # noqa: BLE001 (user code: SystemExit and all, reported to the parent)
-            reply = {"error": _error_text(e)}
+            reply = _error_reply(e)
         try:
             text = json.dumps(reply, ensure_ascii=False)
         except (TypeError, ValueError) as e:
