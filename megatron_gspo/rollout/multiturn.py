@@ -237,10 +237,18 @@ class MultiTurnRollout:
             rows.append(Trajectory(ids, len(ids)))
         return rows
 
-    # long: the turn loop in one place, each step a call (generate, take, observe, vote)
     def run(self, prompts: list, keys: list[int], seed: int, routing=None,
-            should_stop: Optional[Callable[[], bool]] = None) -> MultiTurnOutput:
-        """The rows of ``prompts`` (data.Prompt, one row each; ``keys``: their noise keys) talked to the end."""
+            should_stop: Optional[Callable[[], bool]] = None, gen_cfg=None) -> MultiTurnOutput:
+        """The rows of ``prompts`` (data.Prompt, one row each; ``keys``: their noise keys) talked to the end;
+        ``gen_cfg``: another sampling config for this call (the evaluator's greedy pass), one sample per row."""
+        saved, self.gen_cfg = self.gen_cfg, gen_cfg or self.gen_cfg
+        try:
+            return self._run(prompts, keys, seed, routing, should_stop)
+        finally:
+            self.gen_cfg = saved
+
+    # long: the turn loop in one place, each step a call (generate, take, observe, vote)
+    def _run(self, prompts: list, keys: list[int], seed: int, routing, should_stop) -> MultiTurnOutput:
         t0, times = time.perf_counter(), {"prefill_s": 0.0, "num_forwards": 0, "decode_row_steps": 0}
         env_s, stop = 0.0, False
         rows = self._start(prompts, should_stop)
@@ -326,10 +334,10 @@ def build_multiturn(cfg, state, generator, tokenizer, gen_cfg) -> Optional[Multi
     return MultiTurnRollout(cfg, state, generator, tokenizer, runner, fmt, row_cfg, env_response_budget(cfg))
 
 
-def multiturn_rewards(out: MultiTurnOutput, prompts: list, reward_fn, cfg, device) -> torch.Tensor:
+def multiturn_rewards(out: MultiTurnOutput, prompts: list, reward_fn, cfg, device, penalty: bool = True) -> torch.Tensor:
     """[B] fp32: each row's environment reward (the sum of what its steps returned), or, for a row that got
     none, ``reward_fn`` on its last response; plus DAPO's overlong penalty over the row's budget
-    (env.max_response_tokens as L_max: a multi-turn row's length limit)."""
+    (env.max_response_tokens as L_max: a multi-turn row's length limit) unless ``penalty`` is False (evaluation)."""
     from megatron_gspo.algorithms.overlong import overlong_penalty
     from megatron_gspo.config.rules import env_response_budget
     from megatron_gspo.data.rewards import compute_rewards
@@ -344,7 +352,7 @@ def multiturn_rewards(out: MultiTurnOutput, prompts: list, reward_fn, cfg, devic
             rewards[i] = r
     result = torch.tensor(rewards, dtype=torch.float32, device=device)
     r = cfg.reward
-    if r.overlong_buffer_len > 0:
+    if penalty and r.overlong_buffer_len > 0:
         result = result + overlong_penalty(out.response_lengths.to(device), env_response_budget(cfg),
                                            r.overlong_buffer_len, r.overlong_penalty_factor)
     return result

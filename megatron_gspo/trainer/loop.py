@@ -50,6 +50,7 @@ from megatron_gspo.model.gpt import aux_loss_scales, clear_aux_losses_tracker, f
 from megatron_gspo.trainer.optim import nonfinite_grads, optimizer_step, setup_optimizer
 from megatron_gspo.data.rewards import build_reward_fn
 from megatron_gspo.rollout.prepare import BatchPreparer, TrainBatch, rollout_metrics
+from megatron_gspo.rollout.dump import RolloutDump
 from megatron_gspo.rollout.remote import RolloutRanksLost
 from megatron_gspo.rollout.source import build_source, join_side
 from megatron_gspo.trainer.sft import SFTWarmStart
@@ -106,7 +107,8 @@ class Trainer:
                                      gen_cfg, self.routing, self.timer, recompute_old_logprobs=recompute)
         self.evaluator = components.build_evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg)
         faults = injected_faults(st.rank)  # tests only (MEGATRON_GSPO_FAULTS)
-        self.hooks = Hooks([SFTWarmStart(), *([faults] if faults else []), *self.source.hooks(), *hooks])
+        dump = [RolloutDump()] if cfg.train.dump_rollouts else []  # {output_dir}/rollouts/step_XXXXXX.jsonl
+        self.hooks = Hooks([SFTWarmStart(), *([faults] if faults else []), *self.source.hooks(), *dump, *hooks])
         self.logger = MetricsLogger(cfg.train.output_dir, enabled=st.is_main, tensorboard=cfg.train.tensorboard)
         self.warm_start = None  # the SFT warm start of this run (sft.SFTRun), once it began
         self.consecutive_skips = 0
@@ -412,5 +414,7 @@ class Trainer:
         caller running several jobs) tears them down with parallel.destroy()."""
         self.hooks.close(self)
         self.source.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
         self.logger.close()
         components.release_process_state(self)

@@ -1,0 +1,202 @@
+"""Multi-turn rollouts on the tiny model (rollout/multiturn.py): the token stream, its loss mask, the losses over
+sampled tokens only, routes for every token, the record on the wire, the dump, the metrics, resume."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from job_runner import built_trainers, run_job_rows
+
+pytest.importorskip("simpleeval")
+
+# Turns end at a stop token half of the time: 1-3 sampled tokens per turn from the untrained model; the Echo
+# environment answers every turn, so rows talk until env.max_turns (or a turn cut at its cap).
+STOPS = "[" + ",".join(str(i) for i in range(3, 99, 2)) + "]"
+BASE = ["parallel.device=cpu", "train.sft_steps=0", "train.prompts_per_step=4", "generation.n_samples_per_prompt=2",
+        "train.num_minibatches=1", "train.micro_batch_size=8", "generation.max_new_tokens=4",
+        f"generation.stop_token_ids={STOPS}", "env.name=multiturn_envs:Echo", "env.max_turns=3",
+        "env.num_workers=2", "eval.interval=0", "train.tensorboard=false", "train.num_steps=1"]
+
+
+class Keep:
+    """A hook that keeps the step's TrainBatch."""
+
+    def __init__(self):
+        self.batches = []
+
+    def after_rollout(self, trainer, batch):
+        self.batches.append(batch)
+
+    def __getattr__(self, name):  # every other hook method: nothing
+        return lambda *a, **k: None
+
+
+def _record(trainer):
+    return trainer.source.collect(0)
+
+
+def test_a_row_is_its_prompt_then_sampled_turns_and_observations_appended_once(tmp_path):
+    from megatron_gspo.env.chat import PlainFormat
+
+    with built_trainers(BASE, tmp_path) as build:
+        t = build([])
+        rec = _record(t)
+        fmt = PlainFormat(t.tokenizer)
+        assert rec.trajectories and len(rec.trajectories) == rec.num_rows == 8
+        turns_seen = set()
+        for r in range(rec.num_rows):
+            traj, n = rec.trajectories[r], int(rec.seq_lengths[r])
+            ids, mask = rec.tokens[r, :n].tolist(), rec.loss_mask[r, :n].tolist()
+            plen = int(rec.prompt_lengths[r])
+            assert not any(mask[:plen]) and not any(rec.loss_mask[r, n:].tolist())
+            spans = traj["turns"]
+            assert spans[0]["start"] == plen and spans[-1]["end"] == n and spans[-1]["role"] == "assistant"
+            for a, b in zip(spans, spans[1:]):
+                assert a["end"] == b["start"] and a["role"] != b["role"]  # contiguous, alternating
+            for s in spans:
+                sampled = s["role"] == "assistant"
+                assert mask[s["start"]:s["end"]] == [sampled] * (s["end"] - s["start"])
+                lp = rec.sample_logprobs[r, s["start"]:s["end"]]
+                assert bool((lp < 0).all()) if sampled else bool((lp == 0).all())
+                if not sampled:  # the plain format's observation, after the turn's stop token, once
+                    assert ids[s["start"]:s["end"]] == fmt.observation_ids([{"role": "user", "content": "ok"}], None)
+                    assert ids[s["start"] - 1] in t.prepare.gen_cfg.stop_token_ids
+            assert traj["num_turns"] == sum(s["role"] == "assistant" for s in spans)
+            assert traj["observation_tokens"] == sum(s["end"] - s["start"] for s in spans if s["role"] == "user")
+            # three turns, or fewer when a turn reached its cap without a stop token (then truncated)
+            assert traj["num_turns"] == 3 or not bool(rec.stopped[r])
+            assert traj["max_turns_reached"] == (traj["num_turns"] == 3 and bool(rec.stopped[r]))
+            turns_seen.add(traj["num_turns"])
+        assert 3 in turns_seen
+        # the same record again: the noise is keyed by row, turn and position
+        again = _record(t)
+        assert torch.equal(again.tokens, rec.tokens) and torch.equal(again.loss_mask, rec.loss_mask)
+
+
+def test_the_training_forward_scores_the_sampled_tokens_as_the_rollout_did_and_routes_match(tmp_path):
+    """Token in, token out: the training forward over a whole multi-turn row gives every sampled token the
+    rollout's log-prob (fp32 float noise), and, with the rollout's routes as the reference (no old-log-prob
+    pass), every token of the row routes as it did in the rollout: routing change 0."""
+    rows = run_job_rows(__import__("megatron_gspo.config", fromlist=["x"]).load_job_config(None, BASE + [
+        f"train.output_dir={tmp_path}/off", "train.old_logprobs=rollout"]))
+    r = rows[0]
+    assert r["rollout/turns_mean"] > 1.5 and r["rollout/observation_tokens_mean"] > 0
+    assert r["rollout/logprob_diff_max"] < 1e-5, r["rollout/logprob_diff_max"]
+    assert r["routing/routing_change_frac"] == 0.0
+
+
+def test_r3_replays_every_token_of_a_three_turn_row(tmp_path):
+    from megatron_gspo.config import load_job_config
+
+    rows = run_job_rows(load_job_config(None, BASE + [
+        f"train.output_dir={tmp_path}/r3", "loss.name=grpo", "train.routing_replay=R3", "train.old_logprobs=recompute"]))
+    r = rows[0]
+    assert r["rollout/turns_mean"] > 1.5
+    assert r["routing/routing_change_frac"] == 0.0 and r["loss/onpolicy/seq_ratio_dev_max"] < 1e-5
+
+
+def test_observation_tokens_get_no_gradient_hand_sized():
+    """A row of 8 targets: prompt, turn 1 (2 tokens), an observation (2), turn 2 (2): the loss's gradient with
+    respect to every log-prob off the sampled tokens is exactly 0, and GSPO's length is 4, not the span's 7."""
+    from megatron_gspo.algorithms.losses import compute_policy_loss
+    from megatron_gspo.config import LossConfig
+
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0]], dtype=torch.bool)
+    logp = torch.tensor([[-1.0, -0.5, -0.25, -3.0, -2.0, -0.75, -0.125, -9.0]], requires_grad=True)
+    old = torch.tensor([[-1.1, -0.55, -0.2, -1.0, -1.0, -0.7, -0.1, -1.0]])
+    loss, metrics = compute_policy_loss(LossConfig(name="gspo", clip_ratio_low=0.5, clip_ratio_high=0.5), logp, old,
+                                        torch.tensor([2.0]), mask)
+    loss.backward()
+    assert logp.grad[~mask].abs().max().item() == 0.0 and logp.grad[mask].abs().min().item() > 0
+    # by hand: s = exp(mean over the 4 sampled tokens of logp - old); loss = -s * A; ds/dlogp_t = s / 4
+    d = (0.05 + -0.05 + -0.05 + -0.025) / 4
+    s = math.exp(d)
+    assert loss.item() == pytest.approx(-2.0 * s, rel=1e-6)
+    assert logp.grad[mask].tolist() == pytest.approx([-2.0 * s / 4] * 4, rel=1e-6)
+
+
+def test_gspo_sequence_ratio_of_a_two_turn_row_through_the_batch_is_the_hand_computation(tmp_path):
+    """A two-turn row through BatchPreparer (the record's loss mask becomes the batch's) and the objective:
+    GSPO's ratio is the geometric mean over the sampled tokens only."""
+    from megatron_gspo.algorithms.objective import objective
+
+    with built_trainers(BASE + ["env.max_turns=2"], tmp_path) as build:
+        t = build([])
+        rec = _record(t)
+        batch = t.prepare(rec)
+        row = next(i for i, tr in enumerate(batch.trajectories) if tr["num_turns"] == 2)
+        micro = batch.rows(torch.tensor([row]))
+        n = int(micro.seq_lengths[0])
+        assert micro.mask[0, :n - 1].tolist() == [bool(x) for x in rec.loss_mask[
+            int((rec.row_ids == micro.row_ids[0]).nonzero()), 1:n].tolist()]
+        gen = torch.Generator().manual_seed(0)
+        logp = micro.old_logprobs + 0.01 * torch.randn(micro.old_logprobs.shape, generator=gen)
+        micro.advantages = torch.tensor([1.5])
+        loss, metrics = objective(t.objective_cfg, micro, logp, None, torch.tensor(1.0))
+        m = micro.mask[0]
+        s = math.exp(float((logp[0] - micro.old_logprobs[0])[m].sum()) / int(m.sum()))
+        lo, hi = 3e-4, 4e-4
+        want = -min(s * 1.5, min(max(s, 1 - lo), 1 + hi) * 1.5)
+        assert loss.item() == pytest.approx(want, rel=1e-6)
+        assert int(m.sum()) < n - 1 - int(rec.prompt_lengths.min())  # fewer than the tokens after the prompt
+
+
+def test_the_record_travels_the_wire_with_its_loss_mask_and_conversations(tmp_path):
+    from megatron_gspo.rollout.record import WIRE_VERSION, WireFormatError, check_header, pack, unpack
+
+    with built_trainers(BASE, tmp_path) as build:
+        t = build([])
+        rec = _record(t)
+        rec.routes = None
+        back = unpack(*pack(rec))
+        for name in ("tokens", "loss_mask", "sample_logprobs", "prompt_lengths", "response_lengths", "stopped"):
+            assert torch.equal(getattr(back, name), getattr(rec, name)), name
+        assert back.trajectories == rec.trajectories and back.loss_mask.dtype == torch.bool
+        header = pack(rec)[0].clone()
+        header[1] = WIRE_VERSION - 1
+        with pytest.raises(WireFormatError, match=f"version {WIRE_VERSION - 1}"):
+            check_header(header)
+
+
+def test_dump_rollouts_metrics_and_the_progress_line(tmp_path):
+    from megatron_gspo.config import load_job_config
+    from megatron_gspo.runtime.logger import progress_line
+
+    out = tmp_path / "dump"
+    rows = run_job_rows(load_job_config(None, BASE + [f"train.output_dir={out}", "train.dump_rollouts=true"]))
+    m = rows[0]
+    for key in ("rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_errors", "rollout/observation_tokens_mean",
+                "rollout/max_turns_reached_frac"):
+        assert key in m, key
+    assert m["rollout/tool_calls_mean"] == 0.0 and m["rollout/tool_errors"] == 0.0
+    line = progress_line(1, 1, m)
+    assert f"turns {m['rollout/turns_mean']:.2f} | tools 0.00" in line
+    dumped = [json.loads(x) for x in open(out / "rollouts" / "step_000001.jsonl")]
+    assert len(dumped) == 8
+    for d in dumped:
+        assert len(d["token_ids"]) == len(d["loss_mask"]) and d["step"] == 1
+        for s in d["turns"]:
+            assert d["loss_mask"][s["start"]:s["end"]] == [int(s["role"] == "assistant")] * (s["end"] - s["start"])
+        assert sum(d["loss_mask"]) == sum(s["end"] - s["start"] for s in d["turns"] if s["role"] == "assistant")
+    assert m["rollout/turns_mean"] == pytest.approx(
+        sum(sum(s["role"] == "assistant" for s in d["turns"]) for d in dumped) / 8)
+
+
+def test_a_multi_turn_run_resumed_in_the_middle_equals_the_uninterrupted_one(tmp_path):
+    from megatron_gspo.config import load_job_config
+
+    job = BASE + ["train.num_steps=3", "checkpoint.save_interval=1"]
+    straight = run_job_rows(load_job_config(None, job + [f"train.output_dir={tmp_path}/a", f"checkpoint.save={tmp_path}/a/ck"]))
+    run_job_rows(load_job_config(None, job + ["train.num_steps=2", f"train.output_dir={tmp_path}/b",
+                                              f"checkpoint.save={tmp_path}/b/ck"]))
+    resumed = run_job_rows(load_job_config(None, job + [f"train.output_dir={tmp_path}/b", f"checkpoint.save={tmp_path}/b/ck",
+                                                        "checkpoint.resume=true"]))
+    keys = ("rollout/reward_mean", "rollout/turns_mean", "rollout/observation_tokens_mean", "loss/loss",
+            "loss/approx_kl", "train/grad_norm", "rollout/response_length_mean")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for a, b in zip(straight, resumed):
+        for k in keys:
+            assert a[k] == b[k], (a["step"], k, a[k], b[k])
