@@ -24,9 +24,13 @@
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3
 FROM ${BASE_IMAGE}
 
-# The megatron-core release the project is tested with (setup.py pins the 0.16 line on every Python,
-# the NGC images' 3.12 included).
+# The megatron-core release the image gets: 0.16.1, or 0.19.2 with `--build-arg MCORE_VERSION=0.19.2` (the two
+# releases CI tests; setup.py admits the 0.16 and 0.19 lines). The build prints it; in a container:
+#   docker run --rm --entrypoint python megatron-gspo -c "import megatron.core; print(megatron.core.__version__)"
+# or `docker inspect -f '{{ index .Config.Labels "megatron-core.version" }}' megatron-gspo`, and the preflight's
+# env.versions line. Whether the NGC image's Transformer Engine works with 0.19.2 has not been tried.
 ARG MCORE_VERSION=0.16.1
+LABEL megatron-core.version="${MCORE_VERSION}"
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \

@@ -11,9 +11,13 @@ setup(
     package_data={"megatron_gspo": ["configs/*.yaml"]},
     install_requires=[
         "torch>=2.6",
-        # the tested release line, on every Python (the Dockerfile installs 0.16.1 in the NGC image;
-        # tests/test_launch.py holds the two together)
-        "megatron-core>=0.16,<0.17",
+        # the tested release lines, 0.16 and 0.19 (CI runs the fast tier under each: .ci/run); 0.17+ need
+        # Python >= 3.12, so 3.10 / 3.11 resolve 0.16. The Dockerfile installs 0.16.1 by default
+        # (MCORE_VERSION); tests/test_launch.py holds the two together.
+        "megatron-core>=0.16,!=0.17.*,!=0.18.*,<0.20",
+        # megatron-core 0.19 imports triton at `import megatron.core` without declaring it; torch's CUDA
+        # builds bring it, its CPU builds do not
+        "triton; python_version >= '3.12' and platform_system == 'Linux' and platform_machine == 'x86_64'",
         "numpy",
         "packaging",
         "pyyaml",

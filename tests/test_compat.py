@@ -15,7 +15,7 @@ from megatron_gspo.runtime import compat, parallel
 from megatron_gspo.config import ConfigError, ParallelConfig, load_job_config
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
-CPU_ONES = ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "rng_tracker_without_cuda"]
+CPU_ONES = ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "cuda_current_stream_is_host", "rng_tracker_without_cuda"]
 
 
 @pytest.mark.parametrize("device_type,have_te,expected", [
@@ -23,7 +23,7 @@ CPU_ONES = ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "rng_tracker_
     ("cuda", False, ["te_general_gemm_none"]),  # the H100 without TE
     # a CPU job on a machine with TE (an NGC container asked for parallel.device=cpu): also torch's Adam and
     # megatron's own multi-tensor kernels instead of TE's CUDA ones (found by the TE tier, tests/te/)
-    ("cpu", True, CPU_ONES + ["cpu_optimizer_without_te_kernels"]),
+    ("cpu", True, CPU_ONES + ["cpu_optimizer_without_te_kernels", "cpu_router_without_te_gemm"]),
     ("cpu", False, CPU_ONES + ["te_general_gemm_none"]),
 ])
 def test_workarounds_are_keyed_on_what_is_missing(device_type, have_te, expected):
@@ -46,7 +46,7 @@ def test_cuda_without_te_binds_the_router_gemm_and_leaves_torch_cuda_alone(monke
         assert torch.cuda.current_device is original  # a CUDA job gets the real torch.cuda back
         assert type(mrandom._CUDA_RNG_STATE_TRACKER).__name__ != "InferenceCudaRNGStatesTracker"
         # and a CPU job after it in the same process gets the CPU workarounds again
-        assert compat.apply(CPU)[:3] == CPU_ONES and torch.cuda.current_device() == "cpu"
+        assert compat.apply(CPU)[:4] == CPU_ONES and torch.cuda.current_device() == "cpu"
         assert type(mrandom._CUDA_RNG_STATE_TRACKER).__name__ == "InferenceCudaRNGStatesTracker"
     finally:
         compat.apply(parallel.resolve_device(ParallelConfig()))
@@ -200,3 +200,92 @@ def test_a_cpu_job_on_a_gpu_machine_leaves_torch_compiles_device_checks_working(
     finally:
         _triton.has_triton.cache_clear()
         compat._restore_dynamo_device()
+
+
+def test_a_cpu_job_answers_the_current_stream_with_the_host_and_restore_gives_cuda_back():
+    """megatron-core 0.19's DDP asks torch.cuda.current_stream() at every gradient sync (for CUDA-graph
+    gradient events): a CPU job gets the host's stream, on which waiting is already done; restore() puts
+    torch's back (a CUDA job in the same process waits on real streams)."""
+    original = compat._ORIGINAL.get("torch.cuda.current_stream", torch.cuda.current_stream)
+    try:
+        compat.apply(CPU)
+        stream = torch.cuda.current_stream()
+        assert stream is compat._HOST_STREAM
+        assert stream.wait_event(object()) is None and stream.wait_stream(stream) is None
+        compat.restore()
+        assert torch.cuda.current_stream is original
+    finally:
+        compat.apply(parallel.resolve_device(ParallelConfig()))
+
+
+def test_spec_helpers_read_and_swap_both_spec_forms():
+    """megatron-core 0.16's ModuleSpec(module, submodules) and 0.19's functools.partial(cls, submodules=...)
+    (its MoE layer and experts): the submodules read the same way, and the built class swapped with the
+    submodules and arguments kept."""
+    import functools
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    class A:
+        def __init__(self, *args, submodules=None, **kwargs):
+            self.args, self.submodules, self.kwargs = args, submodules, kwargs
+
+    class B(A):
+        pass
+
+    subs = object()
+    as_spec, as_partial = ModuleSpec(module=A, submodules=subs), functools.partial(A, 7, submodules=subs, x=1)
+    assert compat.spec_submodules(as_spec) is subs and compat.spec_submodules(as_partial) is subs
+    swapped = compat.with_module(as_spec, B)
+    assert swapped is as_spec and swapped.module is B and swapped.submodules is subs
+    built = compat.with_module(as_partial, B)(2)
+    assert type(built) is B and built.args == (7, 2) and built.submodules is subs and built.kwargs == {"x": 1}
+    assert as_partial.func is A  # the original spec is left as it was
+
+
+def test_a_cpu_job_where_te_is_installed_routes_with_torchs_gemm_and_a_cuda_job_gets_tes_back(monkeypatch):
+    """megatron-core 0.19 binds moe_utils.te_general_gemm (TE's CUDA GEMM) wherever TE imports, and its router
+    takes it for a CPU job too ('Found no NVIDIA driver', the TE tier under 0.19.2): a CPU job gets None
+    (megatron's torch GEMM), restore() gives the CUDA job TE's back. Here with TE stood in."""
+    from megatron.core.transformer.moe import moe_utils
+
+    te_gemm = object()
+    monkeypatch.setattr(compat, "have_te", lambda: True)
+    monkeypatch.setattr(moe_utils, "te_general_gemm", te_gemm, raising=False)
+    try:
+        assert "cpu_router_without_te_gemm" in compat.apply(CPU)
+        assert moe_utils.te_general_gemm is None
+        compat.restore()
+        assert moe_utils.te_general_gemm is te_gemm
+    finally:
+        compat.restore()
+        monkeypatch.undo()
+        compat.apply(parallel.resolve_device(ParallelConfig()))
+
+
+def test_loaded_param_groups_take_the_schedule_of_the_group_they_are(monkeypatch):
+    """megatron-core 0.19 finds saved param groups by their settings, max_lr among them: a resume allowed to
+    change optimizer.lr gets each loaded group the current lr of the group with the same other settings (by
+    those, not by position); a group that matches none is left for megatron to name."""
+    from megatron.core.optimizer import optimizer as mopt
+
+    monkeypatch.setattr(mopt, "param_group_identifier_keys",
+                        ("wd_mult", "lr_mult", "is_expert_parallel", "max_lr", "min_lr"), raising=False)
+
+    class Opt:
+        param_groups = [{"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "max_lr": 2e-3, "min_lr": 0.0},
+                        {"wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False, "max_lr": 2e-3, "min_lr": 0.0}]
+
+    saved = {"optimizer": {"param_groups": [
+        {"wd_mult": 0.0, "lr_mult": 1.0, "is_expert_parallel": False, "max_lr": 1e-3, "min_lr": 0.0, "params": [1]},
+        {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "max_lr": 1e-3, "min_lr": 0.0, "params": [0]},
+        {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": True, "max_lr": 1e-3, "min_lr": 0.0, "params": [2]}]}}
+    compat.align_param_groups(Opt(), saved)
+    groups = saved["optimizer"]["param_groups"]
+    assert [g["max_lr"] for g in groups] == [2e-3, 2e-3, 1e-3]  # the expert group matches none: left as saved
+    assert [g["params"] for g in groups] == [[1], [0], [2]] and groups[0]["wd_mult"] == 0.0
+    # megatron-core 0.16: nothing a resume may change identifies a group; nothing is touched
+    monkeypatch.setattr(mopt, "param_group_identifier_keys", ("wd_mult", "lr_mult"), raising=False)
+    saved = {"param_groups": [{"wd_mult": 1.0, "lr_mult": 1.0, "max_lr": 1e-3}]}
+    compat.align_param_groups(Opt(), saved)
+    assert saved["param_groups"][0]["max_lr"] == 1e-3

@@ -765,10 +765,10 @@ def test_tiny_cpu_recipe_is_the_default_job():
     assert a == b
 
 
-def test_megatron_core_is_pinned_to_the_tested_line_on_every_python():
+def test_megatron_core_is_pinned_to_the_tested_lines_on_every_python():
     """setup.py's megatron-core requirement, evaluated for each Python a user may run (3.12: the NGC and GPU
-    images), admits the release the Dockerfile installs and no untested minor line (an open upper bound gives a
-    fresh Python 3.12 box megatron-core 0.19)."""
+    images), admits the release the Dockerfile installs and 0.19.2 (CI runs the fast tier under both: .ci/run)
+    and no untested minor line (an open upper bound would give a fresh Python 3.12 box the next release)."""
     import ast
 
     from packaging.requirements import Requirement
@@ -782,5 +782,7 @@ def test_megatron_core_is_pinned_to_the_tested_line_on_every_python():
         found = [r for r in map(Requirement, reqs) if r.name == "megatron-core" and (r.marker is None or r.marker.evaluate(env))]
         assert len(found) == 1, (py, found)
         spec = found[0].specifier
-        assert spec.contains(mcore), (py, str(spec), mcore)
-        assert not any(spec.contains(v) for v in ("0.15.3", "0.17.0", "0.19.0", "1.0.0")), (py, str(spec))
+        assert spec.contains(mcore) and spec.contains("0.19.2"), (py, str(spec), mcore)
+        assert not any(spec.contains(v) for v in ("0.15.3", "0.17.0", "0.18.1", "0.20.0", "1.0.0")), (py, str(spec))
+    ci = (ROOT / ".ci" / "setup-mcore019-venv").read_text()
+    assert 'MCORE=0.19.2' in ci and "setup-mcore019-venv" in (ROOT / ".ci" / "run").read_text()

@@ -154,12 +154,13 @@ def errors():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--frobnicate"], "error: unknown option --frobnicate; the preflight's options are --quick, --json PATH and "
-                       "--keep, and settings are section.key=value"),
+    (["--frobnicate"], "error: unknown option --frobnicate; the preflight's options are --quick, --json PATH, "
+                       "--keep and --only NAMES, and settings are section.key=value"),
+    (["--only", "env.ok,decode.nope"], "error: --only: no check named decode.nope; the checks are env.ok"),
     (["--quick", "--json", "{tmp}/no/such/folder/out.json"], "error: --json {tmp}/no/such/folder/out.json: folder "
                                                              "{tmp}/no/such/folder does not exist"),
     (["--quick", "--json", "{tmp}"], "error: --json {tmp} is a directory; give the path of a file to write"),
-], ids=["unknown-option", "json-folder-missing", "json-is-a-directory"])
+], ids=["unknown-option", "only-unknown-check", "json-folder-missing", "json-is-a-directory"])
 def test_bad_command_line_exits_2_before_any_check_runs(monkeypatch, tmp_path, errors, args, message):
     ran = []
     monkeypatch.setattr(cli, "CHECKS", [Check("env.ok", lambda ctx: ran.append(1) or ("fine", {}))])
@@ -167,6 +168,16 @@ def test_bad_command_line_exits_2_before_any_check_runs(monkeypatch, tmp_path, e
     assert cli.main(args) == 2
     assert not ran, "checks ran although their results could not be kept"
     assert len(errors.lines) == 1 and errors.lines[0].startswith(message.format(tmp=tmp_path)), errors.lines
+
+
+def test_only_runs_the_named_checks_in_the_preflights_order(monkeypatch, capsys):
+    """--only a,b (what benchmarks/gpu_checks.sh uses to run one item per check line): those checks, in the
+    preflight's order whatever the order given, and no other."""
+    ran = []
+    monkeypatch.setattr(cli, "CHECKS", [Check(n, lambda ctx, n=n: ran.append(n) or ("fine", {}))
+                                        for n in ("env.a", "env.b", "env.c")])
+    assert cli.main(["--quick", "--only", "env.c,env.a"]) == 0
+    assert ran == ["env.a", "env.c"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ def save_strategy():
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     if filesystem_async._results_queue is None:
@@ -77,9 +78,14 @@ def save_strategy():
         filesystem_async._results_queue = queue.Queue()
 
     class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
-        def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
-            request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+        def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret, *args):
+            # *args: megatron-core 0.19 passes the async strategy ("mcore" for a synchronous save)
+            request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret, *args)
             if request.async_fn is None:  # nothing to write on this rank
+                return request
+            if hasattr(FileSystemWriterAsync, "write_preloaded_data_multithread"):
+                # megatron-core 0.19's writer already writes with threads of this process; only the
+                # results queue above had to stay in this process
                 return request
             transforms = [writer.transforms] if hasattr(writer, "transforms") else []
             return request._replace(async_fn=functools.partial(_write_buckets_in_threads, transforms))

@@ -148,6 +148,7 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None, extra_mode
                                   "load it with checkpoint.load as initial weights instead of resuming")
         from megatron_gspo.runtime import compat
 
+        compat.align_param_groups(optimizer, loaded["optimizer"])
         with compat.optimizer_context(_model_device(model)):
             optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and "scheduler" in loaded:

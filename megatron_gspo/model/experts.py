@@ -240,8 +240,9 @@ class BatchedSequentialMLP(SequentialMLP):
     # "auto" | "grouped_mm" | "loop" | "bmm"  (a class attribute: benchmarks and tests may set it)
     gemm_impl: str = "auto"
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
-        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, **kwargs):
+        # kwargs: what newer megatron-cores pass besides (0.19: the module's ``name``)
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, **kwargs)
         if self._batchable():
             _pack([e.linear_fc1.weight for e in self.local_experts])
             _pack([e.linear_fc2.weight for e in self.local_experts])

@@ -295,7 +295,8 @@ def build_layer_spec(tcfg, cfg: ModelConfig, device: torch.device, pp_rank: Opti
         if resolve_expert_impl(cfg, impl) == "batched":
             from megatron_gspo.model.experts import BatchedSequentialMLP
 
-            sub.mlp.submodules.experts.module = BatchedSequentialMLP
+            moe = compat.spec_submodules(sub.mlp)
+            moe.experts = compat.with_module(moe.experts, BatchedSequentialMLP)
     n = get_num_layers_to_build(tcfg, vp_stage=None, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=final_norm)
 

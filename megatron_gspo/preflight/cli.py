@@ -72,6 +72,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="cut-down shapes: well under a minute on a CPU")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON (rank 0)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory (the jobs' metrics)")
+    ap.add_argument("--only", metavar="NAME[,NAME...]", help="run these checks only, in the preflight's order "
+                    "(names as the table prints them, e.g. decode.te_spec,memory.30b_cut)")
     args, rest = ap.parse_known_args(argv)
     args.overrides = rest
     return args
@@ -85,7 +87,11 @@ def check_args(args: argparse.Namespace) -> None:
         name = word[2:].split("=", 1)[0] if word.startswith("--") else None
         if word.startswith("-") and (name is None or "." not in name):
             raise ConfigError(f"unknown option {word.split('=', 1)[0]}; the preflight's options are --quick, "
-                              "--json PATH and --keep, and settings are section.key=value (e.g. train.num_steps=2)")
+                              "--json PATH, --keep and --only NAMES, and settings are section.key=value (e.g. train.num_steps=2)")
+    unknown = [n for n in (args.only or "").split(",") if n and n not in {c.name for c in CHECKS}]
+    if unknown:
+        raise ConfigError(f"--only: no check named {', '.join(unknown)}; the checks are "
+                          f"{', '.join(c.name for c in CHECKS)}")
     if args.json:
         path = os.path.abspath(args.json)
         folder = os.path.dirname(path)
@@ -153,7 +159,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return flag.name if comm.any_rank(flag.set, ctx.device, what="preflight: stop vote") else None
 
     try:
-        results = run_checks(CHECKS, ctx, on_result=progress, should_stop=stop_vote)
+        only = set(args.only.split(",")) if args.only else None
+        checks = [c for c in CHECKS if only is None or c.name in only]
+        results = run_checks(checks, ctx, on_result=progress, should_stop=stop_vote)
         # one verdict for the job: a check that failed on any rank fails the run everywhere
         failed = comm.any_rank(exit_code(results) == EXIT_FAILED, ctx.device, what="preflight verdict")
         stopped = stopped_by(results)  # the same on every rank: the votes were collective

@@ -1,4 +1,4 @@
-"""Every workaround megatron-core 0.16 needs, each keyed on what is actually missing, in one place.
+"""Every workaround megatron-core 0.16 and 0.19 need, each keyed on what is actually missing, in one place.
 
 Two things can be missing, and they are independent:
 
@@ -6,6 +6,13 @@ Two things can be missing, and they are independent:
   machine). megatron-core asks ``torch.cuda`` for devices, streams and RNG states in many places.
 * **Transformer Engine**: absent on any device (a GPU box with a pip-installed torch usually has
   no TE). megatron-core's MoE router references a TE symbol whose import failed.
+
+megatron-core 0.16 and 0.19 are both supported (CI runs the fast tier under each); where 0.19 differs the
+helper below says so and keys on what it finds (a spec's form, a function's presence), not on a version
+string: ``spec_submodules`` / ``with_module`` (0.19 writes MoE specs as partials), ``align_param_groups``
+(0.19 finds saved param groups by their lr), ``reset_moe_metrics_tracker`` (0.19's tracker is an object), and
+the CPU job's ``current_stream`` and TE router GEMM (WORKAROUNDS). megatron-core 0.19 imports triton at
+``import megatron.core``: setup.py asks for it on Python >= 3.12.
 
 ``apply(device)`` decides from the job's device and from what is importable (``environment``) and
 applies the workarounds that need applying; ``restore()`` undoes the CPU ones. Their owner is the
@@ -49,6 +56,10 @@ WORKAROUNDS = {
     "cuda_synchronize_noop":
         "dist_checkpointing's writer calls torch.cuda.synchronize() around saves: 'Torch not compiled with "
         "CUDA enabled' (or a CUDA context on GPU 0 for a CPU job)",
+    "cuda_current_stream_is_host":
+        "megatron-core 0.19's DDP waits on torch.cuda.current_stream() for CUDA-graph gradient events at "
+        "every gradient sync (param_and_grad_buffer.start_grad_sync): 'Torch not compiled with CUDA enabled' "
+        "at the first step of a CPU job (0.16 never asks for a stream on that path)",
     "rng_tracker_without_cuda":
         "the RNG tracker's fork() swaps CUDA RNG states (attention forks it even at dropout 0) and "
         "activation recompute saves/restores the CUDA RNG state: 'cuda rng state model-parallel-rng is "
@@ -58,10 +69,16 @@ WORKAROUNDS = {
         "grad-norm / scale / copy kernels, CUDA kernels, for a CPU job too: 'CUDA driver version is "
         "insufficient' at the first step (TE without a GPU), or CPU tensors handed to a CUDA kernel (a CPU job "
         "in an NGC container); found by the Transformer Engine test tier",
+    "cpu_router_without_te_gemm":
+        "with Transformer Engine installed, megatron-core 0.19's MoE router computes its logits with TE's GEMM "
+        "(moe_utils.router_gating_linear -> te_general_gemm), a CUDA kernel, for a CPU job too: 'Found no NVIDIA "
+        "driver' at the first forward (0.16 never binds it with TE 2.20: its import of TE's get_workspace fails); "
+        "found by the TE tier under 0.19.2",
     # Transformer Engine absent (any device) -----------------------------------------------------
     "te_general_gemm_none":
         "moe_utils.router_gating_linear references te_general_gemm, bound only when TE imports: "
-        "NameError at the first MoE forward (seen on an H100 without TE)",
+        "NameError at the first MoE forward (seen on an H100 without TE). megatron-core 0.19 binds it to None "
+        "itself without TE, so there this one changes nothing (apply() binds it only where it is missing)",
 }
 
 
@@ -121,9 +138,11 @@ def needed(env: Environment) -> list[str]:
     """The workarounds this environment needs (names of WORKAROUNDS), in application order."""
     out = []
     if env.device_type != "cuda":
-        out += ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "rng_tracker_without_cuda"]
+        out += ["cuda_current_device_is_cpu", "cuda_synchronize_noop", "cuda_current_stream_is_host",
+                "rng_tracker_without_cuda"]
         if env.have_te:
             out.append("cpu_optimizer_without_te_kernels")  # applied by optimizer_context, scoped
+            out.append("cpu_router_without_te_gemm")
     if not env.have_te:
         out.append("te_general_gemm_none")
     return out
@@ -157,6 +176,7 @@ def apply(device: torch.device) -> list[str]:
         _dynamo_keeps_the_real_cuda_device()
         _patch(torch.cuda, "current_device", lambda: "cpu", "torch.cuda.current_device")
         _patch(torch.cuda, "synchronize", lambda *a, **k: None, "torch.cuda.synchronize")
+        _patch(torch.cuda, "current_stream", lambda *a, **k: _HOST_STREAM, "torch.cuda.current_stream")
         if not _inference_tracker(mrandom):
             # megatron's inference tracker has a no-op fork(); CPU seeding is torch.manual_seed per
             # rank (parallel.set_seed); recompute's RNG save/restore has no CUDA state to keep.
@@ -169,6 +189,11 @@ def apply(device: torch.device) -> list[str]:
             # a CPU job installed the no-op tracker: megatron's CUDA tracker again (seeded by
             # parallel.set_seed through model_parallel_cuda_manual_seed)
             mrandom.initialize_rng_tracker(force_reset=True)
+    if "cpu_router_without_te_gemm" in want:
+        from megatron.core.transformer.moe import moe_utils
+
+        if getattr(moe_utils, "te_general_gemm", None) is not None:  # 0.19 binds it; None: torch's GEMM
+            _patch(moe_utils, "te_general_gemm", None, "moe_utils.te_general_gemm")
     if "te_general_gemm_none" in want:
         # its import sits in a try block that fails before the name is bound; None makes megatron
         # take its plain torch GEMM. Process-wide on purpose (restore() leaves it): it binds a name
@@ -181,8 +206,9 @@ def apply(device: torch.device) -> list[str]:
 
 
 def restore() -> None:
-    """Put back what ``apply`` replaced for a CPU job (torch.cuda's current_device / synchronize,
-    megatron's CUDA RNG-state accessors, dynamo's device cache): the parallel state that applied them
+    """Put back what ``apply`` replaced for a CPU job (torch.cuda's current_device / synchronize /
+    current_stream, megatron's CUDA RNG-state accessors and TE router GEMM, dynamo's device cache): the parallel
+    state that applied them
     calls this when it is torn down (parallel.destroy). megatron's RNG tracker is not swapped back
     here: every job's ``apply`` installs the one its device needs (and parallel.set_seed seeds it)."""
     from megatron.core.tensor_parallel import random as mrandom
@@ -190,8 +216,30 @@ def restore() -> None:
     _restore(torch.cuda, "current_device", "torch.cuda.current_device")
     _restore_dynamo_device()
     _restore(torch.cuda, "synchronize", "torch.cuda.synchronize")
+    _restore(torch.cuda, "current_stream", "torch.cuda.current_stream")
+    if "moe_utils.te_general_gemm" in _ORIGINAL:
+        from megatron.core.transformer.moe import moe_utils
+
+        _restore(moe_utils, "te_general_gemm", "moe_utils.te_general_gemm")
     _restore(mrandom, "_get_cuda_rng_state", "mrandom._get_cuda_rng_state")
     _restore(mrandom, "_set_cuda_rng_state", "mrandom._set_cuda_rng_state")
+
+
+class _HostStream:
+    """What torch.cuda.current_stream() answers in a CPU job: the host's one stream of work, in which every
+    operation has finished when the next starts, so waiting on it (or on an event) is already done."""
+
+    def wait_event(self, event=None) -> None:
+        pass
+
+    def wait_stream(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
 
 
 def _dynamo_keeps_the_real_cuda_device() -> None:
@@ -227,6 +275,81 @@ def _inference_tracker(mrandom) -> bool:
     tracker = getattr(mrandom, "_CUDA_RNG_STATE_TRACKER", None)
     return tracker is not None and type(tracker).__name__ == "InferenceCudaRNGStatesTracker"
 
+
+
+# ---- megatron-core's release lines (0.16 and 0.19 are tested; each helper keys on what it finds) ------
+
+
+def spec_submodules(spec):
+    """The submodules of one of megatron's module specs.
+
+    megatron-core 0.16 writes every spec as ``ModuleSpec(module=cls, submodules=...)``; 0.19 writes some
+    as ``functools.partial(cls, submodules=...)`` (the MoE layer and its experts,
+    ``moe_module_specs.get_moe_module_spec_for_backend``): ``spec.submodules`` there is "AttributeError:
+    'functools.partial' object has no attribute 'submodules'"."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords["submodules"]
+    return spec.submodules
+
+
+def with_module(spec, module: type):
+    """``spec`` building ``module`` instead of its own class, with the same submodules and arguments
+    (a ModuleSpec, changed in place, or a functools.partial, replaced: see spec_submodules)."""
+    if isinstance(spec, functools.partial):
+        return functools.partial(module, *spec.args, **spec.keywords)
+    spec.module = module
+    return spec
+
+
+# What a resume may have been allowed to change in a param group (checkpoint.allow_config_change: optimizer.lr,
+# min_lr, weight_decay): the learning-rate and weight-decay schedule's ends.
+_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+
+
+def align_param_groups(optimizer, state: dict) -> None:
+    """Give each loaded param group the schedule settings of the current group it is (the same by every other
+    identifying setting), so that megatron-core 0.19 finds it.
+
+    0.19 matches saved param groups to the optimizer's by ``param_group_identifier_keys``, which there include
+    max_lr / min_lr / start_wd / end_wd (0.16's are wd_mult, lr_mult and two flags only): a resume that was
+    allowed to change the learning rate failed with "Could not find parameter group with key ...". A loaded
+    group that matches no current group, or several, is left as it is (megatron's own error then names it)."""
+    from megatron.core.optimizer import optimizer as mopt
+
+    keys = [k for k in getattr(mopt, "param_group_identifier_keys", ()) if k not in _SCHEDULE_KEYS]
+    if len(keys) == len(getattr(mopt, "param_group_identifier_keys", ())):
+        return  # 0.16: nothing a resume may change identifies a group
+    current = list(getattr(optimizer, "param_groups", []))
+    def ident(g):
+        return tuple(g.get(k, g.get(f"pre_{k}")) for k in keys)
+    stack = [state]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for loaded in node.get("param_groups") or []:
+            same = [g for g in current if ident(g) == ident(loaded)]
+            if len(same) == 1:
+                loaded.update({k: same[0][k] for k in _SCHEDULE_KEYS if k in same[0]})
+        stack.extend(v for k, v in node.items() if k != "param_groups")
+
+
+def reset_moe_metrics_tracker() -> None:
+    """Drop megatron's MoE aux-loss logging tracker (sized by the first model built, kept on its device).
+
+    megatron-core 0.16 keeps it as the dict ``get_moe_layer_wise_logging_tracker()`` returns; 0.19 keeps a
+    MoEMetricsTracker object (moe_logging.py) of which that function returns a fresh dict, so clearing the dict
+    left the tracker as it was (the next job of another depth in the process found the last one's entries)."""
+    try:
+        from megatron.core.transformer.moe import moe_logging
+    except ImportError:  # 0.16
+        moe_logging = None
+    if moe_logging is not None and hasattr(moe_logging, "destroy_moe_metrics_tracker"):
+        moe_logging.destroy_moe_metrics_tracker()
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 
 @contextlib.contextmanager
@@ -295,6 +418,10 @@ def _torch_optimizer_kernels():
              (clip_grads, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale),
              (mopt_optimizer, "multi_tensor_applier", mutils.local_multi_tensor_applier),
              (mopt_optimizer, "multi_tensor_scale_impl", mutils.local_multi_tensor_scale)]
+    if hasattr(clip_grads, "multi_tensor_scale_tensor_impl"):
+        # megatron-core 0.19: TE's scale-by-a-tensor kernel where TE imports ("CUDA driver version is
+        # insufficient" in clip_grad_by_total_norm_fp32); None is its own choice without TE / apex (a float norm)
+        swaps.append((clip_grads, "multi_tensor_scale_tensor_impl", None))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in swaps]
     for obj, name, value in swaps:
         setattr(obj, name, value)

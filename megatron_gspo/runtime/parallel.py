@@ -277,7 +277,7 @@ def reset_megatron_globals() -> None:
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    compat.reset_moe_metrics_tracker()
     RouterReplay.clear_global_router_replay_instances()
     RouterReplay.clear_global_router_replay_action()
     moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
