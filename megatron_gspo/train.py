@@ -68,11 +68,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     path, argv = split_job_args(argv)
     try:
         cfg = load_job_config(path, argv)
+        faults = injected_faults()
         if role_of(cfg) == ROLLOUT:  # rollout.mode=async: this rank generates (rollout/worker.py)
             from megatron_gspo.rollout.worker import run_rollout_rank
 
-            return run_rollout_rank(cfg)
-        trainer = Trainer(cfg, stop=stop)
+            return run_rollout_rank(cfg, faults=faults)
+        trainer = Trainer(cfg, hooks=[faults] if faults else [], stop=stop)
     except USER_ERRORS as e:
         # a wrong config, layout, file or checkpoint: the message names it; no traceback. The process
         # groups (if any were made) go first: tearing them down imports more of megatron, whose
@@ -85,6 +86,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         return exit_status.EXIT_USER_ERROR
     log.info("config: %s %s", path, " ".join(argv))
     return run_trainer(trainer)
+
+
+def injected_faults():
+    """The tests' fault injection (megatron_gspo/testing/faults.py: a trainer hook, which a rollout rank
+    calls too) when MEGATRON_GSPO_FAULTS is set, else None: without it that module is never imported."""
+    if not os.environ.get("MEGATRON_GSPO_FAULTS", "").strip():
+        return None
+    from megatron_gspo.testing.faults import FaultInjection
+
+    return FaultInjection.from_env()
 
 
 def run_trainer(trainer: Trainer, on_exit: Optional[Callable[[], None]] = None) -> int:

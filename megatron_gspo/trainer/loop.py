@@ -17,7 +17,7 @@ The components, each behind a narrow interface:
     routing      routing.RoutingPolicy        off / R2 / R3 routing replay and routing metrics
     source       rollout.build_source         prompts -> RolloutRecord (colocated, or the async rollout ranks)
     prepare      rollout.BatchPreparer        RolloutRecord -> TrainBatch
-    hooks        hooks.Hooks                  SFT warm start, fault injection, experiments' probes
+    hooks        hooks.Hooks                  SFT warm start, experiments' probes, the tests' fault injection
     stopping     stopping.StopControl         the stop votes, what a stop saves, the stop line
     evaluator    evaluation.Evaluator         held-out greedy accuracy / pass@k every eval.interval steps
 """
@@ -41,7 +41,7 @@ from megatron_gspo.algorithms.overlong import empty_minibatch
 from megatron_gspo.config import JobConfig, old_logprob_source
 from megatron_gspo.trainer.evaluation import EvaluationAbandoned
 from megatron_gspo.runtime.exit_status import StopReason
-from megatron_gspo.runtime.stop import PreemptionFlag, StepAbandoned, injected_faults
+from megatron_gspo.runtime.stop import PreemptionFlag, StepAbandoned
 from megatron_gspo.trainer.stopping import StopControl, TrainingStopped  # noqa: F401 (TrainingStopped: re-exported)
 from megatron_gspo.trainer.hooks import Hooks, TrainerHook
 from megatron_gspo.runtime.logger import MetricsLogger, Timer, data_metrics, perf_metrics, progress_line, setup_logging
@@ -61,7 +61,8 @@ log = logging.getLogger("megatron_gspo")
 class Trainer:
     """Construction validates and builds everything (collective); ``run()`` is the loop.
 
-    hooks: extra TrainerHooks, called after the built-in ones (SFT warm start, fault injection).
+    hooks: extra TrainerHooks, called after the built-in ones (the SFT warm start, the source's); the
+    entry point adds the tests' fault injection here (testing/faults.py).
     stop: the process's stop flag (train.main passes the one it installed first thing); None: the
     process's flag, installed now for SIGTERM / SIGUSR1 (a Trainer built by another program)."""
 
@@ -101,8 +102,7 @@ class Trainer:
         self.prepare = BatchPreparer(cfg, st, self.ddp, self.ref_model, get_advantage_estimator(cfg.train.advantage_estimator),
                                      gen_cfg, self.routing, self.timer, recompute_old_logprobs=recompute)
         self.evaluator = components.build_evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg)
-        faults = injected_faults(st.rank)  # tests only (MEGATRON_GSPO_FAULTS)
-        self.hooks = Hooks([SFTWarmStart(), *([faults] if faults else []), *self.source.hooks(), *hooks])
+        self.hooks = Hooks([SFTWarmStart(), *self.source.hooks(), *hooks])
         # the stop story: votes, what a stop saves, the stop line (trainer/stopping.py)
         self.stopping = StopControl(cfg, st, self.preempt, self.source, self.checkpoints, self.ddp, self.sampler,
                                     during_save=functools.partial(self.hooks.during_save, self))

@@ -33,6 +33,7 @@ from megatron_gspo.rollout.worker import run_rollout_rank
 from megatron_gspo.checkpoint import save_model
 from megatron_gspo.config import load_job_config
 from megatron_gspo.runtime.metrics import MetricAccumulator
+from megatron_gspo.testing.faults import FaultInjection
 from megatron_gspo.rollout.rows import micro_batch_slices
 from megatron_gspo.trainer.hooks import TrainerHook
 from megatron_gspo.train import DEMO_CONFIG, Trainer
@@ -226,9 +227,10 @@ def main():
             kill_in_push(int(a.kill_in_push.split(":")[0]))
         if a.sigterm_rollout_at and int(a.sigterm_rollout_at.split(":")[1]) == int(os.environ["RANK"]):
             sigterm_at(int(a.sigterm_rollout_at.split(":")[0]), int(os.environ["RANK"]))
-        sys.exit(run_rollout_rank(cfg))
+        sys.exit(run_rollout_rank(cfg, faults=FaultInjection.from_env()))
     hooks = [SilenceHeartbeat(a.silence_trainer_at)] if a.silence_trainer_at else []
-    trainer = Trainer(cfg, hooks=[RecordRollouts(a.out), *hooks])
+    faults = FaultInjection.from_env()  # MEGATRON_GSPO_FAULTS, as train.main adds it
+    trainer = Trainer(cfg, hooks=[*([faults] if faults else []), RecordRollouts(a.out), *hooks])
     try:
         if a.grads:
             save_gradients(trainer, a.out, [int(x) for x in a.grads.split(",")])
