@@ -13,7 +13,7 @@ the trainer's world.
 The data position saved in a checkpoint is the one after the *consumed* batch (the rollout ranks run
 ahead of it): a resumed job regenerates what was in flight, from that position, with the same noise.
 A rollout rank that failed, went silent or was lost mid-push stops the job through ``RolloutRanksLost``:
-the trainer checkpoints and exits (trainer.py).
+the trainer checkpoints and exits (trainer/stopping.py).
 """
 
 from __future__ import annotations
