@@ -40,7 +40,6 @@ from megatron_gspo.rollout.weight_sync import WeightReceiver
 from megatron_gspo.config import JobConfig
 from megatron_gspo.runtime.stop import PreemptionFlag
 from megatron_gspo.generation.generator import Generator
-from megatron_gspo.runtime.logger import setup_logging
 from megatron_gspo.algorithms.overlong import overlong_penalty
 from megatron_gspo.data.rewards import build_reward_fn, compute_rewards
 from megatron_gspo.rollout.rows import local_rows
@@ -128,7 +127,6 @@ class RolloutWorker:
         precision, _ = job_precision(cfg.model, st.device)
         if precision != cfg.model.precision:
             self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=precision))
-        setup_logging(st.rank, prefix=f"rollout rank {side.global_rank}")  # say which side speaks
         side.open_bridge(st.device)
         self.control = side.control
         # a stop signal here is passed on to the trainer (_poll), which checkpoints and announces the stop

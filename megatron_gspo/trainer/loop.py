@@ -44,7 +44,7 @@ from megatron_gspo.runtime.exit_status import StopReason
 from megatron_gspo.runtime.stop import PreemptionFlag, StepAbandoned
 from megatron_gspo.trainer.stopping import StopControl, TrainingStopped  # noqa: F401 (TrainingStopped: re-exported)
 from megatron_gspo.trainer.hooks import Hooks, TrainerHook
-from megatron_gspo.runtime.logger import MetricsLogger, Timer, data_metrics, perf_metrics, progress_line, setup_logging
+from megatron_gspo.runtime.logger import MetricsLogger, Timer, data_metrics, perf_metrics, progress_line
 from megatron_gspo.runtime.metrics import MetricAccumulator
 from megatron_gspo.model.oom import explain_oom, model_shapes
 from megatron_gspo.model.gpt import aux_loss_scales, clear_aux_losses_tracker, finalize_grads, forward_logprobs, set_aux_loss_scale
@@ -82,7 +82,6 @@ class Trainer:
         """The components (trainer/components.py), in dependency order; collective."""
         self.side = join_side(cfg)  # rollout.mode=async: the trainer's ranks are a world of their own
         self.state = st = parallel.initialize(cfg.model, cfg.parallel, side=self.side)
-        setup_logging(st.rank)
         self.cfg = cfg = components.resolve_precision(cfg, st)
         components.open_bridge(self.side, st.device)
         cfg.check_data_parallel(st.dp)  # the same checks as launch/pretrain_gspo.sh --dry-run

@@ -36,7 +36,7 @@ from megatron_gspo.runtime.metrics import MetricAccumulator
 from megatron_gspo.testing.faults import FaultInjection
 from megatron_gspo.rollout.rows import micro_batch_slices
 from megatron_gspo.trainer.hooks import TrainerHook
-from megatron_gspo.train import DEMO_CONFIG, Trainer
+from megatron_gspo.train import DEMO_CONFIG, Trainer, configure_logging
 from megatron_gspo.trainer.loop import TrainingStopped
 
 
@@ -222,6 +222,7 @@ def main():
     overrides = argv[split + 1:] + [f"train.output_dir={a.out}", "train.tensorboard=false"]
     cfg = load_job_config(DEMO_CONFIG, overrides)
     os.makedirs(a.out, exist_ok=True)
+    configure_logging(cfg)  # as train.main does: the trainer's and the rollout ranks' lines
     if role_of(cfg) == ROLLOUT:  # rollout.mode=async: this rank generates for the trainer's ranks
         if a.kill_in_push and int(a.kill_in_push.split(":")[1]) == int(os.environ["RANK"]):
             kill_in_push(int(a.kill_in_push.split(":")[0]))
