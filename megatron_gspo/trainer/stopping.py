@@ -80,11 +80,16 @@ class StopControl:
         """If any rank got a stop signal: all save what this run completed (``step`` RL steps so far, or the
         SFT warm start as far as it went) and raise TrainingStopped (module doc). Called at a step boundary
         (a collective vote), or with ``abandoned`` / ``agreed`` when every rank already agreed (a step left
-        in flight, the warm start's own vote)."""
+        in flight, the warm start's own vote). A rollout rank found gone (async: torchrun stops every rank
+        when one dies, and its signal may come first) makes it the stop for lost rollout ranks."""
         if abandoned is None and not agreed and not self.requested("preemption vote"):
             return
         t_stop = time.perf_counter()
         name = self._signal_name()
+        try:
+            self.source.stop_if_ranks_lost(name)
+        except RolloutRanksLost as e:
+            self.without_rollouts(step, e)
         ws = self.warm_start
         in_sft = ws is not None and not ws.finished
         sft_saved = step == self.first_step and ws is not None and ws.progressed
