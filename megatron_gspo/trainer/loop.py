@@ -134,7 +134,7 @@ class Trainer:
         self.optimizer, self.scheduler, self.step = setup_optimizer(
             self.cfg, self.state, self.ddp, self.checkpoints, self.sampler, self.ref_model, self.step,
             during_save=functools.partial(self.hooks.during_save, self))
-        self.stopping.first_step = self.step  # no step of this run completed yet: a stop now saves no new step
+        self.stopping.first_step = self.step  # the RL loop starts: a stop before a step completes saves no new one
         history = []
         while self.step < t.num_steps:
             self.stopping.check(self.step)  # a collective vote; saves and raises TrainingStopped on a stop signal

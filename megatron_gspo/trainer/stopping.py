@@ -50,14 +50,15 @@ class StopControl:
     CheckpointManager; model, sampler: the DDP-wrapped policy and the RL prompt sampler (a warm-start
     checkpoint holds the weights and the data position); during_save: called inside a save (hooks).
 
-    ``first_step``: the step this run started at (a resume's); ``warm_start``: the SFT warm start of this
-    run (sft.SFTRun), once it began. The step itself is handed to every call."""
+    ``first_step``: the step this run's RL loop started at (a resume's), set by the trainer once the training
+    state exists (None before: start-up, the SFT warm start); ``warm_start``: the SFT warm start of this run
+    (sft.SFTRun), once it began. The step itself is handed to every call."""
 
     def __init__(self, cfg: JobConfig, state, flag: PreemptionFlag, source, checkpoints, model, sampler,
                  during_save: Callable[[str], None]) -> None:
         self.cfg, self.state, self.flag, self.source, self.checkpoints = cfg, state, flag, source, checkpoints
         self.model, self.sampler, self.during_save = model, sampler, during_save
-        self.first_step = 0
+        self.first_step: Optional[int] = None
         self.warm_start = None
 
     def requested(self, what: str) -> bool:
@@ -80,24 +81,26 @@ class StopControl:
         """If any rank got a stop signal: all save what this run completed (``step`` RL steps so far, or the
         SFT warm start as far as it went) and raise TrainingStopped (module doc). Called at a step boundary
         (a collective vote), or with ``abandoned`` / ``agreed`` when every rank already agreed (a step left
-        in flight, the warm start's own vote). A rollout rank found gone (async: torchrun stops every rank
-        when one dies, and its signal may come first) makes it the stop for lost rollout ranks."""
+        in flight, the warm start's own vote). In the RL loop, a rollout rank found gone (async: torchrun stops
+        every rank when one dies, and its signal may come first) makes it the stop for lost rollout ranks."""
         if abandoned is None and not agreed and not self.requested("preemption vote"):
             return
         t_stop = time.perf_counter()
         name = self._signal_name()
         try:
-            self.source.stop_if_ranks_lost(name)
+            if self.first_step is not None:  # the RL loop runs: its training state can be saved
+                self.source.stop_if_ranks_lost(name)
         except RolloutRanksLost as e:
             self.without_rollouts(step, e)
+        first = step if self.first_step is None else self.first_step  # before the RL loop, none of it is done
         ws = self.warm_start
         in_sft = ws is not None and not ws.finished
-        sft_saved = step == self.first_step and ws is not None and ws.progressed
+        sft_saved = step == first and ws is not None and ws.progressed
         when = (f"step {step + 1} abandoned {abandoned.where} after {abandoned.elapsed_s:.1f} s"
                 if abandoned is not None else f"in the SFT warm start after SFT step {ws.done} of {ws.steps}" if in_sft
                 else "after the SFT warm start, before step 1" if sft_saved
-                else "during start-up" if step == self.first_step else f"between steps {step} and {step + 1}")
-        nothing = step == self.first_step and not sft_saved
+                else "during start-up" if step == first else f"between steps {step} and {step + 1}")
+        nothing = step == first and not sft_saved
         if self.state.is_main:
             log.warning("%s: %s, %s; %s", name, self.flag.timing(), when,
                         "nothing to save yet" if nothing else f"saving SFT step {ws.done}" if sft_saved
@@ -108,8 +111,8 @@ class StopControl:
             raise self._warm_start_saved(step, name, when, t_stop)
         saved = self._save_last_completed_step(step)
         raise TrainingStopped(f"preempted by signal {name} before step {step + 1}: {saved} (step {step}); exiting "
-                              f"with {EXIT_PREEMPTED} (resume with checkpoint.resume=true); {self.flag.timing()}, {when}, "
-                              f"save {time.perf_counter() - t_stop:.1f} s", StopReason.PREEMPTED)
+                              f"with {EXIT_PREEMPTED} (resume with checkpoint.resume=true); {self.flag.timing()}, "
+                              f"{when}, save {time.perf_counter() - t_stop:.1f} s", StopReason.PREEMPTED)
 
     def _nothing_saved(self, step: int, name: str, when: str, abandoned: bool) -> TrainingStopped:
         where = (f"{self.checkpoints.resume_dir} is still the state to resume from"
