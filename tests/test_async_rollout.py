@@ -475,7 +475,9 @@ def test_a_dead_rollout_rank_is_named_whichever_reaches_the_trainer_first(run_di
     with a line that names rollout rank 1, exit 75, a checkpoint of step 2."""
     fault = (["--kill-in-push", "2:1", "--hold-sigterm"] if first == "the dead rank"
              else ["--kill-rollout-after", "2:1"])
-    line = stopped_line(run_dist, tmp_path, 6, "rollout.weight_sync_bucket_mb=0.05", "rollout.heartbeat_timeout_s=5",
+    # a heartbeat timeout well inside torchrun's 30 s before SIGKILL, and above the beats' lag on a loaded
+    # machine (at 5 s a rollout rank once declared a busy trainer dead before step 2)
+    line = stopped_line(run_dist, tmp_path, 6, "rollout.weight_sync_bucket_mb=0.05", "rollout.heartbeat_timeout_s=10",
                         *fault)
     assert line.startswith("STOPPED exit 75: stopping before step 3: "), line
     if first == "the dead rank":
