@@ -245,7 +245,7 @@ _LEAN_BAD = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
 def test_the_lean_decoders_limits_are_one_table_read_by_the_config_and_the_model_check():
     """config.rules.LEAN_DECODE_LIMITS: every row with a TransformerConfig attribute names a real one of
     megatron-core's (a renamed attribute would read as None, i.e. supported) and is what
-    decode.lean_decode_unsupported reports; every row with a config key is refused by key for decode_impl=lean."""
+    lean_decoder.lean_decode_unsupported reports; every row with a config key is refused by key for decode_impl=lean."""
     import types
 
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -5,9 +5,9 @@ anything is built (TRL-style). A single field's type and range are declared with
 
 Also here, because they are pure functions of the job:
 
-* ``LEAN_DECODE_LIMITS``: what the lean decoder (decode.py) cannot run, once: the rows with a config key
-  are refused here for ``generation.decode_impl=lean``; decode.lean_decode_unsupported checks the rows
-  with a TransformerConfig attribute against a built model (``lean_decode_limit``), plus what only the
+* ``LEAN_DECODE_LIMITS``: what the lean decoder (generation/lean_decoder.py) cannot run, once: the rows
+  with a config key are refused here for ``generation.decode_impl=lean``; lean_decode_unsupported (there)
+  checks the rows with a TransformerConfig attribute against a built model (``lean_decode_limit``), plus what only the
   built modules show;
 * ``old_logprob_source``: where the old policy's log-probs come from (``train.old_logprobs`` resolved for
   a device). The refusals of old-log-prob combinations are ``TrainConfig``'s (dynamic sampling, R2) and
@@ -242,7 +242,7 @@ def _shown(v) -> str:
 
 def lean_decode_runs_here(job) -> None:
     """generation.decode_impl=lean runs on one rank of model parallelism, on the local or the Transformer Engine
-    spec's weights (decode.lean_decode_unsupported); what the config alone shows is refused here, by key,
+    spec's weights (lean_decoder.lean_decode_unsupported); what the config alone shows is refused here, by key,
     rather than on every rank after the model is built."""
     if job.generation.decode_impl != "lean":
         return

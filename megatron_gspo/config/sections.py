@@ -28,7 +28,7 @@ OVERLONG_POLICIES = ("drop", "truncate_left", "error")
 ROLLOUT_CORRECTION_MODES = ("off", "tis", "mis")  # rollout_correction.correction_weights
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 DEVICES = ("auto", "cuda", "cpu")  # parallel.resolve_device
-DECODE_IMPLS = ("auto", "lean", "megatron")  # decode_backends.make_decode_backend
+DECODE_IMPLS = ("auto", "lean", "megatron")  # generation/decoder.py's make_backend
 
 # The most extra generation rounds train.dynamic_sampling_max_rounds may allow in one step. DAPO's
 # runs need about 1-3 (verl's recipe caps them at 10); past a few dozen a step that finds no signal

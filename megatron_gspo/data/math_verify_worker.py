@@ -5,7 +5,7 @@ works only in the main thread of the main interpreter (anywhere else it raises V
 one alarm per process (its ``alarm(0)`` cancels any other alarm a job set, e.g. a reward plug-in's or
 pytest-timeout's), its handler raises an exception into whatever code runs when the alarm fires, and a
 C-level computation (a huge integer power) is not interrupted at all. The trainer's ranks also own
-their signal handling (faults.PreemptionFlag: SIGTERM / SIGUSR1 mean "save and stop").
+their signal handling (stop.PreemptionFlag: SIGTERM / SIGUSR1 mean "save and stop").
 
 So the checking runs in a child process (``python -m megatron_gspo.data.math_verify_worker``), started on
 first use and kept for the process's lifetime, and touches no signal of the trainer. Two limits:

@@ -60,7 +60,7 @@ class DecodeBackend:
 
 
 class LeanBackend(DecodeBackend):
-    """A decode.LeanDecoder (kept across generations by generation.Generator) behind the interface, for
+    """A lean_decoder.LeanDecoder (kept across generations by generation.Generator) behind the interface, for
     one generation: ``context()`` readies it (``LeanDecoder.begin``: KV cache, left padding, weights) and
     releases it (``end``)."""
 
@@ -97,7 +97,7 @@ def _device_moes(m) -> list:
 
 
 class MegatronBackend(DecodeBackend):
-    """GPTModel.forward with megatron's StaticInferenceContext (see generation.py's module doc)."""
+    """GPTModel.forward with megatron's StaticInferenceContext (see generator.py's module doc)."""
 
     def __init__(self, m, batch: int, slots: int, positions: torch.Tensor, key_pad: torch.Tensor, ragged: bool) -> None:
         from megatron.core.inference.contexts import StaticInferenceContext

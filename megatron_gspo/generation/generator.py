@@ -7,7 +7,7 @@ floating-point noise of a KV-cache forward versus a full forward (tested below 1
 The loop and its forward back-ends
     ``generate`` is the sampling loop: prefill, then per step record the sampled tokens, check the
     finished rows every few tokens, feed the rows still generating. The model forwards sit behind
-    one interface (decode_backends.py): the lean decoder (decode.py: the model's own modules, a KV
+    one interface (decoder.py): the lean decoder (lean_decoder.py: the model's own modules, a KV
     cache of roped keys, device-side MoE dispatch, a graph-ready step that ``generation.cuda_graphs``
     captures with CUDA graphs) where it supports the layout, else megatron's own path below.
 
@@ -303,13 +303,13 @@ class Generator:
     """Generation on one model, call after call: a rollout source, an evaluator and an asynchronous
     rollout rank each keep one for the job (``generate()`` alone builds a throwaway one).
 
-    The lean decoder (decode.LeanDecoder: its RoPE table, its MoE wrappers, its buffers) is built at the
+    The lean decoder (lean_decoder.LeanDecoder: its RoPE table, its MoE wrappers, its buffers) is built at the
     first call and kept. With ``generation.cuda_graphs`` its KV cache and its captured decode steps are
     kept too (a graph reads the buffers it was captured on), so the steps are captured once per job;
     a call that needs more rows or KV slots than the decoder holds grows it once (logged: the steps are
     captured again). Without graphs the KV cache is allocated per call, sized to it, and freed after
     (training reuses that memory). The weights are read where they are at each call (an optimizer step
-    updates them in place; decode.LeanDecoder.begin). megatron's path (``MegatronBackend``) keeps
+    updates them in place; lean_decoder.LeanDecoder.begin). megatron's path (``MegatronBackend``) keeps
     nothing: its context is built per call.
 
     model / vocab_size / state: as ``generate``'s. rows / slots: the most rows and KV slots (prompt

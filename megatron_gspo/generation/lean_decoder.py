@@ -735,7 +735,7 @@ class LeanDecoder:
 
     def torch_routers(self) -> contextlib.AbstractContextManager:
         """The context of this decoder's forwards: the routers' gating GEMM in torch, not TE's
-        (torch_router_gating; generate() enters it through decode_backends.LeanBackend.context)."""
+        (torch_router_gating; generate() enters it through decoder.LeanBackend.context)."""
         return torch_router_gating(self.m)
 
     def last_routes(self, b: int, prefill: bool = False) -> torch.Tensor:

@@ -63,6 +63,9 @@ class ColocatedSource:
         """A stop signal another side of the job asked for (none: every rank of a colocated job votes itself)."""
         return None
 
+    def stop_if_ranks_lost(self, signal_name: str) -> None:
+        """Nothing to lose: a colocated job generates on the trainer's own ranks."""
+
     def close(self) -> None:
         pass
 

@@ -139,7 +139,7 @@ def record(code: int, message: str) -> None:
         _write_atomically(error_file, json.dumps(payload))
 
 
-# Signals after which the ranks save and stop (faults.STOP_SIGNALS). The launcher's supervisor
+# Signals after which the ranks save and stop (stop.STOP_SIGNALS). The launcher's supervisor
 # (launch/supervisor.py) delivers them to the ranks itself, once each; torchrun runs with them ignored.
 GRACEFUL = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 

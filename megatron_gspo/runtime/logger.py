@@ -22,8 +22,12 @@ log = logging.getLogger("megatron_gspo")
 
 
 def setup_logging(rank: int, prefix: str | None = None) -> None:
-    """INFO on rank 0, WARNING elsewhere; megatron's import-time apex/TE notices silenced. ``prefix``: who
-    speaks, in brackets after the time (an async job's rollout ranks: "rollout rank N")."""
+    """The process's logging and warning filters, for a command-line entry point (train.main, the preflight,
+    the comparison's runs, the test programs): the root logger at INFO on rank 0, WARNING elsewhere, one
+    line per record on stdout; megatron's import-time apex/TE notices, DeprecationWarning and
+    FutureWarning silenced. ``prefix``: who speaks, in brackets after the time (an async job's rollout
+    ranks: "rollout rank N"). The library itself never calls it: it logs to the ``megatron_gspo`` logger
+    and leaves the host program's logging and warnings as they are."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")

@@ -66,8 +66,8 @@ def build_sft_batch(prompts, tokenizer, pad_id: int, device="cpu") -> tuple[torc
 
 class SFTRun:
     """The warm start's state: its optimizer, its own prompt stream and the steps done, so that a stop
-    signal can cut it short between two steps and a checkpoint of it (trainer.save_warm_start) continues
-    exactly where it stopped. model: the DDP-wrapped policy; cfg: the JobConfig (train.sft_*, optimizer,
+    signal can cut it short between two steps and a checkpoint of it (StopControl.save_warm_start, in
+    trainer/stopping.py) continues exactly where it stopped. model: the DDP-wrapped policy; cfg: the JobConfig (train.sft_*, optimizer,
     model, data); pad: the padding token id. ``optimizer=False``: none is built (a finished warm start
     that only restores its weights)."""
 
@@ -163,7 +163,7 @@ class SFTWarmStart(TrainerHook):
             run.load_state_dict(progress, accept=trainer.checkpoints.change_allowed)
             log.info("resumed the supervised warm start from %s at SFT step %d of %d", info["path"], run.done,
                      run.steps)
-        trainer.warm_start = run
+        trainer.stopping.warm_start = run  # what a stop signal from now on saves
         if not run.run(should_stop=lambda: trainer.stop_requested("preemption vote in the SFT warm start")):
             trainer.stop_if_preempted(agreed=True)
         run.optimizer = None  # its memory goes before the RL optimizer is built
