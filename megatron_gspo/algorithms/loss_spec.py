@@ -289,7 +289,9 @@ class LossSpec:
     def describe_values(self, values: Values) -> str:
         if self.clip is not None:
             return f"clip {values['clip_ratio_low']:g} / {values['clip_ratio_high']:g}{self.units.suffix}"
-        return self.describe.format(**values)
+        if self.describe:
+            return self.describe.format(**values)
+        return ", ".join(f"{s.key} {values[s.arg]}" for s in self.settings) or "no clip range"
 
 
 def resolve_settings(spec: LossSpec, given: dict, numerics: Numerics, fn_name: str) -> Values:
