@@ -96,6 +96,39 @@ def test_bad_yaml_file(tmp_path):
         parse_overrides(["model.num_layers"])
 
 
+def test_yaml_section_or_key_given_twice_is_refused_by_file_line_and_key(tmp_path):
+    """YAML keeps the last of two equal keys silently: a job file that sets one twice is refused by name."""
+    p = tmp_path / "twice.yaml"
+    p.write_text("train:\n  num_steps: 3\nloss:\n  name: grpo\ntrain:\n  num_steps: 5\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml:5: section 'train' is given twice \(first at line 1\)"):
+        load_yaml(p)
+    p.write_text("loss:\n  name: grpo\n  clip_ratio_high: 0.28\n  name: gspo\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml:4: key loss\.name is given twice \(first at line 2\)"):
+        load_yaml(p)
+    p.write_text("data:\n  task_kwargs:\n    max_digits: 3\n    max_digits: 4\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml:4: key data\.task_kwargs\.max_digits is given twice"):
+        load_yaml(p)
+    p.write_text("base: &b\n  num_steps: 3\ntrain:\n  <<: *b\n  num_steps: 4\n")  # a merge key is no repeat
+    assert load_yaml(p)["train"] == {"num_steps": 4}
+
+
+def test_empty_job_file_is_refused(tmp_path):
+    for text in ("", "# only a comment\n", "---\n"):
+        p = tmp_path / "empty.yaml"
+        p.write_text(text)
+        with pytest.raises(ConfigError, match=r"empty\.yaml: empty job file"):
+            config.load_job_config(str(p))
+
+
+def test_a_null_section_is_blamed_on_the_yaml_not_on_an_override(tmp_path):
+    p = tmp_path / "null.yaml"
+    p.write_text("loss:\n  name: gspo\ntrain: null\n")
+    for overrides in ([], ["train.num_steps=3"]):
+        with pytest.raises(ConfigError, match=r"null\.yaml:3: train: null") as e:
+            config.load_job_config(str(p), overrides)
+        assert "override" not in str(e.value)
+
+
 TINY = dict(num_attention_heads=4, num_query_groups=2, num_moe_experts=4, moe_ffn_hidden_size=32)
 
 
@@ -196,16 +229,12 @@ def test_hf_router_normalization_and_expert_key_spellings():
 
 
 def test_config_names_match_the_registries():
-    """The config validates names without importing the subsystems; each registry offers exactly them."""
+    """The config validates names without importing the subsystems; each registry offers exactly them. (The loss
+    section reads the loss specs instead: tests/test_loss_specs.py.)"""
     from megatron_gspo.algorithms.advantages import ADVANTAGE_ESTIMATORS
-    from megatron_gspo.algorithms.losses import POLICY_LOSSES
     from megatron_gspo.data.tokenizer import build_tokenizer  # noqa: F401 (TOKENIZER_TYPES is its dispatch)
 
-    assert tuple(POLICY_LOSSES) == config.LOSS_NAMES
     assert tuple(ADVANTAGE_ESTIMATORS) == config.ADVANTAGE_ESTIMATOR_NAMES
-    # every loss has a default clip range but SAPO, whose soft gate has temperatures instead
-    assert set(config.DEFAULT_CLIP_RATIOS) == set(config.LOSS_NAMES) - {"sapo"}
-    assert set(config.TOKEN_RATIO_LOSSES) <= set(config.LOSS_NAMES) and set(config.AGG_MODE_LOSSES) <= set(config.LOSS_NAMES)
 
 
 # ----------------------------------------------------------------------------------------------

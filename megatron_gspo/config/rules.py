@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 from megatron_gspo.config.checks import check
 from megatron_gspo.config.model import resolve_precision
-from megatron_gspo.config.sections import MIN_SAMPLING_TEMPERATURE, TOKEN_RATIO_LOSSES
+from megatron_gspo.config.sections import MIN_SAMPLING_TEMPERATURE
 from megatron_gspo.errors import ConfigError
 
 
@@ -46,12 +46,22 @@ def minibatches_divide_the_rollout(job) -> None:
 
 
 def routing_replay_needs_token_ratios(job) -> None:
+    # routing noise enters each token's ratio; GSPO's sequence ratio averages it out (the loss's spec says which)
     t = job.train
     if t.routing_replay != "off":
-        check(job.loss.name in TOKEN_RATIO_LOSSES,
+        from megatron_gspo.algorithms.loss_spec import TOKEN, loss_spec, losses_where
+
+        check(loss_spec(job.loss.name).ratio == TOKEN,
               f"train.routing_replay={t.routing_replay!r} is for the losses with per-token ratios "
-              f"({', '.join(TOKEN_RATIO_LOSSES)}); loss.name={job.loss.name!r} uses GSPO's sequence ratio "
-              "(GSPO needs no routing replay). Set train.routing_replay=off")
+              f"({', '.join(losses_where(lambda s: s.ratio == TOKEN))}); loss.name={job.loss.name!r} uses GSPO's "
+              "sequence ratio (GSPO needs no routing replay). Set train.routing_replay=off")
+
+
+def loss_fits_the_precision(job) -> None:
+    """The loss's settings in the training precision (algorithms/loss_spec.py: what would overflow there), by key."""
+    from megatron_gspo.algorithms.loss_spec import check_loss_config, numerics_of
+
+    check_loss_config(job.loss, numerics_of(job.model.precision))
 
 
 def warm_start_needs_answers(job) -> None:
@@ -320,7 +330,7 @@ def async_without_dynamic_sampling(job) -> None:
 
 # In this order (the first broken rule is the one reported).
 RULES: tuple[Callable[[Any], None], ...] = (
-    minibatches_divide_the_rollout, routing_replay_needs_token_ratios, warm_start_needs_answers,
+    minibatches_divide_the_rollout, routing_replay_needs_token_ratios, loss_fits_the_precision, warm_start_needs_answers,
     no_pipeline_parallelism, prompt_and_response_fit_the_positions, overlong_buffer_within_the_response,
     dynamic_sampling_needs_groups, groups_of_two_or_more, no_greedy_groups, temperature_floor, top_k_not_greedy,
     top_p_not_greedy, overlong_filtering_keeps_some_rows, transformer_engine_not_on_the_cpu, lean_decode_runs_here,

@@ -7,18 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_gspo.config.checks import check, check_loss_range, finite
+from megatron_gspo.config.checks import check
 from megatron_gspo.config.fields import Resume, knob, validate
 from megatron_gspo.errors import ConfigError
 
 # Names the registries must offer (tests/test_config.py checks each registry against its tuple):
-# the config validates names without importing the subsystems that implement them.
-LOSS_NAMES = ("gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo", "luspo")  # algorithms/losses.py: POLICY_LOSSES
-# Losses whose importance ratios are per token: routing noise enters each token's ratio, so routing
-# replay (train.routing_replay) applies to them. The others use GSPO's sequence ratio, which needs none.
-TOKEN_RATIO_LOSSES = ("grpo", "sapo", "cispo", "gmpo")
-# Losses that take loss.loss_agg_mode (the others fix their aggregation to their paper's).
-AGG_MODE_LOSSES = ("grpo", "cispo")
+# the config validates names without importing the subsystems that implement them. (The loss section is
+# the exception: a loss is one spec beside its function, read when a LossConfig is checked.)
 ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "mean_only")  # algorithms/advantages.py: ADVANTAGE_ESTIMATORS
 TOKENIZER_TYPES = ("builtin", "hf", "sentencepiece")  # tokenizer.build_tokenizer
 ROUTING_REPLAY_MODES = ("off", "R2", "R3")  # routing.RoutingPolicy
@@ -39,23 +34,6 @@ DYNAMIC_SAMPLING_ROUNDS_LIMIT = 32
 # below it sampling is greedy decoding in all but name, and log-softmax(logits / T) amplifies every
 # change of the logits by 1 / T (vLLM clamps temperatures below the same 1e-2 for its numerics).
 MIN_SAMPLING_TEMPERATURE = 0.01
-
-# Paper defaults: GSPO §5.1 uses 3e-4 / 4e-4 (sequence ratios live very close to 1 because they
-# are geometric means); GRPO/PPO use 0.2 / 0.2 (DAPO's clip-higher is 0.2 / 0.28). LUSPO §5.1: 2e-3 /
-# 2.5e-3. CISPO truncates the importance weight at 1 + 4 = 5 with no lower bound (1 - 1 = 0):
-# MiniMax-M1 sets no lower bound and publishes no upper one; 5 is ScaleRL's (arXiv 2510.13786) as TRL
-# documents it. GMPO clips each token's log-ratio to [-0.4, 0.4] (§4). SAPO has no clip range (a
-# soft gate: loss.sapo_tau_pos / sapo_tau_neg).
-DEFAULT_CLIP_RATIOS: dict[str, tuple[float, float]] = {
-    "gspo": (3e-4, 4e-4),
-    "gspo_token": (3e-4, 4e-4),
-    "grpo": (0.2, 0.2),
-    "cispo": (1.0, 4.0),
-    "gmpo": (0.4, 0.4),
-    "luspo": (2e-3, 2.5e-3),
-}
-# SAPO's gate temperatures (arXiv 2511.20347): tau_neg > tau_pos damps negative-advantage updates faster.
-SAPO_TAUS = (1.0, 1.05)
 
 
 @dataclass
@@ -96,32 +74,31 @@ class ParallelConfig:
 
 @dataclass
 class LossConfig:
-    """The ``loss`` section of a job.
+    """The ``loss`` section of a job: which policy loss, and its settings. Which keys a loss reads, their defaults
+    and bounds are its spec's (algorithms/loss_spec.py; the table of losses below): a key it does not read is
+    refused by name, as is a value out of bounds, in the training precision for those that overflow.
 
-    name: "gspo" | "gspo_token" | "grpo" | "sapo" | "cispo" | "gmpo" | "luspo" (docs/algorithms.md).
-    clip_ratio_low / clip_ratio_high: the clip range, in each loss's own units. None picks the
-        loss's paper default: 3e-4 / 4e-4 for gspo and gspo_token (GSPO paper §5.1), 0.2 / 0.2 for
-        grpo (set 0.2 / 0.28 for DAPO's clip-higher), 2e-3 / 2.5e-3 for luspo (LUSPO §5.1): the ratio
-        range [1 - low, 1 + high]. cispo: the importance weight's truncation [1 - low, 1 + high],
-        default 1.0 / 4.0, i.e. no lower bound and a cap of 5 (MiniMax-M1 tunes only the upper end).
-        gmpo: each token's log-ratio range [-low, high], default 0.4 / 0.4 (GMPO §4: ratios within
-        e^-0.4 .. e^0.4). sapo has no clip range and refuses them.
-    loss_agg_mode (grpo, cispo): "token-mean" (every response token of the batch weighs the same;
-        CISPO's own), "seq-mean-token-mean" (GRPO paper: mean over tokens within a sequence, then
-        over sequences), "seq-mean-token-sum-norm" (Dr. GRPO: token sum / loss_agg_norm_constant,
-        then mean over sequences). The other losses aggregate as their papers do (per sequence).
+    name: a registered loss, "gspo" | "gspo_token" | "grpo" | "sapo" | "cispo" | "gmpo" | "luspo", or your own as
+        "package.module:function" / "path/to/file.py:function" (a function made by losses.policy_loss).
+    clip_ratio_low / clip_ratio_high: the clip range, in the loss's own units (a ratio range [1 - low, 1 + high],
+        an importance weight's truncation, a log-ratio range); None picks the loss's default (its paper's).
+        A loss without a clip range (sapo) refuses them.
+    loss_agg_mode (the losses that take it: grpo, cispo): "token-mean" (every response token of the batch weighs
+        the same; CISPO's own), "seq-mean-token-mean" (GRPO paper: mean over tokens within a sequence, then
+        over sequences), "seq-mean-token-sum-norm" (Dr. GRPO: token sum / loss_agg_norm_constant, then mean over
+        sequences). The other losses aggregate as their papers do (per sequence).
     loss_agg_norm_constant: the constant of "seq-mean-token-sum-norm", normally the maximum
         response length; required by that mode and rejected by the others.
     kl_coef: weight of the k3 KL estimator to the reference policy (needs ref_logp).
     dual_clip_c (grpo only): > 1; for A < 0 the objective is bounded below by c * A.
-    log_ratio_bound: |log-ratio| cap before exp (see the module docstring).
+    log_ratio_bound: |log-ratio| cap before exp (see the losses module docstring).
     entropy_coef: weight of the entropy bonus (needs an entropy tensor).
     sapo_tau_pos / sapo_tau_neg (sapo only): temperatures of SAPO's gate for tokens with positive /
-        non-positive advantage (paper defaults 1.0 / 1.05; higher = the gate closes faster as the
+        non-positive advantage (paper values 1.0 / 1.05; higher = the gate closes faster as the
         ratio leaves 1).
     """
 
-    name: str = knob("gspo", resume=Resume.REFUSED, choices=LOSS_NAMES)
+    name: str = knob("gspo", resume=Resume.REFUSED)
     clip_ratio_low: Optional[float] = knob(None, resume=Resume.REFUSED)
     clip_ratio_high: Optional[float] = knob(None, resume=Resume.REFUSED)
     loss_agg_mode: str = knob("token-mean", resume=Resume.REFUSED, choices=LOSS_AGG_MODES)
@@ -130,64 +107,30 @@ class LossConfig:
     dual_clip_c: Optional[float] = knob(None, resume=Resume.REFUSED, gt=1)
     log_ratio_bound: float = knob(20.0, resume=Resume.REFUSED, gt=0)
     entropy_coef: float = knob(0.0, resume=Resume.REFUSED, ge=0)
-    sapo_tau_pos: float = knob(SAPO_TAUS[0], resume=Resume.REFUSED, gt=0)
-    sapo_tau_neg: float = knob(SAPO_TAUS[1], resume=Resume.REFUSED, gt=0)
+    sapo_tau_pos: float = knob(1.0, resume=Resume.REFUSED, gt=0)
+    sapo_tau_neg: float = knob(1.05, resume=Resume.REFUSED, gt=0)
 
     def __post_init__(self) -> None:
         validate(self, "loss")
-        name = self.name
-        if name == "sapo":
-            for key in ("clip_ratio_low", "clip_ratio_high"):
-                check(getattr(self, key) is None,
-                      f"loss.{key}={getattr(self, key)} does not apply to loss.name='sapo': SAPO has no clip range, "
-                      "its soft gate is set by loss.sapo_tau_pos / loss.sapo_tau_neg")
-        else:
-            # the clip range's units depend on the loss (check_loss_range: cispo's and gmpo's are not ratios)
-            if self.clip_ratio_low is not None and name not in ("cispo", "gmpo"):
-                check(finite(self.clip_ratio_low) and 0 < self.clip_ratio_low < 1,
-                      f"loss.clip_ratio_low must be in (0, 1), got {self.clip_ratio_low}")
-            if self.clip_ratio_high is not None:
-                check(finite(self.clip_ratio_high) and self.clip_ratio_high > 0,
-                      f"loss.clip_ratio_high must be a finite number > 0, got {self.clip_ratio_high}")
-            low, high = self.clip_range()
-            check_loss_range(self.name, low, high, self.log_ratio_bound)
-        check(self.name == "sapo" or (self.sapo_tau_pos, self.sapo_tau_neg) == SAPO_TAUS,
-              f"loss.sapo_tau_pos / loss.sapo_tau_neg ({self.sapo_tau_pos} / {self.sapo_tau_neg}) apply to "
-              f"loss.name='sapo' only, got name={self.name!r}")
-        if name not in AGG_MODE_LOSSES:
-            check(self.loss_agg_mode == "token-mean",
-                   f"loss.loss_agg_mode={self.loss_agg_mode!r} applies to loss.name in {list(AGG_MODE_LOSSES)} only; "
-                   f"{self.name} always aggregates as its paper does (leave loss_agg_mode at 'token-mean')")
-        if self.name != "grpo":
-            check(self.dual_clip_c is None,
-                   f"loss.dual_clip_c applies to loss.name='grpo' only, got name={self.name!r}")
-        if self.loss_agg_mode == "seq-mean-token-sum-norm":
-            c = self.loss_agg_norm_constant
-            check(c is not None and finite(c) and c > 0,
-                   "loss.loss_agg_norm_constant must be a number > 0 (the maximum response length) "
-                   f"with loss.loss_agg_mode='seq-mean-token-sum-norm', got {c}")
-        else:
-            check(self.loss_agg_norm_constant is None,
-                   "loss.loss_agg_norm_constant is only used with loss.loss_agg_mode='seq-mean-token-sum-norm', "
-                   f"got loss_agg_mode={self.loss_agg_mode!r}")
+        from megatron_gspo.algorithms.loss_spec import check_loss_config  # the registry: see the docstring
+
+        check_loss_config(self)
 
     def clip_range(self) -> Optional[tuple[float, float]]:
-        """(clip_ratio_low, clip_ratio_high) with None resolved to the loss's default; None for sapo
-        (no clip range)."""
-        if self.name not in DEFAULT_CLIP_RATIOS:
+        """(clip_ratio_low, clip_ratio_high) with None resolved to the loss's default; None for a loss without
+        a clip range (sapo)."""
+        from megatron_gspo.algorithms.loss_spec import config_values, loss_spec
+
+        if loss_spec(self.name).clip is None:
             return None
-        d_low, d_high = DEFAULT_CLIP_RATIOS[self.name]
-        low = d_low if self.clip_ratio_low is None else self.clip_ratio_low
-        high = d_high if self.clip_ratio_high is None else self.clip_ratio_high
-        return low, high
+        values = config_values(self)
+        return values["clip_ratio_low"], values["clip_ratio_high"]
 
     def describe(self) -> str:
-        """The loss's hyperparameters in one phrase, for logs: "clip 0.0003 / 0.0004", "gate tau 1 / 1.05"."""
-        if self.name == "sapo":
-            return f"gate tau {self.sapo_tau_pos:g} / {self.sapo_tau_neg:g}"
-        low, high = self.clip_range()
-        unit = " (log-ratio)" if self.name == "gmpo" else " (weight truncation)" if self.name == "cispo" else ""
-        return f"clip {low:g} / {high:g}{unit}"
+        """The loss's settings in one phrase, for logs: "clip 0.0003 / 0.0004", "gate tau 1 / 1.05"."""
+        from megatron_gspo.algorithms.loss_spec import config_values, loss_spec
+
+        return loss_spec(self.name).describe_values(config_values(self))
 
 
 @dataclass
