@@ -58,6 +58,7 @@ def remove_leftovers(target: str, say) -> None:
     earlier output a --force run had moved aside (put back as ``target`` when the run died before its new
     output was in place). ``say(line)`` tells the user. A temp directory whose conversion still runs stays."""
     parent, base = os.path.split(os.path.abspath(target))
+    check_writable(parent, f"--out {os.path.abspath(target)}", error=ConversionError)  # before touching anything
     if not os.path.isdir(parent):
         return
     for name in sorted(os.listdir(parent)):

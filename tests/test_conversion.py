@@ -523,13 +523,14 @@ def test_a_stop_signal_mid_conversion_removes_its_output_and_says_so(mcore, hf_m
 
 
 def _owner(path, pid):
-    """What a conversion writing ``path`` records about itself (files.OWNER), with another pid."""
-    from checkpoints_tools.files import OWNER
-    from megatron_gspo.runtime.owner import holder
+    """What a conversion writing ``path`` records about itself (files.OWNER: runtime/owner.holder), with ``pid``."""
+    import socket
 
     os.makedirs(path)
-    with open(os.path.join(path, OWNER), "w") as f:
-        json.dump({**holder(), "pid": pid, "pid_start": None}, f)
+    with open(os.path.join(path, ".conversion-owner.json"), "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": pid, "pid_start": None, "slurm_job": None, "slurm_restart": 0,
+                   "started": "2025-11-28 08:00:00 UTC", "command": "python -m checkpoints_tools.megatron_to_hf",
+                   "token": "0" * 32}, f)
 
 
 def test_leftovers_of_killed_conversions_are_named_and_removed(mcore, hf_model, tmp_path, capsys):
