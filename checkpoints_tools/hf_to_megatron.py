@@ -104,6 +104,7 @@ def convert(hf_dir: str, out: str, force: bool = False, dtype: Optional[str] = N
                  f"{len(hf.entries)} tensors in {len({e.file for e in hf.entries.values()})} file(s); "
                  f"vocab {cfg.vocab_size} padded to {cfg.padded_vocab_size}")
 
+    stop_point()  # a signal during the checks: stop before anything is written
     with atomic_output_dir(out, force) as tmp:
         writer = DistCheckpointWriter(tmp)
         writer.plan(plans)

@@ -254,6 +254,7 @@ def convert(ckpt: str, out: str, tokenizer_dir: str, max_shard_size: str | int =
     progress.log(f"{ckpt}: {cls.model_type}, {cfg.num_layers} layers, {cfg.num_moe_experts} experts "
                  f"(config {cfg_src}, key prefix {pfx!r}); writing {len(entries)} tensors in {n_sh} shard(s)")
 
+    stop_point()  # a signal during the checks: stop before anything is written
     with atomic_output_dir(out, force) as tmp:
         weight_map = {}
         shard_of = {}
