@@ -561,8 +561,10 @@ def test_leftovers_of_killed_conversions_are_named_and_removed(mcore, hf_model, 
 
 
 def test_a_long_conversion_reports_progress_and_stops_within_seconds(tmp_path):
-    """A real SIGTERM to a conversion of a ~100 MB model once its first progress line is out: it ends within
-    seconds (at the next tensor), exit 143, its partial output gone."""
+    """A real SIGTERM to a conversion of a ~100 MB model (8 layer groups) once its first progress line is out:
+    it ends at the next tensor, not at the end of the model: no more than the group in flight reports after
+    the signal (a wall-clock bound alone would measure the machine's load; on an idle one it takes < 1 s),
+    exit 143, its partial output gone."""
     import time
 
     hf = str(tmp_path / "big")
@@ -580,6 +582,7 @@ def test_a_long_conversion_reports_progress_and_stops_within_seconds(tmp_path):
     rest = p.stderr.read()
     rc = p.wait(timeout=120)
     waited = time.perf_counter() - t0
-    assert rc == 143 and waited < 10, (rc, waited, rest[-2000:])
+    groups_after = re.findall(r"^\[hf->megatron\] \d+/\d+ ", rest, flags=re.M)
+    assert rc == 143 and len(groups_after) <= 1 and waited < 120, (rc, waited, rest[-2000:])
     assert rest.splitlines()[-1].startswith("stopped by SIGTERM: removed the partial output "), rest[-2000:]
     assert no_leftovers(out)
