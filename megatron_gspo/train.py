@@ -14,6 +14,7 @@ import sys
 from typing import Callable, Optional
 
 from megatron_gspo.runtime import exit_status
+from megatron_gspo.runtime.exit_status import StoppedFor
 from megatron_gspo.runtime.stop import STOP_SIGNALS, PreemptionFlag  # standard library only: no torch yet
 
 if __name__ == "__main__":
@@ -121,7 +122,7 @@ def run_trainer(trainer: Trainer, on_exit: Optional[Callable[[], None]] = None) 
         if trainer.state.is_main and result["history"]:
             log.info(summarize(*run_history(trainer.cfg.train.output_dir, result["history"], trainer.step),
                                trainer.cfg.loss.name))
-    except TrainingStopped as e:
+    except StoppedFor as e:  # TrainingStopped, or a checkpoint the disk refused (checkpoint/space.py)
         # every rank stops for the same reason: one line (rank 0's), the launcher repeats it
         (log.error if trainer.state.is_main else log.info)("%s", e)
         exit_status.record(e.exit_code, str(e))

@@ -289,6 +289,22 @@ def test_old_docs_flag_is_refused_with_its_replacement(capsys):
     assert "--docs-dir" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--variants", ""], "--variants '' names no variant; give a comma-separated list from "),
+    (["--variants", " , "], "--variants ' , ' names no variant"),
+    (["--variants", "gspo,grpo", "--variant-override", "sapo:loss.sapo_tau_pos=2"],
+     "--variant-override 'sapo:loss.sapo_tau_pos=2': variant 'sapo' is not run by this comparison (--variants "
+     "gspo,grpo); add it to --variants or drop the override"),
+    (["--variant-override", "gspo-optimizer.lr=1"], "--variant-override 'gspo-optimizer.lr=1': write "
+                                                    "VARIANT:section.key=value"),
+])
+def test_variants_and_their_overrides_are_checked_before_any_work(capsys, argv, said):
+    """An empty --variants ran 14 s of work, then KeyError; an override of a variant not run was ignored."""
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err
+
+
 def _write_seed_runs(out) -> None:
     """A finished --seeds directory (OUT/<variant>/seed_<s>/metrics.jsonl) of gspo and grpo_r2, 20 steps."""
     import random

@@ -34,6 +34,7 @@ def run_job(overrides):
         result = trainer.run()
         after = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     finally:
+        trainer.close()  # gives back checkpoint.save's lock, as train.run_trainer does
         parallel.destroy()
     return before, after, result
 

@@ -416,7 +416,8 @@ class CheckpointConfig:
     # accepts although it changes the training trajectory (e.g. [optimizer.lr]). A resume compares
     # the job with the checkpoint's config (checkpoint/config_change.py): keys that only steer
     # logging, saving, evaluation, the layout or speed may change and are logged; any other change
-    # is refused by name unless listed here.
+    # is refused by name unless listed here. checkpoint.load (initial weights) compares the model keys
+    # its weights are bound to (vocabulary, positions, rotary base, ...) the same way.
     allow_config_change: list[str] = knob(default_factory=list, resume=Resume.MAY_CHANGE)
 
     def __post_init__(self) -> None:

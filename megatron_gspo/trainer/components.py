@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 from megatron_gspo.runtime import parallel
 from megatron_gspo.algorithms.rollout_correction import inactive_reason
 from megatron_gspo.checkpoint import CheckpointManager
 from megatron_gspo.config import JobConfig, to_dict
+from megatron_gspo.errors import ConfigError
+from megatron_gspo.runtime.writable import check_writable
 from megatron_gspo.data.prompts import build_eval_prompts, build_prompt_sampler
 from megatron_gspo.trainer.evaluation import Evaluator
 from megatron_gspo.model.gpt import build_model, impl_reason, job_precision, model_summary, resolve_impl, wrap_ddp
@@ -54,9 +57,28 @@ def build_data(cfg: JobConfig):
     return tokenizer, sampler
 
 
+def check_outputs(cfg: JobConfig, st) -> None:
+    """Every place the job writes, writable now (runtime/writable.py), before anything is built: checkpoint.save
+    on every rank (each writes its own files), train.output_dir (metrics.jsonl, tensorboard/) on the rank that
+    logs. ConfigError naming the key and the cause."""
+    ck, out = cfg.checkpoint.save, cfg.train.output_dir
+    if ck:
+        check_writable(ck, f"checkpoint.save={ck}", error=ConfigError)
+    if st.is_main:
+        check_writable(out, f"train.output_dir={out}", error=ConfigError)
+        check_writable(os.path.join(out, "metrics.jsonl"), f"train.output_dir={out}", directory=False, error=ConfigError)
+        if cfg.train.tensorboard:
+            check_writable(os.path.join(out, "tensorboard"), f"train.output_dir={out}", error=ConfigError)
+
+
 def build_checkpoints(cfg: JobConfig, st) -> CheckpointManager:
-    checkpoints = CheckpointManager(cfg.checkpoint, st)
-    checkpoints.check_config(to_dict(cfg))  # a resume refuses a trajectory-changing config change
+    """The resume decision and checkpoint.save's lock (checkpoint/lock.py; given back by release_process_state)."""
+    checkpoints = CheckpointManager(cfg.checkpoint, st, num_steps=cfg.train.num_steps)
+    try:
+        checkpoints.check_config(to_dict(cfg))  # a resume refuses a trajectory-changing config change
+    except BaseException:
+        checkpoints.close()
+        raise
     return checkpoints
 
 
@@ -119,9 +141,11 @@ def log_setup(cfg: JobConfig, st, recompute: bool, why: str) -> None:
 
 
 def release_process_state(trainer) -> None:
-    """Give back what ``trainer`` set process-wide: the rollout ranks of an async job follow it out,
-    megatron's per-model globals are reset, deterministic mode is undone. Each once (a second call is a
-    no-op for the side and determinism)."""
+    """Give back what ``trainer`` set process-wide: checkpoint.save's lock, the rollout ranks of an async job
+    follow it out, megatron's per-model globals are reset, deterministic mode is undone. Each once (a second
+    call is a no-op for the lock, the side and determinism)."""
+    if getattr(trainer, "checkpoints", None) is not None:  # checkpoint.save's lock, on every way out
+        trainer.checkpoints.close()
     if trainer.side is not None:  # the rollout ranks follow the trainer out
         trainer.side.close(stop="the trainer ended")
         trainer.side = None

@@ -82,11 +82,12 @@ class Trainer:
         """The components (trainer/components.py), in dependency order; collective."""
         self.side = join_side(cfg)  # rollout.mode=async: the trainer's ranks are a world of their own
         self.state = st = parallel.initialize(cfg.model, cfg.parallel, side=self.side)
+        components.check_outputs(cfg, st)  # every place the job writes, before anything is built
         self.cfg = cfg = components.resolve_precision(cfg, st)
         components.open_bridge(self.side, st.device)
         cfg.check_data_parallel(st.dp)  # the same checks as launch/pretrain_gspo.sh --dry-run
+        self.checkpoints = components.build_checkpoints(cfg, st)  # before the data: a root in use is refused first
         self.tokenizer, self.sampler = components.build_data(cfg)
-        self.checkpoints = components.build_checkpoints(cfg, st)
         self.model, self.ref_model, self.ddp = components.build_models(cfg, st, self.checkpoints)
         recompute, why = old_logprob_source(cfg, st.device)
         self.routing = components.build_routing(cfg, st, self.ddp, recompute)
