@@ -89,7 +89,9 @@ class Trainer:
         self.cfg = cfg = components.resolve_precision(cfg, st)
         components.open_bridge(self.side, st.device)
         cfg.check_data_parallel(st.dp)  # the same checks as launch/pretrain_gspo.sh --dry-run
-        self.tokenizer, self.sampler = components.build_data(cfg)
+        # long steps stop early on it (StepAbandoned); so does the making of the data
+        self.preempt = self.preempt if self.preempt is not None else PreemptionFlag.install()
+        self.tokenizer, self.sampler, held_out = components.build_data(cfg, st, self.preempt)
         self.checkpoints = components.build_checkpoints(cfg, st)
         self.model, self.ref_model, self.ddp = components.build_models(cfg, st, self.checkpoints)
         recompute, why = old_logprob_source(cfg, st.device)
@@ -98,13 +100,11 @@ class Trainer:
         self.objective_cfg = ObjectiveConfig.of(cfg)  # what algorithms.objective reads of the job
         gen_cfg = components.generation_config(cfg, self.tokenizer)
         reward_fn = build_reward_fn(cfg.reward)
-        # long steps stop early on it (StepAbandoned)
-        self.preempt = self.preempt if self.preempt is not None else PreemptionFlag.install()
         self.source = build_source(cfg, st, self.ddp, self.sampler, self.tokenizer, reward_fn, gen_cfg, self.routing,
                                    self.timer, side=self.side, stop=self.preempt)
         self.prepare = BatchPreparer(cfg, st, self.ddp, self.ref_model, get_advantage_estimator(cfg.train.advantage_estimator),
                                      gen_cfg, self.routing, self.timer, recompute_old_logprobs=recompute)
-        self.evaluator = components.build_evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg)
+        self.evaluator = components.build_evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg, held_out)
         faults = injected_faults(st.rank)  # tests only (MEGATRON_GSPO_FAULTS)
         self.hooks = Hooks([SFTWarmStart(), *([faults] if faults else []), *self.source.hooks(), *hooks])
         self.logger = MetricsLogger(cfg.train.output_dir, enabled=st.is_main, tensorboard=cfg.train.tensorboard)
