@@ -175,7 +175,7 @@ def make_examples(source: str, make: Callable[[int], dict], indices: Sequence[in
         now = clock()
         if now - last >= every_s and n + 1 < len(todo):
             rate = (n + 1) / max(now - t0, 1e-9)
-            say(f"{source}: {n + 1}/{len(todo)} examples made ({rate:.3g}/s, about {_duration((len(todo) - n - 1) / rate)} "
-                "left)")
+            left = _duration((len(todo) - n - 1) / rate)
+            say(f"{source}: {n + 1}/{len(todo)} examples made ({rate:.3g}/s, about {left} left)")
             last = now
     return made

@@ -95,7 +95,7 @@ def _kind(tp: Any) -> Optional[str]:
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in typing.get_args(tp) if a is not type(None)]
         return _kind(rest[0]) if len(rest) == 1 else None
-    if tp in (list, tuple) or origin in (list, tuple) or (origin is not None and getattr(origin, "__name__", "") == "Sequence"):
+    if tp in (list, tuple) or origin in (list, tuple) or getattr(origin, "__name__", "") == "Sequence":
         return "list"
     if tp is dict or origin is dict:
         return "mapping"
@@ -109,7 +109,7 @@ def _value_kind(value: Any) -> str:
 
 
 def _type_text(tp: Any) -> str:
-    """``list[DatasetSpec]`` (each a mapping of name, weight, config)``, ``int``: an annotation for a message."""
+    """An annotation for a message: ``int``, ``list[DatasetSpec], each a mapping of name, weight, config``."""
     if isinstance(tp, type):
         return tp.__name__
     text = re.sub(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)", r"\1", str(tp))
