@@ -195,13 +195,15 @@ def _error(lines):
 def test_a_task_without_reference_answers_is_refused_for_the_warm_start_and_reference_rewards(train_main, tmp_path):
     """graph_color's entries have answer None: no '"None"' to train on or compare with; its verifier scores. A
     refused job writes nothing (not its examples either)."""
-    code, said = train_main("data.source=reasoning_gym:graph_color", "train.sft_steps=2")
+    fits = ["data.max_prompt_length=400", "generation.max_new_tokens=8"]  # its questions: ~350 characters
+    code, said = train_main("data.source=reasoning_gym:graph_color", "train.sft_steps=2", *fits)
     assert code == 2, said[-5:]
     assert _error(said) == (
         "error: reasoning_gym:graph_color: 20 of the 20 examples checked have no reference answer (the task gives "
         "answer None: only its own verifier can score a response), but the supervised warm start (train.sft_steps=2) "
         "trains on reference answers; set train.sft_steps=0 and score with reward.name=reasoning_gym")
-    code, said = train_main("data.source=reasoning_gym:graph_color", "train.sft_steps=0", "reward.name=exact_match")
+    code, said = train_main("data.source=reasoning_gym:graph_color", "train.sft_steps=0", "reward.name=exact_match",
+                            *fits)
     assert code == 2 and "but reward.name=exact_match compares a response with the reference answer; use " \
                           "reward.name=reasoning_gym (the task's own verifier)" in _error(said)
     assert not os.path.exists(tmp_path / "run")
@@ -209,7 +211,7 @@ def test_a_task_without_reference_answers_is_refused_for_the_warm_start_and_refe
     from megatron_gspo.data.job_data import build_job_data
 
     cfg = load_job_config(None, [*SMALL, "data.source=reasoning_gym:graph_color", "train.sft_steps=0",
-                                 "reward.name=reasoning_gym", "data.max_prompt_length=400", "generation.max_new_tokens=8"])
+                                 "reward.name=reasoning_gym", *fits])
     answer = build_job_data(cfg, build_tokenizer(cfg.tokenizer), write_cache=False).sampler.dataset[0].answer
     assert answer == "" and answer.missing and answer.verify("not a coloring") == 0.0
 

@@ -448,8 +448,6 @@ def test_a_stop_signal_while_reasoning_gym_examples_are_made_ends_start_up_withi
     makes 1064: the reference answers' check and the held-out set) says its progress every few seconds; a
     SIGTERM after the first progress line ends it within seconds, exit 79 (nothing to save), with one stop line
     saying where, and the examples made so far in the cache for the requeued job."""
-    from megatron_gspo.data.example_cache import ExampleCache
-
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatron_gspo.train", "data.source=reasoning_gym:zebra_puzzles", "parallel.device=cpu",
            f"train.output_dir={out}", "train.tensorboard=false"]
@@ -485,6 +483,8 @@ def test_a_stop_signal_while_reasoning_gym_examples_are_made_ends_start_up_withi
     made = int(stop[0].split("while making reasoning_gym:zebra_puzzles examples (")[1].split(" of 1064 made")[0])
     path = stop[0].split(", kept in ")[1].split(":")[0]
     assert "Traceback" not in text and made >= int(progress[0].split("/1064")[0].rsplit(" ", 1)[1]), text[-3000:]
+    from megatron_gspo.data.example_cache import ExampleCache
+
     with open(path) as f:
         key = json.load(f)["key"]
     assert len(ExampleCache(os.path.dirname(path), "zebra_puzzles", key).load()) == made
