@@ -100,20 +100,21 @@ class ExampleCache:
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
         self.path = os.path.join(directory, f"{name}-{digest}.json")
 
-    def load(self) -> dict[int, dict]:
-        """The examples the file holds by index ({} when there is none, or it is not this key's: said)."""
+    def load(self, warn: bool = True) -> dict[int, dict]:
+        """The examples the file holds by index ({} when there is none, or it is not this key's: said when
+        ``warn``)."""
         try:
             with open(self.path, encoding="utf-8") as f:
                 doc = json.load(f)
             if doc.get("format") != CACHE_FORMAT or doc.get("key") != self.key:
-                log.warning("%s: an example cache of other settings or another reasoning-gym version; not read "
+                (log.warning if warn else log.debug)("%s: an example cache of other settings or another reasoning-gym version; not read "
                             "(the examples are made again and the file replaced)", self.path)
                 return {}
             return {int(i): decode(e) for i, e in doc["examples"].items()}
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            log.warning("%s: example cache unreadable (%s); the examples are made again and the file replaced",
+            (log.warning if warn else log.debug)("%s: example cache unreadable (%s); the examples are made again and the file replaced",
                         self.path, str(e).splitlines()[0] if str(e) else type(e).__name__)
             return {}
 

@@ -56,9 +56,10 @@ def cache_dir(cfg) -> str:
 
 
 def build_job_data(cfg, tokenizer: Tokenizer, should_stop: Callable[[], bool] = lambda: False,
-                   write_cache: bool = True) -> JobData:
+                   write_cache: bool = True, main: bool = True) -> JobData:
     """The job's (JobConfig ``cfg``) training sampler and evaluation prompts, checked (module doc).
-    ``should_stop``: the process's stop flag; ``write_cache``: this rank writes the example cache."""
+    ``should_stop``: the process's stop flag; ``write_cache``: this rank writes the example cache; ``main``: this
+    rank says the warnings (every rank builds the same data and would say the same)."""
     d, e = cfg.data, cfg.eval
     evaluating = e.interval > 0
     past = evaluating and (e.source is None or same_task(e.source, d.source))  # held out past the training epoch
@@ -67,14 +68,14 @@ def build_job_data(cfg, tokenizer: Tokenizer, should_stop: Callable[[], bool] = 
     if evaluating:
         train, held = held_out_split(d, train, e.source, e.num_prompts, e.task_kwargs)
     wanted = [(train, train.task_indices(REFERENCE_SAMPLE))] + ([(held, held.task_indices())] if held else [])
-    made = make_task_examples(wanted, cache_dir(cfg), should_stop, write_cache)
-    check_training_data(cfg, train, tokenizer)
+    made = make_task_examples(wanted, cache_dir(cfg), should_stop, write_cache, main)
+    check_training_data(cfg, train, tokenizer, main)
     sampler = PromptSampler(train, tokenizer, d, cfg.train.prompts_per_step)
     out = None
     if held is not None:
-        out = encode_held_out(d, train, held, tokenizer)
+        out = encode_held_out(d, train, held, tokenizer, warn=main)
         check_reference_answers(cfg.reward, [(f"{out.source} id {p.id}", p.answer) for p in out.prompts], out.source)
-        check_task_answers(cfg, [p.answer for p in out.prompts], out.source, warm_start=False)
+        check_task_answers(cfg, [p.answer for p in out.prompts], out.source, warm_start=False, warn=main)
     for cache, examples in made:  # only now: a job its data refuses writes nothing
         if _keep(cache, examples, write_cache) is None:
             log.info("%s: %d examples kept for the next run", cache.path, len(examples))
@@ -87,8 +88,8 @@ def build_job_data(cfg, tokenizer: Tokenizer, should_stop: Callable[[], bool] = 
 
 
 def make_task_examples(wanted: Sequence[tuple[PromptDataset, Sequence[int]]], directory: str,
-                       should_stop: Callable[[], bool] = lambda: False,
-                       write_cache: bool = True) -> list[tuple[ExampleCache, dict]]:
+                       should_stop: Callable[[], bool] = lambda: False, write_cache: bool = True,
+                       main: bool = True) -> list[tuple[ExampleCache, dict]]:
     """Make (or read back) the examples ``wanted`` [(dataset, task indices)] of every reasoning-gym task among
     them, one task at a time (other sources need nothing made). Returns [(cache, examples)] of the tasks that
     made new ones, for the caller to write once the job is not refused."""
@@ -96,18 +97,18 @@ def make_task_examples(wanted: Sequence[tuple[PromptDataset, Sequence[int]]], di
     for dataset, indices in wanted:
         if isinstance(dataset.task, ReasoningGymTask):
             tasks.setdefault(id(dataset.task), (dataset.task, []))[1].extend(indices)
-    made = [make_for_task(task, indices, directory, should_stop, write_cache) for task, indices in tasks.values()]
+    made = [make_for_task(task, indices, directory, should_stop, write_cache, main) for task, indices in tasks.values()]
     return [m for m in made if m is not None]
 
 
 def make_for_task(task: ReasoningGymTask, indices: Sequence[int], directory: str,
-                  should_stop: Callable[[], bool] = lambda: False,
-                  write_cache: bool = True) -> Optional[tuple[ExampleCache, dict]]:
+                  should_stop: Callable[[], bool] = lambda: False, write_cache: bool = True,
+                  main: bool = True) -> Optional[tuple[ExampleCache, dict]]:
     """``task.made`` holds every example of ``indices``: read from the task's cache file under ``directory``,
     the others made; returns (the cache, every example) when some were made (None: all were read). A stop
     signal: ExamplesStopped, after what was made is written (when ``write_cache``)."""
     cache = ExampleCache(os.path.join(directory, "reasoning_gym"), task.name, task.identity())
-    known = cache.load()
+    known = cache.load(warn=main)
     need = list(dict.fromkeys(indices))
     missing = sum(i not in known for i in need)
     if not missing:
@@ -145,19 +146,21 @@ def _keep(cache: ExampleCache, made: dict, write: bool) -> Optional[str]:
 # ----------------------------------------------------------------------------------------------
 
 
-def check_training_data(cfg, train: PromptDataset, tokenizer: Tokenizer) -> None:
+def check_training_data(cfg, train: PromptDataset, tokenizer: Tokenizer, main: bool = True) -> None:
     """The training data's reference answers (its first REFERENCE_SAMPLE for a task): readable by the reward,
     present where the job needs them, within reach of generation.max_new_tokens (a warning)."""
     refs = train.references()
     check_reference_answers(cfg.reward, refs, train.source)
-    check_task_answers(cfg, [a for _, a in refs], train.source, warm_start=cfg.train.sft_steps > 0)
-    warn_unreachable_references(cfg, [a for _, a in refs], tokenizer, train.source)
+    check_task_answers(cfg, [a for _, a in refs], train.source, warm_start=cfg.train.sft_steps > 0, warn=main)
+    if main:
+        warn_unreachable_references(cfg, [a for _, a in refs], tokenizer, train.source)
 
 
-def check_task_answers(cfg, answers: Sequence, source: str, warm_start: bool) -> None:
+def check_task_answers(cfg, answers: Sequence, source: str, warm_start: bool, warn: bool = True) -> None:
     """Refuse (DataError) a task whose examples have no reference answer (reasoning-gym's ``answer: None``,
     reasoning_gym_tasks.TaskAnswer.missing) for the supervised warm start (``warm_start``) and for a
-    registered reward that compares with the reference; a plug-in reward is warned (it gets ``''``)."""
+    registered reward that compares with the reference; a plug-in reward is warned (it gets ``''``; by this rank
+    when ``warn``)."""
     missing = sum(bool(getattr(a, "missing", False)) for a in answers)
     if not missing:
         return
@@ -167,7 +170,7 @@ def check_task_answers(cfg, answers: Sequence, source: str, warm_start: bool) ->
         raise DataError(f"{what}, but the supervised warm start (train.sft_steps={cfg.train.sft_steps}) trains on "
                         "reference answers; set train.sft_steps=0 and score with reward.name=reasoning_gym")
     name = cfg.reward.name
-    if name in NO_REFERENCE_REWARDS:
+    if name in NO_REFERENCE_REWARDS or (":" in name and not warn):
         return
     if ":" not in name:  # a registered reward: it compares with the reference
         raise DataError(f"{what}, but reward.name={name} compares a response with the reference answer; use "

@@ -529,10 +529,11 @@ class HeldOutPrompts:
         return f"the first {self.compared} of the {self.training} training examples, those made at start-up"
 
 
-def encode_held_out(cfg: DataConfig, train: PromptDataset, held: PromptDataset, tokenizer: Tokenizer) -> HeldOutPrompts:
+def encode_held_out(cfg: DataConfig, train: PromptDataset, held: PromptDataset, tokenizer: Tokenizer,
+                    warn: bool = True) -> HeldOutPrompts:
     """``held`` rendered and tokenized like training prompts (chat template, data.max_prompt_length policy:
     dropped ones are not replaced, but counted and logged, and a set left empty is refused), and compared with
-    ``train``'s prompts (training_overlap): those among them counted, and said."""
+    ``train``'s prompts (training_overlap): those among them counted, and said (``warn``: by this rank)."""
     encoder = PromptSampler(held, tokenizer, cfg, 1)
     examples = [held[i] for i in range(len(held))]
     prompts = [p for p in (encoder.encode(ex) for ex in examples) if p is not None]
@@ -543,12 +544,12 @@ def encode_held_out(cfg: DataConfig, train: PromptDataset, held: PromptDataset, 
         raise DataError(f"{held.source}: every one of the {len(held)} held-out prompts is longer than "
                         f"data.max_prompt_length={cfg.max_prompt_length} tokens and was dropped; raise the limit, use "
                         "data.overlong_prompt_policy=truncate_left, or give eval.source shorter prompts")
-    if out.num_dropped or out.num_truncated:
+    if warn and (out.num_dropped or out.num_truncated):
         log.warning("evaluation: %d of %d held-out prompts dropped and %d left-truncated for exceeding "
                     "data.max_prompt_length=%d tokens (data.overlong_prompt_policy=%s); evaluating %d "
                     "(eval/dropped_prompts, eval/truncated_prompts)", out.num_dropped, len(held), out.num_truncated,
                     cfg.max_prompt_length, cfg.overlong_prompt_policy, len(prompts))
-    if overlap:
+    if warn and overlap:
         log.warning("evaluation: %d of the %d prompts from %s are training prompts too (among %s): eval/* measures "
                     "problems the policy trains on, not held-out ones; give eval.source prompts of its own (a file, "
                     "or a task with more distinct problems)", overlap, len(held), held.source, out._compared())

@@ -49,7 +49,8 @@ def build_data(cfg: JobConfig, st, stop):
     tokenizer = build_tokenizer(cfg.tokenizer)
     check_vocab_fits(tokenizer, cfg.model.vocab_size)
     try:
-        data = build_job_data(cfg, tokenizer, should_stop=lambda: stop.set, write_cache=st.local_rank == 0)
+        data = build_job_data(cfg, tokenizer, should_stop=lambda: stop.set, write_cache=st.local_rank == 0,
+                              main=st.is_main)
     except ExamplesStopped as e:
         raise StoppedFor(
             f"preempted by signal {stop.name} during start-up: nothing to save yet (no step of this run completed); "
