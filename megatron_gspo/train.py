@@ -77,6 +77,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             return run_rollout_rank(cfg, faults=faults)
         trainer = Trainer(cfg, hooks=[faults] if faults else [], stop=stop)
+    except exit_status.StoppedFor as e:  # a stop signal while start-up made the data: nothing to save (79)
+        if comm.is_distributed():
+            parallel.destroy()
+        log.error("%s", e)
+        exit_status.record(e.exit_code, str(e))
+        return e.exit_code
     except USER_ERRORS as e:
         # a wrong config, layout, file or checkpoint: the message names it; no traceback. The process
         # groups (if any were made) go first: tearing them down imports more of megatron, whose

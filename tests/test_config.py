@@ -482,3 +482,28 @@ def test_the_validator_accepts_what_the_annotations_allow():
     assert config.GenerationConfig(stop_token_ids=(1, 2)).stop_token_ids == [1, 2]  # a tuple is stored as a list
     assert config.LossConfig(kl_coef=0).kl_coef == 0  # an int for a float
     assert config.ModelConfig(moe_router_dtype=None).moe_router_dtype is None  # None among the choices
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.source=reasoning_gym:",
+     "data.source must be a string, got a mapping: YAML read reasoning_gym: (a colon at the end) as a key with no "
+     "value; write what follows the colon (reasoning_gym:<...>), or quote the value to keep it as written: "
+     "data.source=\"'reasoning_gym:'\" on the command line, 'reasoning_gym:' in a YAML file"),
+    ("reward.name=mod:",
+     "reward.name must be a string, got a mapping: YAML read mod: (a colon at the end) as a key with no value; write "
+     "what follows the colon (mod:<...>), or quote the value to keep it as written: reward.name=\"'mod:'\" on the "
+     "command line, 'mod:' in a YAML file"),
+    ("data.source=reasoning_gym: chain_sum",
+     "data.source must be a string, got a mapping: YAML read 'reasoning_gym: chain_sum' (a colon before a space) as a "
+     "key and its value; drop the space (reasoning_gym:chain_sum), or quote the value to keep it as written: "
+     "data.source=\"'reasoning_gym: chain_sum'\" on the command line, 'reasoning_gym: chain_sum' in a YAML file"),
+])
+def test_a_string_that_yaml_read_as_a_mapping_says_what_happened_and_what_to_write(override, message):
+    with pytest.raises(ConfigError) as e:
+        config.load_job_config(None, [override])
+    assert str(e.value) == message
+    # the quoting it suggests gives the string (here refused further on for naming no task / function)
+    quoted = override.split("=", 1)[0] + "='" + override.split("=", 1)[1] + "'"
+    section, key = override.split("=")[0].split(".")
+    if override.endswith(":"):
+        assert getattr(getattr(config.load_job_config(None, [quoted]), section), key) == override.split("=", 1)[1]

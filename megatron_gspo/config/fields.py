@@ -144,6 +144,22 @@ def _is_type(v: Any, base: Any) -> bool:
     return isinstance(v, base) if isinstance(base, type) else True
 
 
+def not_a_string(name: str, value: Any) -> str:
+    """Why ``value`` (a mapping or list from YAML) is no string for field ``name``, and what to write instead.
+
+    YAML reads a word that ends in a colon (``reasoning_gym:``, ``mod:``), or a colon before a space, as a
+    mapping's key; the loader gets ``{'reasoning_gym': None}`` where the user meant text."""
+    if isinstance(value, dict) and len(value) == 1:
+        ((key, val),) = value.items()
+        text = f"{key}:" if val is None else f"{key}: {val}"
+        read = (f"{text} (a colon at the end) as a key with no value; write what follows the colon "
+                f"({key}:<...>)" if val is None else
+                f"{text!r} (a colon before a space) as a key and its value; drop the space ({key}:{val})")
+        return (f"{name} must be a string, got a mapping: YAML read {read}, or quote the value to keep it as written: "
+                f"{name}=\"'{text}'\" on the command line, '{text}' in a YAML file")
+    return f"{name} must be a string, got {type(value).__name__}"
+
+
 def _in_bounds(x: float, k: Knob) -> bool:
     if isinstance(x, float) and k.finite and not math.isfinite(x):
         return False

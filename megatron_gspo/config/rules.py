@@ -74,6 +74,18 @@ def warm_start_needs_answers(job) -> None:
           "data.answer_key is null; set train.sft_steps=0 for data without answers")
 
 
+def task_verifier_needs_a_task_source(job) -> None:
+    # reward.name=reasoning_gym scores with the verifier each reasoning-gym example carries: refused here,
+    # before any data is made, for prompts that have none
+    if job.reward.name != "reasoning_gym":
+        return
+    for key, source in (("data.source", job.data.source), ("eval.source", job.eval.source)):
+        check(source is None or source.startswith("reasoning_gym:"),
+              f"reward.name=reasoning_gym scores a response with its reasoning-gym task's own verifier: it needs "
+              f"{key}=reasoning_gym:<task> (e.g. reasoning_gym:chain_sum), got {key}={source!r}; for other data "
+              "use a reward that compares with the reference answer (exact_match, math, ...)")
+
+
 def no_pipeline_parallelism(job) -> None:
     # The RL loop has no pipeline schedule (forward_backward_func) yet: refuse PP up front.
     pp = job.parallel.pipeline_model_parallel_size
@@ -331,6 +343,7 @@ def async_without_dynamic_sampling(job) -> None:
 # In this order (the first broken rule is the one reported).
 RULES: tuple[Callable[[Any], None], ...] = (
     minibatches_divide_the_rollout, routing_replay_needs_token_ratios, loss_fits_the_precision, warm_start_needs_answers,
+    task_verifier_needs_a_task_source,
     no_pipeline_parallelism, prompt_and_response_fit_the_positions, overlong_buffer_within_the_response,
     dynamic_sampling_needs_groups, groups_of_two_or_more, no_greedy_groups, temperature_floor, top_k_not_greedy,
     top_p_not_greedy, overlong_filtering_keeps_some_rows, transformer_engine_not_on_the_cpu, lean_decode_runs_here,

@@ -249,6 +249,10 @@ class DataConfig:
         keys are refused by name. Its seed is ``data.seed``.
     task_*: knobs of the built-in tasks; ``task_num_examples`` is the length of one epoch of a task
         (built-in or reasoning-gym).
+    cache_dir: where the reasoning-gym examples made at start-up (the reference answers' check, the
+        held-out set) are kept, one file per task, settings, seed, count and reasoning-gym version, so that
+        a requeued or repeated job reads them back instead of making them again; null:
+        ``<train.output_dir>/data_cache``.
     """
 
     source: str = knob("builtin:arithmetic", resume=Resume.REFUSED)
@@ -268,6 +272,7 @@ class DataConfig:
     task_sort_max_len: int = knob(5, resume=Resume.REFUSED)
     task_sort_max_value: int = knob(9, resume=Resume.REFUSED)
     task_kwargs: dict = knob(default_factory=dict, resume=Resume.REFUSED)
+    cache_dir: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
 
     def __post_init__(self) -> None:
         validate(self, "data")
@@ -460,11 +465,16 @@ class EvalConfig:
 
     # Evaluate every this many RL steps and after the last one (0 = never).
     interval: int = knob(0, resume=Resume.MAY_CHANGE, ge=0)
-    # Held-out prompts: a .jsonl / .parquet file (read with data.prompt_key / data.answer_key), or
-    # null for a split of data.source: a built-in task's examples just past its training epoch
-    # (indices data.task_num_examples, ...), a file's last eval.num_prompts records (which training
-    # then never sees).
+    # Held-out prompts: a .jsonl / .parquet file (read with data.prompt_key / data.answer_key), a
+    # builtin:<task> / reasoning_gym:<task> (data.source's own task: its examples past the training epoch;
+    # another task: its first ones), or null for a split of data.source: a task's examples just past its
+    # training epoch (indices data.task_num_examples, ...), a file's last eval.num_prompts records (which
+    # training then never sees). Those that are training prompts too are counted at start-up, and said.
     source: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
+    # The settings of a reasoning_gym:<task> eval.source (that task's reasoning-gym config fields), its
+    # own, not data.task_kwargs; null: data.task_kwargs when eval.source is data.source's task, else the
+    # task's defaults.
+    task_kwargs: Optional[dict] = knob(None, resume=Resume.MAY_CHANGE)
     # Held-out prompts per evaluation (the first ones of the source).
     num_prompts: int = knob(64, resume=Resume.MAY_CHANGE, ge=1)
     # Samples per prompt for pass@k (n of the unbiased estimator, >= eval.k; 0 = greedy only).
@@ -487,3 +497,6 @@ class EvalConfig:
               f"{MIN_SAMPLING_TEMPERATURE:g} (e.g. 1.0), or eval.num_samples=0 for greedy accuracy only")
         check(self.source is None or self.source != "",
               f"eval.source must be a file path, a builtin:<task> or null, got {self.source!r}")
+        check(self.task_kwargs is None or (self.source or "").startswith("reasoning_gym:"),
+              f"eval.task_kwargs={self.task_kwargs!r} configures a reasoning_gym:<task> eval.source, but eval.source="
+              f"{self.source!r}")

@@ -87,7 +87,9 @@ class Trainer:
         components.open_bridge(self.side, st.device)
         cfg.check_data_parallel(st.dp)  # the same checks as launch/pretrain_gspo.sh --dry-run
         self.checkpoints = components.build_checkpoints(cfg, st)  # before the data: a root in use is refused first
-        self.tokenizer, self.sampler = components.build_data(cfg)
+        # long steps stop early on it (StepAbandoned); so does the making of the data
+        self.preempt = self.preempt if self.preempt is not None else PreemptionFlag.install()
+        self.tokenizer, self.sampler, held_out = components.build_data(cfg, st, self.preempt)
         self.model, self.ref_model, self.ddp = components.build_models(cfg, st, self.checkpoints)
         recompute, why = old_logprob_source(cfg, st.device)
         self.routing = components.build_routing(cfg, st, self.ddp, recompute)
@@ -95,13 +97,11 @@ class Trainer:
         self.objective_cfg = ObjectiveConfig.of(cfg)  # what algorithms.objective reads of the job
         gen_cfg = components.generation_config(cfg, self.tokenizer)
         reward_fn = build_reward_fn(cfg.reward)
-        # long steps stop early on it (StepAbandoned)
-        self.preempt = self.preempt if self.preempt is not None else PreemptionFlag.install()
         self.source = build_source(cfg, st, self.ddp, self.sampler, self.tokenizer, reward_fn, gen_cfg, self.routing,
                                    self.timer, side=self.side, stop=self.preempt)
         self.prepare = BatchPreparer(cfg, st, self.ddp, self.ref_model, get_advantage_estimator(cfg.train.advantage_estimator),
                                      gen_cfg, self.routing, self.timer, recompute_old_logprobs=recompute)
-        self.evaluator = components.build_evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg)
+        self.evaluator = components.build_evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg, held_out)
         self.hooks = Hooks([SFTWarmStart(), *self.source.hooks(), *hooks])
         # the stop story: votes, what a stop saves, the stop line (trainer/stopping.py)
         self.stopping = StopControl(cfg, st, self.preempt, self.source, self.checkpoints, self.ddp, self.sampler,
