@@ -36,14 +36,15 @@ def test_reward_registered_through_the_old_path_is_registered():
         sys.modules.pop("megatron_gspo.rewards", None)
         old = importlib.import_module("megatron_gspo.rewards")
     from megatron_gspo.data import rewards
+    from megatron_gspo.data.rewards import registry
 
     name = "_moved_module_test_reward"
-    old._REGISTRY.pop(name, None)
+    registry._REGISTRY.pop(name, None)
     try:
         @old.register_reward(name)
         def _reward(prompt, response, answer, **kwargs):
             return 1.0
 
-        assert rewards.get_reward_fn(name) is _reward
+        assert rewards.resolve_reward(name).target is _reward
     finally:
-        rewards._REGISTRY.pop(name, None)
+        registry._REGISTRY.pop(name, None)

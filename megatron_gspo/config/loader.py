@@ -16,7 +16,7 @@ import typing
 from dataclasses import fields
 from typing import Any
 
-from megatron_gspo.config.fields import split_optional, type_hints
+from megatron_gspo.config.fields import colon_value_hint, split_optional, type_hints
 from megatron_gspo.config.model import MODEL_PRESETS, ModelConfig
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.textfile import read_text
@@ -66,7 +66,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, bool):  # YAML 1.1 reads a bare off/on as a bool
             return "off" if value is False else "on"
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"{where} must be a string, got {type(value).__name__}")
+            raise ConfigError(f"{where} must be a string, got {type(value).__name__}{colon_value_hint(value)}")
         return str(value)
     if origin in (list, tuple):
         if isinstance(value, str):

@@ -10,7 +10,7 @@ held-out split is the indices just past the training epoch (data.split_holdout).
 
 Each example's reference answer is a :class:`TaskAnswer`: the task's answer string (what the SFT warm
 start learns and ``exact_match`` compares), carrying the generated entry and the dataset, so that
-``reward.name=reasoning_gym`` (rewards.py) scores a response with the task's own ``score_answer``.
+``reward.name=reasoning_gym`` (data/rewards/reasoning_gym.py) scores a response with the task's own ``score_answer``.
 """
 
 from __future__ import annotations

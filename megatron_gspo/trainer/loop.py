@@ -48,7 +48,7 @@ from megatron_gspo.runtime.metrics import MetricAccumulator
 from megatron_gspo.model.oom import explain_oom, model_shapes
 from megatron_gspo.model.gpt import aux_loss_scales, clear_aux_losses_tracker, finalize_grads, forward_logprobs, set_aux_loss_scale
 from megatron_gspo.trainer.optim import nonfinite_grads, optimizer_step, setup_optimizer
-from megatron_gspo.data.rewards import build_reward_fn
+from megatron_gspo.data.rewards import build_reward
 from megatron_gspo.rollout.prepare import BatchPreparer, TrainBatch, rollout_metrics
 from megatron_gspo.rollout.remote import RolloutRanksLost
 from megatron_gspo.rollout.source import build_source, join_side
@@ -89,6 +89,7 @@ class Trainer:
         self.cfg = cfg = components.resolve_precision(cfg, st)
         components.open_bridge(self.side, st.device)
         cfg.check_data_parallel(st.dp)  # the same checks as launch/pretrain_gspo.sh --dry-run
+        self.reward = reward_fn = build_reward(cfg.reward)  # its settings refused by key before anything is built
         self.tokenizer, self.sampler = components.build_data(cfg)
         self.checkpoints = components.build_checkpoints(cfg, st)
         self.model, self.ref_model, self.ddp = components.build_models(cfg, st, self.checkpoints)
@@ -97,7 +98,6 @@ class Trainer:
         self.timer = Timer(st.device)
         self.objective_cfg = ObjectiveConfig.of(cfg)  # what algorithms.objective reads of the job
         gen_cfg = components.generation_config(cfg, self.tokenizer)
-        reward_fn = build_reward_fn(cfg.reward)
         # long steps stop early on it (StepAbandoned)
         self.preempt = self.preempt if self.preempt is not None else PreemptionFlag.install()
         self.source = build_source(cfg, st, self.ddp, self.sampler, self.tokenizer, reward_fn, gen_cfg, self.routing,
@@ -412,5 +412,6 @@ class Trainer:
         caller running several jobs) tears them down with parallel.destroy()."""
         self.hooks.close(self)
         self.source.close()
+        self.reward.close()  # its worker processes, if any
         self.logger.close()
         components.release_process_state(self)
