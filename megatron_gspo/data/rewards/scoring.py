@@ -108,7 +108,9 @@ class Reward:
         return format_reward(batch.prompts[i], batch.responses[i], batch.answers[i], **self.format_settings)
 
     def close(self) -> None:
-        self.main.close()
+        close = getattr(self.main, "close", None)  # optional for a reward class
+        if close is not None:
+            close()
 
 
 def instantiate(spec: RewardSpec, settings: dict, num_workers: int = 1) -> BatchReward:
@@ -159,5 +161,6 @@ def compute_rewards(reward: Union[Reward, Callable], prompts: Sequence[str], res
     (build_reward), or a per-sample function (scored here, one row at a time). ScoringStopped when
     ``should_stop()`` cut it short; RewardError naming the reward and the row for a bad value."""
     if not isinstance(reward, Reward):
-        reward = Reward(PerSampleReward(spec_of(reward, function_name(reward)), {}), function_name(reward))
+        name = function_name(reward)
+        reward = Reward(PerSampleReward(spec_of(reward, name), {}), name)
     return reward.score(prompts, responses, answers, device=device, should_stop=should_stop)
