@@ -13,7 +13,7 @@ from megatron_gspo.config import ConfigError, RewardConfig, load_job_config
 from megatron_gspo.data.prompts import PromptDataset, PromptSampler, build_eval_prompts, build_prompt_sampler, split_holdout
 from megatron_gspo.errors import DataError
 from megatron_gspo.data.reasoning_gym_tasks import TaskAnswer
-from megatron_gspo.data.rewards import build_reward_fn, check_reference_answers, compute_rewards, extract_task_answer
+from megatron_gspo.data.rewards import build_reward, check_reference_answers, compute_rewards, extract_task_answer
 from megatron_gspo.data.tokenizer import build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,7 +78,7 @@ def test_the_tasks_verifier_is_the_reward():
     cfg = _cfg()
     tok = build_tokenizer(cfg.tokenizer)
     batch = build_prompt_sampler(cfg.data, tok, 6).next_batch()
-    fn = build_reward_fn(cfg.reward)
+    fn = build_reward(cfg.reward)
     texts, answers = [p.text for p in batch], [p.answer for p in batch]
     assert compute_rewards(fn, texts, [a + "<eos>" for a in answers], answers).tolist() == [1.0] * 6
     assert compute_rewards(fn, texts, ["x" for _ in answers], answers).tolist() == [0.0] * 6
@@ -93,7 +93,7 @@ def test_the_tasks_verifier_is_the_reward():
 
 
 def test_reward_refuses_data_without_task_verifiers():
-    fn = build_reward_fn(RewardConfig(name="reasoning_gym"))
+    fn = build_reward(RewardConfig(name="reasoning_gym"))
     with pytest.raises(ValueError, match="scores prompts of data.source=reasoning_gym:<task> only"):
         fn("1+2=", "3", "3")
     with pytest.raises(DataError, match="the reasoning_gym reward cannot read 2 of 2 reference answers"):

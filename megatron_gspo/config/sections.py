@@ -311,9 +311,19 @@ class TokenizerConfig:
 class RewardConfig:
     """``reward:`` section of a job.
 
-    name: a registered reward or ``module.path:function``.
-    kwargs: passed to that function on every call.
-    format_weight: when > 0, adds ``format_weight * format(...)`` (with ``format_kwargs``) to it.
+    name: a registered reward (exact_match, digit_match, math, reasoning_gym, format) or your own as
+        ``package.module:function`` / ``path/to/file.py:function`` (a function or a class: see
+        megatron_gspo/data/rewards/registry.py).
+    kwargs: the reward's settings, checked by key at start-up against what it declares (a typo or a value
+        out of bounds is refused naming the key): math takes ``timeout_s`` (CPU seconds per side of a
+        check, default 10) and ``wall_timeout_s`` (default 600); exact_match, digit_match and
+        reasoning_gym take ``stop`` (extra stop strings).
+    format_weight: when > 0, adds ``format_weight * format(...)`` (with ``format_kwargs``: ``require``,
+        ``stop``) to it.
+    num_workers: processes that score in parallel (verl's ``reward.num_workers``): a per-sample plug-in or
+        reasoning_gym runs in that many worker processes when > 1, math checks in that many math-verify
+        processes; exact_match, digit_match and format (microseconds a row) always score in the trainer's
+        process. The rewards are the same, in row order, whatever the number; each rank has its own.
     overlong_buffer_len: DAPO's soft overlong punishment (arXiv 2503.14476 eq. 13) over the last
         ``overlong_buffer_len`` tokens before ``generation.max_new_tokens``: a response of |y| tokens
         gets ``overlong_penalty_factor * min(0, (max_new_tokens - overlong_buffer_len - |y|) /
@@ -330,6 +340,7 @@ class RewardConfig:
     kwargs: dict = knob(default_factory=dict, resume=Resume.REFUSED)
     format_weight: float = knob(0.0, resume=Resume.REFUSED, ge=0)
     format_kwargs: dict = knob(default_factory=dict, resume=Resume.REFUSED)
+    num_workers: int = knob(1, resume=Resume.MAY_CHANGE, ge=1, hint="(1 = one row at a time)")
     overlong_buffer_len: int = knob(0, resume=Resume.REFUSED, ge=0, hint="(0 = off)")
     overlong_penalty_factor: float = knob(1.0, resume=Resume.REFUSED, ge=0)
     max_unreadable_reference_frac: float = knob(0.05, resume=Resume.REFUSED, ge=0, le=1)

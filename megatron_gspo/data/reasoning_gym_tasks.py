@@ -10,7 +10,7 @@ held-out split is the indices just past the training epoch (data.split_holdout).
 
 Each example's reference answer is a :class:`TaskAnswer`: the task's answer string (what the SFT warm
 start learns and ``exact_match`` compares), carrying the generated entry and the dataset, so that
-``reward.name=reasoning_gym`` (rewards.py) scores a response with the task's own ``score_answer``. Some
+``reward.name=reasoning_gym`` (data/rewards/reasoning_gym.py) scores a response with the task's own ``score_answer``. Some
 tasks have no reference answer at all (``answer: None``: graph_color, boxnet, rubiks_cube, ...; only
 their verifier can score): their TaskAnswer is the empty string with ``missing`` set, and the job's
 data checks (data/job_data.py) refuse them for the warm start and for rewards that read the reference.

@@ -41,7 +41,7 @@ from megatron_gspo.config import JobConfig
 from megatron_gspo.runtime.stop import PreemptionFlag
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.algorithms.overlong import overlong_penalty
-from megatron_gspo.data.rewards import build_reward_fn, compute_rewards
+from megatron_gspo.data.rewards import ScoringStopped, build_reward, compute_rewards
 from megatron_gspo.rollout.rows import local_rows
 
 log = logging.getLogger("megatron_gspo")
@@ -146,7 +146,7 @@ class RolloutWorker:
         # one decoder for every step of this rank (its KV cache and CUDA graphs sized for the longest prompt)
         self.generator = Generator(self.model, vocab_size=cfg.model.vocab_size, state=st,
                                    slots=cfg.data.max_prompt_length + g.max_new_tokens - 1)
-        self.reward_fn = build_reward_fn(cfg.reward)
+        self.reward_fn = build_reward(cfg.reward)
         self.receiver = WeightReceiver(self.model, st, side.sync_pg, int(r.weight_sync_bucket_mb * 2**20))
         self.faults = faults
         self.G = g.n_samples_per_prompt
@@ -202,7 +202,11 @@ class RolloutWorker:
             poll=self._poll, apply=self._apply_push, policy=self.cfg.rollout.partial_rollouts, generator=self.generator)
         out = gen.out
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
-        rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine], device=dev)
+        try:  # a stop (the trainer's, read as in generation) cuts scoring short
+            rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine],
+                                      device=dev, should_stop=lambda: self._poll()[1])
+        except ScoringStopped:
+            raise Stopped(self._stop_why or "the trainer stopped") from None
         rc = self.cfg.reward
         if rc.overlong_buffer_len > 0:  # as ColocatedSource._generate_round
             rewards = rewards + overlong_penalty(out.response_lengths.to(dev), self.gen_cfg.max_new_tokens,
@@ -302,6 +306,7 @@ class RolloutWorker:
             self._clock["idle"] += time.perf_counter() - t0
 
     def close(self, message: str, error: bool) -> None:
+        self.reward_fn.close()  # its worker processes, if any
         self.control.record_exit(message, error)
         self.side.close()
 

@@ -28,7 +28,7 @@ import torch
 from megatron_gspo.runtime import comm
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.model.oom import explain_oom
-from megatron_gspo.data.rewards import compute_rewards
+from megatron_gspo.data.rewards import ScoringStopped, compute_rewards
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -85,8 +85,14 @@ class Evaluator:
                                                      what="stop vote after an evaluation generation"):
             raise EvaluationAbandoned(step, where + (", decoding cut short" if out.abandoned else ""))
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
-        rewards = compute_rewards(self.reward_fn, [p.text for p in prompts], texts, [p.answer for p in prompts],
-                                  device=self.state.device)
+        try:
+            rewards = compute_rewards(self.reward_fn, [p.text for p in prompts], texts, [p.answer for p in prompts],
+                                      device=self.state.device, should_stop=should_stop)
+        except ScoringStopped:
+            rewards = None
+        if should_stop is not None and comm.any_rank(rewards is None, self.state.device,
+                                                     what="stop vote after evaluation scoring"):
+            raise EvaluationAbandoned(step, where + ", while scoring")
         return rewards >= 1.0, out.response_lengths
 
     @torch.no_grad()

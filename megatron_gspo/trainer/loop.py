@@ -49,7 +49,7 @@ from megatron_gspo.runtime.metrics import MetricAccumulator
 from megatron_gspo.model.oom import explain_oom, model_shapes
 from megatron_gspo.model.gpt import aux_loss_scales, clear_aux_losses_tracker, finalize_grads, forward_logprobs, set_aux_loss_scale
 from megatron_gspo.trainer.optim import nonfinite_grads, optimizer_step, setup_optimizer
-from megatron_gspo.data.rewards import build_reward_fn
+from megatron_gspo.data.rewards import build_reward
 from megatron_gspo.rollout.prepare import BatchPreparer, TrainBatch, rollout_metrics
 from megatron_gspo.rollout.remote import RolloutRanksLost
 from megatron_gspo.rollout.source import build_source, join_side
@@ -87,6 +87,7 @@ class Trainer:
         components.open_bridge(self.side, st.device)
         cfg.check_data_parallel(st.dp)  # the same checks as launch/pretrain_gspo.sh --dry-run
         self.checkpoints = components.build_checkpoints(cfg, st)  # before the data: a root in use is refused first
+        self.reward = reward_fn = build_reward(cfg.reward)  # its settings refused by key before anything is built
         # long steps stop early on it (StepAbandoned); so does the making of the data
         self.preempt = self.preempt if self.preempt is not None else PreemptionFlag.install()
         self.tokenizer, self.sampler, held_out = components.build_data(cfg, st, self.preempt)
@@ -96,7 +97,6 @@ class Trainer:
         self.timer = Timer(st.device)
         self.objective_cfg = ObjectiveConfig.of(cfg)  # what algorithms.objective reads of the job
         gen_cfg = components.generation_config(cfg, self.tokenizer)
-        reward_fn = build_reward_fn(cfg.reward)
         self.source = build_source(cfg, st, self.ddp, self.sampler, self.tokenizer, reward_fn, gen_cfg, self.routing,
                                    self.timer, side=self.side, stop=self.preempt)
         self.prepare = BatchPreparer(cfg, st, self.ddp, self.ref_model, get_advantage_estimator(cfg.train.advantage_estimator),
@@ -328,5 +328,6 @@ class Trainer:
         caller running several jobs) tears them down with parallel.destroy()."""
         self.hooks.close(self)
         self.source.close()
+        self.reward.close()  # its worker processes, if any
         self.logger.close()
         components.release_process_state(self)
