@@ -10,8 +10,9 @@ tokens that end rows at different steps, finished-row compaction), with the R3 r
 
 Phase 2, per layout: megatron's groups are re-initialized for it, the model is rebuilt and loaded (its
 logits on a probe batch equal the reference's), ``decode_impl=auto`` is checked to take the lean decoder,
-and each case is generated again with ``decode_impl=lean`` on the sharded weights, eager and with the graph-ready step (captured once per
-batch-size bucket and replayed: graph_standin.StandInGraph, CUDA graphs' contract on the CPU). Ranks
+and each case is generated again with ``decode_impl=lean`` on the sharded weights, eager and with the
+graph-ready step (captured once per batch-size bucket and replayed: graph_standin.StandInGraph, CUDA
+graphs' contract on the CPU). Ranks
 holding different rows (EP, expert-TP: data-parallel ranks) generate an uneven share of the prompts
 with their global row keys, so their rows finish apart and the lockstep group must keep stepping. On
 every rank: the tokens, lengths and stop flags equal the reference rows', the log-probs within 2e-5
@@ -185,7 +186,8 @@ def check(cfg, ckpt, ref, tag):
                 dist.all_reduce(n, op=dist.ReduceOp.MAX, group=lockstep)
                 if n[0].item() != -n[1].item():
                     fail(f"{case}: ranks ran {n[0].item()} and {-n[1].item()} forwards (lockstep broken)")
-    print(f"[rank {st.rank}] {tag}: dp {st.dp}, prompts {rows}, lockstep ranks {dist.get_process_group_ranks(lockstep)}, "
+    ranks = dist.get_process_group_ranks(lockstep)
+    print(f"[rank {st.rank}] {tag}: dp {st.dp}, prompts {rows}, lockstep ranks {ranks}, "
           f"log-prob max abs diff {worst:.2e}", flush=True)
     print(f"LEAN OK {tag} rank {st.rank}", flush=True)
     return model, st
