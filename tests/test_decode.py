@@ -3,7 +3,8 @@
 The reference for every check is megatron's own path (``generation.decode_impl=megatron``: the
 GPTModel forward with its StaticInferenceContext) or a fresh full forward without any cache, on the
 same weights; ragged (left-padded) prompts, sampling and greedy, with and without finished-row
-compaction, tied and untied output weights."""
+compaction, tied and untied output weights. Over TP / EP / expert-TP shards (torchrun, gloo) the
+reference is the one-rank lean decoder on the same weights (tests/dist_scripts/lean_layouts.py)."""
 
 import pytest
 import torch
