@@ -200,9 +200,9 @@ Checks across sections (`config/rules.py`, run in order by `JobConfig.__post_ini
 * `train.overlong_filtering=true` cannot go with `generation.ignore_eos=true` or
   `generation.min_new_tokens >= generation.max_new_tokens` (every response would be truncated and
   filtered out);
-* `generation.decode_impl=lean` needs one rank of TP / PP / EP / expert-TP, no sequence parallelism,
-  no FP8 and not Transformer Engine's fused router top-k (`model.moe_router_fusion`): the rows with a
-  config key of `LEAN_DECODE_LIMITS` (`config/rules.py`; `auto` picks lean wherever it can run);
+* `generation.decode_impl=lean` runs on one pipeline stage under any TP / EP / expert-TP layout,
+  without FP8 and without Transformer Engine's fused router top-k (`model.moe_router_fusion`): the rows
+  with a config key of `LEAN_DECODE_LIMITS` (`config/rules.py`; `auto` picks lean wherever it can run);
 * `rollout.mode=async` needs `train.old_logprobs` `auto` or `recompute`, `rollout_correction.mode`
   `tis` or `mis` when `rollout.max_staleness > 0`, `train.routing_replay` `off` or `R2`, and no dynamic
   sampling;

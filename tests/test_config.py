@@ -243,13 +243,8 @@ def test_config_names_match_the_registries():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["parallel.tensor_model_parallel_size=2"],
-     r"generation\.decode_impl=lean runs on one rank of tensor / pipeline / expert parallelism only, got "
-     r"parallel\.tensor_model_parallel_size=2; use generation\.decode_impl=auto"),
-    (["parallel.expert_model_parallel_size=2"], r"got parallel\.expert_model_parallel_size=2"),
-    (["parallel.tensor_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1"],
-     r"got parallel\.tensor_model_parallel_size=2"),
     (["model.moe_router_fusion=true"], r"fused router top-k \(model\.moe_router_fusion=true\)"),
+    (["model.fp8=e4m3", "model.precision=bf16"], r"does not support FP8 \(model\.fp8="),
 ])
 def test_lean_decode_on_a_layout_it_cannot_run_is_refused(overrides, match):
     from megatron_gspo.config import load_job_config
@@ -262,9 +257,24 @@ def test_lean_decode_on_a_layout_it_cannot_run_is_refused(overrides, match):
     load_job_config(None, ["generation.decode_impl=lean", "model.transformer_impl=transformer_engine"])
 
 
+@pytest.mark.parametrize("layout", [
+    ["parallel.tensor_model_parallel_size=2"], ["parallel.expert_model_parallel_size=2"],
+    ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2"],
+    ["parallel.expert_tensor_parallel_size=2"],
+    ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=8",
+     "parallel.expert_tensor_parallel_size=1"],
+], ids=["tp2", "ep2", "tp2-ep2", "etp2", "tp2-ep8-etp1"])
+def test_lean_decode_runs_under_tensor_and_expert_parallelism(layout):
+    """generation.decode_impl=lean decodes over TP / EP / expert-TP shards (sequence parallelism, which TP
+    needs for training, is not used while decoding): no refusal at load (tests/test_decode.py runs them)."""
+    from megatron_gspo.config import load_job_config
+
+    job = load_job_config(None, ["generation.decode_impl=lean"] + layout)
+    assert job.generation.decode_impl == "lean"
+
+
 # A value each LEAN_DECODE_LIMITS row refuses, on a built model's TransformerConfig
-_LEAN_BAD = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "context_parallel_size": 2,
-             "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "sequence_parallel": True,
+_LEAN_BAD = {"pipeline_model_parallel_size": 2, "context_parallel_size": 2,
              "rotary_interleaved": True, "multi_latent_attention": True, "attention_output_gate": True,
              "apply_residual_connection_post_layernorm": True, "fp32_residual_connection": True, "fp8": "e4m3",
              "window_size": (16, 0), "softmax_type": "learnable", "apply_query_key_layer_scaling": True,
@@ -289,11 +299,7 @@ def test_the_lean_decoders_limits_are_one_table_read_by_the_config_and_the_model
         if row.model_attr is not None:
             broken = types.SimpleNamespace(**{**vars(tc), row.model_attr: _LEAN_BAD[row.model_attr]})
             assert lean_decode_limit(broken) == row.reason.format(value=_LEAN_BAD[row.model_attr]), row
-    bad_overrides = {"parallel.tensor_model_parallel_size": ["parallel.tensor_model_parallel_size=2"],
-                     "parallel.pipeline_model_parallel_size": None,  # refused for the RL loop before (PP=1)
-                     "parallel.expert_model_parallel_size": ["parallel.expert_model_parallel_size=2"],
-                     "parallel.expert_tensor_parallel_size": ["parallel.expert_tensor_parallel_size=2"],
-                     "parallel.sequence_parallel": ["parallel.sequence_parallel=true"],
+    bad_overrides = {"parallel.pipeline_model_parallel_size": None,  # refused for the RL loop before (PP=1)
                      "model.fp8": ["model.fp8=e4m3", "model.precision=bf16"],
                      "model.moe_router_fusion": ["model.moe_router_fusion=true"]}
     assert {row.config_key for row in LEAN_DECODE_LIMITS} - {None} == set(bad_overrides)

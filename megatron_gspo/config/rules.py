@@ -6,9 +6,9 @@ anything is built (TRL-style). A single field's type and range are declared with
 Also here, because they are pure functions of the job:
 
 * ``LEAN_DECODE_LIMITS``: what the lean decoder (generation/lean_decoder.py) cannot run, once: the rows
-  with a config key are refused here for ``generation.decode_impl=lean``; lean_decode_unsupported (there)
-  checks the rows with a TransformerConfig attribute against a built model (``lean_decode_limit``), plus what only the
-  built modules show;
+  with a config key are refused here for ``generation.decode_impl=lean``; lean_decode_unsupported checks
+  the rows with a TransformerConfig attribute against a built model (``lean_decode_limit``), plus what
+  only the built modules show;
 * ``old_logprob_source``: where the old policy's log-probs come from (``train.old_logprobs`` resolved for
   a device). The refusals of old-log-prob combinations are ``TrainConfig``'s (dynamic sampling, R2) and
   ``old_logprobs_under_async`` below.
@@ -225,14 +225,13 @@ def _off(v) -> bool:
     return not v
 
 
+# TP, EP and expert-TP are decoded over the sharded weights (the decode step's own collectives: a
+# decoder does not split the sequence, so sequence parallelism is simply not used while decoding);
+# pipeline and context parallelism are not: a decode step would have to cross stages / split its
+# one token
 LEAN_DECODE_LIMITS: tuple[LeanLimit, ...] = (
-    LeanLimit("tensor parallelism", "parallel.tensor_model_parallel_size", "tensor_model_parallel_size", _one),
     LeanLimit("pipeline parallelism", "parallel.pipeline_model_parallel_size", "pipeline_model_parallel_size", _one),
     LeanLimit("context parallelism", None, "context_parallel_size", _one),
-    LeanLimit("expert parallelism", "parallel.expert_model_parallel_size", "expert_model_parallel_size", _one),
-    LeanLimit("expert parallelism", "parallel.expert_tensor_parallel_size", "expert_tensor_parallel_size", _one,
-              config_attr="etp"),
-    LeanLimit("sequence parallelism", "parallel.sequence_parallel", "sequence_parallel", _off, config_attr="sp"),
     LeanLimit("interleaved RoPE", None, "rotary_interleaved", _off),
     LeanLimit("multi-latent attention", None, "multi_latent_attention", _off),
     LeanLimit("gated attention", None, "attention_output_gate", _off),
@@ -258,27 +257,42 @@ def lean_decode_limit(model_config) -> Optional[str]:
     return None
 
 
-def _shown(v) -> str:
-    return ("true" if v else "false") if isinstance(v, bool) else repr(v) if isinstance(v, str) else str(v)
+# The most tokens one MoE dispatch of the lean decoder gathers over the expert group (a prefill over rows x
+# prompt tokens on each of the group's ranks goes through in chunks of this many gathered tokens): bounds the
+# gathered activations, the expert pairs and the fp32 partial outputs of a dispatch, whatever the batch.
+LEAN_MOE_GATHER_TOKENS = 16384
 
 
-def lean_decode_runs_here(job) -> None:
-    """generation.decode_impl=lean runs on one rank of model parallelism, on the local or the Transformer Engine
-    spec's weights (lean_decoder.lean_decode_unsupported); what the config alone shows is refused here, by key,
-    rather than on every rank after the model is built."""
-    if job.generation.decode_impl != "lean":
-        return
+def lean_decode_config_limit(job) -> Optional[tuple[LeanLimit, Any]]:
+    """The first LEAN_DECODE_LIMITS row with a config key that ``job`` breaks, with the job's value; None
+    when the config alone shows nothing the lean decoder cannot run."""
     for row in LEAN_DECODE_LIMITS:
         if row.config_key is None:
             continue
         section, _, key = row.config_key.partition(".")
         value = getattr(getattr(job, section), row.config_attr or key)
-        if row.supported(value):
-            continue
+        if not row.supported(value):
+            return row, value
+    return None
+
+
+def _shown(v) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else repr(v) if isinstance(v, str) else str(v)
+
+
+def lean_decode_runs_here(job) -> None:
+    """generation.decode_impl=lean runs under TP / EP / expert-TP on one pipeline stage, on the local or the
+    Transformer Engine spec's weights (generation.lean_decoder.lean_decode_unsupported); what the config alone
+    shows is refused here, by key, rather than on every rank after the model is built."""
+    if job.generation.decode_impl != "lean":
+        return
+    broken = lean_decode_config_limit(job)
+    if broken is not None:
+        row, value = broken
         if row.config_key.endswith("_size"):
-            raise ConfigError(f"generation.decode_impl=lean runs on one rank of tensor / pipeline / expert "
-                              f"parallelism only, got {row.config_key}={value}; use generation.decode_impl=auto "
-                              "(lean where it can run, megatron's forward elsewhere) or megatron")
+            raise ConfigError(f"generation.decode_impl=lean runs on one pipeline stage only, got {row.config_key}="
+                              f"{value}; use generation.decode_impl=auto (lean where it can run, megatron's "
+                              "forward elsewhere) or megatron")
         raise ConfigError(f"generation.decode_impl=lean does not support {row.reason} ({row.config_key}="
                           f"{_shown(value)}); use generation.decode_impl=auto or megatron")
 

@@ -167,7 +167,7 @@ class GenerationConfig:
     # The forward of prefill and decode steps: "lean" (megatron_gspo/generation/lean_decoder.py: the model's own
     # modules and weights, a KV cache of roped keys, last-position logits only), "megatron"
     # (GPTModel.forward with megatron's StaticInferenceContext), "auto" (lean where it supports
-    # the model, i.e. one rank of TP/EP/PP, RoPE and the local attention; else megatron). Routing
+    # the model, i.e. any TP/EP/expert-TP on one pipeline stage, RoPE, no FP8; else megatron). Routing
     # replay's recorders (R2/R3) run on either path. "lean" on a layout it cannot run is refused.
     decode_impl: str = knob("auto", resume=Resume.MAY_CHANGE, choices=DECODE_IMPLS)
     # Check which rows finished (a host sync, and under EP / TP a lockstep all-reduce) every this many
@@ -177,7 +177,7 @@ class GenerationConfig:
     # measured decode step times).
     finished_check_interval: int = knob(0, resume=Resume.MAY_CHANGE, ge=0, hint="(0 = auto)")
     # Capture the lean decode step once per batch-size bucket with CUDA graphs and replay it (CUDA,
-    # decode_impl lean or auto on one rank of TP/EP). Off by default: the captured step's agreement with
+    # decode_impl lean or auto where lean runs). Off by default: the captured step's agreement with
     # the eager one is checked by the preflight on each node first (docs/performance.md has the figures).
     cuda_graphs: bool = knob(False, resume=Resume.MAY_CHANGE)
 
