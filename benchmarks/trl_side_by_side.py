@@ -140,6 +140,7 @@ def _step_record(t0: float, c0: float, tr: float, cr: float, t1: float, c1: floa
 
 def worker_ours(args, paths: dict) -> list[dict]:
     from megatron_gspo.config import load_job_config
+    from megatron_gspo.runtime.logger import setup_logging
     from megatron_gspo.trainer.hooks import TrainerHook
     from megatron_gspo.train import DEMO_CONFIG
     from megatron_gspo.trainer.loop import Trainer
@@ -175,6 +176,7 @@ def worker_ours(args, paths: dict) -> list[dict]:
             records.append(_step_record(self.t0, self.c0, self.tr, self.cr, t1, c1, float(metrics["perf/generate_s"]),
                                         int(metrics["perf/gen_tokens"])))
 
+    setup_logging(0)  # the trainer's progress lines, as megatron_gspo.train prints them
     trainer = Trainer(load_job_config(DEMO_CONFIG, over), hooks=[Clock()])
     try:
         trainer.run()

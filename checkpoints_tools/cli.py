@@ -1,19 +1,23 @@
 """What the two converter commands share: parsing sizes and dtypes, the common options, progress
 lines with the process's memory, the end-of-run summary, and running a conversion as a command
-(a ConversionError becomes ``error: ...`` and exit status 2)."""
+(a ConversionError becomes ``error: ...`` and exit status 2; a stop signal ends it at the next tensor
+with its partial output removed, exit 130 / 143)."""
 
 from __future__ import annotations
 
 import json
 import re
+import signal
 import sys
+import threading
 import time
 from typing import Any, Optional
 
 import torch
 
-from checkpoints_tools.errors import ConversionError
+from checkpoints_tools.errors import ConversionError, ConversionStopped
 from megatron_gspo.runtime.sysinfo import current_rss, peak_rss, reset_peak_rss
+from megatron_gspo.runtime.writable import check_writable, format_bytes
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -32,13 +36,8 @@ def parse_size(text: str | int) -> int:
     return n
 
 
-def human_bytes(n: float) -> str:
-    """1234567 -> '1.23 MB': decimal units, the ones --max-shard-size and the hub speak."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000.0
-    return f"{n:.2f} TB"
+# 1234567 -> '1.23 MB': decimal units, the ones --max-shard-size and the hub speak
+human_bytes = format_bytes
 
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -70,6 +69,10 @@ class Progress:
     def log(self, msg: str) -> None:
         if not self.quiet:
             print(f"[{self.what}] {msg}", file=sys.stderr, flush=True)
+
+    def warn(self, msg: str) -> None:
+        """A line said even under --quiet (what was found and removed beside --out)."""
+        print(f"[{self.what}] {msg}", file=sys.stderr, flush=True)
 
     def group(self, name: str, tensors: int, nbytes: int) -> None:
         self.done += 1
@@ -108,17 +111,63 @@ def add_common_args(ap, dtype_help: str) -> None:
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
+# The signals that stop a conversion (a scheduler's SIGTERM, Ctrl-C's SIGINT, a closed terminal's SIGHUP): the
+# handler only records the first; the conversion stops at its next stop_point (at most one tensor later).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_stop: dict = {"signum": None}
+
+
+def _on_signal(signum, frame) -> None:
+    if _stop["signum"] is None:
+        _stop["signum"] = signum
+
+
+def stop_point() -> None:
+    """Where a conversion may stop: between tensors. Raises ConversionStopped once a stop signal came."""
+    if _stop["signum"] is not None:
+        raise ConversionStopped(_stop["signum"])
+
+
+def check_summary_path(path: Optional[str]) -> None:
+    """--summary-json writable before any work (the real cause otherwise: runtime/writable.py)."""
+    if path:
+        check_writable(path, f"--summary-json {path}", directory=False, error=ConversionError)
+
+
 def run_cli(args, convert_fn) -> int:
-    """Run ``convert_fn()`` with ``args.threads`` torch threads; a ConversionError becomes
-    ``error: ...`` on stderr and exit status 2 (nothing was written)."""
+    """Run ``convert_fn()`` with ``args.threads`` torch threads; a ConversionError becomes ``error: ...`` on
+    stderr and exit status 2 (nothing was written). A stop signal ends it at the next stop_point: its partial
+    output removed, one line, exit 128 + the signal (143 SIGTERM, 130 Ctrl-C)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, args.threads))
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, _on_signal) for s in STOP_SIGNALS} if in_main else {}
     try:
+        check_summary_path(args.summary_json)
         summary = convert_fn()
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BaseException as e:  # a stop signal's ConversionStopped, wherever torch's writer wrapped it
+        if _stop["signum"] is None:
+            raise
+        return _stopped(e)
     finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
         torch.set_num_threads(threads)
+        signum, _stop["signum"] = _stop["signum"], None
+    if signum is not None:  # it came after the last stop point: the output is complete
+        print(f"{signal.Signals(signum).name} after the conversion had finished: its output is complete",
+              file=sys.stderr)
     write_summary(args.summary_json, summary)
     return 0
+
+
+def _stopped(e: BaseException) -> int:
+    signum = _stop["signum"]
+    partial = getattr(e, "partial_output", None)
+    print(f"stopped by {signal.Signals(signum).name}: "
+          + (f"removed the partial output {partial}; " if partial else "nothing was written yet; ")
+          + f"nothing was written to --out; exit {128 + signum}", file=sys.stderr, flush=True)
+    return 128 + signum

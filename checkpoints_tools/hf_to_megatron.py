@@ -7,7 +7,9 @@ The output directory loads under any TP / EP / ETP layout with megatron_gspo.che
 (torch_dist keys are global). Next to the weights it holds ``model_config.yaml`` (the
 megatron_gspo ModelConfig the HF config implies), the HF ``config.json`` and the tokenizer files.
 Everything is checked (config, index, every shard header, every tensor's shape) before anything
-is written; the output appears atomically (temp dir next to it, renamed when complete).
+is written; the output appears atomically (temp dir next to it, renamed when complete). SIGTERM or
+Ctrl-C stops it within a tensor: the temp dir is removed, exit 143 / 130; the temp dirs of runs that
+were killed outright are removed (and named) by the next conversion to the same --out.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from typing import Optional
 
 import torch
 
-from checkpoints_tools.cli import Progress, add_common_args, parse_dtype, run_cli
+from checkpoints_tools.cli import Progress, add_common_args, parse_dtype, run_cli, stop_point
 from checkpoints_tools.errors import ConversionError
-from checkpoints_tools.files import atomic_output_dir, check_output, copy_side_files, read_json
+from checkpoints_tools.files import atomic_output_dir, check_output, copy_side_files, read_json, remove_leftovers
 from checkpoints_tools.mapping import ModelMapping, get_mapping
 from checkpoints_tools.safetensors_io import HFCheckpoint, STEntry
 from checkpoints_tools.torch_dist_io import DistCheckpointWriter
@@ -69,6 +71,7 @@ def convert(hf_dir: str, out: str, force: bool = False, dtype: Optional[str] = N
             quiet: bool = False) -> dict:
     """Convert; returns the summary dict. Raises ConversionError (nothing written) on bad input."""
     progress = Progress("hf->megatron", 0, quiet=quiet)
+    remove_leftovers(out, progress.warn)  # of conversions to --out that were killed
     out = check_output(out, force, [hf_dir])
     if not os.path.isdir(hf_dir):
         raise ConversionError(f"HF model directory not found: {hf_dir}")
@@ -101,6 +104,7 @@ def convert(hf_dir: str, out: str, force: bool = False, dtype: Optional[str] = N
                  f"{len(hf.entries)} tensors in {len({e.file for e in hf.entries.values()})} file(s); "
                  f"vocab {cfg.vocab_size} padded to {cfg.padded_vocab_size}")
 
+    stop_point()  # a signal during the checks: stop before anything is written
     with atomic_output_dir(out, force) as tmp:
         writer = DistCheckpointWriter(tmp)
         writer.plan(plans)
@@ -111,6 +115,7 @@ def convert(hf_dir: str, out: str, force: bool = False, dtype: Optional[str] = N
             stats = {"tensors": 0, "bytes": 0}
 
             def produce(index, by_chunk=by_chunk, stats=stats):
+                stop_point()  # a stop signal ends the conversion here, one tensor later at most
                 if index.offset is None:  # a ShardedObject (`_extra_state`)
                     return None
                 r = by_chunk[(index.fqn, tuple(index.offset))]
@@ -122,6 +127,7 @@ def convert(hf_dir: str, out: str, force: bool = False, dtype: Optional[str] = N
 
             writer.write_group(gi, produce)
             progress.group(g.name, stats["tensors"], stats["bytes"])
+        stop_point()
         writer.finish()
         write_model_config(os.path.join(tmp, MODEL_CONFIG_FILE), cfg)
         copied = copy_side_files(hf_dir, tmp)

@@ -20,7 +20,10 @@ config.json next to the checkpoint, or in --tokenizer-dir) so token ids etc. car
 architecture field set from the model config.
 
 Everything (config vs. every tensor's key and global shape, every stored chunk's file and byte
-range) is checked before anything is written; the output appears atomically.
+range) is checked before anything is written; the output appears atomically. SIGTERM or Ctrl-C stops
+it within a tensor (the temp dir removed, exit 143 / 130). Nothing of the checkpoint is unpickled
+beyond data: ``.metadata`` with a restricted unpickler, ``common.pt`` with weights_only=True, and only
+tensors are read (megatron_gspo/checkpoint/torch_dist_files.py).
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from typing import Optional
 
 import torch
 
-from checkpoints_tools.cli import Progress, add_common_args, parse_dtype, parse_size, run_cli
+from checkpoints_tools.cli import Progress, add_common_args, parse_dtype, parse_size, run_cli, stop_point
 from checkpoints_tools.errors import ConversionError
-from checkpoints_tools.files import atomic_output_dir, check_output, copy_side_files, read_json, write_json
+from checkpoints_tools.files import (atomic_output_dir, check_output, copy_side_files, read_json, remove_leftovers,
+                                     write_json)
 from checkpoints_tools.mapping import get_mapping
 from checkpoints_tools.safetensors_io import SafetensorsStreamWriter, tensor_nbytes
 from checkpoints_tools.torch_dist_io import DistCheckpointReader
@@ -83,17 +87,17 @@ def _model_config_from_dict(data, where: str):
 def trainer_model_config(ckpt: str):
     """The ModelConfig megatron_gspo's trainer stores in the checkpoint's common.pt
     (``extra.config.model``, the whole job config), or None."""
+    from megatron_gspo.checkpoint.torch_dist_files import read_common
+    from megatron_gspo.errors import CheckpointError
+
     path = os.path.join(ckpt, "common.pt")
     if not os.path.isfile(path):
         return None
-    try:
-        common_sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:
-        try:  # megatron itself loads common.pt unrestricted; it is the user's own checkpoint
-            common_sd = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as e:
-            raise ConversionError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
-    model = ((common_sd.get("extra") or {}).get("config") or {}).get("model") if isinstance(common_sd, dict) else None
+    try:  # weights_only: a common.pt that would run code is refused, naming the file
+        common_sd = read_common(ckpt)
+    except CheckpointError as e:
+        raise ConversionError(str(e)) from None
+    model = ((common_sd.get("extra") or {}).get("config") or {}).get("model")
     return _model_config_from_dict(model, f"{path} (extra.config.model)") if isinstance(model, dict) else None
 
 
@@ -193,6 +197,7 @@ def convert(ckpt: str, out: str, tokenizer_dir: str, max_shard_size: str | int =
             model_type: Optional[str] = None, prefix: Optional[str] = None, dtype: Optional[str] = None,
             quiet: bool = False) -> dict:
     progress = Progress("megatron->hf", 0, quiet=quiet)
+    remove_leftovers(out, progress.warn)  # of conversions to --out that were killed
     out = check_output(out, force, [ckpt])
     if os.path.isdir(ckpt):
         ckpt = resolve_checkpoint_dir(ckpt)
@@ -249,6 +254,7 @@ def convert(ckpt: str, out: str, tokenizer_dir: str, max_shard_size: str | int =
     progress.log(f"{ckpt}: {cls.model_type}, {cfg.num_layers} layers, {cfg.num_moe_experts} experts "
                  f"(config {cfg_src}, key prefix {pfx!r}); writing {len(entries)} tensors in {n_sh} shard(s)")
 
+    stop_point()  # a signal during the checks: stop before anything is written
     with atomic_output_dir(out, force) as tmp:
         weight_map = {}
         shard_of = {}
@@ -264,6 +270,7 @@ def convert(ckpt: str, out: str, tokenizer_dir: str, max_shard_size: str | int =
             for g in groups:
                 g_tensors, g_bytes = 0, 0
                 for r in g.rules:
+                    stop_point()  # a stop signal ends the conversion here, one tensor later at most
                     chunk = reader.read(stored[r.mtensor.key], r.offsets, r.sizes).reshape(r.chunk_shape)
                     for t in r.to_hf(chunk):
                         name, dt, shape = entries[i]

@@ -189,11 +189,14 @@ class DistCheckpointReader:
             raise ConversionError(f"{mj}: sharded_backend={backend!r}; only 'torch_dist' is supported")
         if not os.path.isfile(os.path.join(path, ".metadata")):
             raise ConversionError(f"{path}: torch_dist checkpoint without its .metadata file")
+        from megatron_gspo.checkpoint.torch_dist_files import read_dcp_metadata
+        from megatron_gspo.errors import CheckpointError
+
         self.reader = FileSystemReader(path)
-        try:
-            self.md = self.reader.read_metadata()
-        except Exception as e:
-            raise ConversionError(f"{os.path.join(path, '.metadata')}: unreadable ({type(e).__name__}: {e})") from e
+        try:  # not FileSystemReader.read_metadata: that is pickle.load, which runs what the file says
+            self.md = read_dcp_metadata(path)
+        except CheckpointError as e:
+            raise ConversionError(str(e)) from None
         self.reader.set_up_storage_reader(self.md, True)
         self.tensors = {k: v for k, v in self.md.state_dict_metadata.items() if hasattr(v, "chunks")}
         self._by_lead: dict[str, tuple[int, dict]] = {}

@@ -200,9 +200,9 @@ Checks across sections (`config/rules.py`, run in order by `JobConfig.__post_ini
 * `train.overlong_filtering=true` cannot go with `generation.ignore_eos=true` or
   `generation.min_new_tokens >= generation.max_new_tokens` (every response would be truncated and
   filtered out);
-* `generation.decode_impl=lean` needs one rank of TP / PP / EP / expert-TP, no sequence parallelism,
-  no FP8 and not Transformer Engine's fused router top-k (`model.moe_router_fusion`): the rows with a
-  config key of `LEAN_DECODE_LIMITS` (`config/rules.py`; `auto` picks lean wherever it can run);
+* `generation.decode_impl=lean` runs on one pipeline stage under any TP / EP / expert-TP layout,
+  without FP8 and without Transformer Engine's fused router top-k (`model.moe_router_fusion`): the rows
+  with a config key of `LEAN_DECODE_LIMITS` (`config/rules.py`; `auto` picks lean wherever it can run);
 * `rollout.mode=async` needs `train.old_logprobs` `auto` or `recompute`, `rollout_correction.mode`
   `tis` or `mis` when `rollout.max_staleness > 0`, `train.routing_replay` `off` or `R2`, and no dynamic
   sampling;
@@ -349,6 +349,11 @@ def section_table(name: str, cls: type, instance) -> tuple[str, list[str]]:
     summary, doc_entries = docstring_fields(cls, names)
     comments = field_comments(cls)
     choices = field_choices(cls)
+    if name == "loss":  # the registry's, not a knob's: a plug-in names itself (package.module:function)
+        from megatron_gspo.algorithms.loss_spec import POLICY_LOSSES, find_loss
+
+        find_loss("gspo")  # the built-in losses registered
+        choices["name"] = [*POLICY_LOSSES, "package.module:function"]
     rows = ["| Key | Type | Default | Allowed | Resume | Description |", "|---|---|---|---|---|---|"]
     missing = []
     for f in dataclasses.fields(cls):
@@ -394,6 +399,29 @@ def presets_table() -> str:
     return "\n".join(text + rows) + "\n"
 
 
+def losses_table() -> str:
+    """Each registered loss's spec (algorithms/loss_spec.py): what it reads of the loss section."""
+    from megatron_gspo.algorithms.loss_spec import CONFIGURABLE, losses_where, loss_spec
+
+    rows = ["| `loss.name` | Ratio | Clip range (default, units) | Aggregation | Its own keys |", "|---|---|---|---|---|"]
+    for name in losses_where(lambda spec: True):
+        spec = loss_spec(name)
+        clip = "none" if spec.clip is None else f"{spec.clip[0]:g} / {spec.clip[1]:g}, {spec.units.name}"
+        agg = "`loss.loss_agg_mode`" if spec.aggregation == CONFIGURABLE else spec.aggregation
+        own = ", ".join(f"`loss.{s.key}`" for s in spec.settings)
+        rows.append(f"| `{name}` | {spec.ratio} | {clip} | {agg} | {own} |")
+    text = ["## Losses", "",
+            "What each loss reads of the `loss` section, from its spec (megatron_gspo/algorithms/loss_spec.py, beside "
+            "its function in algorithms/losses.py; [algorithms](algorithms.md#a-loss-is-one-spec) says how to add "
+            "one). Every loss takes `loss.log_ratio_bound`, `loss.kl_coef` and `loss.entropy_coef`; a key a loss does "
+            "not read is refused by name. Per-token ratios are the ones `train.routing_replay` applies to. The "
+            "bounds that depend on the training precision (`model.precision`) are checked when the job is loaded: "
+            "a token's largest gradient weight, e^`log_ratio_bound` x max(1, `kl_coef`) / `loss_agg_norm_constant`, "
+            "squared by Adam and the gradient norm, must stay finite (at most 1.84e19 in fp32 and bf16), and SAPO's "
+            "temperatures lie in [1.22e-4, 1.84e19] (fp32, the loss's arithmetic in every precision).", ""]
+    return "\n".join(text + rows) + "\n"
+
+
 def demo_table() -> str:
     from megatron_gspo.config import load_yaml
     from megatron_gspo.train import DEMO_CONFIG
@@ -420,7 +448,7 @@ def render() -> str:
             raise KeyError(f"SUPPLEMENT names {key!r}, which is not a JobConfig field")
     parts = [INTRO]
     toc = ["Sections: " + ", ".join(f"[`{n}`](#{n})" for n, _ in sections())
-           + ", [model presets](#model-presets), [the demo job](#the-demo-job).", ""]
+           + ", [model presets](#model-presets), [losses](#losses), [the demo job](#the-demo-job).", ""]
     parts.append("\n".join(toc))
     undocumented: list[str] = []
     for name, cls in sections():
@@ -428,6 +456,7 @@ def render() -> str:
         parts.append(table)
         undocumented += missing
     parts.append(presets_table())
+    parts.append(losses_table())
     parts.append(demo_table())
     if undocumented:  # not an error: a new field still gets its row; describe it in the source
         print(f"note: fields without a description: {undocumented}", file=sys.stderr)

@@ -61,7 +61,7 @@ def format_block(r: dict[str, Any]) -> str:
         ("FP8 weight cache", r["fp8_cache"]),
         ("routing records (monitor + replay)", r["routing"]),
         ("activations, 1 micro-batch (+ logits)", r["train_act"]),
-        ("generation (KV cache + prefill)", r["generation"]),
+        (f"generation, {r['decoder']} decoder (KV + prefill)", r["generation"]),
         ("runtime (CUDA/NCCL + fragmentation)", r["runtime"]),
     ]
     if r.get("kv_cache_kept"):  # generation.cuda_graphs=true: the decoder's KV cache lives for the job

@@ -8,7 +8,7 @@ code that raises them and are not in the list.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 
 class ConfigError(ValueError):
@@ -39,12 +39,16 @@ def clip_repr(text: Any, limit: int = 200) -> str:
 
 
 class RewardError(RuntimeError):
-    """A reward function failed or returned something that is not a finite number."""
+    """A reward function failed or returned something that is not a finite number. ``index``: the sample
+    (its row in the batch), or None when a batch reward failed as a whole (``batch_size`` rows; the first
+    one's prompt and response are shown)."""
 
-    def __init__(self, fn_name: str, index: int, prompt: str, response: str, problem: str) -> None:
+    def __init__(self, fn_name: str, index: Optional[int], prompt: str, response: str, problem: str,
+                 batch_size: Optional[int] = None) -> None:
         self.fn_name, self.index, self.prompt, self.response, self.problem = fn_name, index, prompt, response, problem
+        where = f"sample {index}" if index is not None else f"a batch of {batch_size} samples (the first shown)"
         super().__init__(
-            f"reward function {fn_name!r} on sample {index}: {problem}\n"
+            f"reward function {fn_name!r} on {where}: {problem}\n"
             f"  prompt:   {clip_repr(prompt)}\n  response: {clip_repr(response)}"
         )
 

@@ -14,6 +14,7 @@ import sys
 from typing import Callable, Optional
 
 from megatron_gspo.runtime import exit_status
+from megatron_gspo.runtime.exit_status import StoppedFor
 from megatron_gspo.runtime.stop import STOP_SIGNALS, PreemptionFlag  # standard library only: no torch yet
 
 if __name__ == "__main__":
@@ -22,9 +23,10 @@ if __name__ == "__main__":
     PreemptionFlag.install(STOP_SIGNALS)
 
 from megatron_gspo.runtime import comm, parallel  # noqa: E402 (after the handlers: these import torch)
-from megatron_gspo.rollout.layout import ROLLOUT, role_of  # noqa: E402
+from megatron_gspo.rollout.layout import ROLLOUT, check_world, role_of  # noqa: E402
 from megatron_gspo.config import DEMO_CONFIG, load_job_config, split_job_args  # noqa: E402
 from megatron_gspo.errors import USER_ERRORS  # noqa: E402
+from megatron_gspo.runtime.logger import setup_logging  # noqa: E402
 from megatron_gspo.trainer.loop import Trainer, TrainingStopped  # noqa: E402
 
 log = logging.getLogger("megatron_gspo")
@@ -68,11 +70,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     path, argv = split_job_args(argv)
     try:
         cfg = load_job_config(path, argv)
+        configure_logging(cfg)
+        faults = injected_faults()
         if role_of(cfg) == ROLLOUT:  # rollout.mode=async: this rank generates (rollout/worker.py)
             from megatron_gspo.rollout.worker import run_rollout_rank
 
-            return run_rollout_rank(cfg)
-        trainer = Trainer(cfg, stop=stop)
+            return run_rollout_rank(cfg, faults=faults)
+        trainer = Trainer(cfg, hooks=[faults] if faults else [], stop=stop)
+    except exit_status.StoppedFor as e:  # a stop signal while start-up made the data: nothing to save (79)
+        if comm.is_distributed():
+            parallel.destroy()
+        log.error("%s", e)
+        exit_status.record(e.exit_code, str(e))
+        return e.exit_code
     except USER_ERRORS as e:
         # a wrong config, layout, file or checkpoint: the message names it; no traceback. The process
         # groups (if any were made) go first: tearing them down imports more of megatron, whose
@@ -87,6 +97,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     return run_trainer(trainer)
 
 
+def configure_logging(cfg) -> None:
+    """This process's logging and warning filters (the library only logs to the ``megatron_gspo`` logger):
+    INFO on the first rank of the trainer's world, and of the rollout ranks' world of an async job, whose
+    lines name the rank ("rollout rank N"); WARNING elsewhere (runtime/logger.setup_logging)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if role_of(cfg) == ROLLOUT:
+        split = check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        setup_logging(split.side_rank(rank), prefix=f"rollout rank {rank}")
+    else:
+        setup_logging(rank)
+
+
+def injected_faults():
+    """The tests' fault injection (megatron_gspo/testing/faults.py: a trainer hook, which a rollout rank
+    calls too) when MEGATRON_GSPO_FAULTS is set, else None: without it that module is never imported."""
+    if not os.environ.get("MEGATRON_GSPO_FAULTS", "").strip():
+        return None
+    from megatron_gspo.testing.faults import FaultInjection
+
+    return FaultInjection.from_env()
+
+
 def run_trainer(trainer: Trainer, on_exit: Optional[Callable[[], None]] = None) -> int:
     """Run the loop and return the process exit code: 0, a TrainingStopped code (preemption, too
     many skipped updates) or 2 for a user error, recorded for the launcher (exit_status). ``on_exit``,
@@ -96,7 +128,7 @@ def run_trainer(trainer: Trainer, on_exit: Optional[Callable[[], None]] = None) 
         if trainer.state.is_main and result["history"]:
             log.info(summarize(*run_history(trainer.cfg.train.output_dir, result["history"], trainer.step),
                                trainer.cfg.loss.name))
-    except TrainingStopped as e:
+    except StoppedFor as e:  # TrainingStopped, or a checkpoint the disk refused (checkpoint/space.py)
         # every rank stops for the same reason: one line (rank 0's), the launcher repeats it
         (log.error if trainer.state.is_main else log.info)("%s", e)
         exit_status.record(e.exit_code, str(e))

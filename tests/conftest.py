@@ -128,7 +128,7 @@ def single_rank():
     parallel.destroy()
 
 
-# ``cpu_models`` lives here rather than in tests/te/conftest.py: a second conftest module would shadow this one for
+# ``cpu_models`` lives here rather than in a conftest.py of tests/te/: a second conftest module would shadow this one for
 # the tests that ``import conftest`` (a directory without __init__.py imports its conftest as "conftest").
 @pytest.fixture
 def cpu_models():

@@ -11,11 +11,11 @@ attributed to the Python file and line that made it::
 
     with HostSyncCounter() as syncs:
         train_on(batch)
-    syncs.total("megatron_gspo/trainer/loop.py")   # syncs made by lines of trainer.py
+    syncs.total("megatron_gspo/trainer/loop.py")   # syncs made by lines of loop.py
     syncs.by_site()                            # {(file, line, op): count}
 
-The caller is the first Python frame outside this module and torch (so ``if t:`` in trainer.py
-counts for trainer.py, a ``.tolist()`` inside megatron-core for megatron-core). ``.to(device)`` is
+The caller is the first Python frame outside this module and torch (so ``if t:`` in loop.py
+counts for loop.py, a ``.tolist()`` inside megatron-core for megatron-core). ``.to(device)`` is
 not counted: with every tensor on the CPU, ``.to(x.device)`` (no sync on a GPU) cannot be told from
 ``.to("cpu")``; code that copies to the host on purpose says ``.cpu()``.
 """

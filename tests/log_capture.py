@@ -1,8 +1,9 @@
 """What the project's logger said during a block: ``with LogLines(logging.WARNING) as said: ...``.
 
-A handler of its own on the ``megatron_gspo`` logger rather than pytest's caplog: the trainer's
-``setup_logging`` calls ``logging.basicConfig(force=True)``, which removes the root logger's handlers,
-caplog's among them, so a test that builds a Trainer would see nothing through caplog.
+A handler of its own on the ``megatron_gspo`` logger rather than pytest's caplog: an entry point run in
+the test process (``train.main``) configures logging with ``logging.basicConfig(force=True)``, which
+removes the root logger's handlers, caplog's among them. The library configures no logging, so the
+logger's level decides what reaches a handler: for the block, it is lowered to ``level`` if it is above.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class LogLines(logging.Handler):
         super().__init__(level)
         self.logger = logging.getLogger(logger)
         self.records: list[tuple[int, str]] = []
+        self._level = self.logger.level
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append((record.levelno, record.getMessage()))
@@ -26,8 +28,12 @@ class LogLines(logging.Handler):
         return [m for _, m in self.records]
 
     def __enter__(self) -> "LogLines":
+        self._level = self.logger.level
+        if self.logger.getEffectiveLevel() > self.level:
+            self.logger.setLevel(self.level)
         self.logger.addHandler(self)
         return self
 
     def __exit__(self, *exc) -> None:
         self.logger.removeHandler(self)
+        self.logger.setLevel(self._level)

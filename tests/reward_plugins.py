@@ -49,3 +49,30 @@ def response_hash(prompt: str, response: str, answer=None, **kwargs) -> float:
     import zlib
 
     return (zlib.crc32(response.encode()) % 9973) / 9973
+
+
+def huge_reward(prompt: str, response: str, answer=None, **kwargs) -> float:
+    """Finite in Python, inf in float32 (the rewards' dtype): refused like inf (the catalogue runs it)."""
+    return 1e300
+
+
+def slow_reward(prompt: str, response: str, answer=None, *, seconds: float = 1.0, marker: str = "") -> float:
+    """``seconds`` per response (a verifier on hard inputs), appending a line to ``marker`` (a file) as each
+    response starts: a test knows when scoring is under way, and how many responses were begun."""
+    import os
+    import time
+
+    if marker:
+        with open(marker, "a") as f:
+            f.write(f"{os.getpid()}\n")
+    time.sleep(seconds)
+    return digit_fraction(prompt, response, answer)
+
+
+def dies_on(prompt: str, response: str, answer=None, *, word: str = "die") -> float:
+    """Ends its process (as a crash in native code would) on the response ``word``; its length otherwise."""
+    import os
+
+    if response == word:
+        os._exit(3)
+    return float(len(response))

@@ -201,8 +201,10 @@ PROBE_JOB = ["parallel.device=cpu", "train.prompts_per_step=4", "generation.n_sa
 
 
 def _train(out, probe_rows=None):
-    """One run of the demo job (PROBE_JOB) in this process; -> (metrics rows, the first rollout)."""
+    """One run of the demo job (PROBE_JOB) in this process, step 2's old log-probs made non-finite (its
+    updates skipped); -> (metrics rows, the first rollout)."""
     from megatron_gspo.config import load_job_config
+    from megatron_gspo.testing.faults import FaultInjection
     from megatron_gspo.trainer.hooks import TrainerHook
     from megatron_gspo.train import DEMO_CONFIG, Trainer, run_trainer
 
@@ -213,17 +215,17 @@ def _train(out, probe_rows=None):
             self.batch = self.batch or batch
 
     first = FirstRollout()
-    hooks = [first] + ([RoutingProbe(str(out / "probe.jsonl"), probe_rows)] if probe_rows else [])
+    hooks = [FaultInjection("nan_logprob@2"), first]
+    hooks += [RoutingProbe(str(out / "probe.jsonl"), probe_rows)] if probe_rows else []
     cfg = load_job_config(DEMO_CONFIG, PROBE_JOB + [f"train.output_dir={out}", "train.tensorboard=false"])
     assert run_trainer(Trainer(cfg, hooks=hooks)) == 0
     return [json.loads(line) for line in open(out / "metrics.jsonl")], first.batch
 
 
-def test_probe_is_a_trainer_hook(tmp_path, monkeypatch):
+def test_probe_is_a_trainer_hook(tmp_path):
     """One probe row per APPLIED update (step 2's updates are skipped: non-finite old log-probs),
     fractions in [0, 1], the first update measured against the initial routes, only the real input
     positions of the first rows compared; and the probe does not change training."""
-    monkeypatch.setenv("MEGATRON_GSPO_FAULTS", "nan_logprob@2")
     rows_plain, _ = _train(tmp_path / "plain")
     rows, batch = _train(tmp_path / "probed", probe_rows=6)
     assert [r["train/skipped_updates"] for r in rows] == [0, MINIBATCHES, 0]
@@ -285,6 +287,22 @@ def test_old_docs_flag_is_refused_with_its_replacement(capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--docs"])
     assert "--docs-dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--variants", ""], "--variants '' names no variant; give a comma-separated list from "),
+    (["--variants", " , "], "--variants ' , ' names no variant"),
+    (["--variants", "gspo,grpo", "--variant-override", "sapo:loss.sapo_tau_pos=2"],
+     "--variant-override 'sapo:loss.sapo_tau_pos=2': variant 'sapo' is not run by this comparison (--variants "
+     "gspo,grpo); add it to --variants or drop the override"),
+    (["--variant-override", "gspo-optimizer.lr=1"], "--variant-override 'gspo-optimizer.lr=1': write "
+                                                    "VARIANT:section.key=value"),
+])
+def test_variants_and_their_overrides_are_checked_before_any_work(capsys, argv, said):
+    """An empty --variants ran 14 s of work, then KeyError; an override of a variant not run was ignored."""
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err
 
 
 def _write_seed_runs(out) -> None:

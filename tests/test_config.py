@@ -96,6 +96,39 @@ def test_bad_yaml_file(tmp_path):
         parse_overrides(["model.num_layers"])
 
 
+def test_yaml_section_or_key_given_twice_is_refused_by_file_line_and_key(tmp_path):
+    """YAML keeps the last of two equal keys silently: a job file that sets one twice is refused by name."""
+    p = tmp_path / "twice.yaml"
+    p.write_text("train:\n  num_steps: 3\nloss:\n  name: grpo\ntrain:\n  num_steps: 5\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml:5: section 'train' is given twice \(first at line 1\)"):
+        load_yaml(p)
+    p.write_text("loss:\n  name: grpo\n  clip_ratio_high: 0.28\n  name: gspo\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml:4: key loss\.name is given twice \(first at line 2\)"):
+        load_yaml(p)
+    p.write_text("data:\n  task_kwargs:\n    max_digits: 3\n    max_digits: 4\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml:4: key data\.task_kwargs\.max_digits is given twice"):
+        load_yaml(p)
+    p.write_text("base: &b\n  num_steps: 3\ntrain:\n  <<: *b\n  num_steps: 4\n")  # a merge key is no repeat
+    assert load_yaml(p)["train"] == {"num_steps": 4}
+
+
+def test_empty_job_file_is_refused(tmp_path):
+    for text in ("", "# only a comment\n", "---\n"):
+        p = tmp_path / "empty.yaml"
+        p.write_text(text)
+        with pytest.raises(ConfigError, match=r"empty\.yaml: empty job file"):
+            config.load_job_config(str(p))
+
+
+def test_a_null_section_is_blamed_on_the_yaml_not_on_an_override(tmp_path):
+    p = tmp_path / "null.yaml"
+    p.write_text("loss:\n  name: gspo\ntrain: null\n")
+    for overrides in ([], ["train.num_steps=3"]):
+        with pytest.raises(ConfigError, match=r"null\.yaml:3: train: null") as e:
+            config.load_job_config(str(p), overrides)
+        assert "override" not in str(e.value)
+
+
 TINY = dict(num_attention_heads=4, num_query_groups=2, num_moe_experts=4, moe_ffn_hidden_size=32)
 
 
@@ -196,16 +229,12 @@ def test_hf_router_normalization_and_expert_key_spellings():
 
 
 def test_config_names_match_the_registries():
-    """The config validates names without importing the subsystems; each registry offers exactly them."""
+    """The config validates names without importing the subsystems; each registry offers exactly them. (The loss
+    section reads the loss specs instead: tests/test_loss_specs.py.)"""
     from megatron_gspo.algorithms.advantages import ADVANTAGE_ESTIMATORS
-    from megatron_gspo.algorithms.losses import POLICY_LOSSES
     from megatron_gspo.data.tokenizer import build_tokenizer  # noqa: F401 (TOKENIZER_TYPES is its dispatch)
 
-    assert tuple(POLICY_LOSSES) == config.LOSS_NAMES
     assert tuple(ADVANTAGE_ESTIMATORS) == config.ADVANTAGE_ESTIMATOR_NAMES
-    # every loss has a default clip range but SAPO, whose soft gate has temperatures instead
-    assert set(config.DEFAULT_CLIP_RATIOS) == set(config.LOSS_NAMES) - {"sapo"}
-    assert set(config.TOKEN_RATIO_LOSSES) <= set(config.LOSS_NAMES) and set(config.AGG_MODE_LOSSES) <= set(config.LOSS_NAMES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,13 +243,8 @@ def test_config_names_match_the_registries():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["parallel.tensor_model_parallel_size=2"],
-     r"generation\.decode_impl=lean runs on one rank of tensor / pipeline / expert parallelism only, got "
-     r"parallel\.tensor_model_parallel_size=2; use generation\.decode_impl=auto"),
-    (["parallel.expert_model_parallel_size=2"], r"got parallel\.expert_model_parallel_size=2"),
-    (["parallel.tensor_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1"],
-     r"got parallel\.tensor_model_parallel_size=2"),
     (["model.moe_router_fusion=true"], r"fused router top-k \(model\.moe_router_fusion=true\)"),
+    (["model.fp8=e4m3", "model.precision=bf16"], r"does not support FP8 \(model\.fp8="),
 ])
 def test_lean_decode_on_a_layout_it_cannot_run_is_refused(overrides, match):
     from megatron_gspo.config import load_job_config
@@ -233,9 +257,24 @@ def test_lean_decode_on_a_layout_it_cannot_run_is_refused(overrides, match):
     load_job_config(None, ["generation.decode_impl=lean", "model.transformer_impl=transformer_engine"])
 
 
+@pytest.mark.parametrize("layout", [
+    ["parallel.tensor_model_parallel_size=2"], ["parallel.expert_model_parallel_size=2"],
+    ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2"],
+    ["parallel.expert_tensor_parallel_size=2"],
+    ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=8",
+     "parallel.expert_tensor_parallel_size=1"],
+], ids=["tp2", "ep2", "tp2-ep2", "etp2", "tp2-ep8-etp1"])
+def test_lean_decode_runs_under_tensor_and_expert_parallelism(layout):
+    """generation.decode_impl=lean decodes over TP / EP / expert-TP shards (sequence parallelism, which TP
+    needs for training, is not used while decoding): no refusal at load (tests/test_decode.py runs them)."""
+    from megatron_gspo.config import load_job_config
+
+    job = load_job_config(None, ["generation.decode_impl=lean"] + layout)
+    assert job.generation.decode_impl == "lean"
+
+
 # A value each LEAN_DECODE_LIMITS row refuses, on a built model's TransformerConfig
-_LEAN_BAD = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "context_parallel_size": 2,
-             "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2, "sequence_parallel": True,
+_LEAN_BAD = {"pipeline_model_parallel_size": 2, "context_parallel_size": 2,
              "rotary_interleaved": True, "multi_latent_attention": True, "attention_output_gate": True,
              "apply_residual_connection_post_layernorm": True, "fp32_residual_connection": True, "fp8": "e4m3",
              "window_size": (16, 0), "softmax_type": "learnable", "apply_query_key_layer_scaling": True,
@@ -245,7 +284,7 @@ _LEAN_BAD = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
 def test_the_lean_decoders_limits_are_one_table_read_by_the_config_and_the_model_check():
     """config.rules.LEAN_DECODE_LIMITS: every row with a TransformerConfig attribute names a real one of
     megatron-core's (a renamed attribute would read as None, i.e. supported) and is what
-    decode.lean_decode_unsupported reports; every row with a config key is refused by key for decode_impl=lean."""
+    lean_decoder.lean_decode_unsupported reports; every row with a config key is refused by key for decode_impl=lean."""
     import types
 
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -260,11 +299,7 @@ def test_the_lean_decoders_limits_are_one_table_read_by_the_config_and_the_model
         if row.model_attr is not None:
             broken = types.SimpleNamespace(**{**vars(tc), row.model_attr: _LEAN_BAD[row.model_attr]})
             assert lean_decode_limit(broken) == row.reason.format(value=_LEAN_BAD[row.model_attr]), row
-    bad_overrides = {"parallel.tensor_model_parallel_size": ["parallel.tensor_model_parallel_size=2"],
-                     "parallel.pipeline_model_parallel_size": None,  # refused for the RL loop before (PP=1)
-                     "parallel.expert_model_parallel_size": ["parallel.expert_model_parallel_size=2"],
-                     "parallel.expert_tensor_parallel_size": ["parallel.expert_tensor_parallel_size=2"],
-                     "parallel.sequence_parallel": ["parallel.sequence_parallel=true"],
+    bad_overrides = {"parallel.pipeline_model_parallel_size": None,  # refused for the RL loop before (PP=1)
                      "model.fp8": ["model.fp8=e4m3", "model.precision=bf16"],
                      "model.moe_router_fusion": ["model.moe_router_fusion=true"]}
     assert {row.config_key for row in LEAN_DECODE_LIMITS} - {None} == set(bad_overrides)
@@ -453,3 +488,28 @@ def test_the_validator_accepts_what_the_annotations_allow():
     assert config.GenerationConfig(stop_token_ids=(1, 2)).stop_token_ids == [1, 2]  # a tuple is stored as a list
     assert config.LossConfig(kl_coef=0).kl_coef == 0  # an int for a float
     assert config.ModelConfig(moe_router_dtype=None).moe_router_dtype is None  # None among the choices
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.source=reasoning_gym:",
+     "data.source must be a string, got a mapping: YAML read reasoning_gym: (a colon at the end) as a key with no "
+     "value; write what follows the colon (reasoning_gym:<...>), or quote the value to keep it as written: "
+     "data.source=\"'reasoning_gym:'\" on the command line, 'reasoning_gym:' in a YAML file"),
+    ("reward.name=mod:",
+     "reward.name must be a string, got a mapping: YAML read mod: (a colon at the end) as a key with no value; write "
+     "what follows the colon (mod:<...>), or quote the value to keep it as written: reward.name=\"'mod:'\" on the "
+     "command line, 'mod:' in a YAML file"),
+    ("data.source=reasoning_gym: chain_sum",
+     "data.source must be a string, got a mapping: YAML read 'reasoning_gym: chain_sum' (a colon before a space) as a "
+     "key and its value; drop the space (reasoning_gym:chain_sum), or quote the value to keep it as written: "
+     "data.source=\"'reasoning_gym: chain_sum'\" on the command line, 'reasoning_gym: chain_sum' in a YAML file"),
+])
+def test_a_string_that_yaml_read_as_a_mapping_says_what_happened_and_what_to_write(override, message):
+    with pytest.raises(ConfigError) as e:
+        config.load_job_config(None, [override])
+    assert str(e.value) == message
+    # the quoting it suggests gives the string (here refused further on for naming no task / function)
+    quoted = override.split("=", 1)[0] + "='" + override.split("=", 1)[1] + "'"
+    section, key = override.split("=")[0].split(".")
+    if override.endswith(":"):
+        assert getattr(getattr(config.load_job_config(None, [quoted]), section), key) == override.split("=", 1)[1]

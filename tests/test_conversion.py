@@ -14,10 +14,11 @@
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
-import re
 import types
 
 import pytest
@@ -136,16 +137,15 @@ def test_megatron_layouts_match_transformers(layouts):
 
 
 def test_megatron_checkpoint_layout(mcore, hf_model):
-    from torch.distributed.checkpoint import FileSystemReader
-
     from megatron_gspo.checkpoint import dist_checkpoint_to_tensors
+    from megatron_gspo.checkpoint.torch_dist_files import read_dcp_metadata
 
     assert json.load(open(os.path.join(mcore, "metadata.json")))["sharded_backend"] == "torch_dist"
-    assert torch.load(os.path.join(mcore, "common.pt")) == {}
+    assert torch.load(os.path.join(mcore, "common.pt"), weights_only=True) == {}
     for f in ("model_config.yaml", "config.json", "tokenizer_config.json", "chat_template.jinja",
               "generation_config.json"):
         assert os.path.isfile(os.path.join(mcore, f)), f
-    md = FileSystemReader(mcore).read_metadata().state_dict_metadata
+    md = read_dcp_metadata(mcore).state_dict_metadata
     # stacked layers, experts on their own axis, chunked per (layer, expert) like megatron's save
     fc1 = md["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
     assert tuple(fc1.size) == (2, 4, 64, 64) and len(fc1.chunks) == 8
@@ -226,9 +226,11 @@ def test_export_megatron_default_local_spelling(mcore, hf_model, tmp_path):
     import dataclasses
     import pickle
 
+    from megatron_gspo.checkpoint.torch_dist_files import read_dcp_metadata
+
     ck = tmp_path / "local"
     shutil.copytree(mcore, ck)
-    md = pickle.load(open(ck / ".metadata", "rb"))
+    md = read_dcp_metadata(str(ck))  # never pickle.load: the project reads .metadata restricted
     ours, theirs = "decoder.layers.pre_mlp_layernorm.weight", "decoder.layers.mlp.linear_fc1.layer_norm_weight"
     md.state_dict_metadata[theirs] = md.state_dict_metadata.pop(ours)
     md.storage_data = {dataclasses.replace(k, fqn=theirs) if k.fqn == ours else k: v
@@ -445,9 +447,9 @@ def test_megatron_to_hf_bad_inputs(mcore, hf_model, tmp_path, capsys):
     assert "__1_0.distcp" in msg and "truncated" in msg, msg
 
     d = copy("corrupt")  # right size, garbage inside: fails mid-way, still nothing left behind
-    from torch.distributed.checkpoint import FileSystemReader
+    from megatron_gspo.checkpoint.torch_dist_files import read_dcp_metadata
 
-    info = [v for k, v in FileSystemReader(d).read_metadata().storage_data.items()
+    info = [v for k, v in read_dcp_metadata(d).storage_data.items()
             if k.fqn == "decoder.layers.self_attention.linear_qkv.weight" and v.relative_path == "__2_0.distcp"][0]
     with open(os.path.join(d, info.relative_path), "r+b") as f:
         f.seek(info.offset + info.length - 200)  # the item's zip directory
@@ -483,3 +485,104 @@ def test_megatron_to_hf_bad_inputs(mcore, hf_model, tmp_path, capsys):
     assert megatron_to_hf.main(["--ckpt", mcore, "--out", str(out), "--tokenizer-dir", hf_model.dir, "--quiet"]) == 2
     assert "already exists; pass --force" in capsys.readouterr().err
     assert os.listdir(out) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# stop signals and what killed conversions leave (issue 38)
+# ----------------------------------------------------------------------------------------------
+
+# Runs a converter with a stop signal sent to itself right after its first tensor group: the same as a
+# scheduler's SIGTERM or a Ctrl-C landing mid-conversion, at a known point.
+_SIGNAL_AFTER_FIRST_GROUP = """
+import os, signal, sys
+from checkpoints_tools import cli
+real = cli.Progress.group
+def group(self, *a, **k):
+    real(self, *a, **k)
+    if self.done == 1:
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+cli.Progress.group = group
+import importlib
+sys.exit(importlib.import_module(sys.argv[2]).main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("module, sig, code", [("checkpoints_tools.hf_to_megatron", "SIGTERM", 143),
+                                               ("checkpoints_tools.megatron_to_hf", "SIGINT", 130)])
+def test_a_stop_signal_mid_conversion_removes_its_output_and_says_so(mcore, hf_model, tmp_path, module, sig, code):
+    out = str(tmp_path / "out")
+    args = (["--hf-dir", hf_model.dir] if module.endswith("hf_to_megatron")
+            else ["--ckpt", mcore, "--tokenizer-dir", hf_model.dir])
+    p = subprocess.run([sys.executable, "-c", _SIGNAL_AFTER_FIRST_GROUP, sig, module, *args, "--out", out],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert p.returncode == code, (p.returncode, p.stderr[-3000:])
+    last = p.stderr.splitlines()[-1]
+    assert re.fullmatch(rf"stopped by {sig}: removed the partial output {re.escape(str(tmp_path))}/\.out\.tmp-\w+; "
+                        rf"nothing was written to --out; exit {code}", last), p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and no_leftovers(out)
+
+
+def _owner(path, pid):
+    """What a conversion writing ``path`` records about itself (files.OWNER: runtime/owner.holder), with ``pid``."""
+    import socket
+
+    os.makedirs(path)
+    with open(os.path.join(path, ".conversion-owner.json"), "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": pid, "pid_start": None, "slurm_job": None, "slurm_restart": 0,
+                   "started": "2025-11-28 08:00:00 UTC", "command": "python -m checkpoints_tools.megatron_to_hf",
+                   "token": "0" * 32}, f)
+
+
+def test_leftovers_of_killed_conversions_are_named_and_removed(mcore, hf_model, tmp_path, capsys):
+    """A conversion killed outright (SIGKILL, a node's end) leaves its temp dir beside --out; the next one to
+    the same --out names and removes it, and leaves alone one whose conversion still runs."""
+    out = str(tmp_path / "hf")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    _owner(str(tmp_path / ".hf.tmp-killed01"), gone.pid)
+    with open(tmp_path / ".hf.tmp-killed01" / "model-00001-of-00002.safetensors", "wb") as f:
+        f.write(b"\0" * 76_000)
+    os.makedirs(tmp_path / ".hf.tmp-oldver01")  # an older version's: no owner recorded
+    running = subprocess.Popen(["sleep", "120"])
+    try:
+        _owner(str(tmp_path / ".hf.tmp-running1"), running.pid)
+        assert megatron_to_hf.main(["--ckpt", mcore, "--out", out, "--tokenizer-dir", hf_model.dir, "--quiet"]) == 0
+    finally:
+        running.kill()
+        running.wait()
+    said = capsys.readouterr().err.splitlines()
+    assert any(s.startswith(f"[megatron->hf] removed {tmp_path}/.hf.tmp-killed01 (76.") and
+               s.endswith(f"left by an earlier conversion (its process {gone.pid} is gone)") for s in said), said
+    assert (f"[megatron->hf] removed {tmp_path}/.hf.tmp-oldver01 (0 B), left by an earlier conversion (killed before "
+            "it recorded its owner, or written by an older version)") in said
+    assert f"[megatron->hf] left {tmp_path}/.hf.tmp-running1 alone: a conversion that is still running writes it" in said
+    assert sorted(os.listdir(tmp_path)) == [".hf.tmp-running1", "hf"]
+    assert not os.path.exists(os.path.join(out, ".conversion-owner.json"))
+
+
+def test_a_long_conversion_reports_progress_and_stops_within_seconds(tmp_path):
+    """A real SIGTERM to a conversion of a ~100 MB model (8 layer groups) once its first progress line is out:
+    it ends at the next tensor, not at the end of the model: no more than the group in flight reports after
+    the signal (a wall-clock bound alone would measure the machine's load; on an idle one it takes < 1 s),
+    exit 143, its partial output gone."""
+    import time
+
+    hf = str(tmp_path / "big")
+    _synthetic_hf(hf, layers=8)
+    out = str(tmp_path / "mc")
+    p = subprocess.Popen([sys.executable, "-m", "checkpoints_tools.hf_to_megatron", "--hf-dir", hf, "--out", out],
+                         stderr=subprocess.PIPE, text=True, cwd=REPO)
+    lines = []
+    for line in p.stderr:
+        lines.append(line.rstrip("\n"))
+        if re.match(r"\[hf->megatron\] 1/\d+ ", line):  # the first group's progress line
+            break
+    t0 = time.perf_counter()
+    p.send_signal(signal.SIGTERM)
+    rest = p.stderr.read()
+    rc = p.wait(timeout=120)
+    waited = time.perf_counter() - t0
+    groups_after = re.findall(r"^\[hf->megatron\] \d+/\d+ ", rest, flags=re.M)
+    assert rc == 143 and len(groups_after) <= 1 and waited < 120, (rc, waited, rest[-2000:])
+    assert rest.splitlines()[-1].startswith("stopped by SIGTERM: removed the partial output "), rest[-2000:]
+    assert no_leftovers(out)

@@ -288,7 +288,7 @@ def test_held_out_prompts_dropped_for_length_are_counted_and_said(tmp_path, capl
     records = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "12345678+1=", "answer": "12345679"},
                {"prompt": "2+2=", "answer": "4"}]
     held_file = _write_jsonl(tmp_path / "test.jsonl", records)
-    cfg = DataConfig(max_prompt_length=6)
+    cfg = DataConfig(max_prompt_length=6, source="builtin:sort")  # (training prompts unlike these: no overlap said)
     with caplog.at_level(logging.WARNING, logger="megatron_gspo"):
         held = build_eval_prompts(cfg, held_file, 8, TOK)
     assert [p.answer for p in held.prompts] == ["2", "4"]
@@ -379,3 +379,32 @@ def test_a_damaged_parquet_file_is_one_error_naming_it(tmp_path):
     cut.write_bytes(cut.read_bytes()[:-40])  # an interrupted copy: the footer is gone
     with pytest.raises(DataError, match=r"cut\.parquet: not a readable Parquet file"):
         PromptDataset.from_parquet(str(cut))
+
+
+def test_an_evaluation_on_the_training_task_is_past_its_epoch_and_says_what_it_shares_with_training(tmp_path):
+    """eval.source naming data.source's task takes the examples past the training epoch (not the epoch's first 64,
+    which training draws), and the prompts they share with training are counted: one-digit sums has 100
+    problems, every one trained on, so that evaluation is said not to be held out; six digits has room."""
+    import logging
+
+    from log_capture import LogLines
+    from megatron_gspo.data.prompts import build_eval_prompts
+
+    small = DataConfig(task_num_digits=1, task_num_examples=1000)
+    with LogLines(logging.WARNING) as said:
+        held = build_eval_prompts(small, "builtin:arithmetic", 64, TOK)
+    assert [p.id for p in held.prompts] == [f"arithmetic-1234-{i}" for i in range(1000, 1064)]
+    assert (held.in_training, held.compared, held.training) == (64, 1000, 1000)
+    assert held.describe() == ("64 prompts from builtin:arithmetic (past the training epoch) (64 of them training "
+                               "prompts too: not held out)")
+    assert said.lines == ["evaluation: 64 of the 64 prompts from builtin:arithmetic (past the training epoch) are "
+                          "training prompts too (among the 1000 training examples): eval/* measures problems the policy "
+                          "trains on, not held-out ones; give eval.source prompts of its own (a file, or a task with "
+                          "more distinct problems)"]
+    wide = build_eval_prompts(DataConfig(task_num_digits=6, task_num_examples=1000), None, 64, TOK)
+    assert wide.in_training == 0 and wide.describe() == ("64 held-out prompts from builtin:arithmetic (past the "
+                                                         "training epoch) (none among the 1000 training examples)")
+    # a file's held-out records are compared with the records left for training: a duplicate is counted
+    records = [{"prompt": f"{i}*{i}=", "answer": str(i * i)} for i in range(10)] + [{"prompt": "3*3=", "answer": "9"}]
+    split = build_eval_prompts(DataConfig(source=_write_jsonl(tmp_path / "d.jsonl", records)), None, 2, TOK)
+    assert (split.in_training, split.compared) == (1, 9)

@@ -3,7 +3,8 @@
 The reference for every check is megatron's own path (``generation.decode_impl=megatron``: the
 GPTModel forward with its StaticInferenceContext) or a fresh full forward without any cache, on the
 same weights; ragged (left-padded) prompts, sampling and greedy, with and without finished-row
-compaction, tied and untied output weights."""
+compaction, tied and untied output weights. Over TP / EP / expert-TP shards (torchrun, gloo) the
+reference is the one-rank lean decoder on the same weights (tests/dist_scripts/lean_layouts.py)."""
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from megatron_gspo.generation.lean_decoder import LeanDecoder, lean_decode_unsup
 from megatron_gspo.generation.generator import GenerationConfig, generate
 from megatron_gspo.model.logprobs import vocab_parallel_logprobs
 from megatron_gspo.model.gpt import build_model, forward_logits
+from graph_standin import StandInGraph
 
 VOCAB = 100
 PROMPT_LENS = (4, 1, 9, 6)
@@ -102,11 +104,11 @@ def test_auto_falls_back_and_lean_refuses_what_it_does_not_support(model):
             generate(m, _prompts(), GenerationConfig(max_new_tokens=3, decode_impl="lean"), vocab_size=VOCAB, state=st)
     finally:
         layer.core_attention = core
-    m.config.sequence_parallel, saved = True, m.config.sequence_parallel
+    m.config.pipeline_model_parallel_size, saved = 2, m.config.pipeline_model_parallel_size
     try:
-        assert lean_decode_unsupported(m) == "sequence parallelism"
+        assert lean_decode_unsupported(m) == "pipeline parallelism"
     finally:
-        m.config.sequence_parallel = saved
+        m.config.pipeline_model_parallel_size = saved
     with pytest.raises(ConfigError, match="generation.decode_impl"):
         GenerationConfig(decode_impl="vllm")
 
@@ -133,28 +135,6 @@ def test_device_moe_equals_megatron_moe_layer_bitwise(model, tokens):
             _, want_map = layer.mlp.router(h)
         assert torch.equal(got, want) and torch.equal(rmap, want_map)
         assert (rmap.sum(-1) == m.config.moe_router_topk).all()
-
-
-class StandInGraph:
-    """torch.cuda.CUDAGraph's contract on the CPU: ``capture(fn)`` runs the step once, where CUDA would
-    record it (a host sync there fails the capture: counted here and refused), and returns its output
-    tensor; ``replay()`` re-runs the recorded step and writes into that same output tensor, as a
-    replayed graph does. The step takes no arguments: all it may read are the decoder's buffers."""
-
-    captures = []
-
-    def capture(self, fn):
-        from host_syncs import HostSyncCounter
-
-        with HostSyncCounter() as syncs:
-            out = fn()
-        assert syncs.total() == 0, f"host syncs in a captured decode step: {syncs.by_site()}"
-        self.fn, self.out = fn, out
-        StandInGraph.captures.append(out.shape[0])
-        return out
-
-    def replay(self):
-        self.out.copy_(self.fn())
 
 
 def _graph_mode(mp):
@@ -376,3 +356,28 @@ def test_cuda_graphs_are_captured_thread_local(model, monkeypatch):
                     torch.triu(torch.ones(2, 2, dtype=torch.bool), 1)[None, None].expand(2, 1, 2, 2))
         dec.decode(torch.tensor([5, 6]), 2)
     assert seen == [{"capture_error_mode": "thread_local"}]
+
+
+# ----------------------------------------------------------------------------------------------
+# Over sharded weights (TP, EP, TP x EP, expert-TP) under torchrun: tests/dist_scripts/lean_layouts.py
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nproc, layouts, extra", [(2, "tp2,ep2,etp2", ["--gather-tokens", "6"]),
+                                                   (4, "tp2ep2,tp2ep4etp1,ep2", ["--host-syncs", "tp2ep2"])],
+                         ids=["2-ranks-chunked-dispatch", "4-ranks"])
+def test_lean_decoding_over_sharded_weights_gives_the_single_rank_rollouts(run_dist, tmp_path, nproc, layouts, extra):
+    """The lean decoder on TP / EP / TP x EP / expert-TP shards (and the 30B recipes' shape in small: TP 2 x
+    EP 4 with expert-TP 1, the EP group spanning TP and data-parallel ranks) against one rank on the same
+    weights: uniform and ragged prompts, greedy and sampled with rows ending apart and compaction, eager and
+    the graph-ready step; the same tokens, log-probs (2e-5) and R3 routes (global expert ids), every rank
+    of a lockstep group stepping together (EP 2 on 4 ranks: two groups of 2, not the world), and at TP 2 x
+    EP 2 one host sync per finished_check_interval decode steps. On 2 ranks the MoE dispatch gathers at
+    most 6 tokens: the prefill and the decode steps go through the expert group in chunks."""
+    p = run_dist("lean_layouts.py", nproc, "--dir", str(tmp_path), "--layouts", layouts, *extra, timeout=900)
+    for tag in layouts.split(","):
+        for r in range(nproc):
+            assert f"LEAN OK {tag} rank {r}" in p.stdout, p.stdout[-3000:]
+    if nproc == 4:
+        assert p.stdout.count("LEAN SYNCS tp2ep2") == 4 and "per_step=0.250 steps=16" in p.stdout, p.stdout[-3000:]
+        assert "ep2: dp 4, prompts [0], lockstep ranks [0, 1]," in p.stdout, p.stdout[-3000:]

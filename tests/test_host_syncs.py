@@ -42,7 +42,7 @@ def test_counter_sees_the_syncs_it_should():
 @pytest.mark.parametrize("minibatches", [1, 2])
 def test_trainer_minibatch_makes_one_guard_sync(tmp_path, minibatches):
     """train_on: the non-finite guard costs one host sync per minibatch (the collective skip vote in
-    comm.py), whatever the number of parameters (33) and micro-batches (4 in all); trainer.py's own
+    comm.py), whatever the number of parameters (33) and micro-batches (4 in all); trainer/loop.py's own
     lines make none."""
     from job_runner import built_trainers
 

@@ -1,17 +1,21 @@
-"""Every module imports alone, in a fresh interpreter: no import cycle hides behind an import order.
+"""The package's imports: a graph without a cycle, and every module importing alone in a fresh interpreter.
 
-A cycle (config importing every section's module, each importing ConfigError back) only shows when
-a module is the *first* one imported, e.g. `python -c "import megatron_gspo.trainer.optim"`: so each module
-gets its own interpreter. And the config package is a leaf: importing it loads nothing else of
-megatron_gspo but the leaves `errors` and `textfile` (reading files as UTF-8, with the file and line
-of a bad byte).
+A cycle (config importing every section's module, each importing ConfigError back; the stop flag
+loading the tests' fault injection, which imported the stop flag back) is read off the source: the
+package's import graph, every import statement counted (``import_graph``). A cycle that Python happens
+to survive today only shows when a module is the *first* one imported, e.g. `python -c "import
+megatron_gspo.trainer.optim"`: so each module also gets its own interpreter. And the config package is a
+leaf: importing it loads nothing else of megatron_gspo but the leaves `errors` and `textfile` (reading
+files as UTF-8, with the file and line of a bad byte).
 """
 
+import ast
 import os
 import pkgutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 import pytest
 
@@ -19,7 +23,162 @@ import checkpoints_tools
 import experiments
 import megatron_gspo
 
-pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(megatron_gspo.__file__)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The import graph (read off the source)
+# ----------------------------------------------------------------------------------------------
+
+
+def _module_files(root: str, package: str) -> dict[str, str]:
+    """{dotted module name: file} of every .py file of ``package`` (a package is its __init__)."""
+    out = {}
+    for d, _, names in os.walk(os.path.join(root, package)):
+        for n in names:
+            if n.endswith(".py"):
+                parts = os.path.relpath(os.path.join(d, n), root)[:-3].split(os.sep)
+                out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = os.path.join(d, n)
+    return out
+
+
+def _lazy_exports(path: str) -> dict[str, str]:
+    """A package's ``_EXPORTS`` (name -> submodule; megatron_gspo.lazy_exports), or {}."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def import_graph(root: str = ROOT, package: str = "megatron_gspo") -> dict[str, set[str]]:
+    """{module: the package's modules it imports} (dotted names). What counts:
+
+    * every import statement of the file: at module level, inside functions and methods (imported on
+      first call), under ``if TYPE_CHECKING`` and in try / except blocks alike: a function-level import
+      is still a dependency, only a later one;
+    * ``import a.b`` and ``from a import b`` (b a module) name module a.b; ``from a.b import c`` (c a
+      name) names a.b, or, when a.b is a lazy-export package (``_EXPORTS``), the submodule that defines c
+      (importing the name imports that module); relative imports resolved the same way;
+    * not counted: the parent packages Python initialises on the way (a package's ``__init__`` that
+      imports its own submodules, which import their siblings, is how packages are built, not a cycle),
+      and ``importlib.import_module`` with a computed name (the lazy exports, read above; a user's reward
+      module)."""
+    files = _module_files(root, package)
+    exports = {m: _lazy_exports(p) for m, p in files.items() if p.endswith("__init__.py")}
+
+    def target(module: str, name: Optional[str]) -> Optional[str]:
+        if name is not None and f"{module}.{name}" in files:
+            return f"{module}.{name}"
+        if name is not None and name in exports.get(module, {}):
+            return f"{module}.{exports[module][name]}"
+        return module if module in files else None
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in sorted(files.items()):
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        is_pkg = path.endswith("__init__.py")
+        out: set[Optional[str]] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                out.update(target(a.name, None) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package, one level up per extra dot
+                    here = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+                out.update(target(base, a.name) for a in node.names)
+        graph[mod] = {m for m in out if m is not None and m != mod}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan), each as one closed
+    path through it (a -> b -> ... -> a), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(_closed_path(graph, set(comp)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def _closed_path(graph: dict[str, set[str]], comp: set[str]) -> list[str]:
+    """A shortest cycle through the first module of ``comp`` (breadth-first inside it)."""
+    start = min(comp)
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        v = todo.pop(0)
+        for w in sorted(graph[v] & comp):
+            if w == start:
+                return paths[v] + [start]
+            if w not in paths:
+                paths[w] = paths[v] + [w]
+                todo.append(w)
+    raise AssertionError(f"no cycle through {start} in {sorted(comp)}")
+
+
+def test_the_import_graph_counts_function_level_and_lazy_imports(tmp_path):
+    """A hand-made package: a cycle closed by an import inside a function, one through a lazy export, and
+    a package __init__ importing its submodules (not a cycle)."""
+    pkg = tmp_path / "cyc"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import cyc.b\n")
+    (pkg / "b.py").write_text("def f():\n    from cyc import a\n")
+    (pkg / "c.py").write_text("from cyc.sub import Thing\n")
+    (pkg / "sub" / "__init__.py").write_text('from cyc.sub import d\n_EXPORTS = {"Thing": "e"}\n')
+    (pkg / "sub" / "d.py").write_text("X = 1\n")
+    (pkg / "sub" / "e.py").write_text("from . import d\nfrom ..c import y\nThing = 2\n")
+    g = import_graph(str(tmp_path), "cyc")
+    assert g["cyc.c"] == {"cyc.sub.e"} and g["cyc.sub.e"] == {"cyc.sub.d", "cyc.c"} and g["cyc.sub"] == {"cyc.sub.d"}
+    assert cycles(g) == [["cyc.a", "cyc.b", "cyc.a"], ["cyc.c", "cyc.sub.e", "cyc.c"]]
+
+
+def test_the_package_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert len(graph) > 90 and "megatron_gspo.trainer.loop" in graph["megatron_gspo.train"]
+    found = cycles(graph)
+    assert not found, "import cycles (function-level imports counted):\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_only_the_entry_point_imports_the_test_fault_injection():
+    """testing/ is the tests' code: the entry point adds it when MEGATRON_GSPO_FAULTS is set, nothing of the
+    runtime, the trainer or the rollout ranks imports it (so no production path loads it)."""
+    graph = import_graph()
+    users = sorted(m for m, deps in graph.items()
+                   if not m.startswith("megatron_gspo.testing") and any(d.startswith("megatron_gspo.testing") for d in deps))
+    assert users == ["megatron_gspo.train"], users
+
+
+# ----------------------------------------------------------------------------------------------
+# Each module alone, in a fresh interpreter
+# ----------------------------------------------------------------------------------------------
 
 
 def _modules():
@@ -30,6 +189,7 @@ def _modules():
     return sorted(out)
 
 
+@pytest.mark.slow
 def test_every_module_imports_alone_in_a_fresh_interpreter():
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
@@ -45,6 +205,7 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     assert not failed, "\n\n".join(f"{n}:\n{err}" for n, err in failed)
 
 
+@pytest.mark.slow
 def test_config_is_a_leaf():
     code = ("import sys, megatron_gspo.config; "
             "print(sorted(m for m in sys.modules if m.startswith('megatron_gspo')))")

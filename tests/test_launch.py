@@ -587,8 +587,11 @@ def test_recipe_loads_validates_and_fits_80gb(path):
         assert cfg.checkpoint.save and cfg.checkpoint.save_interval > 0
         if "fp8" in path.name:
             assert m.fp8 == "hybrid" and m.fp8_recipe in ("delayed", "blockwise")
+            # the lean decoder does not run FP8 GEMMs: megatron's decode path, estimated as such
+            assert cfg.generation.decode_impl == "auto" and r["decoder"] == "megatron"
         else:
             assert m.fp8 is None
+            assert cfg.generation.decode_impl == "lean" and r["decoder"] == "lean"
         if path.name.startswith("grpo_r2"):
             assert cfg.loss.name == "grpo" and cfg.train.routing_replay == "R2"
         else:
@@ -614,8 +617,23 @@ def test_memory_arithmetic_by_hand():
     assert r["grads"] == pytest.approx((dense + expert) * 4 / gib)
     assert r["optimizer"] == pytest.approx((dense * 12 / dp + expert * 12 / 1) / gib)
     assert r["optimizer"] > 42  # expert-DP 1: the experts' Adam state cannot be sharded on 8 GPUs
-    kv_cache = L * 2 * (2 * 8) * (1024 + 2048) * (4 // tp) * 128 * 2  # 16 rows/rank, 2 KV heads/rank
-    assert r["generation"] > kv_cache / gib
+    # generation with the lean decoder over TP 2 x EP 8 (16 rows/rank, 2 KV heads/rank, bf16): its KV cache
+    # (prompt + new tokens - 1 slots), then the largest of one prefill layer's attention (+ the mask bias), one
+    # prefill MoE layer (its input and output, one dispatch of 16384 gathered tokens over the EP group of 8:
+    # gathered tokens, routes, bf16 + fp32 partial outputs; 16384 x 8 / 8 x 1.5 pairs of 2 x 2048 + 3 x 768
+    # activations and 16 bytes of ids / prob) and one decode step (128 gathered tokens, capacity 128 x 8 pairs),
+    # plus the last position's logits (the local shard in bf16, the gathered logits and the sampler's copy in fp32)
+    kv_cache = L * 2 * 16 * (1024 + 2048 - 1) * 2 * 128 * 2
+    tokens, q, kvd, pair = 16 * 1024, 32 * 128 / tp, 4 * 128 / tp, (2 * h + 3 * f) * 2 + 16
+    attn = tokens * 2 * (2 * h + 2 * (q + 2 * kvd) + q + h) + 16 * 1024 ** 2 * 2
+    moe = tokens * 2 * h * 2 + 16384 * (h * 2 + 8 * 8 + h * 6) + 16384 * 8 / ep * 1.5 * pair
+    step = 16 * 2 * h * 2 + 128 * (h * 2 + 8 * 8 + h * 6) + 128 * 8 * pair
+    logits = 16 * V * (2 / tp + 8)
+    assert r["decoder"] == "lean" and moe > max(attn, step)
+    assert r["generation"] == pytest.approx((kv_cache + moe + logits) / gib)
+    megatron = mem.estimate_memory(load_job_config(str(RECIPE_DIR / "gspo_qwen3_30b_a3b_8xh100.yaml"),
+                                                   ["generation.decode_impl=megatron"]), 8)
+    assert megatron["decoder"] == "megatron" and megatron["generation"] > r["generation"]
 
 
 def test_memory_estimate_reacts_to_the_layout():

@@ -2,12 +2,14 @@
 
 math-verify's own timeout is ``signal.alarm``: off the main thread it refuses to run, and in the
 main thread its ``alarm(0)`` cancels whatever alarm the process had set. The reward runs math-verify
-in a child process (megatron_gspo/data/math_verify_worker.py) instead; these tests show both failures of
+in a child process (megatron_gspo/data/rewards/math_verify_worker.py) instead; these tests show both failures of
 the in-process way and that the reward has neither, that a check past its CPU-time limit or past the
 wall-clock backstop scores 0 and the next check works, and that a stop signal reaches neither the
-check nor the verdict.
+check nor the verdict; a timeout names the side that took the time (an adversarial reference is not
+blamed on the response), and a batch's checks run in parallel processes.
 """
 
+import logging
 import os
 import signal
 import threading
@@ -16,7 +18,7 @@ import time
 import pytest
 
 from megatron_gspo.runtime.stop import PreemptionFlag
-from megatron_gspo.data.math_verify_worker import process_checker
+from megatron_gspo.data.rewards.math_verify_worker import process_checker
 from megatron_gspo.data.rewards import math_reward
 
 SLOW = r"\boxed{10^{10^{10}}}"  # sympy evaluates the power: far longer than any deadline here
@@ -121,3 +123,39 @@ def test_stop_signals_reach_neither_the_check_nor_the_verdict():
 @pytest.mark.parametrize("response, answer", [(r"\boxed{5}", ""), ("", "5")])
 def test_nothing_to_compare_scores_zero_without_a_check(response, answer):
     assert math_reward("", response, answer) == 0.0
+
+
+# math-verify's parse of it takes seconds of CPU time (3000 terms: ~1 s on this CPU): an adversarial reference
+SLOW_REFERENCE = "+".join(["x"] * 6000)
+
+
+@pytest.mark.parametrize("response, answer, side, starts", [
+    (r"\boxed{1}", SLOW_REFERENCE, "the reference (scored 0, as every response to this reference); the reference "
+                                   "answer starts 'x+x+x", "reference"),
+    (r"\boxed{" + SLOW_REFERENCE + "}", "1", "the response (scored 0); the response starts '\\\\boxed{x+x", "response"),
+])
+def test_a_timeout_names_the_side_that_took_the_time(caplog, response, answer, side, starts):
+    """The reference is parsed on its own, under its own limit: a slow one is blamed as the reference."""
+    with caplog.at_level(logging.WARNING, logger="megatron_gspo"):
+        assert math_reward("", response, answer, timeout_s=0.3) == 0.0
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and f"math-verify used more than 0.3 s of CPU time on {side}" in said[0], said
+    assert starts in said[0], said
+
+
+def test_a_batchs_slow_reference_is_checked_once_and_said_once(caplog):
+    from megatron_gspo.config import RewardConfig
+    from megatron_gspo.data.rewards import build_reward, compute_rewards
+
+    reward = build_reward(RewardConfig(name="math", kwargs={"timeout_s": 0.3}, num_workers=2))
+    try:
+        answers = [SLOW_REFERENCE] * 4 + ["7"]
+        with caplog.at_level(logging.WARNING, logger="megatron_gspo"):
+            got = compute_rewards(reward, ["q"] * 5, [r"\boxed{x}"] * 4 + [r"\boxed{7}"], answers)
+        assert got.tolist() == [0, 0, 0, 0, 1]
+        said = [r.getMessage() for r in caplog.records]
+        # two checkers may each meet it before either has timed out; never all four responses
+        assert 1 <= len(said) <= 2 and all("on the reference" in m for m in said), said
+        assert sum(c.num_timeouts for c in reward.main.pool.checkers) == len(said)
+    finally:
+        reward.close()

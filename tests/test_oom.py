@@ -202,6 +202,9 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_built(monkeypatch):
 
     cfg = load_job_config(None, ["model.preset=qwen3-moe-2b-proxy"])  # 2.03B params: 36 GiB of weights, grads, Adam
     cpu = SimpleNamespace(world_size=1, device=torch.device("cpu"))
+    # what this process holds already counts against the budget: pinned, so that the figures below do not
+    # depend on how much the test process has grown (a CUDA build of torch alone holds ~0.5 GiB more)
+    monkeypatch.setattr(sysinfo, "current_rss", lambda: 1 << 29)
     monkeypatch.setattr(sysinfo, "memory_limits", lambda: [(256 << 30, "physical memory", False),
                                                             (16 << 30, "cgroup memory limit (/job)", False)])
     with pytest.raises(MemoryBudgetError) as info:
@@ -209,7 +212,7 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_built(monkeypatch):
     msg = str(info.value)
     assert re.match(r"out of memory in the model build \(qwen3-moe-2b-proxy: 1\.98B parameters, bf16\) on cpu: its "
                     r"weights, grads and optimizer states alone need 33\.2 GiB per rank \(weights 3\.7, grads 7\.4, "
-                    r"optimizer 22\.1 GiB\), more than the 15\.\d GiB left to this process -- ", msg), msg
+                    r"optimizer 22\.1 GiB\), more than the 15\.5 GiB left to this process -- ", msg), msg
     assert "of the 16.0 GiB this process may use (cgroup memory limit (/job))" in msg, msg
     assert "model.preset=qwen3-moe-2b-proxy (a smaller model)" in msg
     monkeypatch.setattr(sysinfo, "memory_limits", lambda: [(64 << 30, "physical memory", False)])
@@ -244,8 +247,21 @@ def _limited(gib: float):
     return limit
 
 
-def _run_limited(args, gib, tmp_path):
+def _address_space_at_import(env: dict) -> int:
+    """Bytes of address space a fresh interpreter holds once the trainer is imported: a CUDA build of torch
+    maps ~3 GiB of libraries at import (the CPU build ~0.6 GiB), before the job allocates anything."""
+    code = ("import megatron_gspo.train, megatron_gspo.trainer.loop\n"
+            "print([int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmPeak')][0] * 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.split()[-1])
+
+
+def _run_limited(args, headroom_gib, tmp_path):
+    """The job in a process whose address space is limited (RLIMIT_AS, as prlimit --as) to what the import
+    takes plus ``headroom_gib``: the same room for the job whichever torch build is installed."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    gib = _address_space_at_import(env) / 2**30 + headroom_gib
     p = subprocess.run([sys.executable, "-m", "megatron_gspo.train", *args, f"train.output_dir={tmp_path}"],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
                        preexec_fn=_limited(gib), timeout=600)
@@ -256,9 +272,10 @@ def _run_limited(args, gib, tmp_path):
 
 @pytest.mark.slow
 def test_under_a_real_memory_limit_a_model_too_big_is_refused_before_building(tmp_path):
-    """Qwen3-30B-A3B on a CPU process limited to 8 GiB (RLIMIT_AS, as prlimit --as): refused before
-    the build, one line (it was minutes of building, then four chained tracebacks)."""
-    error = _run_limited(["model.preset=qwen3-30b-a3b", "train.sft_steps=0", "eval.interval=0"], 8, tmp_path)
+    """Qwen3-30B-A3B on a CPU process limited to its import plus 7.4 GiB (RLIMIT_AS, as prlimit --as; 8 GiB in
+    all with the CPU build of torch): refused before the build, one line (it was minutes of building, then four
+    chained tracebacks)."""
+    error = _run_limited(["model.preset=qwen3-30b-a3b", "train.sft_steps=0", "eval.interval=0"], 7.4, tmp_path)
     assert error.startswith("error: out of memory in the model build (qwen3-30b-a3b: 30.5B parameters, bf16) on "
                                 "cpu: its weights, grads and optimizer states alone need "), error
     assert "address-space limit (ulimit -v)" in error, error
@@ -267,10 +284,11 @@ def test_under_a_real_memory_limit_a_model_too_big_is_refused_before_building(tm
 @pytest.mark.slow
 def test_under_a_real_memory_limit_generation_that_does_not_fit_is_one_line(tmp_path):
     """The tiny model, its rollout's KV cache (2048 rows x 4064 slots: 4.2 GiB estimated) in a process
-    limited to 3 GiB: the CPU allocator's failure, named as the generation's with its knobs."""
+    limited to its import plus 2.4 GiB (3 GiB in all with the CPU build of torch): the CPU allocator's
+    failure, named as the generation's with its knobs."""
     error = _run_limited(["train.num_steps=1", "train.prompts_per_step=256", "model.max_position_embeddings=4096",
                           "generation.max_new_tokens=4000", "train.sft_steps=0", "eval.interval=0",
-                          "train.tensorboard=false"], 3, tmp_path)
+                          "train.tensorboard=false"], 2.4, tmp_path)
     assert error.startswith("error: out of memory in the generation (2048 rows, prompts up to "), error
     for what in ("DefaultCPUAllocator: can't allocate memory", "generation 4.2 GiB", "generation.max_new_tokens=4000 "
                  "(lower it)", "train.prompts_per_step=256", "address-space limit (ulimit -v)"):

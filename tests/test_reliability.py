@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_gspo.checkpoint import dist_checkpoint_to_tensors, iter_dir, latest_complete, verify_checkpoint
+from megatron_gspo.checkpoint.torch_dist_files import read_common
 from megatron_gspo.runtime.stop import EXIT_PREEMPTED, EXIT_TOO_MANY_SKIPS
 
 pytestmark = pytest.mark.slow  # trainer subprocesses under torchrun / the launcher
@@ -231,7 +232,7 @@ def test_resume_under_another_layout_keeps_every_tensor(ep2_checkpoint, tmp_path
     assert any(".experts." in k for k in moments)
     for k in tensors:
         assert torch.equal(src[k], got[k]), k
-    common = lambda root: torch.load(os.path.join(iter_dir(root, 2), "common.pt"), weights_only=False)
+    common = lambda root: read_common(iter_dir(root, 2))
     a, b = common(ep2_checkpoint), common(dst)
     assert a["step"] == b["step"] == 2 and a["extra"]["data"] == b["extra"]["data"]
     assert a["scheduler"] == b["scheduler"]

@@ -1,31 +1,41 @@
-"""Reward functions: built-ins by hand case, plug-ins, and validation of what a reward returns."""
+"""Rewards: built-ins by hand case; the registry and plug-ins (per-sample, batch, class); a reward's settings
+checked by key; what a reward returns checked; the worker pool (same numbers, in row order, in parallel);
+a stop cutting scoring short, in this process and in a real training job."""
 
 from __future__ import annotations
 
 import math
 import os
+import re
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from megatron_gspo.config import RewardConfig
 from megatron_gspo.data.rewards import (
-    RewardConfig,
+    RewardBatch,
     RewardError,
-    build_reward_fn,
-    builtin_math_reward,
+    ScoringStopped,
+    build_reward,
     compute_rewards,
     digit_match,
     exact_match,
-    extract_math_answer,
     format_reward,
-    get_reward_fn,
     last_boxed,
-    math_equal,
     math_reward,
     registered_rewards,
+    resolve_reward,
 )
+from megatron_gspo.errors import ConfigError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PLUGINS = os.path.join(HERE, "reward_plugins.py")
+BATCH_PLUGINS = os.path.join(HERE, "reward_batch_plugins.py")
 
 
 @pytest.mark.parametrize("response,answer,want", [
@@ -93,40 +103,34 @@ def test_last_boxed_nesting():
     (r"\boxed{__import__('os').system('true')}", "0", 0.0),  # never evaluated
 ])
 def test_math(response, answer, want):
-    """The project's own cases: math-verify (reward.name=math) and the former checker (math_builtin)
-    give the same verdict on every one of them."""
+    """The project's own cases (fractions, roots, polynomials, units, tuples, separators, percentages, the
+    last-number fallback, </think>, several boxes, GSM8K and MATH references, inputs never evaluated)."""
     assert math_reward("", response, answer) == want
-    assert builtin_math_reward("", response, answer) == want
 
 
-# Where math-verify and the former checker disagree (found by probing beyond the cases above; none of
-# those disagree): math-verify's verdict first. docs/algorithms.md lists the same rows.
-DISAGREEMENTS = [
-    ("0.3333333", "1/3", 1.0, 0.0),  # math-verify compares numbers rounded to 6 decimals
-    (r"\boxed{1/3}", "0.333333", 1.0, 0.0),
-    (r"\boxed{\$5}", "5", 1.0, 0.0),  # a currency sign inside the box
-    (r"\boxed{\{1,2\}}", r"\{2,1\}", 1.0, 0.0),  # sets, in any order
-    ("it is 12 apples", "12 apples", 1.0, 0.0),  # a reference with units in plain text
-    (r"\boxed{a}", "A", 1.0, 0.0),  # letters compare case-insensitively
-    (r"\boxed{5 \text{ cm}^2}", "5", 1.0, 0.0),  # units with a power
-    (r"\boxed{x \in [1, 2]}", "[1,2]", 1.0, 0.0),  # membership in an interval vs the interval
+# How math-verify reads answers beyond a numeric / string comparison (docs/algorithms.md lists the same rows),
+# and the two cases found where its verdict is not exact arithmetic's.
+MATH_VERIFY_READINGS = [
+    ("0.3333333", "1/3", 1.0),  # numbers compared rounded to 6 decimals
+    (r"\boxed{1/3}", "0.333333", 1.0),
+    (r"\boxed{\$5}", "5", 1.0),  # a currency sign inside the box
+    (r"\boxed{\{1,2\}}", r"\{2,1\}", 1.0),  # sets, in any order
+    ("it is 12 apples", "12 apples", 1.0),  # a reference with units in plain text
+    (r"\boxed{a}", "A", 1.0),  # letters compare case-insensitively
+    (r"\boxed{5 \text{ cm}^2}", "5", 1.0),  # units with a power
+    (r"\boxed{x \in [1, 2]}", "[1,2]", 1.0),  # membership in an interval vs the interval
+    (r"\boxed{1\frac{1}{2}}", "3/2", 1.0),  # a mixed number
+    (r"\boxed{x=2, y=3}", "(2,3)", 1.0),  # a system's solution vs the tuple
+    ("0.1234567", "0.1234568", 1.0),  # equal after rounding to 6 decimals, though they differ
+    (r"\boxed{1e3}", "1000", 0.0),  # no exponent notation
 ]
 
 
-@pytest.mark.parametrize("response,answer,mv,builtin", DISAGREEMENTS)
-def test_math_verify_disagreements_are_the_documented_ones(response, answer, mv, builtin):
+@pytest.mark.parametrize("response,answer,mv", MATH_VERIFY_READINGS)
+def test_math_verify_readings_are_the_documented_ones(response, answer, mv):
     assert math_reward("", response, answer) == mv
-    assert builtin_math_reward("", response, answer) == builtin
-    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "algorithms.md"),
-               encoding="utf-8").read()
-    assert f"| `{response}` | `{answer}` | {mv:g} | {builtin:g} |" in doc, (response, answer)
-
-
-def test_math_helpers():
-    assert extract_math_answer(r"so \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
-    assert extract_math_answer("3 apples and 4 pears") == "4"
-    assert extract_math_answer("none") is None
-    assert math_equal("1/3", r"\frac{1}{3}") and not math_equal("0.333", "1/3")
+    doc = open(os.path.join(os.path.dirname(HERE), "docs", "algorithms.md"), encoding="utf-8").read()
+    assert f"| `{response}` | `{answer}` | {mv:g} |" in doc, (response, answer)
 
 
 def test_format_reward():
@@ -149,16 +153,18 @@ def test_format_reward():
 
 
 def test_lookup_builtins_and_unknown_names():
-    assert get_reward_fn("exact_match") is exact_match
-    assert {"exact_match", "digit_match", "math", "format"} <= set(registered_rewards())
+    assert resolve_reward("exact_match").target is exact_match
+    assert registered_rewards() == ["digit_match", "exact_match", "format", "math", "reasoning_gym"]
     with pytest.raises(ValueError, match=r"unknown reward 'exact'.*'digit_match', 'exact_match'"):
-        get_reward_fn("exact")
+        resolve_reward("exact")
     with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
-        get_reward_fn("no_such_module_xyz:fn")
+        resolve_reward("no_such_module_xyz:fn")
     with pytest.raises(ValueError, match="module 'math' has no attribute 'nope'"):
-        get_reward_fn("math:nope")  # the stdlib module, not the registered reward
+        resolve_reward("math:nope")  # the stdlib module, not the registered reward
     with pytest.raises(ValueError, match="math.pi is a float, not a function"):
-        get_reward_fn("math:pi")
+        resolve_reward("math:pi")
+    with pytest.raises(ConfigError, match="the function after ':' is missing"):
+        resolve_reward("math:")
 
 
 def test_plugin_module_and_file(tmp_path, monkeypatch):
@@ -167,21 +173,39 @@ def test_plugin_module_and_file(tmp_path, monkeypatch):
         "    return -scale * len(response)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    fn = get_reward_fn("my_rewards_plugin:length_penalty")
+    fn = resolve_reward("my_rewards_plugin:length_penalty").target
     assert fn("p", "abc", None) == -3
-    assert get_reward_fn(f"{tmp_path}/my_rewards_plugin.py:length_penalty")("p", "ab", None) == -2
-    combined = build_reward_fn(RewardConfig(name="my_rewards_plugin:length_penalty", kwargs={"scale": 2.0}))
+    assert resolve_reward(f"{tmp_path}/my_rewards_plugin.py:length_penalty").target("p", "ab", None) == -2
+    combined = build_reward(RewardConfig(name="my_rewards_plugin:length_penalty", kwargs={"scale": 2.0}))
     assert compute_rewards(combined, ["p"], ["abcd"], [None]).tolist() == [-8.0]
     sys.modules.pop("my_rewards_plugin", None)
 
 
-def test_build_reward_fn_with_format_weight():
-    fn = build_reward_fn(RewardConfig(name="exact_match", format_weight=0.5))
+@pytest.mark.parametrize("body", ["import sys\nsys.exit(0)\n", "import sys\nsys.exit('bye')\n",
+                                  "raise GeneratorExit('odd')\n", "import nonexistent_dependency_xyz\n"])
+def test_a_plugin_whose_import_ends_the_process_is_refused(tmp_path, body):
+    """A plug-in module that calls sys.exit (or raises any BaseException) while imported: a ConfigError
+    naming it (exit 2), not a silent exit 0 before training."""
+    (tmp_path / "exits.py").write_text(body + "def fn(p, r, a=None):\n    return 0.0\n")
+    with pytest.raises(ConfigError, match=r"reward '.*exits.py:fn' \(reward.name\): loading .*exits.py failed: "
+                                          r"(SystemExit|GeneratorExit|ModuleNotFoundError)"):
+        resolve_reward(f"{tmp_path}/exits.py:fn")
+
+
+def test_ctrl_c_while_a_plugin_loads_is_not_swallowed(tmp_path):
+    (tmp_path / "interrupted.py").write_text("raise KeyboardInterrupt\n")
+    with pytest.raises(KeyboardInterrupt):
+        resolve_reward(f"{tmp_path}/interrupted.py:fn")
+
+
+def test_build_reward_with_format_weight():
+    fn = build_reward(RewardConfig(name="exact_match", format_weight=0.5))
     rewards = compute_rewards(fn, ["q"] * 3, ["<think>x</think>19", "19", "<think>x</think>18"], ["19"] * 3)
     # exact_match grades the first line; with a think block that line is not the bare answer.
     assert rewards.tolist() == [0.5, 1.0, 0.5]
-    math_fn = build_reward_fn(RewardConfig(name="math", format_weight=0.1, format_kwargs={"require": "boxed"}))
+    math_fn = build_reward(RewardConfig(name="math", format_weight=0.1, format_kwargs={"require": "boxed"}))
     assert compute_rewards(math_fn, ["q"], [r"\boxed{19}"], ["19"]).tolist() == pytest.approx([1.1])
+    math_fn.close()
     with pytest.raises(ValueError, match="format_weight"):
         RewardConfig(format_weight=-1.0)
 
@@ -212,6 +236,10 @@ def _raises(prompt, response, answer, **kwargs):
     (lambda p, r, a, **k: "1.0" if r == "boom" else 0.0, "returned str '1.0', not a number"),
     (lambda p, r, a, **k: None if r == "boom" else 0.0, "returned NoneType"),
     (lambda p, r, a, **k: [1.0] if r == "boom" else 0.0, "returned list"),
+    # finite in Python, inf in float32 (the rewards' dtype): refused like inf
+    (lambda p, r, a, **k: 1e300 if r == "boom" else 0.0, r"returned 1e\+300, beyond float32's range"),
+    (lambda p, r, a, **k: -3.5e38 if r == "boom" else 0.0, r"returned -3.5e\+38, beyond float32's range"),
+    (lambda p, r, a, **k: sys.exit(0) if r == "boom" else 0.0, "raised SystemExit: 0"),
 ])
 def test_bad_rewards_raise_reward_error_naming_the_sample(fn, problem):
     prompts = ["ok prompt", "the failing prompt " + "x" * 500]
@@ -226,7 +254,7 @@ def test_bad_rewards_raise_reward_error_naming_the_sample(fn, problem):
 
 
 def test_reward_error_names_configured_function():
-    fn = build_reward_fn(RewardConfig(name="exact_match", format_weight=1.0))
+    fn = build_reward(RewardConfig(name="exact_match", format_weight=1.0))
     with pytest.raises(RewardError, match=r"'exact_match \+ 1\*format' on sample 0.*reference answer"):
         compute_rewards(fn, ["p"], ["19"], [None])
 
@@ -234,6 +262,11 @@ def test_reward_error_names_configured_function():
 def test_length_mismatch():
     with pytest.raises(ValueError, match="same number"):
         compute_rewards(exact_match, ["p"], ["a", "b"], ["1", "2"])
+
+
+def test_the_largest_float32_reward_is_accepted():
+    big = float(torch.finfo(torch.float32).max)
+    assert compute_rewards(lambda p, r, a: big, ["p"], ["r"]).item() == big
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,7 +294,6 @@ def test_math_reference_problem(answer, readable):
 def test_unreadable_references_are_counted_said_and_refused_above_the_share(caplog):
     import logging
 
-    from megatron_gspo.config import RewardConfig
     from megatron_gspo.errors import DataError
     from megatron_gspo.data.rewards import check_reference_answers
 
@@ -278,3 +310,241 @@ def test_unreadable_references_are_counted_said_and_refused_above_the_share(capl
         check_reference_answers(RewardConfig(name="math", max_unreadable_reference_frac=0.04), refs, "f.jsonl")
     # rewards without a reference check (exact_match, plug-ins) are not judged
     assert check_reference_answers(RewardConfig(name="exact_match"), [("x", "forty-two")], "x") == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# A reward's settings: declared beside it, checked by key at start-up
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, kwargs, message", [
+    ("math", {"timeot_s": 5}, r"unknown config key reward.kwargs.timeot_s; did you mean \['timeout_s', "
+                              r"'wall_timeout_s'\]\? \(the settings of reward 'math': \['timeout_s', 'wall_timeout_s'\]"),
+    ("math", {"wall_timeout_s": 0}, r"reward.kwargs.wall_timeout_s must be a finite number > 0, got 0$"),
+    ("math", {"timeout_s": -1}, r"reward.kwargs.timeout_s must be a finite number > 0, got -1$"),
+    ("math", {"timeout_s": "5s"}, r"reward.kwargs.timeout_s must be a finite number > 0, got '5s'$"),
+    ("exact_match", {"stop": "END"}, r"reward.kwargs.stop must be a list of strings, got 'END'$"),
+    ("exact_match", {"stops": ["x"]}, r"unknown config key reward.kwargs.stops; did you mean \['stop'\]\?"),
+    ("digit_match", {"scale": 2}, r"unknown config key reward.kwargs.scale \(the settings of reward 'digit_match'"),
+])
+def test_a_rewards_settings_are_checked_by_key(name, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        build_reward(RewardConfig(name=name, kwargs=kwargs))
+
+
+def test_format_settings_are_checked_by_key():
+    with pytest.raises(ConfigError, match=r"reward.format_kwargs.require='json' is not one of \['think', 'boxed'"):
+        build_reward(RewardConfig(format_weight=0.1, format_kwargs={"require": "json"}))
+    with pytest.raises(ConfigError, match=r"unknown config key reward.format_kwargs.requires; did you mean"):
+        build_reward(RewardConfig(format_kwargs={"requires": "think"}))
+
+
+def test_each_builtin_declares_its_settings_with_its_signatures_defaults():
+    """The declared defaults are the ones the function (or class) has: no second copy that can drift."""
+    import dataclasses
+    import inspect
+
+    for name in registered_rewards():
+        spec = resolve_reward(name)
+        assert spec.settings is not None and not spec.any_settings, name
+        params = inspect.signature(spec.target).parameters
+        for f in dataclasses.fields(spec.settings):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            assert list(params[f.name].default) == default if isinstance(default, list) else \
+                params[f.name].default == default, (name, f.name)
+
+
+def test_a_plugins_settings_come_from_its_signature_or_its_declaration(tmp_path):
+    (tmp_path / "plug.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from megatron_gspo.data.rewards import reward_function, setting\n"
+        "def named(p, r, a=None, *, scale=1.0, **kwargs):\n    return scale\n"
+        "@reward_function(any_settings=True)\n"
+        "def anything(p, r, a=None, **kwargs):\n    return float(len(kwargs))\n"
+        "@dataclass\nclass S:\n    scale: float = setting(1.0, ge=0, le=10)\n"
+        "@reward_function(settings=S)\n"
+        "def declared(p, r, a=None, *, scale):\n    return scale\n")
+    plug = f"{tmp_path}/plug.py"
+    assert compute_rewards(build_reward(RewardConfig(name=f"{plug}:named", kwargs={"scale": 3})), ["p"], ["r"]).item() == 3
+    # a **kwargs in the signature does not swallow a typo: the plug-in names what it takes, or says "any"
+    with pytest.raises(ConfigError, match=r"unknown config key reward.kwargs.scael; did you mean \['scale'\]\? "
+                                          r"\(the settings of reward '.*plug.py:named': \['scale'\]; a plug-in that "
+                                          r"reads any key from \*\*kwargs declares so: @reward_function\(any_settings=True\)"):
+        build_reward(RewardConfig(name=f"{plug}:named", kwargs={"scael": 3}))
+    got = build_reward(RewardConfig(name=f"{plug}:anything", kwargs={"a1": 1, "b2": 2}))
+    assert compute_rewards(got, ["p"], ["r"]).item() == 2
+    assert compute_rewards(build_reward(RewardConfig(name=f"{plug}:declared")), ["p"], ["r"]).item() == 1.0
+    with pytest.raises(ConfigError, match=r"reward.kwargs.scale must be in \[0, 10\], got 11$"):
+        build_reward(RewardConfig(name=f"{plug}:declared", kwargs={"scale": 11}))
+
+
+def test_a_plugin_that_cannot_take_a_row_is_refused_at_start_up(tmp_path):
+    (tmp_path / "plug.py").write_text("def one_arg(response):\n    return 0.0\n")
+    with pytest.raises(ConfigError, match=r"a sample reward is called as fn\(prompt, response, answer, ...\), "
+                                          r"but its signature is one_arg\(response\)"):
+        build_reward(RewardConfig(name=f"{tmp_path}/plug.py:one_arg"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The batch interface: batch functions and classes (a reward model, a pool of verifiers)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_batch_function_scores_the_whole_batch_with_its_settings():
+    reward = build_reward(RewardConfig(name=f"{BATCH_PLUGINS}:scaled_lengths", kwargs={"scale": 0.5}))
+    assert compute_rewards(reward, ["p"] * 3, ["a", "bb", "cccc"]).tolist() == [0.5, 1.0, 2.0]
+    with pytest.raises(ConfigError, match=r"reward.kwargs.scale must be a finite number > 0, got 0$"):
+        build_reward(RewardConfig(name=f"{BATCH_PLUGINS}:scaled_lengths", kwargs={"scale": 0}))
+    broken = build_reward(RewardConfig(name=f"{BATCH_PLUGINS}:one_short"))
+    with pytest.raises(RewardError, match=r"on a batch of 2 samples \(the first shown\): returned 1 rewards for 2 rows"):
+        compute_rewards(broken, ["p", "q"], ["a", "b"])
+
+
+def test_a_reward_class_is_built_once_scores_batches_and_is_closed():
+    reward = build_reward(RewardConfig(name=f"{BATCH_PLUGINS}:LengthModel", kwargs={"offset": 1.0}, num_workers=3))
+    model = reward.main
+    assert (model.offset, model.num_workers) == (1.0, 3)  # reward.num_workers, since its constructor takes it
+    assert compute_rewards(reward, ["p"] * 2, ["a", "bbb"]).tolist() == [2.0, 4.0]
+    assert compute_rewards(reward, ["p"], ["cc"]).tolist() == [3.0]
+    assert model.calls == 2 and not model.closed
+    reward.close()
+    assert model.closed
+    with pytest.raises(ConfigError, match=r"unknown config key reward.kwargs.ofset; did you mean \['offset'\]"):
+        build_reward(RewardConfig(name=f"{BATCH_PLUGINS}:LengthModel", kwargs={"ofset": 1.0}))
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring in worker processes (reward.num_workers); a stop cutting scoring short
+# ----------------------------------------------------------------------------------------------
+
+
+def _rows(n):
+    return [f"prompt {i}" for i in range(n)], [f"resp{i % 7}-{i * 37 % 11}" for i in range(n)]
+
+
+def test_workers_give_the_same_rewards_in_row_order_and_the_same_first_bad_row():
+    prompts, responses = _rows(24)
+    one = build_reward(RewardConfig(name=f"{PLUGINS}:response_hash"))
+    three = build_reward(RewardConfig(name=f"{PLUGINS}:response_hash", num_workers=3))
+    try:
+        assert torch.equal(compute_rewards(one, prompts, responses), compute_rewards(three, prompts, responses))
+        assert len(set(three.main.pool.pids)) == 3
+        bad = build_reward(RewardConfig(name=f"{PLUGINS}:dies_on", num_workers=3))
+        with pytest.raises(RewardError, match=r"on sample 5: its reward worker process exited with status 3"):
+            compute_rewards(bad, ["p"] * 8, ["a", "b", "c", "d", "e", "die", "g", "die"])
+        assert compute_rewards(bad, ["p"] * 2, ["ab", "c"]).tolist() == [2.0, 1.0]  # a new worker took its place
+        bad.close()
+    finally:
+        one.close()
+        three.close()
+
+
+def test_workers_score_reasoning_gym_tasks_with_their_verifiers():
+    """A reasoning_gym reference pickles with its task's verifier: worker processes score it as this one does."""
+    pytest.importorskip("reasoning_gym")
+    from megatron_gspo.data.reasoning_gym_tasks import build_reasoning_gym_task
+
+    task = build_reasoning_gym_task("reasoning_gym:basic_arithmetic", 7, 8, {"max_digits": 1})
+    rows = [task[i] for i in range(8)]
+    answers = [r["answer"] for r in rows]
+    responses = [a if i % 3 else "9" + a for i, a in enumerate(answers)]  # partial credit for some
+    one, two = (build_reward(RewardConfig(name="reasoning_gym", num_workers=n)) for n in (1, 2))
+    try:
+        want = compute_rewards(one, [r["prompt"] for r in rows], responses, answers)
+        assert 0 < want.min() < 1 and want.max() == 1
+        assert torch.equal(compute_rewards(two, [r["prompt"] for r in rows], responses, answers), want)
+    finally:
+        two.close()
+
+
+def test_workers_score_in_parallel_and_close_ends_them():
+    prompts, responses = _rows(8)
+    reward = build_reward(RewardConfig(name=f"{PLUGINS}:slow_reward", kwargs={"seconds": 0.5}, num_workers=4))
+    compute_rewards(reward, prompts[:4], responses[:4])  # the workers are up
+    t0 = time.perf_counter()
+    compute_rewards(reward, prompts, responses)
+    took = time.perf_counter() - t0
+    pids = reward.main.pool.pids
+    reward.close()
+    print(f"8 rows of 0.5 s on 4 workers: {took:.2f} s")
+    assert took < 3.0, took  # one at a time: 4.0 s
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_stop_cuts_scoring_short(tmp_path, workers):
+    """The stop flag set while slow responses are scored: ScoringStopped within about one response (one
+    at a time) or at once (the workers are killed), not after the whole batch."""
+    marker = tmp_path / "begun"
+    reward = build_reward(RewardConfig(name=f"{PLUGINS}:slow_reward", num_workers=workers,
+                                       kwargs={"seconds": 1.0, "marker": str(marker)}))
+    prompts, responses = _rows(12)
+
+    def stop() -> bool:  # set once two responses were begun
+        return marker.exists() and len(marker.read_text().split()) >= 2
+
+    t0 = time.perf_counter()
+    with pytest.raises(ScoringStopped):
+        compute_rewards(reward, prompts, responses, should_stop=stop)
+    took = time.perf_counter() - t0
+    begun = len(marker.read_text().split())
+    pids = reward.main.pool.pids if reward.main.pool is not None else []
+    reward.close()
+    print(f"{workers} worker(s): stopped after {took:.2f} s, {begun} of 12 responses begun")
+    assert begun < 12 and took < 10, (took, begun)  # all 12: 12 s one at a time, 4 s on 3 workers (+ start-up)
+    assert pids == []  # the pool's workers were killed (new ones start with the next batch)
+
+
+def test_math_checks_in_parallel_processes_honour_a_stop():
+    reward = build_reward(RewardConfig(name="math", num_workers=2))
+    try:
+        rows = [r"\boxed{19}", r"\boxed{\frac{1}{2}}", "x", r"\boxed{(1, 2)}"]
+        assert compute_rewards(reward, ["q"] * 4, rows, ["19", "0.5", "1", "(1,2)"]).tolist() == [1, 1, 0, 1]
+        slow = r"\boxed{10^{10^{10}}}"  # sympy evaluates the power: seconds of CPU
+        t0, calls = time.perf_counter(), []
+        with pytest.raises(ScoringStopped):
+            compute_rewards(reward, ["q"] * 4, [slow] * 4, ["1"] * 4,
+                            should_stop=lambda: calls.append(1) or time.perf_counter() - t0 > 1.0)
+        assert time.perf_counter() - t0 < 8.0
+    finally:
+        reward.close()
+
+
+@pytest.mark.slow
+def test_a_sigterm_while_a_slow_reward_scores_ends_the_job_within_seconds(tmp_path):
+    """A training job whose reward takes 1 s per response (16 of them a step): SIGTERM once scoring has
+    begun. The step is abandoned within seconds (not after every response is scored): exit 79, nothing
+    to save yet, the stop line saying where. One row at a time, and with a pool of worker processes."""
+    from test_reliability import ENV, JOB
+
+    for workers in (1, 2):
+        marker, out = tmp_path / f"begun{workers}", tmp_path / f"run{workers}"
+        cmd = [sys.executable, "-m", "megatron_gspo.train", *JOB, "eval.interval=0", "train.num_steps=2",
+               f"reward.name={PLUGINS}:slow_reward", f"reward.kwargs.marker={marker}", "reward.kwargs.seconds=1",
+               *([f"reward.num_workers={workers}"] if workers > 1 else []), f"train.output_dir={out}"]
+        with open(tmp_path / f"log{workers}", "w") as log:
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+            try:
+                deadline = time.time() + 300
+                while not marker.exists():
+                    assert p.poll() is None and time.time() < deadline, (tmp_path / f"log{workers}").read_text()[-3000:]
+                    time.sleep(0.05)
+                time.sleep(0.5)
+                p.send_signal(signal.SIGTERM)
+                t0 = time.time()
+                rc = p.wait(timeout=60)
+                took = time.time() - t0
+            finally:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        text = (tmp_path / f"log{workers}").read_text()
+        begun = len(marker.read_text().split())
+        stop_line = [ln for ln in text.splitlines() if "preempted by signal SIGTERM in step 1" in ln]
+        assert rc == 79 and stop_line and "step 1 abandoned while scoring round 1" in stop_line[0], text[-3000:]
+        decided = float(re.search(r"signal received ([0-9.]+) s earlier", stop_line[0]).group(1))
+        print(f"num_workers={workers}: stop decided {decided:.1f} s after the SIGTERM, exit {rc} after {took:.1f} s "
+              f"(process teardown included), {begun} of 16 responses begun")
+        # scoring every response would take 16 s (8 s with 2 workers) after the first one began
+        assert decided < 4.0 and begun < 16 and took < 120, (decided, took, begun)

@@ -158,9 +158,9 @@ def test_select_cuts_rows_and_width():
 
 def test_exit_codes_keep_their_integers():
     """The launcher reads plain ints from the ranks' exit files: the codes must not move."""
-    assert [int(c) for c in ExitCode] == [0, 1, 2, 75, 76, 79]
+    assert [int(c) for c in ExitCode] == [0, 1, 2, 74, 75, 76, 79]
     assert (exit_status.EXIT_USER_ERROR, exit_status.EXIT_PREEMPTED, exit_status.EXIT_TOO_MANY_SKIPS,
-            exit_status.EXIT_PREEMPTED_NOTHING_SAVED) == (2, 75, 76, 79)
+            exit_status.EXIT_PREEMPTED_NOTHING_SAVED, exit_status.EXIT_CHECKPOINT_WRITE_FAILED) == (2, 75, 76, 79, 74)
     assert json.dumps({"code": exit_status.EXIT_PREEMPTED}) == '{"code": 75}' and f"{ExitCode.PREEMPTED}" == "75"
 
 

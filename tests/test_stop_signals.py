@@ -17,6 +17,7 @@ test_slurm.py; across TP / EP ranks: tests/dist_scripts/stop_generation.py below
   down (Python resets its handlers to SIG_DFL while finalizing: 130 / 143 before).
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -439,6 +440,54 @@ def test_signals_until_the_process_is_gone_exit_75(tmp_path, sig):
     assert len([ln for ln in text.splitlines() if " preempted by signal" in ln]) == 1, text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     assert latest_complete(f"{out}/ckpt") >= 2
+
+
+@pytest.mark.slow
+def test_a_stop_signal_while_reasoning_gym_examples_are_made_ends_start_up_within_seconds(tmp_path):
+    """``python -m megatron_gspo.train`` on zebra_puzzles (a tenth of a second or more per example; its start-up
+    makes 1064: the reference answers' check and the held-out set) says its progress every few seconds; a
+    SIGTERM after the first progress line ends it within seconds, exit 79 (nothing to save), with one stop line
+    saying where, and the examples made so far in the cache for the requeued job."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_gspo.train", "data.source=reasoning_gym:zebra_puzzles", "parallel.device=cpu",
+           f"train.output_dir={out}", "train.tensorboard=false"]
+    with open(tmp_path / "log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        try:
+            deadline = time.time() + 240
+            while " examples made (" not in (tmp_path / "log").read_text():
+                assert p.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()[-3000:]
+                time.sleep(0.1)
+            sent = time.time()
+            p.send_signal(signal.SIGTERM)
+            said = None  # when the stop line came
+            while p.poll() is None and time.time() < sent + 60:
+                if said is None and "preempted by signal" in (tmp_path / "log").read_text():
+                    said = time.time() - sent
+                time.sleep(0.05)
+            rc, took = p.poll(), time.time() - sent
+        finally:
+            if p.poll() is None:
+                p.kill()
+    text = (tmp_path / "log").read_text()
+    print(f"SIGTERM while making examples: the stop line {said} s later, exit {rc} {took:.1f} s later")
+    # the stop is decided at the next example; the process's exit then tears down torch.distributed and
+    # megatron (about 10 s on a loaded 2-core machine, the same after any start-up error)
+    assert rc == exit_status.EXIT_PREEMPTED_NOTHING_SAVED and said is not None and said < 5 and took < 30, \
+        (rc, said, took, text[-3000:])
+    progress = [ln for ln in text.splitlines() if " examples made (" in ln]
+    assert progress[0].split(" ", 1)[1].startswith("reasoning_gym:zebra_puzzles: ") and "/1064 examples made (" in \
+        progress[0] and "/s, about " in progress[0] and progress[0].endswith(" left)"), progress
+    stop = [ln for ln in text.splitlines() if "preempted by signal" in ln]
+    assert len(stop) == 1 and "preempted by signal SIGTERM during start-up: nothing to save yet" in stop[0], text[-3000:]
+    made = int(stop[0].split("while making reasoning_gym:zebra_puzzles examples (")[1].split(" of 1064 made")[0])
+    path = stop[0].split(", kept in ")[1].split(":")[0]
+    assert "Traceback" not in text and made >= int(progress[0].split("/1064")[0].rsplit(" ", 1)[1]), text[-3000:]
+    from megatron_gspo.data.example_cache import ExampleCache
+
+    with open(path) as f:
+        key = json.load(f)["key"]
+    assert len(ExampleCache(os.path.dirname(path), "zebra_puzzles", key).load()) == made
 
 
 # ----------------------------------------------------------------------------------------------

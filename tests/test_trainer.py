@@ -34,6 +34,7 @@ def run_job(overrides):
         result = trainer.run()
         after = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     finally:
+        trainer.close()  # gives back checkpoint.save's lock, as train.run_trainer does
         parallel.destroy()
     return before, after, result
 
@@ -472,3 +473,65 @@ def test_the_jobs_first_lines_say_its_numerics_and_spec(tmp_path):
     assert numerics and numerics[0] <= 1, said.lines[:3]
     assert said.lines[numerics[0]] == ("numerics: fp32 on cpu (auto: fp32 on the CPU); local spec (auto: the job "
                                        "runs on cpu (Transformer Engine's kernels need CUDA))")
+
+
+def test_a_trainer_leaves_the_host_programs_logging_and_warnings_alone(tmp_path, monkeypatch):
+    """A program with logging and warning filters of its own builds a Trainer and runs a step: its root
+    logger (handlers, level) and the other loggers' levels are as it set them, its warning filters are all
+    still there, in order, and no code of the package added one (imports of third-party modules do, as in
+    any program that imports them); the trainer's lines reach the program's handler through the
+    ``megatron_gspo`` logger. Only the command-line entry points configure the process
+    (runtime/logger.setup_logging)."""
+    import io
+    import sys
+    import warnings
+
+    import megatron_gspo
+    from megatron_gspo.train import Trainer
+
+    package = os.path.dirname(os.path.abspath(megatron_gspo.__file__))
+    root, megatron, ours = logging.getLogger(), logging.getLogger("megatron"), logging.getLogger("megatron_gspo")
+    calls = []
+
+    def recorded(fn):
+        def call(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if os.path.abspath(caller).startswith(package + os.sep):
+                calls.append(f"{fn.__name__}{args} from {os.path.relpath(caller, package)}")
+            return fn(*args, **kwargs)
+        return call
+
+    for name in ("filterwarnings", "simplefilter", "resetwarnings"):
+        monkeypatch.setattr(warnings, name, recorded(getattr(warnings, name)))
+    monkeypatch.setattr(logging, "basicConfig", recorded(logging.basicConfig))
+
+    def loggers():
+        return list(root.handlers), root.level, megatron.level, ours.level, list(ours.handlers), ours.propagate
+
+    saved = (list(root.handlers), root.level)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("HOST %(name)s %(levelname)s %(message)s"))
+    with warnings.catch_warnings():
+        try:
+            root.handlers[:] = [handler]
+            root.setLevel(logging.INFO)
+            warnings.simplefilter("default")
+            warnings.filterwarnings("always", category=FutureWarning)  # a program that wants to see them
+            before, host_filters = loggers(), list(warnings.filters)
+            trainer = Trainer(load_job_config(None, TINY_JOB + ["train.num_steps=1", f"train.output_dir={tmp_path}"]))
+            try:
+                trainer.run()
+            finally:
+                trainer.close()
+                parallel.destroy()
+            after, filters = loggers(), list(warnings.filters)
+        finally:
+            root.handlers[:] = saved[0]
+            root.setLevel(saved[1])
+    assert after == before
+    assert calls == []
+    assert [f for f in filters if f in host_filters] == host_filters  # none removed, none reordered
+    said = stream.getvalue().splitlines()
+    assert any(line.startswith("HOST megatron_gspo INFO numerics: fp32 on cpu") for line in said), said[:5]
+    assert any(line.startswith("HOST megatron_gspo INFO step 1/1 | reward ") for line in said), said

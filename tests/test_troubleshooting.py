@@ -3,8 +3,8 @@
 Every entry (a table row whose first cell is a message) carries in the page's source either the
 command that produces it, ``<!-- check: COMMAND -->``, or why it cannot run here,
 ``<!-- no-check: REASON -->``. Each command runs in this process through the entry point the
-command line uses (``megatron_gspo.train.main``, ``megatron_gspo.preflight.cli.main``, or the launcher's
-Python half for ``--dry-run``),
+command line uses (``megatron_gspo.train.main``, ``megatron_gspo.preflight.cli.main``, the launcher's
+Python half for ``--dry-run``, the converters' and ``experiments.compare``'s ``main``),
 and must end with exit status 2 and the documented message as its ``error: ...`` line (``...`` and
 ``<placeholder>`` stand for job-specific values), without an exception escaping, i.e. without a
 traceback. A message changed in the code, or an entry added to the page without a command, fails
@@ -12,6 +12,7 @@ here."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import re
@@ -109,6 +110,15 @@ def test_catalogue_entry(line, message, command, isolated, monkeypatch, capsys):
     elif words[:3] == ["python", "launch/pretrain_gspo.sh", "--dry-run"]:
         code = _launcher()._run(words[2:])
         errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
+    elif words[:2] == ["python", "-m"] and words[2].startswith(("checkpoints_tools.", "experiments.compare")):
+        # the converters and the comparison print "error: ..." (argparse: "<prog>: error: ...") on stderr
+        try:
+            module = importlib.import_module(words[2])
+            main = getattr(module, "main", None) or importlib.import_module(words[2] + ".cli").main
+            code = main(words[3:])
+        except SystemExit as e:  # argparse's refusal
+            code = e.code
+        errors = ["error: " + ln.split("error: ", 1)[1] for ln in capsys.readouterr().err.splitlines() if "error: " in ln]
     else:
         raise AssertionError(f"line {line}: cannot run {command!r}")
     assert code == 2, (command, code, isolated.lines)

@@ -374,7 +374,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def line(s: Summary) -> str:
-    """``N stays in F files, C climbs back up; entries: trainer.py 7, ...`` (files entered more than once)."""
+    """``N stays in F files, C climbs back up; entries: trainer/hooks.py 6, ...`` (files entered more than once)."""
     return (f"{len(s.stays)} stays in {len(s.files)} files, {len(s.climbs)} climbs back up; entries: "
             + ", ".join(f"{f.split('/', 1)[1]} {n}" for f, n in s.entries.items() if n > 1))
 

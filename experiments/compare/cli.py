@@ -80,16 +80,19 @@ def parse_args(argv: list[str]):
         config = rest.pop(0)
     args.config = os.path.abspath(config) if config else None
     args.overrides = rest
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    raw_variants, args.variants = args.variants, [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.section is not None and not re.fullmatch(r"[A-Za-z0-9_-]+", args.section):
         p.error(f"--section {args.section!r}: letters, digits, _ and - only (it names a docs marker and image files)")
     try:
         args.seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds else None
     except ValueError:
         p.error(f"--seeds takes comma-separated integers, got {args.seeds!r}")
+    if not args.variants:
+        p.error(f"--variants {raw_variants!r} names no variant; give a comma-separated list from {', '.join(VARIANTS)}")
     for v in args.variants:
         if v not in VARIANTS:
             p.error(f"unknown variant {v!r}; valid: {', '.join(VARIANTS)}")
+    _check_variant_overrides(p, args.variant_override, args.variants)
     if args.threads is None and "OMP_NUM_THREADS" not in os.environ:
         from megatron_gspo.config import ParallelConfig
         from megatron_gspo.runtime.parallel import resolve_device
@@ -100,6 +103,28 @@ def parse_args(argv: list[str]):
         args.threads = None if resolve_device(ParallelConfig(device=device)).type == "cuda" else 1
     args.argv = argv
     return args
+
+
+def _check_variant_overrides(p, overrides: list[str], variants: list[str]) -> None:
+    """Each --variant-override is VARIANT:section.key=value for a variant this comparison runs (one for a
+    variant left out would be ignored without a word)."""
+    for item in overrides:
+        name, sep, kv = item.partition(":")
+        if not sep or "=" not in kv:
+            p.error(f"--variant-override {item!r}: write VARIANT:section.key=value, e.g. grpo:optimizer.lr=1e-6")
+        if name not in variants:
+            p.error(f"--variant-override {item!r}: variant {name!r} is not run by this comparison "
+                    f"(--variants {','.join(variants)}); add it to --variants or drop the override")
+
+
+def check_outputs(args) -> None:
+    """--out and --docs-dir writable before any work (runtime/writable.py: the real cause); ConfigError."""
+    from megatron_gspo.errors import ConfigError
+    from megatron_gspo.runtime.writable import check_writable
+
+    check_writable(args.out, f"--out {args.out}", error=ConfigError)
+    if args.docs_dir:
+        check_writable(args.docs_dir, f"--docs-dir {args.docs_dir}", error=ConfigError)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -113,6 +138,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         # SIGTERM -> SystemExit, so the running child process is terminated too (run.run_subprocess)
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args = parse_args(argv)
+    from megatron_gspo.errors import USER_ERRORS
+
+    try:
+        check_outputs(args)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from experiments.compare.report import report
 
     if args.report_only:
@@ -121,8 +153,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     from megatron_gspo.train import DEMO_CONFIG
 
     from experiments.compare.run import run_comparison
-
-    from megatron_gspo.errors import USER_ERRORS
 
     args.config = args.config or DEMO_CONFIG
     try:  # every variant's config is validated before anything runs: a mistake is one line, exit 2

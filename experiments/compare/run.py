@@ -211,7 +211,7 @@ def run_in_process(wargs: list[str], log_path: str, threads: Optional[int], tag:
                 from megatron_gspo.runtime import parallel
 
                 parallel.destroy()
-    # the trainer pointed logging at the (now closed) log file
+    # the worker pointed logging at the (now closed) log file
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
     torch.set_num_threads(prev_threads)
     if rc != 0:

@@ -16,7 +16,7 @@ log = logging.getLogger("megatron_gspo")
 
 def worker_main(argv: list[str]) -> int:
     from megatron_gspo.config import load_job_config
-    from megatron_gspo.train import Trainer, run_trainer
+    from megatron_gspo.train import Trainer, configure_logging, run_trainer
 
     p = argparse.ArgumentParser(prog="python -m experiments.compare _worker")
     p.add_argument("--probe", default=None, help="write the routing probe's rows (probe.jsonl) to this path")
@@ -26,6 +26,7 @@ def worker_main(argv: list[str]) -> int:
     p.add_argument("config")
     args, overrides = p.parse_known_args(argv)
     cfg = load_job_config(args.config, overrides)
+    configure_logging(cfg)  # a run's log, as megatron_gspo.train's (the library configures no logging)
     if args.save_init:
         return save_initial_model(cfg, args.save_init)
     from experiments.compare.probe import RoutingProbe

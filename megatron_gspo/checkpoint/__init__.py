@@ -1,9 +1,12 @@
 """Checkpoints: megatron dist_checkpointing (torch_dist) files, resumable under any TP / EP layout.
 
     storage.py    model weights <-> torch_dist files; how the files are written (in this process)
+    torch_dist_files.py  the files a torch_dist checkpoint needs; .metadata / common.pt read without running code
     directory.py  a checkpoint root on disk: iter_* directories, manifests, tracker, rotation
+    lock.py       one job per checkpoint root: save.lock, stale locks
     training.py   training checkpoints: model + optimizer + schedule + extras, atomic save / load
-    manager.py    CheckpointManager: the trainer's resume decision (verified once) and its saves
+    space.py      a save the disk refused: the one line, exit 74, the size a checkpoint needs
+    manager.py    CheckpointManager: the trainer's resume decision (verified once), its lock and its saves
 """
 
 from megatron_gspo.checkpoint.directory import (

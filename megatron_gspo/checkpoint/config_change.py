@@ -15,6 +15,13 @@ Each field declares its policy where it is declared (``config.knob(resume=Resume
 ``Resume.MAY_CHANGE``, ``LAYOUT`` (behaves as MAY_CHANGE), ``MAY_CHANGE_AFTER_WARM_START`` (refused while the
 checkpoint is an unfinished warm start: ``WARM_START``) or ``REFUSED``; this module only reads them.
 
+``checkpoint.load`` of a checkpoint as initial weights (a fresh start: nothing of its run goes on)
+compares only ``ARCHITECTURE``, the model keys its weights are bound to beyond their shapes: a
+converted checkpoint's ``model_config.yaml`` (or a trainer checkpoint's job) that disagrees with
+``model.*`` on the vocabulary, the positions, the rotary base, the norm epsilon, ... loads without a
+shape error and computes another function. Refused by key unless ``checkpoint.allow_config_change``
+names it (``check_load_config``).
+
 Pure functions on the nested dicts of ``config.to_dict``; the CheckpointManager reads the saved one.
 """
 
@@ -46,6 +53,16 @@ CHANGES_TRAJECTORY: tuple[str, ...] = _keys(Resume.REFUSED)
 # Keys that may not change when the checkpoint is one of an unfinished warm start (train.sft_steps may:
 # the warm start then runs to the new length, or is over)
 WARM_START: tuple[str, ...] = _keys(Resume.MAY_CHANGE_AFTER_WARM_START)
+
+
+# The model keys a checkpoint's weights are bound to (what they compute, beyond what their shapes say):
+# loading weights under another value of one runs them as another model. Training choices of the model
+# section (precision, FP8, the aux loss, the router's dtype, recompute, implementations, init) are not.
+ARCHITECTURE: tuple[str, ...] = tuple(f"model.{k}" for k in (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "vocab_size",
+    "make_vocab_size_divisible_by", "max_position_embeddings", "rotary_base", "norm_epsilon", "qk_layernorm",
+    "untie_embeddings_and_output_weights", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+    "moe_router_pre_softmax"))
 
 
 @dataclass(frozen=True)
@@ -114,3 +131,22 @@ def check_resume_config(path: str, saved: dict, current: dict, allow: Iterable[s
             f"would not continue the checkpoint's; resume with the checkpoint's value{'s' if len(refused) > 1 else ''}, "
             f"or accept the change with checkpoint.allow_config_change=[{keys}]")
     return accepted
+
+
+def check_load_config(path: str, source: str, saved_model: dict, current_model: dict,
+                      allow: Iterable[str] = ()) -> list[Change]:
+    """``checkpoint.load`` of ``path`` whose model config (``saved_model``, read from ``source``) is compared with
+    the job's ``current_model`` (the ``model`` sections of config.to_dict) on ARCHITECTURE: raise ConfigError
+    naming every differing key that checkpoint.allow_config_change does not list; return the accepted ones."""
+    keys = {k.split(".", 1)[1] for k in ARCHITECTURE}
+    old = {k: v for k, v in saved_model.items() if k in keys}
+    new = {k: v for k, v in current_model.items() if k in keys}
+    accepted, refused = compare({"model": old}, {"model": new}, allow)
+    if refused:
+        keys_named = ",".join(c.key for c in refused)
+        raise ConfigError(
+            f"checkpoint.load={path}: its model config ({source}) differs from the job's: "
+            f"{'; '.join(map(str, refused))}: the weights would run as another model (same shapes, another "
+            f"function); set {'this key' if len(refused) == 1 else 'these keys'} to the checkpoint's "
+            f"value{'s' if len(refused) > 1 else ''}, or accept with checkpoint.allow_config_change=[{keys_named}]")
+    return [c for c in accepted if c.why == "checkpoint.allow_config_change"]

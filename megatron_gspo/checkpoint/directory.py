@@ -3,10 +3,14 @@
     <root>/iter_0000010/            one checkpoint (torch_dist files + manifest.json)
     <root>/iter_0000012.tmp/        a save in progress (never taken for a checkpoint)
     <root>/latest_checkpointed_iteration.txt   the newest step (Megatron-LM's name; a hint only)
+    <root>/save.lock                the job writing into the root (lock.py)
 
 Crash safety: every rank writes into ``iter_XXXXXXX.tmp`` and fsyncs; rank 0 writes manifest.json
-(size and crc32 of every file) last, renames the directory into place and fsyncs the parent, then
-replaces the tracker. So a directory with a manifest is complete as written. ``verify_checkpoint``
+(size and crc32 of every file, and the list of files a complete checkpoint needs: torch_dist's
+metadata.json, .metadata and common.pt and every data file .metadata names; a save lacking one gets
+no manifest) last, renames the directory into place and fsyncs the parent, then replaces the
+tracker. So a directory with a manifest is complete as written; a manifest that does not list every
+needed file (an older or damaged one) does not count. ``verify_checkpoint``
 re-reads every file against its manifest: that is for the one checkpoint a run resumes from (a
 disk can still corrupt it); rotation trusts the manifests and reads no file (at 30B with Adam state
 and three kept checkpoints, checksumming them on every save would read a terabyte).
@@ -21,6 +25,7 @@ import shutil
 import zlib
 from typing import Optional
 
+from megatron_gspo.checkpoint.torch_dist_files import CORE_FILES, data_files, missing_files, read_dcp_metadata
 from megatron_gspo.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -67,6 +72,16 @@ def replace_file(path: str, text: str) -> None:
 
 
 def write_manifest(ckpt_dir: str, step: int) -> None:
+    """manifest.json of the save in ``ckpt_dir``: size and crc32 of every file, and which files a complete
+    checkpoint must hold (torch_dist's core files and every data file its .metadata names). A save missing
+    one is refused here, never given a manifest: a directory of another job's leftovers, or of a save whose
+    files another job deleted, would otherwise pass for a checkpoint."""
+    md = read_dcp_metadata(ckpt_dir)
+    required = [*CORE_FILES, *data_files(md)]
+    missing = missing_files(ckpt_dir, md)
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: the save is incomplete, {', '.join(missing)} missing (deleted by "
+                              "another job writing into the same checkpoint.save?); no manifest written")
     files = {}
     for name in sorted(os.listdir(ckpt_dir)):
         path = os.path.join(ckpt_dir, name)
@@ -74,24 +89,42 @@ def write_manifest(ckpt_dir: str, step: int) -> None:
             continue
         fsync_path(path)
         files[name] = {"bytes": os.path.getsize(path), "crc32": _crc32(path)}
-    replace_file(os.path.join(ckpt_dir, MANIFEST), json.dumps({"step": step, "files": files}, indent=1))
+    replace_file(os.path.join(ckpt_dir, MANIFEST),
+                 json.dumps({"step": step, "required": required, "files": files}, indent=1))
 
 
 def has_manifest(ckpt_dir: str) -> bool:
-    """The save of ``ckpt_dir`` finished (its manifest is written last); files are not re-read."""
-    return os.path.isfile(os.path.join(ckpt_dir, MANIFEST))
+    """The save of ``ckpt_dir`` finished: its manifest (written last) lists every file a complete checkpoint
+    needs. The manifest alone is read, no checkpoint file (rotation trusts it)."""
+    return _manifest_files(ckpt_dir)[0] is not None
+
+
+def _manifest_files(ckpt_dir: str) -> tuple[Optional[dict], Optional[str]]:
+    """({file: {"bytes", "crc32"}} of ``ckpt_dir``'s manifest, None) or (None, why it is not a manifest of a
+    complete checkpoint). One that does not list every file a torch_dist checkpoint needs (its own
+    "required", or, for a manifest without that list, the core files) is not."""
+    mpath = os.path.join(ckpt_dir, MANIFEST)
+    if not os.path.isfile(mpath):
+        return None, "no manifest.json (the save did not finish)"
+    try:
+        with open(mpath, encoding="utf-8") as f:
+            manifest = json.load(f)
+        files, required = manifest["files"], manifest.get("required", CORE_FILES)
+        if not isinstance(files, dict) or not isinstance(required, (list, tuple)):
+            raise ValueError("'files' is not a mapping or 'required' not a list")
+    except (ValueError, KeyError, TypeError) as e:
+        return None, f"unreadable manifest.json ({e})"
+    unlisted = [f for f in (*CORE_FILES, *required) if f not in files]
+    if unlisted:
+        return None, f"manifest.json does not list {', '.join(dict.fromkeys(unlisted))} (an incomplete save)"
+    return files, None
 
 
 def verify_checkpoint(ckpt_dir: str) -> Optional[str]:
     """None if ``ckpt_dir`` is complete and intact, else the reason it is not."""
-    mpath = os.path.join(ckpt_dir, MANIFEST)
-    if not os.path.isfile(mpath):
-        return "no manifest.json (the save did not finish)"
-    try:
-        manifest = json.load(open(mpath, encoding="utf-8"))
-        files = manifest["files"]
-    except (ValueError, KeyError) as e:
-        return f"unreadable manifest.json ({e})"
+    files, why = _manifest_files(ckpt_dir)
+    if files is None:
+        return why
     for name, meta in files.items():
         path = os.path.join(ckpt_dir, name)
         if not os.path.isfile(path):
@@ -170,3 +203,15 @@ def remove_leftovers(root: str) -> None:
     for d in os.listdir(root):
         if d.startswith("iter_") and d.endswith((".tmp", ".old")) and os.path.isdir(os.path.join(root, d)):
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def remove_partial_saves(root: str) -> list[str]:
+    """Delete the iter_*.tmp directories of saves that died half-way (a SIGKILL, a full disk); run by the job
+    that just took the root's lock (lock.py), so no other job's save is in progress. Returns their names.
+    (The iter_*.old ones stay: a save killed between its two renames has its older copy there.)"""
+    gone = []
+    for d in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+        if d.startswith("iter_") and d.endswith(".tmp") and os.path.isdir(os.path.join(root, d)):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+            gone.append(d)
+    return gone

@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 
 from megatron_gspo.checkpoint.directory import resolve
+from megatron_gspo.checkpoint.torch_dist_files import (CORE_FILES, MEGATRON_METADATA, missing_files, read_common,
+                                                       read_dcp_metadata)
 from megatron_gspo.errors import CheckpointError
 from megatron_gspo.model.gpt import unwrap
 
@@ -104,13 +106,30 @@ def save_model(model, ckpt_dir: str, extra_common: Optional[dict] = None) -> Non
     dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=save_strategy())
 
 
+def check_complete(ckpt_dir: str) -> None:
+    """Refuse a directory that is not a whole torch_dist checkpoint (CheckpointError, one line): no
+    metadata.json, or a core file or a data file its .metadata names missing; and one whose .metadata or
+    common.pt would run code when megatron unpickles them (torch_dist_files.py). Run before megatron reads
+    it, whose own failures are tracebacks (``'str' object has no attribute 'iterdir'`` for a missing common.pt)."""
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
+    if not os.path.isfile(os.path.join(ckpt_dir, MEGATRON_METADATA)):
+        raise CheckpointError(f"{ckpt_dir}: not a dist_checkpointing checkpoint (no metadata.json)")
+    md = read_dcp_metadata(ckpt_dir)
+    missing = missing_files(ckpt_dir, md)
+    if missing:
+        named = [f for f in missing if f not in CORE_FILES]
+        raise CheckpointError(f"{ckpt_dir}: not a complete checkpoint: {', '.join(missing)} missing"
+                              + (" (named by its .metadata)" if named and len(named) == len(missing) else ""))
+    read_common(ckpt_dir)
+
+
 def checkpoint_metadata(ckpt_dir: str) -> dict:
     """{global key: ShardedTensor} and {unique key: ShardedObject} of what a torch_dist checkpoint holds
-    (no data); CheckpointError when it is not one or its metadata cannot be read."""
+    (no data); CheckpointError when it is not a complete one (check_complete) or its metadata cannot be read."""
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-    if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
-        raise CheckpointError(f"{ckpt_dir}: not a dist_checkpointing checkpoint (no metadata.json)")
+    check_complete(ckpt_dir)
     try:
         return load_sharded_metadata(ckpt_dir)
     except Exception as e:  # unreadable / truncated .metadata
@@ -226,13 +245,23 @@ def load_model(model, ckpt_dir: str) -> dict:
 
 
 def dist_checkpoint_to_tensors(ckpt_dir: str) -> dict[str, torch.Tensor]:
-    """Read a torch_dist checkpoint into {global key: full tensor} in this one process, no
-    process group needed (for tests and tools; holds the whole checkpoint in memory)."""
-    import tempfile
+    """Read a torch_dist checkpoint's tensors into {global key: full tensor} in this one process, no
+    process group needed (for tests and tools; holds the whole checkpoint in memory). Its byte objects
+    (extra states) are not read: torch would unpickle them unrestricted (torch_dist_files.py)."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    md = read_dcp_metadata(ckpt_dir)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "ckpt.pt")
-        dcp_to_torch_save(ckpt_dir, out)
-        return torch.load(out, map_location="cpu", weights_only=False)
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):  # the metadata read above, without pickle.load
+            return md
+
+    import warnings
+
+    out = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+           if isinstance(v, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*load in a single process")
+        load(out, storage_reader=Reader(ckpt_dir), no_dist=True)
+    return out

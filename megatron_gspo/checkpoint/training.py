@@ -4,6 +4,7 @@ config), saved and loaded collectively and atomically (directory.py has the on-d
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Optional
 
 import torch
@@ -29,6 +30,8 @@ from megatron_gspo.checkpoint.storage import (
     save_strategy,
     sharded_state_dict_to_load,
 )
+from megatron_gspo.checkpoint.space import write_failure
+from megatron_gspo.checkpoint.torch_dist_files import read_common
 from megatron_gspo.errors import CheckpointError
 from megatron_gspo.model.gpt import unwrap
 
@@ -66,13 +69,38 @@ def _optimizer_parts(optimizer) -> int:
 def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None, extra: Optional[dict] = None,
                     is_main: bool = True, keep_last: int = 0, fault_hook=None,
                     extra_models: Optional[dict] = None) -> str:
-    """Collective. Writes <root>/iter_<step> atomically (see above) and points the tracker at it."""
-    import shutil
-
-    from megatron.core import dist_checkpointing
-
+    """Collective. Writes <root>/iter_<step> atomically (see above) and points the tracker at it. A write
+    the disk refused (no space left, quota, read-only, I/O error: space.write_failure) raises
+    DiskRefusedSave with the partial iter_<step>.tmp removed; any other failure propagates as it is."""
     final = iter_dir(root, step)
     tmp = final + ".tmp"
+    try:
+        _write(root, step, tmp, model, optimizer, scheduler, extra, is_main, fault_hook, extra_models)
+        if is_main:
+            _publish(root, step, tmp, final, keep_last)
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        cause = None if isinstance(e, (KeyboardInterrupt, SystemExit)) else write_failure(e, tmp if os.path.isdir(tmp) else root)
+        if cause is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # every rank that failed: a full disk gets its space back
+        raise DiskRefusedSave(cause) from e
+    comm.barrier()
+    return final
+
+
+class DiskRefusedSave(OSError):
+    """The disk refused a checkpoint's files; ``cause`` in words (CheckpointManager says the rest)."""
+
+    def __init__(self, cause: str):
+        super().__init__(cause)
+        self.cause = cause
+
+
+def _write(root: str, step: int, tmp: str, model, optimizer, scheduler, extra, is_main: bool, fault_hook,
+           extra_models) -> None:
+    """Every rank: the checkpoint's files into ``tmp``."""
+    from megatron.core import dist_checkpointing
+
     if is_main:
         os.makedirs(root, exist_ok=True)
         if os.path.exists(tmp):  # leftover of a crashed save
@@ -91,20 +119,21 @@ def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None,
     if fault_hook is not None:
         fault_hook("save", tmp)  # tests: die with a half-written checkpoint
     comm.barrier()
-    if is_main:
-        write_manifest(tmp, step)
-        if os.path.exists(final):  # this step again (a warm start saved twice, a damaged one redone):
-            # moved aside, not deleted first, so that no moment is without the older copy
-            if os.path.exists(final + ".old"):
-                shutil.rmtree(final + ".old")
-            os.replace(final, final + ".old")
-        os.replace(tmp, final)
-        fsync_path(root)
-        replace_file(os.path.join(root, TRACKER), str(step))
-        remove_leftovers(root)
-        rotate(root, keep_last, upto=step)
-    comm.barrier()
-    return final
+
+
+def _publish(root: str, step: int, tmp: str, final: str, keep_last: int) -> None:
+    """Rank 0, once every rank wrote: the manifest last, the directory into place, the tracker, rotation."""
+    write_manifest(tmp, step)
+    if os.path.exists(final):  # this step again (a warm start saved twice, a damaged one redone):
+        # moved aside, not deleted first, so that no moment is without the older copy
+        if os.path.exists(final + ".old"):
+            shutil.rmtree(final + ".old")
+        os.replace(final, final + ".old")
+    os.replace(tmp, final)
+    fsync_path(root)
+    replace_file(os.path.join(root, TRACKER), str(step))
+    remove_leftovers(root)
+    rotate(root, keep_last, upto=step)
 
 
 def load_checkpoint(path: str, model, optimizer=None, scheduler=None, extra_models: Optional[dict] = None,
@@ -125,7 +154,7 @@ def load_checkpoint(path: str, model, optimizer=None, scheduler=None, extra_mode
         # Weights and Adam moments are stored under global, layout-free keys, but megatron keeps
         # one optimizer per parameter family (dense / expert), and how many exist depends on the
         # layout (EP > 1 splits them); their non-tensor state cannot be re-split on load.
-        saved = dist_checkpointing.load_common_state_dict(path).get("optimizer_parts")
+        saved = read_common(path).get("optimizer_parts")
         if saved is not None and saved != _optimizer_parts(optimizer):
             raise CheckpointError(
                 f"{path}: the optimizer state was saved as {saved} megatron optimizer(s) and this layout "

@@ -7,7 +7,9 @@ where one exists (``tensor_model_parallel_size``, ``num_query_groups``, ``moe_ro
 
 This package is a leaf: it imports nothing of megatron_gspo but the leaves ``errors`` and ``textfile``
 (UTF-8 files read with a bad byte's file and line); every subsystem imports
-its section from here (tests/test_imports.py imports each module alone in a fresh interpreter).
+its section from here (tests/test_imports.py imports each module alone in a fresh interpreter). One reading
+goes the other way, at validation, not at import: the loss section checks its keys against the loss's spec
+(algorithms/loss_spec.py), which sits beside the loss's function, so that a loss, a plug-in's too, is one piece.
 
     model.py     ModelConfig, the presets, a Hugging Face config.json -> ModelConfig
     sections.py  parallel, loss, generation, optimizer, data, tokenizer, reward, train, checkpoint,
@@ -19,7 +21,7 @@ its section from here (tests/test_imports.py imports each module alone in a fres
                  where the old policy's log-probs come from (old_logprob_source)
     fields.py    knob(): a field's constraints and resume policy; validate(): the one validator
     loader.py    YAML / CLI plumbing: from_dict, overrides, coercion to the annotated types
-    checks.py    the validation helpers shared with the loss functions
+    checks.py    the validation helpers shared with the loss specs
 """
 
 from megatron_gspo.config.fields import Resume, knob, walk_knobs
@@ -38,17 +40,12 @@ from megatron_gspo.config.model import (
 )
 from megatron_gspo.config.sections import (
     ADVANTAGE_ESTIMATOR_NAMES,
-    AGG_MODE_LOSSES,
-    DEFAULT_CLIP_RATIOS,
     LOSS_AGG_MODES,
-    LOSS_NAMES,
     OLD_LOGPROB_SOURCES,
     OVERLONG_POLICIES,
     ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_CORRECTION_MODES,
     ROUTING_REPLAY_MODES,
-    SAPO_TAUS,
-    TOKEN_RATIO_LOSSES,
     TOKENIZER_TYPES,
     CheckpointConfig,
     DataConfig,
@@ -65,11 +62,11 @@ from megatron_gspo.config.sections import (
 from megatron_gspo.errors import ConfigError
 
 __all__ = [
-    "ADVANTAGE_ESTIMATOR_NAMES", "AGG_MODE_LOSSES", "DEFAULT_CLIP_RATIOS", "DEMO_CONFIG", "LOSS_AGG_MODES", "LOSS_NAMES", "MODEL_PRESETS",
+    "ADVANTAGE_ESTIMATOR_NAMES", "DEMO_CONFIG", "LOSS_AGG_MODES", "MODEL_PRESETS",
     "ON_POLICY_RATIO_TOLERANCE", "PRECISIONS", "old_logprob_source", "resolve_precision", "Resume", "knob",
     "walk_knobs", "LEAN_DECODE_LIMITS", "lean_decode_limit",
     "OLD_LOGPROB_SOURCES", "OVERLONG_POLICIES", "ROLLOUT_CORRECTION_LEVELS", "ROLLOUT_CORRECTION_MODES",
-    "ROUTING_REPLAY_MODES", "SAPO_TAUS", "TOKEN_RATIO_LOSSES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
+    "ROUTING_REPLAY_MODES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
     "DataConfig", "ENV_TOOL_FORMATS", "EnvConfig", "EvalConfig", "TOOL_ERROR_POLICIES", "GenerationConfig", "JobConfig", "LossConfig", "ModelConfig", "OptimizerConfig",
     "ParallelConfig", "PARTIAL_ROLLOUT_POLICIES", "ROLLOUT_MODES", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "TokenizerConfig", "TrainConfig", "apply_overrides", "from_dict",
     "load_job_config", "load_yaml", "model_config_from_hf", "model_config_from_preset", "parse_overrides",

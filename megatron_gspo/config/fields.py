@@ -144,11 +144,37 @@ def _is_type(v: Any, base: Any) -> bool:
     return isinstance(v, base) if isinstance(base, type) else True
 
 
+def not_a_string(name: str, value: Any) -> str:
+    """Why ``value`` (a mapping or list from YAML) is no string for field ``name``, and what to write instead.
+
+    YAML reads a word that ends in a colon (``reasoning_gym:``, ``mod:``), or a colon before a space, as a
+    mapping's key; the loader gets ``{'reasoning_gym': None}`` where the user meant text."""
+    if isinstance(value, dict) and len(value) == 1:
+        ((key, val),) = value.items()
+        text = f"{key}:" if val is None else f"{key}: {val}"
+        read = (f"{text} (a colon at the end) as a key with no value; write what follows the colon "
+                f"({key}:<...>)" if val is None else
+                f"{text!r} (a colon before a space) as a key and its value; drop the space ({key}:{val})")
+        return (f"{name} must be a string, got a mapping: YAML read {read}, or quote the value to keep it as written: "
+                f"{name}=\"'{text}'\" on the command line, '{text}' in a YAML file")
+    return f"{name} must be a string, got {type(value).__name__}"
+
+
 def _in_bounds(x: float, k: Knob) -> bool:
     if isinstance(x, float) and k.finite and not math.isfinite(x):
         return False
     return not ((k.ge is not None and not x >= k.ge) or (k.gt is not None and not x > k.gt)
                 or (k.le is not None and not x <= k.le) or (k.lt is not None and not x < k.lt))
+
+
+def colon_value_hint(value: Any) -> str:
+    """What to write instead, when YAML read a value that ends in ':' (``reward.name=mod:``,
+    ``data.source=reasoning_gym:``) as a one-key mapping ``{'mod': None}``; "" for any other value."""
+    if not (isinstance(value, dict) and len(value) == 1 and next(iter(value.values())) is None):
+        return ""
+    text = f"{next(iter(value))}:"
+    return (f" (YAML reads {text!r}, a value that ends in ':', as the mapping {value!r}: finish it, e.g. "
+            f"{text}<name>, or quote it)")
 
 
 def check_field(name: str, value: Any, tp: Any, k: Knob) -> None:
@@ -170,7 +196,7 @@ def check_field(name: str, value: Any, tp: Any, k: Knob) -> None:
     if not ok:
         hint = f" {k.hint}" if k.hint else ""
         null = " or null" if optional else ""
-        raise ConfigError(f"{name} must be {_expected(base, k)}{hint}{null}, got {value!r}")
+        raise ConfigError(f"{name} must be {_expected(base, k)}{hint}{null}, got {value!r}{colon_value_hint(value)}")
 
 
 def validate(section: Any, where: str) -> None:

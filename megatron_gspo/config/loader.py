@@ -14,9 +14,9 @@ import os
 import re
 import typing
 from dataclasses import fields
-from typing import Any
+from typing import Any, Optional
 
-from megatron_gspo.config.fields import split_optional, type_hints
+from megatron_gspo.config.fields import not_a_string, split_optional, type_hints
 from megatron_gspo.config.model import MODEL_PRESETS, ModelConfig
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.textfile import read_text
@@ -66,7 +66,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, bool):  # YAML 1.1 reads a bare off/on as a bool
             return "off" if value is False else "on"
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"{where} must be a string, got {type(value).__name__}")
+            raise ConfigError(not_a_string(where, value))
         return str(value)
     if origin in (list, tuple):
         if isinstance(value, str):
@@ -179,17 +179,65 @@ def apply_overrides(data: dict, overrides: list[tuple[str, str]]) -> dict:
     return data
 
 
+def _repeated_key(node, path, where: str = "", seen_nodes: Optional[set] = None) -> None:
+    """Refuse a mapping of the YAML node tree that gives a key twice (YAML itself keeps the last one silently):
+    "job.yaml:5: section 'train' is given twice (first at line 1)". Merge keys (``<<: *anchor``) are no repeat."""
+    import yaml
+
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if id(node) in seen_nodes:  # an alias: its node was read where its anchor stands
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            name = f"{where}.{key}" if where else str(key)
+            if key is not None and key_node.tag != "tag:yaml.org,2002:merge":
+                if key in lines:
+                    what = f"key {name}" if where else f"section {key!r}"
+                    raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: {what} is given twice (first at line "
+                                      f"{lines[key]}); YAML would keep the last one silently: remove one")
+                lines[key] = key_node.start_mark.line + 1
+            _repeated_key(value_node, path, name, seen_nodes)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _repeated_key(item, path, f"{where}[{i}]", seen_nodes)
+
+
+def _null_sections(node, data: dict, path) -> None:
+    """A section given as null (``train:`` with nothing under it, ``train: null``) is a mistake of the file: said
+    with its line, before any override could be blamed for it."""
+    for key_node, _ in node.value:
+        key = getattr(key_node, "value", None)
+        if key in data and data[key] is None:
+            raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: {key}: null; a section is a mapping of its keys "
+                              f"(leave {key} out for its defaults)")
+
+
 def load_yaml(path: str | os.PathLike) -> dict:
+    """A job file -> its nested dict of sections. Refused, with the file and line: invalid YAML, a key given twice,
+    a null section, a file with no sections at all (an empty job file is a mistake, not the defaults)."""
     import yaml
 
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
     text = io.StringIO(read_text(path, ConfigError))  # a byte that is not UTF-8: file:line, not a traceback
     text.name = str(path)  # YAML's error marks name the file
+    loader = yaml.SafeLoader(text)
     try:
-        data = yaml.safe_load(text) or {}
+        node = loader.get_single_node()
+        if node is not None:
+            _repeated_key(node, path)
+        data = None if node is None else loader.construct_document(node)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    finally:
+        loader.dispose()
+    if data is None:
+        raise ConfigError(f"{path}: empty job file: write the sections it changes (model:, loss:, train:, ...), or "
+                          "name no file to run the demo job")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    _null_sections(node, data, path)
     return data

@@ -5,10 +5,10 @@ anything is built (TRL-style). A single field's type and range are declared with
 
 Also here, because they are pure functions of the job:
 
-* ``LEAN_DECODE_LIMITS``: what the lean decoder (decode.py) cannot run, once: the rows with a config key
-  are refused here for ``generation.decode_impl=lean``; decode.lean_decode_unsupported checks the rows
-  with a TransformerConfig attribute against a built model (``lean_decode_limit``), plus what only the
-  built modules show;
+* ``LEAN_DECODE_LIMITS``: what the lean decoder (generation/lean_decoder.py) cannot run, once: the rows
+  with a config key are refused here for ``generation.decode_impl=lean``; lean_decode_unsupported checks
+  the rows with a TransformerConfig attribute against a built model (``lean_decode_limit``), plus what
+  only the built modules show;
 * ``old_logprob_source``: where the old policy's log-probs come from (``train.old_logprobs`` resolved for
   a device). The refusals of old-log-prob combinations are ``TrainConfig``'s (dynamic sampling, R2) and
   ``old_logprobs_under_async`` below.
@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 from megatron_gspo.config.checks import check
 from megatron_gspo.config.model import resolve_precision
-from megatron_gspo.config.sections import MIN_SAMPLING_TEMPERATURE, TOKEN_RATIO_LOSSES
+from megatron_gspo.config.sections import MIN_SAMPLING_TEMPERATURE
 from megatron_gspo.errors import ConfigError
 
 
@@ -46,12 +46,22 @@ def minibatches_divide_the_rollout(job) -> None:
 
 
 def routing_replay_needs_token_ratios(job) -> None:
+    # routing noise enters each token's ratio; GSPO's sequence ratio averages it out (the loss's spec says which)
     t = job.train
     if t.routing_replay != "off":
-        check(job.loss.name in TOKEN_RATIO_LOSSES,
+        from megatron_gspo.algorithms.loss_spec import TOKEN, loss_spec, losses_where
+
+        check(loss_spec(job.loss.name).ratio == TOKEN,
               f"train.routing_replay={t.routing_replay!r} is for the losses with per-token ratios "
-              f"({', '.join(TOKEN_RATIO_LOSSES)}); loss.name={job.loss.name!r} uses GSPO's sequence ratio "
-              "(GSPO needs no routing replay). Set train.routing_replay=off")
+              f"({', '.join(losses_where(lambda s: s.ratio == TOKEN))}); loss.name={job.loss.name!r} uses GSPO's "
+              "sequence ratio (GSPO needs no routing replay). Set train.routing_replay=off")
+
+
+def loss_fits_the_precision(job) -> None:
+    """The loss's settings in the training precision (algorithms/loss_spec.py: what would overflow there), by key."""
+    from megatron_gspo.algorithms.loss_spec import check_loss_config, numerics_of
+
+    check_loss_config(job.loss, numerics_of(job.model.precision))
 
 
 def warm_start_needs_answers(job) -> None:
@@ -62,6 +72,18 @@ def warm_start_needs_answers(job) -> None:
                and not job.data.source.startswith(("builtin:", "reasoning_gym:"))),
           f"train.sft_steps={t.sft_steps} (supervised warm start) needs reference answers, but "
           "data.answer_key is null; set train.sft_steps=0 for data without answers")
+
+
+def task_verifier_needs_a_task_source(job) -> None:
+    # reward.name=reasoning_gym scores with the verifier each reasoning-gym example carries: refused here,
+    # before any data is made, for prompts that have none
+    if job.reward.name != "reasoning_gym":
+        return
+    for key, source in (("data.source", job.data.source), ("eval.source", job.eval.source)):
+        check(source is None or source.startswith("reasoning_gym:"),
+              f"reward.name=reasoning_gym scores a response with its reasoning-gym task's own verifier: it needs "
+              f"{key}=reasoning_gym:<task> (e.g. reasoning_gym:chain_sum), got {key}={source!r}; for other data "
+              "use a reward that compares with the reference answer (exact_match, math, ...)")
 
 
 def no_pipeline_parallelism(job) -> None:
@@ -203,14 +225,13 @@ def _off(v) -> bool:
     return not v
 
 
+# TP, EP and expert-TP are decoded over the sharded weights (the decode step's own collectives: a
+# decoder does not split the sequence, so sequence parallelism is simply not used while decoding);
+# pipeline and context parallelism are not: a decode step would have to cross stages / split its
+# one token
 LEAN_DECODE_LIMITS: tuple[LeanLimit, ...] = (
-    LeanLimit("tensor parallelism", "parallel.tensor_model_parallel_size", "tensor_model_parallel_size", _one),
     LeanLimit("pipeline parallelism", "parallel.pipeline_model_parallel_size", "pipeline_model_parallel_size", _one),
     LeanLimit("context parallelism", None, "context_parallel_size", _one),
-    LeanLimit("expert parallelism", "parallel.expert_model_parallel_size", "expert_model_parallel_size", _one),
-    LeanLimit("expert parallelism", "parallel.expert_tensor_parallel_size", "expert_tensor_parallel_size", _one,
-              config_attr="etp"),
-    LeanLimit("sequence parallelism", "parallel.sequence_parallel", "sequence_parallel", _off, config_attr="sp"),
     LeanLimit("interleaved RoPE", None, "rotary_interleaved", _off),
     LeanLimit("multi-latent attention", None, "multi_latent_attention", _off),
     LeanLimit("gated attention", None, "attention_output_gate", _off),
@@ -236,27 +257,42 @@ def lean_decode_limit(model_config) -> Optional[str]:
     return None
 
 
-def _shown(v) -> str:
-    return ("true" if v else "false") if isinstance(v, bool) else repr(v) if isinstance(v, str) else str(v)
+# The most tokens one MoE dispatch of the lean decoder gathers over the expert group (a prefill over rows x
+# prompt tokens on each of the group's ranks goes through in chunks of this many gathered tokens): bounds the
+# gathered activations, the expert pairs and the fp32 partial outputs of a dispatch, whatever the batch.
+LEAN_MOE_GATHER_TOKENS = 16384
 
 
-def lean_decode_runs_here(job) -> None:
-    """generation.decode_impl=lean runs on one rank of model parallelism, on the local or the Transformer Engine
-    spec's weights (decode.lean_decode_unsupported); what the config alone shows is refused here, by key,
-    rather than on every rank after the model is built."""
-    if job.generation.decode_impl != "lean":
-        return
+def lean_decode_config_limit(job) -> Optional[tuple[LeanLimit, Any]]:
+    """The first LEAN_DECODE_LIMITS row with a config key that ``job`` breaks, with the job's value; None
+    when the config alone shows nothing the lean decoder cannot run."""
     for row in LEAN_DECODE_LIMITS:
         if row.config_key is None:
             continue
         section, _, key = row.config_key.partition(".")
         value = getattr(getattr(job, section), row.config_attr or key)
-        if row.supported(value):
-            continue
+        if not row.supported(value):
+            return row, value
+    return None
+
+
+def _shown(v) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else repr(v) if isinstance(v, str) else str(v)
+
+
+def lean_decode_runs_here(job) -> None:
+    """generation.decode_impl=lean runs under TP / EP / expert-TP on one pipeline stage, on the local or the
+    Transformer Engine spec's weights (generation.lean_decoder.lean_decode_unsupported); what the config alone
+    shows is refused here, by key, rather than on every rank after the model is built."""
+    if job.generation.decode_impl != "lean":
+        return
+    broken = lean_decode_config_limit(job)
+    if broken is not None:
+        row, value = broken
         if row.config_key.endswith("_size"):
-            raise ConfigError(f"generation.decode_impl=lean runs on one rank of tensor / pipeline / expert "
-                              f"parallelism only, got {row.config_key}={value}; use generation.decode_impl=auto "
-                              "(lean where it can run, megatron's forward elsewhere) or megatron")
+            raise ConfigError(f"generation.decode_impl=lean runs on one pipeline stage only, got {row.config_key}="
+                              f"{value}; use generation.decode_impl=auto (lean where it can run, megatron's "
+                              "forward elsewhere) or megatron")
         raise ConfigError(f"generation.decode_impl=lean does not support {row.reason} ({row.config_key}="
                           f"{_shown(value)}); use generation.decode_impl=auto or megatron")
 
@@ -347,7 +383,8 @@ def env_budget_fits(job) -> None:
 
 # In this order (the first broken rule is the one reported).
 RULES: tuple[Callable[[Any], None], ...] = (
-    minibatches_divide_the_rollout, routing_replay_needs_token_ratios, warm_start_needs_answers,
+    minibatches_divide_the_rollout, routing_replay_needs_token_ratios, loss_fits_the_precision, warm_start_needs_answers,
+    task_verifier_needs_a_task_source,
     no_pipeline_parallelism, prompt_and_response_fit_the_positions, overlong_buffer_within_the_response,
     dynamic_sampling_needs_groups, groups_of_two_or_more, no_greedy_groups, temperature_floor, top_k_not_greedy,
     top_p_not_greedy, overlong_filtering_keeps_some_rows, transformer_engine_not_on_the_cpu, lean_decode_runs_here,

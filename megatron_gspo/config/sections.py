@@ -7,18 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_gspo.config.checks import check, check_loss_range, finite
+from megatron_gspo.config.checks import check
 from megatron_gspo.config.fields import Resume, knob, validate
 from megatron_gspo.errors import ConfigError
 
 # Names the registries must offer (tests/test_config.py checks each registry against its tuple):
-# the config validates names without importing the subsystems that implement them.
-LOSS_NAMES = ("gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo", "luspo")  # algorithms/losses.py: POLICY_LOSSES
-# Losses whose importance ratios are per token: routing noise enters each token's ratio, so routing
-# replay (train.routing_replay) applies to them. The others use GSPO's sequence ratio, which needs none.
-TOKEN_RATIO_LOSSES = ("grpo", "sapo", "cispo", "gmpo")
-# Losses that take loss.loss_agg_mode (the others fix their aggregation to their paper's).
-AGG_MODE_LOSSES = ("grpo", "cispo")
+# the config validates names without importing the subsystems that implement them. (The loss section is
+# the exception: a loss is one spec beside its function, read when a LossConfig is checked.)
 ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "mean_only")  # algorithms/advantages.py: ADVANTAGE_ESTIMATORS
 TOKENIZER_TYPES = ("builtin", "hf", "sentencepiece")  # tokenizer.build_tokenizer
 ROUTING_REPLAY_MODES = ("off", "R2", "R3")  # routing.RoutingPolicy
@@ -28,7 +23,7 @@ OVERLONG_POLICIES = ("drop", "truncate_left", "error")
 ROLLOUT_CORRECTION_MODES = ("off", "tis", "mis")  # rollout_correction.correction_weights
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 DEVICES = ("auto", "cuda", "cpu")  # parallel.resolve_device
-DECODE_IMPLS = ("auto", "lean", "megatron")  # decode_backends.make_decode_backend
+DECODE_IMPLS = ("auto", "lean", "megatron")  # generation/decoder.py's make_backend
 
 # The most extra generation rounds train.dynamic_sampling_max_rounds may allow in one step. DAPO's
 # runs need about 1-3 (verl's recipe caps them at 10); past a few dozen a step that finds no signal
@@ -39,23 +34,6 @@ DYNAMIC_SAMPLING_ROUNDS_LIMIT = 32
 # below it sampling is greedy decoding in all but name, and log-softmax(logits / T) amplifies every
 # change of the logits by 1 / T (vLLM clamps temperatures below the same 1e-2 for its numerics).
 MIN_SAMPLING_TEMPERATURE = 0.01
-
-# Paper defaults: GSPO §5.1 uses 3e-4 / 4e-4 (sequence ratios live very close to 1 because they
-# are geometric means); GRPO/PPO use 0.2 / 0.2 (DAPO's clip-higher is 0.2 / 0.28). LUSPO §5.1: 2e-3 /
-# 2.5e-3. CISPO truncates the importance weight at 1 + 4 = 5 with no lower bound (1 - 1 = 0):
-# MiniMax-M1 sets no lower bound and publishes no upper one; 5 is ScaleRL's (arXiv 2510.13786) as TRL
-# documents it. GMPO clips each token's log-ratio to [-0.4, 0.4] (§4). SAPO has no clip range (a
-# soft gate: loss.sapo_tau_pos / sapo_tau_neg).
-DEFAULT_CLIP_RATIOS: dict[str, tuple[float, float]] = {
-    "gspo": (3e-4, 4e-4),
-    "gspo_token": (3e-4, 4e-4),
-    "grpo": (0.2, 0.2),
-    "cispo": (1.0, 4.0),
-    "gmpo": (0.4, 0.4),
-    "luspo": (2e-3, 2.5e-3),
-}
-# SAPO's gate temperatures (arXiv 2511.20347): tau_neg > tau_pos damps negative-advantage updates faster.
-SAPO_TAUS = (1.0, 1.05)
 
 
 @dataclass
@@ -96,32 +74,31 @@ class ParallelConfig:
 
 @dataclass
 class LossConfig:
-    """The ``loss`` section of a job.
+    """The ``loss`` section of a job: which policy loss, and its settings. Which keys a loss reads, their defaults
+    and bounds are its spec's (algorithms/loss_spec.py; the table of losses below): a key it does not read is
+    refused by name, as is a value out of bounds, in the training precision for those that overflow.
 
-    name: "gspo" | "gspo_token" | "grpo" | "sapo" | "cispo" | "gmpo" | "luspo" (docs/algorithms.md).
-    clip_ratio_low / clip_ratio_high: the clip range, in each loss's own units. None picks the
-        loss's paper default: 3e-4 / 4e-4 for gspo and gspo_token (GSPO paper §5.1), 0.2 / 0.2 for
-        grpo (set 0.2 / 0.28 for DAPO's clip-higher), 2e-3 / 2.5e-3 for luspo (LUSPO §5.1): the ratio
-        range [1 - low, 1 + high]. cispo: the importance weight's truncation [1 - low, 1 + high],
-        default 1.0 / 4.0, i.e. no lower bound and a cap of 5 (MiniMax-M1 tunes only the upper end).
-        gmpo: each token's log-ratio range [-low, high], default 0.4 / 0.4 (GMPO §4: ratios within
-        e^-0.4 .. e^0.4). sapo has no clip range and refuses them.
-    loss_agg_mode (grpo, cispo): "token-mean" (every response token of the batch weighs the same;
-        CISPO's own), "seq-mean-token-mean" (GRPO paper: mean over tokens within a sequence, then
-        over sequences), "seq-mean-token-sum-norm" (Dr. GRPO: token sum / loss_agg_norm_constant,
-        then mean over sequences). The other losses aggregate as their papers do (per sequence).
+    name: a registered loss, "gspo" | "gspo_token" | "grpo" | "sapo" | "cispo" | "gmpo" | "luspo", or your own as
+        "package.module:function" / "path/to/file.py:function" (a function made by losses.policy_loss).
+    clip_ratio_low / clip_ratio_high: the clip range, in the loss's own units (a ratio range [1 - low, 1 + high],
+        an importance weight's truncation, a log-ratio range); None picks the loss's default (its paper's).
+        A loss without a clip range (sapo) refuses them.
+    loss_agg_mode (the losses that take it: grpo, cispo): "token-mean" (every response token of the batch weighs
+        the same; CISPO's own), "seq-mean-token-mean" (GRPO paper: mean over tokens within a sequence, then
+        over sequences), "seq-mean-token-sum-norm" (Dr. GRPO: token sum / loss_agg_norm_constant, then mean over
+        sequences). The other losses aggregate as their papers do (per sequence).
     loss_agg_norm_constant: the constant of "seq-mean-token-sum-norm", normally the maximum
         response length; required by that mode and rejected by the others.
     kl_coef: weight of the k3 KL estimator to the reference policy (needs ref_logp).
     dual_clip_c (grpo only): > 1; for A < 0 the objective is bounded below by c * A.
-    log_ratio_bound: |log-ratio| cap before exp (see the module docstring).
+    log_ratio_bound: |log-ratio| cap before exp (see the losses module docstring).
     entropy_coef: weight of the entropy bonus (needs an entropy tensor).
     sapo_tau_pos / sapo_tau_neg (sapo only): temperatures of SAPO's gate for tokens with positive /
-        non-positive advantage (paper defaults 1.0 / 1.05; higher = the gate closes faster as the
+        non-positive advantage (paper values 1.0 / 1.05; higher = the gate closes faster as the
         ratio leaves 1).
     """
 
-    name: str = knob("gspo", resume=Resume.REFUSED, choices=LOSS_NAMES)
+    name: str = knob("gspo", resume=Resume.REFUSED)
     clip_ratio_low: Optional[float] = knob(None, resume=Resume.REFUSED)
     clip_ratio_high: Optional[float] = knob(None, resume=Resume.REFUSED)
     loss_agg_mode: str = knob("token-mean", resume=Resume.REFUSED, choices=LOSS_AGG_MODES)
@@ -130,64 +107,30 @@ class LossConfig:
     dual_clip_c: Optional[float] = knob(None, resume=Resume.REFUSED, gt=1)
     log_ratio_bound: float = knob(20.0, resume=Resume.REFUSED, gt=0)
     entropy_coef: float = knob(0.0, resume=Resume.REFUSED, ge=0)
-    sapo_tau_pos: float = knob(SAPO_TAUS[0], resume=Resume.REFUSED, gt=0)
-    sapo_tau_neg: float = knob(SAPO_TAUS[1], resume=Resume.REFUSED, gt=0)
+    sapo_tau_pos: float = knob(1.0, resume=Resume.REFUSED, gt=0)
+    sapo_tau_neg: float = knob(1.05, resume=Resume.REFUSED, gt=0)
 
     def __post_init__(self) -> None:
         validate(self, "loss")
-        name = self.name
-        if name == "sapo":
-            for key in ("clip_ratio_low", "clip_ratio_high"):
-                check(getattr(self, key) is None,
-                      f"loss.{key}={getattr(self, key)} does not apply to loss.name='sapo': SAPO has no clip range, "
-                      "its soft gate is set by loss.sapo_tau_pos / loss.sapo_tau_neg")
-        else:
-            # the clip range's units depend on the loss (check_loss_range: cispo's and gmpo's are not ratios)
-            if self.clip_ratio_low is not None and name not in ("cispo", "gmpo"):
-                check(finite(self.clip_ratio_low) and 0 < self.clip_ratio_low < 1,
-                      f"loss.clip_ratio_low must be in (0, 1), got {self.clip_ratio_low}")
-            if self.clip_ratio_high is not None:
-                check(finite(self.clip_ratio_high) and self.clip_ratio_high > 0,
-                      f"loss.clip_ratio_high must be a finite number > 0, got {self.clip_ratio_high}")
-            low, high = self.clip_range()
-            check_loss_range(self.name, low, high, self.log_ratio_bound)
-        check(self.name == "sapo" or (self.sapo_tau_pos, self.sapo_tau_neg) == SAPO_TAUS,
-              f"loss.sapo_tau_pos / loss.sapo_tau_neg ({self.sapo_tau_pos} / {self.sapo_tau_neg}) apply to "
-              f"loss.name='sapo' only, got name={self.name!r}")
-        if name not in AGG_MODE_LOSSES:
-            check(self.loss_agg_mode == "token-mean",
-                   f"loss.loss_agg_mode={self.loss_agg_mode!r} applies to loss.name in {list(AGG_MODE_LOSSES)} only; "
-                   f"{self.name} always aggregates as its paper does (leave loss_agg_mode at 'token-mean')")
-        if self.name != "grpo":
-            check(self.dual_clip_c is None,
-                   f"loss.dual_clip_c applies to loss.name='grpo' only, got name={self.name!r}")
-        if self.loss_agg_mode == "seq-mean-token-sum-norm":
-            c = self.loss_agg_norm_constant
-            check(c is not None and finite(c) and c > 0,
-                   "loss.loss_agg_norm_constant must be a number > 0 (the maximum response length) "
-                   f"with loss.loss_agg_mode='seq-mean-token-sum-norm', got {c}")
-        else:
-            check(self.loss_agg_norm_constant is None,
-                   "loss.loss_agg_norm_constant is only used with loss.loss_agg_mode='seq-mean-token-sum-norm', "
-                   f"got loss_agg_mode={self.loss_agg_mode!r}")
+        from megatron_gspo.algorithms.loss_spec import check_loss_config  # the registry: see the docstring
+
+        check_loss_config(self)
 
     def clip_range(self) -> Optional[tuple[float, float]]:
-        """(clip_ratio_low, clip_ratio_high) with None resolved to the loss's default; None for sapo
-        (no clip range)."""
-        if self.name not in DEFAULT_CLIP_RATIOS:
+        """(clip_ratio_low, clip_ratio_high) with None resolved to the loss's default; None for a loss without
+        a clip range (sapo)."""
+        from megatron_gspo.algorithms.loss_spec import config_values, loss_spec
+
+        if loss_spec(self.name).clip is None:
             return None
-        d_low, d_high = DEFAULT_CLIP_RATIOS[self.name]
-        low = d_low if self.clip_ratio_low is None else self.clip_ratio_low
-        high = d_high if self.clip_ratio_high is None else self.clip_ratio_high
-        return low, high
+        values = config_values(self)
+        return values["clip_ratio_low"], values["clip_ratio_high"]
 
     def describe(self) -> str:
-        """The loss's hyperparameters in one phrase, for logs: "clip 0.0003 / 0.0004", "gate tau 1 / 1.05"."""
-        if self.name == "sapo":
-            return f"gate tau {self.sapo_tau_pos:g} / {self.sapo_tau_neg:g}"
-        low, high = self.clip_range()
-        unit = " (log-ratio)" if self.name == "gmpo" else " (weight truncation)" if self.name == "cispo" else ""
-        return f"clip {low:g} / {high:g}{unit}"
+        """The loss's settings in one phrase, for logs: "clip 0.0003 / 0.0004", "gate tau 1 / 1.05"."""
+        from megatron_gspo.algorithms.loss_spec import config_values, loss_spec
+
+        return loss_spec(self.name).describe_values(config_values(self))
 
 
 @dataclass
@@ -224,7 +167,7 @@ class GenerationConfig:
     # The forward of prefill and decode steps: "lean" (megatron_gspo/generation/lean_decoder.py: the model's own
     # modules and weights, a KV cache of roped keys, last-position logits only), "megatron"
     # (GPTModel.forward with megatron's StaticInferenceContext), "auto" (lean where it supports
-    # the model, i.e. one rank of TP/EP/PP, RoPE and the local attention; else megatron). Routing
+    # the model, i.e. any TP/EP/expert-TP on one pipeline stage, RoPE, no FP8; else megatron). Routing
     # replay's recorders (R2/R3) run on either path. "lean" on a layout it cannot run is refused.
     decode_impl: str = knob("auto", resume=Resume.MAY_CHANGE, choices=DECODE_IMPLS)
     # Check which rows finished (a host sync, and under EP / TP a lockstep all-reduce) every this many
@@ -234,7 +177,7 @@ class GenerationConfig:
     # measured decode step times).
     finished_check_interval: int = knob(0, resume=Resume.MAY_CHANGE, ge=0, hint="(0 = auto)")
     # Capture the lean decode step once per batch-size bucket with CUDA graphs and replay it (CUDA,
-    # decode_impl lean or auto on one rank of TP/EP). Off by default: the captured step's agreement with
+    # decode_impl lean or auto where lean runs). Off by default: the captured step's agreement with
     # the eager one is checked by the preflight on each node first (docs/performance.md has the figures).
     cuda_graphs: bool = knob(False, resume=Resume.MAY_CHANGE)
 
@@ -306,6 +249,10 @@ class DataConfig:
         keys are refused by name. Its seed is ``data.seed``.
     task_*: knobs of the built-in tasks; ``task_num_examples`` is the length of one epoch of a task
         (built-in or reasoning-gym).
+    cache_dir: where the reasoning-gym examples made at start-up (the reference answers' check, the
+        held-out set) are kept, one file per task, settings, seed, count and reasoning-gym version, so that
+        a requeued or repeated job reads them back instead of making them again; null:
+        ``<train.output_dir>/data_cache``.
     """
 
     source: str = knob("builtin:arithmetic", resume=Resume.REFUSED)
@@ -325,6 +272,7 @@ class DataConfig:
     task_sort_max_len: int = knob(5, resume=Resume.REFUSED)
     task_sort_max_value: int = knob(9, resume=Resume.REFUSED)
     task_kwargs: dict = knob(default_factory=dict, resume=Resume.REFUSED)
+    cache_dir: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
 
     def __post_init__(self) -> None:
         validate(self, "data")
@@ -363,9 +311,19 @@ class TokenizerConfig:
 class RewardConfig:
     """``reward:`` section of a job.
 
-    name: a registered reward or ``module.path:function``.
-    kwargs: passed to that function on every call.
-    format_weight: when > 0, adds ``format_weight * format(...)`` (with ``format_kwargs``) to it.
+    name: a registered reward (exact_match, digit_match, math, reasoning_gym, format) or your own as
+        ``package.module:function`` / ``path/to/file.py:function`` (a function or a class: see
+        megatron_gspo/data/rewards/registry.py).
+    kwargs: the reward's settings, checked by key at start-up against what it declares (a typo or a value
+        out of bounds is refused naming the key): math takes ``timeout_s`` (CPU seconds per side of a
+        check, default 10) and ``wall_timeout_s`` (default 600); exact_match, digit_match and
+        reasoning_gym take ``stop`` (extra stop strings).
+    format_weight: when > 0, adds ``format_weight * format(...)`` (with ``format_kwargs``: ``require``,
+        ``stop``) to it.
+    num_workers: processes that score in parallel (verl's ``reward.num_workers``): a per-sample plug-in or
+        reasoning_gym runs in that many worker processes when > 1, math checks in that many math-verify
+        processes; exact_match, digit_match and format (microseconds a row) always score in the trainer's
+        process. The rewards are the same, in row order, whatever the number; each rank has its own.
     overlong_buffer_len: DAPO's soft overlong punishment (arXiv 2503.14476 eq. 13) over the last
         ``overlong_buffer_len`` tokens before ``generation.max_new_tokens``: a response of |y| tokens
         gets ``overlong_penalty_factor * min(0, (max_new_tokens - overlong_buffer_len - |y|) /
@@ -382,6 +340,7 @@ class RewardConfig:
     kwargs: dict = knob(default_factory=dict, resume=Resume.REFUSED)
     format_weight: float = knob(0.0, resume=Resume.REFUSED, ge=0)
     format_kwargs: dict = knob(default_factory=dict, resume=Resume.REFUSED)
+    num_workers: int = knob(1, resume=Resume.MAY_CHANGE, ge=1, hint="(1 = one row at a time)")
     overlong_buffer_len: int = knob(0, resume=Resume.REFUSED, ge=0, hint="(0 = off)")
     overlong_penalty_factor: float = knob(1.0, resume=Resume.REFUSED, ge=0)
     max_unreadable_reference_frac: float = knob(0.05, resume=Resume.REFUSED, ge=0, le=1)
@@ -476,7 +435,8 @@ class CheckpointConfig:
     # accepts although it changes the training trajectory (e.g. [optimizer.lr]). A resume compares
     # the job with the checkpoint's config (checkpoint/config_change.py): keys that only steer
     # logging, saving, evaluation, the layout or speed may change and are logged; any other change
-    # is refused by name unless listed here.
+    # is refused by name unless listed here. checkpoint.load (initial weights) compares the model keys
+    # its weights are bound to (vocabulary, positions, rotary base, ...) the same way.
     allow_config_change: list[str] = knob(default_factory=list, resume=Resume.MAY_CHANGE)
 
     def __post_init__(self) -> None:
@@ -519,11 +479,16 @@ class EvalConfig:
 
     # Evaluate every this many RL steps and after the last one (0 = never).
     interval: int = knob(0, resume=Resume.MAY_CHANGE, ge=0)
-    # Held-out prompts: a .jsonl / .parquet file (read with data.prompt_key / data.answer_key), or
-    # null for a split of data.source: a built-in task's examples just past its training epoch
-    # (indices data.task_num_examples, ...), a file's last eval.num_prompts records (which training
-    # then never sees).
+    # Held-out prompts: a .jsonl / .parquet file (read with data.prompt_key / data.answer_key), a
+    # builtin:<task> / reasoning_gym:<task> (data.source's own task: its examples past the training epoch;
+    # another task: its first ones), or null for a split of data.source: a task's examples just past its
+    # training epoch (indices data.task_num_examples, ...), a file's last eval.num_prompts records (which
+    # training then never sees). Those that are training prompts too are counted at start-up, and said.
     source: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
+    # The settings of a reasoning_gym:<task> eval.source (that task's reasoning-gym config fields), its
+    # own, not data.task_kwargs; null: data.task_kwargs when eval.source is data.source's task, else the
+    # task's defaults.
+    task_kwargs: Optional[dict] = knob(None, resume=Resume.MAY_CHANGE)
     # Held-out prompts per evaluation (the first ones of the source).
     num_prompts: int = knob(64, resume=Resume.MAY_CHANGE, ge=1)
     # Samples per prompt for pass@k (n of the unbiased estimator, >= eval.k; 0 = greedy only).
@@ -546,3 +511,6 @@ class EvalConfig:
               f"{MIN_SAMPLING_TEMPERATURE:g} (e.g. 1.0), or eval.num_samples=0 for greedy accuracy only")
         check(self.source is None or self.source != "",
               f"eval.source must be a file path, a builtin:<task> or null, got {self.source!r}")
+        check(self.task_kwargs is None or (self.source or "").startswith("reasoning_gym:"),
+              f"eval.task_kwargs={self.task_kwargs!r} configures a reasoning_gym:<task> eval.source, but eval.source="
+              f"{self.source!r}")

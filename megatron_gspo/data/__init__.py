@@ -1,5 +1,5 @@
 """Prompts in, rewards out: prompt datasets and the resumable sampler (prompts), tokenizers, built-in and
-reasoning-gym tasks, the reward registry, the math reward's math-verify child process.
+reasoning-gym tasks, the rewards (the rewards package: registry, batch scoring, one module per reward).
 
 The names below are re-exported from their modules on first use (``from megatron_gspo.data import
 Prompt``), so importing one submodule does not import the rest of the package.

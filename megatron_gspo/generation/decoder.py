@@ -7,15 +7,16 @@ everything else (sampling, stop tokens, lockstep, which rows finished). Two back
 ``LeanBackend``      megatron_gspo/generation/lean_decoder.py's ``LeanDecoder``: the model's own modules and weights
                      (local spec or Transformer Engine spec, read as they are; no TE kernel runs),
                      a KV cache of roped keys, device-side MoE dispatch, a graph-ready decode step
-                     (optionally captured with CUDA graphs: ``generation.cuda_graphs``); one rank of
-                     model parallelism (TP = EP = PP = 1).
+                     (optionally captured with CUDA graphs: ``generation.cuda_graphs``); over TP, EP
+                     and expert-TP shards with its own collectives, on one pipeline stage.
 ``MegatronBackend``  ``GPTModel.forward`` with megatron's ``StaticInferenceContext`` (any layout: TP
                      gathers the last position's logits, the allgather / alltoall dispatchers run
                      the MoE layers over TP x EP), with per-row RoPE angles and an explicit padding
                      mask for left-padded (ragged) prompts.
 
 ``make_backend`` picks one from ``generation.decode_impl`` ("lean" refuses what it cannot run, by
-name; "auto" falls back to megatron's path; "megatron" always takes it).
+name; "auto" takes lean wherever it runs and falls back to megatron's path elsewhere: FP8, PP, a
+token dispatcher or expert module it does not know; "megatron" always takes it).
 
 The interface (shapes: B rows of the cache, P prompt-block columns, V the padded vocabulary):
 
@@ -60,7 +61,7 @@ class DecodeBackend:
 
 
 class LeanBackend(DecodeBackend):
-    """A decode.LeanDecoder (kept across generations by generation.Generator) behind the interface, for
+    """A lean_decoder.LeanDecoder (kept across generations by generation.Generator) behind the interface, for
     one generation: ``context()`` readies it (``LeanDecoder.begin``: KV cache, left padding, weights) and
     releases it (``end``)."""
 
@@ -97,7 +98,7 @@ def _device_moes(m) -> list:
 
 
 class MegatronBackend(DecodeBackend):
-    """GPTModel.forward with megatron's StaticInferenceContext (see generation.py's module doc)."""
+    """GPTModel.forward with megatron's StaticInferenceContext (see generator.py's module doc)."""
 
     def __init__(self, m, batch: int, slots: int, positions: torch.Tensor, key_pad: torch.Tensor, ragged: bool) -> None:
         from megatron.core.inference.contexts import StaticInferenceContext

@@ -7,9 +7,10 @@ floating-point noise of a KV-cache forward versus a full forward (tested below 1
 The loop and its forward back-ends
     ``generate`` is the sampling loop: prefill, then per step record the sampled tokens, check the
     finished rows every few tokens, feed the rows still generating. The model forwards sit behind
-    one interface (decode_backends.py): the lean decoder (decode.py: the model's own modules, a KV
-    cache of roped keys, device-side MoE dispatch, a graph-ready step that ``generation.cuda_graphs``
-    captures with CUDA graphs) where it supports the layout, else megatron's own path below.
+    one interface (decoder.py): the lean decoder (lean_decoder.py: the model's own modules and
+    sharded weights, a KV cache of roped keys, device-side MoE dispatch, a graph-ready step that
+    ``generation.cuda_graphs`` captures with CUDA graphs) where it supports the layout (TP, EP,
+    expert-TP; one pipeline stage), else megatron's own path below.
 
 KV cache (megatron's path)
     megatron-core's own ``StaticInferenceContext`` is passed as ``inference_context=`` to
@@ -57,8 +58,8 @@ Sampling log-probs
     logits): the policy's own log-prob of the chosen token; a temperature of 0 has no density.
 
 Tensor parallelism
-    megatron's inference path all-gathers the vocab-sharded logits of the *last position only*
-    ([b, V], small; GPTModel asserts ``runtime_gather_output`` under an inference context), so
+    Both back-ends all-gather the vocab-sharded logits of the *last position only* ([b, V], small;
+    megatron's GPTModel asserts ``runtime_gather_output`` under an inference context), so
     every TP rank samples from the full distribution with the same counter-based noise (a function
     of the seed, the row key, the position and the token id: see sampling.py, so the draw does not
     depend on the rank or on the other rows either); the sampled tokens and log-probs are then
@@ -67,15 +68,20 @@ Tensor parallelism
     (one token) cannot be split along the sequence, so for the duration of the call the
     non-MoE modules run without sequence parallelism (the MoE layers keep their TP x EP token
     all-gather / reduce-scatter, which is correct for a full sequence per rank, as in megatron's
-    own static engine) and every attribute is restored afterwards.
+    own static engine) and every attribute is restored afterwards. The lean decoder never splits
+    the sequence: it runs its own collectives on full-sequence activations.
 
 Expert parallelism / lockstep
-    With the allgather dispatcher each MoE forward is a collective over TP x EP ranks that needs
-    the same [b, s] on every rank. Under EP>1 the batch size and prompt block are all-reduced
-    (MAX) over the world first, short batches get dummy rows (never returned), and at every check of
-    the finished rows a "rows still generating" count is all-reduced, so a rank whose rows all
-    finished keeps stepping (feeding pad tokens) until every rank is done. Without EP the count is
-    all-reduced over the TP group only (on one rank there is no collective at all).
+    Each MoE forward is a collective over the expert-TP x EP ranks (megatron's dispatchers and the
+    lean decoder's all-gather dispatch alike) that needs the same [b, s] on every rank, and under
+    EP or expert-TP those ranks are data-parallel ranks with their own prompts. The ranks connected
+    through these groups and the TP groups form the *lockstep group* (groups.lockstep_group: the
+    expert group, the TP group, or the world for layouts whose sizes do not nest). Over it the batch
+    size and prompt block are all-reduced (MAX) first, short batches get dummy rows (never returned),
+    and at every check of the finished rows a "rows still generating" count is all-reduced, so a rank
+    whose rows all finished keeps stepping (feeding pad tokens) until the group's last row ends, and
+    the group's ranks compact their batches to the same size. Another lockstep group (a second EP
+    group) is not waited for. On one rank there is no collective at all.
 
 Cost
     Runs under ``torch.no_grad`` (not ``inference_mode``: megatron's global memory buffers created
@@ -128,12 +134,12 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
 from megatron_gspo.runtime import comm
 from megatron_gspo.model import fp8_alignment
 from megatron_gspo.config import GenerationConfig
 from megatron_gspo.generation.decoder import make_backend
+from megatron_gspo.generation.groups import DecodeGroups, lockstep_group
 from megatron_gspo.generation.sampling import counter_uniform, sample_tokens
 
 OnForward = Callable[[int, str, Optional[torch.Tensor]], None]
@@ -264,13 +270,11 @@ class _Lockstep:
     def __init__(self, state) -> None:
         self.tp_group = state.tp_group if state is not None and state.tp > 1 else None
         self.tp_src = comm.first_rank(self.tp_group)
-        # The allgather MoE dispatcher is a collective over TP x EP ranks, which under EP are
-        # different DP ranks with different prompts: keep the whole world in lockstep then.
-        ep = state.ep if state is not None else 1
-        if ep > 1:
-            self.sync_group, self.sync = dist.group.WORLD, True
-        else:
-            self.sync_group, self.sync = self.tp_group, self.tp_group is not None
+        # The MoE layers' collectives run over the expert-TP x EP ranks, which under EP / expert-TP are
+        # different DP ranks with different prompts: the ranks connected through them and the TP groups
+        # step together (groups.lockstep_group: the expert group, the TP group, or the world)
+        self.sync_group = lockstep_group(state)
+        self.sync = self.sync_group is not None
 
     def all_reduce_max(self, t: torch.Tensor, what: str) -> torch.Tensor:
         return comm.all_reduce(t, "max", self.sync_group, what=what) if self.sync else t
@@ -303,13 +307,13 @@ class Generator:
     """Generation on one model, call after call: a rollout source, an evaluator and an asynchronous
     rollout rank each keep one for the job (``generate()`` alone builds a throwaway one).
 
-    The lean decoder (decode.LeanDecoder: its RoPE table, its MoE wrappers, its buffers) is built at the
+    The lean decoder (lean_decoder.LeanDecoder: its RoPE table, its MoE wrappers, its buffers) is built at the
     first call and kept. With ``generation.cuda_graphs`` its KV cache and its captured decode steps are
     kept too (a graph reads the buffers it was captured on), so the steps are captured once per job;
     a call that needs more rows or KV slots than the decoder holds grows it once (logged: the steps are
     captured again). Without graphs the KV cache is allocated per call, sized to it, and freed after
     (training reuses that memory). The weights are read where they are at each call (an optimizer step
-    updates them in place; decode.LeanDecoder.begin). megatron's path (``MegatronBackend``) keeps
+    updates them in place; lean_decoder.LeanDecoder.begin). megatron's path (``MegatronBackend``) keeps
     nothing: its context is built per call.
 
     model / vocab_size / state: as ``generate``'s. rows / slots: the most rows and KV slots (prompt
@@ -342,7 +346,7 @@ class Generator:
                 batch, slots = max(batch, self.rows), max(slots, self.slots)
             self._dec = None  # a graph-mode decoder's buffers go before the next one's are allocated
             self._dec = LeanDecoder(unwrap(self.model), batch, slots, slots, graphs=graphs,
-                                    graph_factory=self.graph_factory)
+                                    graph_factory=self.graph_factory, groups=DecodeGroups.of(self.state))
             self._dec_graphs = graphs
         return self._dec
 

@@ -58,8 +58,22 @@ Both specs, one computation
     log-probs are recomputed by a training forward anyway (config.old_logprob_source), and FP8 is
     not decoded here (it keeps megatron's path, where TE runs the FP8 GEMMs the policy trains with).
 
-It covers the layouts generation uses on one rank of model parallelism: TP = PP = CP = EP = 1,
-RoPE, no MLA / gated attention, no sequence parallelism, RMSNorm.
+Sharded weights: TP, EP, expert-TP
+    Under tensor parallelism each rank holds its attention heads' QKV and output-projection shards
+    (KV cache: its query groups only), a vocabulary shard of the embedding and of the output layer;
+    the step runs megatron's collectives of a row-parallel layer without sequence parallelism (the
+    attention output's all-reduce over the TP group, then the bias), the vocab-parallel embedding's
+    all-reduce, and all-gathers the last position's vocab-parallel logits so that every TP rank
+    samples from the full distribution (generation.generator broadcasts the draw). The MoE layers
+    dispatch over megatron's expert-TP x EP group with its all-gather dispatcher (``DeviceMoE``:
+    the group's tokens and routes all-gathered, each rank's experts and expert-TP shards on their
+    pairs in a capacity-padded buffer that never drops a token, a reduce-scatter back). Every
+    collective goes through runtime/comm.py, on fixed shapes, with no host synchronisation, so the
+    step stays graph-capturable; every rank of the lockstep group (generation.groups) runs it with
+    the same batch size. Sequence parallelism is simply not used: a decode step has one token.
+
+It covers the layouts generation uses on one pipeline stage: PP = CP = 1, any TP / EP / expert-TP,
+RoPE, no MLA / gated attention, RMSNorm.
 Anything else is refused by ``lean_decode_unsupported`` with the reason, and ``generate`` keeps
 megatron's path (``generation.decode_impl=auto``) or raises (``decode_impl=lean``).
 """
@@ -74,7 +88,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from megatron_gspo.config.rules import lean_decode_limit
+from megatron_gspo.config.rules import LEAN_MOE_GATHER_TOKENS, lean_decode_limit
+from megatron_gspo.generation.groups import DecodeGroups
+from megatron_gspo.runtime import comm
 
 log = logging.getLogger("megatron_gspo")
 
@@ -304,7 +320,7 @@ def _grouped_mm_ok(w1: list[torch.Tensor], w2: list[torch.Tensor]) -> bool:
 
 
 class DeviceMoE:
-    """megatron's MoE layer forward on one rank (TP = EP = 1) without host synchronisation.
+    """megatron's MoE layer forward without host synchronisation, on one rank or over the expert group.
 
     megatron's dispatchers find each expert's tokens with ``masked_select`` and move the per-expert
     token counts to the host (the grouped GEMM's splits). Here the same permutation (expert-major,
@@ -314,18 +330,45 @@ class DeviceMoE:
     (megatron's expert activation: experts.expert_activation), and the un-permutation is megatron's
     scatter-add: outputs equal the megatron layer's (bitwise on the CPU, tests/test_decode.py).
 
+    Over an expert group (``group``: megatron's expert-TP x EP group, ``pg.tp_ep``; its ranks hold
+    different rows under EP / expert-TP) the dispatch is megatron's all-gather dispatcher, which its
+    inference engine uses for CUDA-graphed decode too: every rank all-gathers the group's tokens with
+    their top-k expert ids and probabilities (one [t, H] and one [t, 2k] all-gather, every rank
+    contributing the same t tokens: the generation's lockstep), runs its local experts (its
+    expert-TP shard of each) on the (token, expert) pairs that are theirs, and a reduce-scatter sums
+    the partial outputs (other experts, other expert-TP shards) back to the rank that owns each token,
+    in the routing probabilities' dtype as megatron's dispatcher does. Routing runs on the rank that
+    holds the token, with the router's full (replicated) weight: the routing map is the single-rank
+    one, global expert ids.
+
+    Capacity. The number of pairs a rank gets differs from step to step, so a graph-ready step pads
+    its pair buffer to a capacity that can never overflow: ``T x min(k, E_local)`` rows for the T
+    gathered tokens (a token picks k distinct experts, at most ``E_local`` of them on this rank; the
+    capacity megatron's inference uses for CUDA graphs, ``num_experts / topk`` as capacity factor,
+    is the per-expert form of the same rule: every token could go to one expert). No token is ever
+    dropped, so results are the single-rank decoder's; the padding rows (past the grouped GEMM's last
+    offset, never computed there) are added into a discarded row. ``static=False`` (the prefill,
+    never captured: its T is rows x prompt block, where the capacity would be k x the work) sizes the
+    buffer to the exact count instead, read on the host: one sync per MoE layer of the prefill.
+    One dispatch gathers at most ``config.rules.LEAN_MOE_GATHER_TOKENS`` tokens: a longer input (a
+    prefill of rows x prompt tokens) goes through in chunks, the same on every rank of the group,
+    which bounds the gathered activations, the pairs and the fp32 partial outputs of a dispatch.
+
     The experts are the local spec's BatchedSequentialMLP or Transformer Engine's TEGroupedMLP (its
     ``weight0..N`` read in place; its TE kernels never run). Where ``torch._grouped_mm`` cannot take
     the weights (CUDA fp32, older torch), TE's experts run as a loop of GEMMs over counts read on the
     host: ``sync_free`` is then False (eager steps only; no CUDA graph)."""
 
-    def __init__(self, mlp) -> None:
+    def __init__(self, mlp, group=None) -> None:
         reason = device_moe_unsupported(mlp)
         if reason is not None:
             raise ValueError(f"DeviceMoE: {reason}")
         self.mlp = mlp
         self.topk = mlp.config.moe_router_topk
         self.num_experts = mlp.config.num_moe_experts
+        self.group = group if group is not None and comm.world_size(group) > 1 else None
+        self.num_local = getattr(mlp, "num_local_experts", self.num_experts)
+        self.first_local = mlp.local_expert_indices[0] if self.group is not None else 0
         self.bind()
 
     def bind(self) -> None:
@@ -343,13 +386,20 @@ class DeviceMoE:
             if s1 is not None and s2 is not None and r1 == r2:
                 self.stacks, self.reversed = (s1, s2), r1
 
-    def __call__(self, h: torch.Tensor, hooks: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [s, b, H] -> (output [s, b, H], routing map [s*b, E] bool). ``hooks=False`` calls the
-        router's forward directly (forward hooks are Python: they cannot run in a replayed graph)."""
-        from megatron_gspo.model.experts import expert_activation, grouped_linear
-
+    def __call__(self, h: torch.Tensor, hooks: bool = True, static: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [s, b, H] -> (output [s, b, H], routing map [s*b, E] bool of this rank's tokens). ``hooks=False``
+        calls the router's forward directly (forward hooks are Python: they cannot run in a replayed
+        graph); ``static``: the capacity-padded pair buffer over an expert group (class doc)."""
         mlp = self.mlp
         probs, routing_map = mlp.router(h) if hooks else mlp.router.forward(h)
+        if self.group is not None:
+            # the dispatch in chunks of LEAN_MOE_GATHER_TOKENS gathered tokens (the prefill's rows x prompt
+            # tokens; a decode step is one chunk): the same chunks on every rank, whose t is the group's
+            x = h.reshape(-1, h.shape[-1])
+            step = max(1, LEAN_MOE_GATHER_TOKENS // comm.world_size(self.group))
+            outs = [self._over_group(x[i:i + step], probs[i:i + step], routing_map[i:i + step], static)
+                    for i in range(0, x.shape[0], step)]
+            return (outs[0] if len(outs) == 1 else torch.cat(outs)).view(h.shape), routing_map
         # experts in the order of their weights in memory (reversed: DDP's buffer order)
         rmap, probs = (routing_map.flip(1), probs.flip(1)) if self.reversed else (routing_map, probs)
         x = h.reshape(-1, h.shape[-1])  # [t, H], the dispatcher's token order (sequence-major)
@@ -361,29 +411,75 @@ class DeviceMoE:
         tok = sel % t
         permuted_probs = probs.t().reshape(-1).index_select(0, sel)
         counts = rmap.sum(dim=0)
-        xp = x.index_select(0, tok)
-        config = mlp.experts.config
+        y = self._experts(x.index_select(0, tok), permuted_probs, counts)
+        # megatron's unpermute (no probs: they were applied in the experts)
+        out = torch.zeros((t, y.shape[-1]), dtype=y.dtype, device=y.device)
+        _scatter_rows(out, tok, y)
+        return out.to(y.dtype).view(h.shape), routing_map
+
+    def _experts(self, xp: torch.Tensor, permuted_probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The local experts on their permuted tokens xp [N, H] (expert-major; ``counts`` [E_local] per
+        expert, rows past their sum are padding) -> [N, H]."""
+        from megatron_gspo.model.experts import expert_activation, grouped_linear
+
+        config = self.mlp.experts.config
         if config.moe_apply_probs_on_input:
-            xp = (permuted_probs.unsqueeze(-1) * xp).to(x.dtype)
+            xp = (permuted_probs.unsqueeze(-1) * xp).to(xp.dtype)
             permuted_probs = torch.ones_like(permuted_probs)
         if self.sync_free:
             offs = counts.cumsum(0).to(torch.int32)  # grouped GEMM offsets, on the device
             w1, w2 = ([s] for s in self.stacks) if self.stacks is not None else (self.w1, self.w2)
             y = _grouped(xp, w1, offs)
             y = expert_activation(config, y, permuted_probs)
-            y = _grouped(y, w2, offs)
+            return _grouped(y, w2, offs)
+        n = counts.tolist()  # the one host sync of this path
+        y = grouped_linear(xp, self.w1, n, "loop")
+        y = expert_activation(config, y, permuted_probs)
+        return grouped_linear(y, self.w2, n, "loop")
+
+    def _over_group(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                    static: bool) -> torch.Tensor:
+        """The all-gather dispatch over the expert group (class doc): this rank's tokens x [t, H] (probs,
+        routing map [t, E]) -> their outputs [t, H], summed over every expert of the group."""
+        from megatron_gspo.routing.metrics import routing_map_to_indices
+
+        k, n_local = self.topk, self.num_local
+        ids = routing_map_to_indices(routing_map, k)  # [t, k] global expert ids (no token dropping: all >= 0)
+        wide = torch.promote_types(probs.dtype, torch.float32)  # holds the ids exactly and the probs losslessly
+        routes = torch.cat([ids.to(wide), probs.gather(1, ids).to(wide)], dim=1)
+        xg = comm.all_gather_into(x, self.group, what="lean decode: the expert group's tokens")  # [T, H]
+        routes = comm.all_gather_into(routes, self.group, what="lean decode: the expert group's routes")
+        T = xg.shape[0]
+        local = routes[:, :k].long() - self.first_local  # [T, k]
+        mine = (local >= 0) & (local < n_local)
+        if self.reversed:  # the weights in DDP's buffer order: expert n_local - 1 first
+            local = n_local - 1 - local
+        key = torch.where(mine, local, n_local).reshape(-1)  # [T*k], n_local: another rank's expert
+        counts = torch.zeros(n_local + 1, dtype=torch.long, device=x.device)
+        counts = counts.scatter_add_(0, key, torch.ones_like(key))[:n_local]
+        # megatron's permute order (expert-major, tokens in order): a stable sort of the token-major pairs
+        order = torch.argsort(key, stable=True)
+        if static and self.sync_free:
+            sel = order[: T * min(k, n_local)]  # the capacity: every gathered token could be this rank's
         else:
-            n = counts.tolist()  # the one host sync of this path
-            y = grouped_linear(xp, self.w1, n, "loop")
-            y = expert_activation(config, y, permuted_probs)
-            y = grouped_linear(y, self.w2, n, "loop")
-        # megatron's unpermute (no probs: they were applied in the experts)
-        out = torch.zeros((t, y.shape[-1]), dtype=y.dtype, device=y.device)
-        if torch.are_deterministic_algorithms_enabled():
-            out.index_add_(0, tok, y)
-        else:
-            out.scatter_add_(0, tok.unsqueeze(1).expand(-1, y.shape[-1]), y)
-        return out.to(y.dtype).view(h.shape), routing_map
+            sel = order[: int(counts.sum())]  # exact: one host sync (the prefill, or the loop of GEMMs)
+        src = sel // k  # the gathered token of each pair
+        permuted_probs = routes[:, k:].to(probs.dtype).reshape(-1).index_select(0, sel)
+        y = self._experts(xg.index_select(0, src), permuted_probs, counts)
+        out = torch.zeros((T + 1, y.shape[-1]), dtype=y.dtype, device=y.device)
+        _scatter_rows(out, torch.where(key.index_select(0, sel) < n_local, src, T), y)  # padding -> row T
+        # megatron's combine: a reduce-scatter in the probabilities' dtype, back to the activations'
+        out = comm.reduce_scatter(out[:T].to(probs.dtype), self.group, what="lean decode: expert outputs")
+        return out.to(y.dtype)
+
+
+def _scatter_rows(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> None:
+    """out[rows[i]] += y[i] (megatron's unpermute: index_add_ under deterministic algorithms, whose
+    scatter_add_ is not deterministic on CUDA)."""
+    if torch.are_deterministic_algorithms_enabled():
+        out.index_add_(0, rows, y)
+    else:
+        out.scatter_add_(0, rows.unsqueeze(1).expand(-1, y.shape[-1]), y)
 
 
 def _grouped(x: torch.Tensor, weights: list[torch.Tensor], offs: torch.Tensor) -> torch.Tensor:
@@ -424,17 +520,24 @@ class LeanDecoder:
         record_routes: write every forward's top-k expert ids (``last_routes``).
         graph_factory: the capture mechanism (default ``torch.cuda.CUDAGraph``; tests pass a CPU
             stand-in with the same capture / replay contract).
+        groups: the process groups of a model sharded over TP / EP / expert-TP (``DecodeGroups.of(state)``;
+            None: one rank). Every rank of ``groups.lockstep`` must run the same steps with the same
+            batch size (generation's lockstep).
     """
 
     def __init__(self, m, batch: int, max_slots: int, max_position: int, *, static: bool = False,
                  graphs: bool = False, record_routes: bool = False,
-                 graph_factory: Optional[Callable[[], object]] = None) -> None:
+                 graph_factory: Optional[Callable[[], object]] = None,
+                 groups: Optional[DecodeGroups] = None) -> None:
         reason = lean_decode_unsupported(m)
         if reason is not None:
             raise ValueError(f"generation.decode_impl=lean does not support {reason}")
         self.m = m
         cfg = m.config
         self.cfg = cfg
+        self.groups = groups or DecodeGroups()
+        self.groups.check(cfg)
+        self.tp_group = self.groups.tp
         self.layers = list(m.decoder.layers)
         att = self.layers[0].self_attention
         self.hn = att.hidden_size_per_attention_head
@@ -451,7 +554,8 @@ class LeanDecoder:
         self._allocate(batch, max_slots, max_position)
         self.moe = []
         for layer in self.layers:
-            self.moe.append(DeviceMoE(layer.mlp) if device_moe_unsupported(layer.mlp) is None else None)
+            ok = device_moe_unsupported(layer.mlp) is None
+            self.moe.append(DeviceMoE(layer.mlp, self.groups.expert) if ok else None)
         # each layer's norms as functions (local modules called; TE's computed here, see norm_op)
         self.norms = []
         for layer in self.layers:
@@ -539,7 +643,13 @@ class LeanDecoder:
             if d is not None:
                 d.bind()
         weights = self._weight_addresses()
-        if weights != self._weights:
+        moved = weights != self._weights
+        if self.graphs and self.groups.lockstep is not None:
+            # the lockstep group captures again on every rank or on none: a capture runs the step's
+            # collectives (warm-up, then the replay), which the group's other ranks must match
+            moved = comm.any_rank(moved, self.device, self.groups.lockstep,
+                                  what="lean decode: capture the decode step again")
+        if moved:
             if self._graphs:
                 log.info("generation: the model's weights moved in memory since the lean decoder's CUDA graphs "
                          "were captured; capturing them again")
@@ -581,14 +691,14 @@ class LeanDecoder:
         scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(self.scale).add_(bias)  # [b, ng, np/ng, L]
         return torch.matmul(scores.softmax(dim=-1), v).reshape(b, self.np, 1, hn)
 
-    def _mlp(self, i: int, layer, x: torch.Tensor, routes_out: Optional[torch.Tensor]) -> torch.Tensor:
+    def _mlp(self, i: int, layer, x: torch.Tensor, routes_out: Optional[torch.Tensor], prefill: bool) -> torch.Tensor:
         """The layer's MLP on x [s, b, h]; its top-k expert ids [b, s, k] go to ``routes_out`` (a
         buffer view, decode) or the prefill list (``routes_out`` None) when routes are recorded."""
         pre_mlp = self.norms[i][3]
         h = x if pre_mlp is None else pre_mlp(x)
         moe = self.moe[i]
         if moe is not None:
-            out, rmap = moe(h, hooks=not self._capturing)
+            out, rmap = moe(h, hooks=not self._capturing, static=not prefill)
             bias = None
         else:
             out, bias = layer.mlp(h)
@@ -609,8 +719,10 @@ class LeanDecoder:
 
     def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor,
                 write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None], kv_len: int,
-                routes: Optional[torch.Tensor]) -> torch.Tensor:
-        """The decoder layers on x [s, b, h]; ``write(cache, i, t)`` stores this forward's keys/values."""
+                routes: Optional[torch.Tensor], prefill: bool = False) -> torch.Tensor:
+        """The decoder layers on x [s, b, h]; ``write(cache, i, t)`` stores this forward's keys/values.
+        Under TP the attention heads are this rank's and its output projection's partial sums are
+        all-reduced (megatron's row-parallel linear without sequence parallelism), the bias after."""
         s, b = x.shape[0], x.shape[1]
         hn, np_, ng = self.hn, self.np, self.ng
         for i, layer in enumerate(self.layers):
@@ -631,9 +743,11 @@ class LeanDecoder:
             ctx = self._attend(self._rope(q, cos, sin), self.k[i][:b, :, :kv_len], self.v[i][:b, :, :kv_len], bias)
             ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
             out = F.linear(ctx, att.linear_proj.weight)
+            if self.tp_group is not None:
+                out = comm.all_reduce(out, "sum", self.tp_group, what="lean decode: attention output projection")
             if _bias(att.linear_proj) is not None:
                 out = out + _bias(att.linear_proj)
-            x = self._mlp(i, layer, x + out, None if routes is None else routes[i])
+            x = self._mlp(i, layer, x + out, None if routes is None else routes[i], prefill)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -642,7 +756,27 @@ class LeanDecoder:
         if self.final_norm is not None:
             last = self.final_norm(last)
         weight = m.shared_embedding_or_output_weight() if self.shared else m.output_layer.weight
-        return F.linear(last, weight)
+        logits = F.linear(last, weight)  # [b, V / TP]: this rank's vocabulary shard
+        if self.tp_group is None:
+            return logits
+        # megatron's inference gathers the vocab-parallel logits of the last position: every TP rank
+        # samples from the full distribution (generation.sampling: the same draw on every rank)
+        parts = comm.all_gather_into(logits, self.tp_group, what="lean decode: vocab-parallel logits")
+        b, v = logits.shape
+        return parts.view(-1, b, v).permute(1, 0, 2).reshape(b, -1)
+
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens, positions [b, s] -> [s, b, h]: the model's embedding module on one rank; under TP its
+        vocab-parallel lookup here (megatron's VocabParallelEmbedding: this rank's vocabulary rows,
+        zeros elsewhere, all-reduced; no sequence-parallel scatter: decoding does not split the sequence)."""
+        if self.tp_group is None:
+            return self.m.embedding(input_ids=tokens, position_ids=positions)
+        emb = self.m.embedding.word_embeddings
+        outside = (tokens < emb.vocab_start_index) | (tokens >= emb.vocab_end_index)
+        x = F.embedding((tokens - emb.vocab_start_index).masked_fill(outside, 0), emb.weight)
+        x = comm.all_reduce(x.masked_fill_(outside[..., None], 0), "sum", self.tp_group,
+                            what="lean decode: vocab-parallel embedding")
+        return x.transpose(0, 1).contiguous()
 
     def _bias(self, masked: torch.Tensor, dtype) -> torch.Tensor:
         bias = torch.zeros(masked.shape, dtype=dtype, device=masked.device)
@@ -656,10 +790,10 @@ class LeanDecoder:
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         """Slots 0 .. s-1 of every row: tokens, positions [b, s]; masked [b, 1, s, s] (True = not
         attended). Returns [b, V] logits (padded vocabulary) of the last position."""
-        m, b, s = self.m, tokens.shape[0], tokens.shape[1]
+        b, s = tokens.shape[0], tokens.shape[1]
         # [s, b, h]: megatron's layout, so the MoE layers see tokens in the order the megatron path
         # gives them (routing statistics and any recorder agree)
-        x = m.embedding(input_ids=tokens, position_ids=positions)
+        x = self._embed(tokens, positions)
         cos = self.cos[positions][:, None]  # [b, 1, s, rot]
         sin = self.sin[positions][:, None]
         self._prefill_routes = []
@@ -667,7 +801,7 @@ class LeanDecoder:
         def write(cache, t):
             cache[:b, :, :s] = t
 
-        x = self._layers(x, cos, sin, self._bias(masked, x.dtype), write, s, None)
+        x = self._layers(x, cos, sin, self._bias(masked, x.dtype), write, s, None, prefill=True)
         return self._logits(x)
 
     def _decode_step(self, n: int, kv_len: int) -> torch.Tensor:
@@ -675,7 +809,7 @@ class LeanDecoder:
         the graph-ready step. Returns [n, V] logits."""
         tok, lp, cur = self.tok_in[:n], self.left_pad[:n], self.cur
         pos = (cur - lp).clamp(min=0)  # [n] true position of the slot written
-        x = self.m.embedding(input_ids=tok[:, None], position_ids=pos[:, None])  # [1, n, h]
+        x = self._embed(tok[:, None], pos[:, None])  # [1, n, h]
         cos = self.cos[pos][:, None, None]  # [n, 1, 1, rot]
         sin = self.sin[pos][:, None, None]
         slots = self.slot_ids[:kv_len]
@@ -735,7 +869,7 @@ class LeanDecoder:
 
     def torch_routers(self) -> contextlib.AbstractContextManager:
         """The context of this decoder's forwards: the routers' gating GEMM in torch, not TE's
-        (torch_router_gating; generate() enters it through decode_backends.LeanBackend.context)."""
+        (torch_router_gating; generate() enters it through decoder.LeanBackend.context)."""
         return torch_router_gating(self.m)
 
     def last_routes(self, b: int, prefill: bool = False) -> torch.Tensor:

@@ -21,7 +21,7 @@ that do not tile:
 
 The hidden sizes of the models we run are multiples of 32 already; what is not aligned is the number
 of tokens in a forward, which this project decides: the decode batch (any size after finished rows
-leave it, generation.py), the prefill block (rows x prompt block), the micro-batches of the old /
+leave it, generation/generator.py), the prefill block (rows x prompt block), the micro-batches of the old /
 reference log-prob passes, the training forward and the SFT warm start (rows x width, width
 rounded only to the sequence-parallel size so far). So every forward of an FP8 model gets a token
 count divisible by the recipe's alignment (16, MXFP8 32: the stricter of TE's two rules):

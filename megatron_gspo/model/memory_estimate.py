@@ -37,11 +37,18 @@ What is counted, and how megatron_gspo actually holds it (model.py / optim.py / 
                hidden states gathered over the sequence [T, h] and their fp32 gradient accumulator,
                the output weight's gradient [V/TP, h] before DDP adds it to the main grads, and the
                vocabulary-chunk temporaries (4 x 64 MiB, plus kept chunk logits up to 256 MiB).
-  generation   rollouts run on the training model (weights, grads and optimizer stay resident):
-               megatron's static KV cache for the whole local batch (prompts_per_step / DP x G
-               rows, max_prompt_length + max_new_tokens slots, kv_heads / TP) plus one layer of
-               the no-grad prefill over the whole prompt block. Training activations and the
-               generation peak never coexist, so the peak takes the larger of the two.
+  generation   rollouts run on the training model (weights, grads and optimizer stay resident), with
+               the decoder the job takes (``generation.decode_impl``; auto: lean unless the config
+               shows something it cannot run, LEAN_DECODE_LIMITS: FP8, PP, TE's fused router).
+               Lean: its KV cache of the whole local batch (prompts_per_step / DP x G rows,
+               max_prompt_length + max_new_tokens - 1 slots, kv_heads / TP), plus the larger of one
+               prefill layer (attention on this rank's heads; the MoE dispatch over the expert-TP x
+               EP group in chunks of LEAN_MOE_GATHER_TOKENS gathered tokens: gathered tokens, pairs,
+               fp32 partial outputs) and one decode step (the capacity-padded pairs), plus the
+               gathered last-position logits. megatron's path: its static KV cache (prompt +
+               max_new_tokens slots) plus one layer of the no-grad prefill over the whole prompt
+               block (conservatively at TP 1). Training activations and the generation peak never
+               coexist, so the peak takes the larger of the two.
   kv_cache_kept generation.cuda_graphs=true: the lean decoder's KV cache lives for the job (its captured
                steps read it: generation.Generator), so it stays resident while training too.
   runtime      CUDA context, NCCL / TE / cuBLAS workspaces: a fixed ``runtime_overhead_gib``, plus
@@ -143,6 +150,59 @@ def _generation_bytes(m, rows_local: int, seq: int, prompt_len: int, layers: int
     return kv_cache, prefill
 
 
+def _lean_moe_bytes(m, tokens: int, ep: int, etp: int, w_bytes: int, imbalance: float, static: bool) -> float:
+    """Live bytes of one MoE layer of the lean decoder (generation/lean_decoder.py, DeviceMoE) on ``tokens``
+    tokens of this rank: its input and output, plus one dispatch over the expert-TP x EP group (at most
+    LEAN_MOE_GATHER_TOKENS gathered tokens; a prefill goes through in chunks of that many): the gathered
+    tokens and routes, the (token, local expert) pairs through the experts' expert-TP shard, the partial
+    outputs and their fp32 copy for the reduce-scatter. ``static``: a decode step's pair buffer, padded to
+    the capacity (every gathered token could be this rank's, min(k, local experts) pairs each); else the
+    prefill's exact count (k / EP pairs per gathered token, times the hottest rank's ``imbalance``)."""
+    from megatron_gspo.config.rules import LEAN_MOE_GATHER_TOKENS
+
+    h, k, f = m.hidden_size, m.moe_router_topk, m.moe_ffn_hidden_size / etp
+    per_pair = (2 * h + 3 * f) * w_bytes + 16  # permuted input, fc1 out (gate, up), SwiGLU out, fc2 out; ids, prob
+    group = ep * etp
+    if group == 1:
+        return tokens * (2 * h * w_bytes + k * per_pair)
+    gathered = min(group * tokens, LEAN_MOE_GATHER_TOKENS)
+    pairs = gathered * (min(k, m.num_moe_experts // ep) if static else k / ep * imbalance)
+    dispatch = gathered * (h * w_bytes + 8 * k + h * (w_bytes + 4)) + pairs * per_pair
+    return tokens * 2 * h * w_bytes + dispatch
+
+
+def _lean_generation_bytes(m, rows_local: int, seq: int, prompt_len: int, layers: int, tp: int, ep: int, etp: int,
+                           w_bytes: int, imbalance: float) -> tuple[float, float]:
+    """(KV cache, the larger of one prefill layer's and one decode step's live tensors) of the lean decoder
+    over this rank's TP / EP / expert-TP shards: a KV cache of roped keys for this rank's query groups,
+    prompt block + max_new_tokens - 1 slots; the prefill's attention on this rank's heads; the MoE
+    dispatches (``_lean_moe_bytes``); the last position's vocab-parallel logits gathered over TP (fp32 for
+    the sampler)."""
+    kv_heads_local = max(1, m.num_query_groups // tp)
+    kv_cache = layers * 2 * rows_local * (seq - 1) * kv_heads_local * m.kv_channels * w_bytes
+    h = m.hidden_size
+    q, kvd = m.num_attention_heads * m.kv_channels / tp, m.num_query_groups * m.kv_channels / tp
+    tokens = rows_local * prompt_len
+    attn_ws = w_bytes * (2 * h + 2 * (q + 2 * kvd) + q + h)  # norm in/out, q/k/v before and after RoPE, ctx, out
+    prefill = max(tokens * attn_ws + rows_local * prompt_len ** 2 * w_bytes,  # + the [b, 1, P, P] mask bias
+                  _lean_moe_bytes(m, tokens, ep, etp, w_bytes, imbalance, static=False))
+    decode = _lean_moe_bytes(m, rows_local, ep, etp, w_bytes, imbalance, static=True)
+    logits = rows_local * m.padded_vocab_size * (w_bytes / tp + 4 * 2)
+    return kv_cache, max(prefill, decode) + logits
+
+
+def _decoder_bytes(job_cfg, rows_local: int, seq: int, layers: int, w_bytes: int,
+                   imbalance: float) -> tuple[str, float, float]:
+    """(the decoder the job's generation takes, its KV cache, its other live tensors) in bytes."""
+    from megatron_gspo.config.rules import lean_decode_config_limit
+
+    m, par, prompt = job_cfg.model, job_cfg.parallel, job_cfg.data.max_prompt_length
+    tp, ep, etp = par.tensor_model_parallel_size, par.expert_model_parallel_size, par.etp
+    if job_cfg.generation.decode_impl != "megatron" and lean_decode_config_limit(job_cfg) is None:
+        return ("lean", *_lean_generation_bytes(m, rows_local, seq, prompt, layers, tp, ep, etp, w_bytes, imbalance))
+    return ("megatron", *_generation_bytes(m, rows_local, seq, prompt, layers, tp, w_bytes, imbalance))
+
+
 def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 1.5,
                     runtime_overhead_gib: float = 3.0, fragmentation: float = 0.10) -> dict[str, Any]:
     """Estimated peak memory of one GPU of ``job_cfg`` on ``world_size`` GPUs, in GiB.
@@ -183,8 +243,8 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     # activations: training (one micro-batch) or generation (KV cache + one prefill block)
     tokens = t.micro_batch_size * seq
     out["train_act"] = _train_activation_bytes(m, tokens, layers, tp, w_bytes, expert_load_imbalance) / GIB
-    kv_cache, prefill = _generation_bytes(m, rows_local, seq, d.max_prompt_length, layers, tp, w_bytes,
-                                          expert_load_imbalance)
+    out["decoder"], kv_cache, prefill = _decoder_bytes(job_cfg, rows_local, seq, layers, w_bytes,
+                                                      expert_load_imbalance)
     out["generation"] = (kv_cache + prefill) / GIB
     out["kv_cache_kept"] = kv_cache / GIB if g.cuda_graphs else 0.0
 

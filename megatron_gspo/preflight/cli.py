@@ -6,7 +6,6 @@ trainer does), the rest are skipped, and the table, the JSON and the cleanup sti
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import shutil
@@ -17,6 +16,7 @@ from typing import Optional
 from megatron_gspo.errors import USER_ERRORS, ConfigError
 from megatron_gspo.runtime.exit_status import EXIT_PREEMPTED_NOTHING_SAVED as EXIT_STOPPED
 from megatron_gspo.runtime.stop import PreemptionFlag
+from megatron_gspo.runtime.writable import check_writable, describe_os_error
 from megatron_gspo.preflight import collectives, decoding, environment, fp8, memory, numerics, resume, training
 from megatron_gspo.preflight.context import Context, validate_overrides
 from megatron_gspo.preflight.runner import (
@@ -99,24 +99,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"--json {args.json} is a directory; give the path of a file to write")
         if not os.path.isdir(folder):
             raise ConfigError(f"--json {args.json}: folder {folder} does not exist; create it or give another path")
-        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-            raise ConfigError(f"--json {args.json}: cannot write there (permission denied)")
-        _try_writing(args.json, path)
-
-
-def _try_writing(arg: str, path: str) -> None:
-    """Open ``path`` for appending (nothing in it changes) and close it, removing it again if it did
-    not exist: the one test that holds for every file system and user (root passes os.access on a
-    read-only file of /proc or a read-only mount)."""
-    existed = os.path.exists(path)
-    try:
-        with open(path, "a", encoding="utf-8"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"--json {arg}: cannot write there ({e.strerror or e})") from None
-    if not existed:
-        with contextlib.suppress(FileNotFoundError):  # every rank tries: another may have removed it
-            os.remove(path)
+        # tried, not os.access'ed: the real cause (a read-only mount is not "permission denied"), and root
+        # passes os.access on a read-only file of /proc or a read-only mount
+        check_writable(path, f"--json {args.json}", directory=False, error=ConfigError)
 
 
 def _workdir() -> str:
@@ -184,6 +169,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f.write(to_json(results, meta))
             except OSError as e:
                 log.error("error: --json %s: cannot write the results there (%s); the table above has them",
-                          args.json, e.strerror or e)
+                          args.json, describe_os_error(e, os.path.dirname(os.path.abspath(args.json))))
                 return EXIT_USAGE
     return code

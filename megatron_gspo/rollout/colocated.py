@@ -26,7 +26,7 @@ from megatron_gspo.algorithms.overlong import overlong_penalty
 from megatron_gspo.runtime.stop import StepAbandoned
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.model.oom import explain_oom
-from megatron_gspo.data.rewards import compute_rewards
+from megatron_gspo.data.rewards import ScoringStopped, compute_rewards
 from megatron_gspo.rollout.multiturn import build_multiturn, multiturn_rewards
 from megatron_gspo.rollout.record import RolloutRecord
 from megatron_gspo.rollout.rows import local_rows
@@ -66,6 +66,9 @@ class ColocatedSource:
         """A stop signal another side of the job asked for (none: every rank of a colocated job votes itself)."""
         return None
 
+    def stop_if_ranks_lost(self, signal_name: str) -> None:
+        """Nothing to lose: a colocated job generates on the trainer's own ranks."""
+
     def close(self) -> None:
         if self.multiturn is not None:
             self.multiturn.close()
@@ -99,9 +102,14 @@ class ColocatedSource:
             raise StepAbandoned(step + 1, f"in generation round {rnd + 1}" + (", decoding cut short" if out.abandoned else ""))
         routes = self.routing.rollout_routes(out)
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
-        with self.timer("reward"):  # 4.
-            rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine],
-                                      device=dev)
+        with self.timer("reward"):  # 4. (a stop signal cuts scoring short: one vote, every rank leaves the step)
+            try:
+                rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine],
+                                          device=dev, should_stop=self.should_stop)
+            except ScoringStopped:
+                rewards = None
+            if comm.any_rank(rewards is None, dev, what="stop vote after scoring"):
+                raise StepAbandoned(step + 1, f"while scoring round {rnd + 1}")
             r = cfg.reward
             if r.overlong_buffer_len > 0:  # DAPO's soft overlong punishment, part of the reward
                 rewards = rewards + overlong_penalty(out.response_lengths.to(dev), self.gen_cfg.max_new_tokens,
@@ -120,7 +128,12 @@ class ColocatedSource:
                                 (", cut short" if out.abandoned else ""))
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
         with self.timer("reward"):
-            rewards = multiturn_rewards(out, mine, self.reward_fn, cfg, st.device)
+            try:
+                rewards = multiturn_rewards(out, mine, self.reward_fn, cfg, st.device, should_stop=self.should_stop)
+            except ScoringStopped:
+                rewards = None
+            if comm.any_rank(rewards is None, st.device, what="stop vote after scoring"):
+                raise StepAbandoned(step + 1, f"while scoring round {rnd + 1}")
         return out, texts, rewards, out.routes
 
     def _dynamic_rounds(self, step: int, rows: list[int], R: int, G: int):

@@ -334,10 +334,12 @@ def build_multiturn(cfg, state, generator, tokenizer, gen_cfg) -> Optional[Multi
     return MultiTurnRollout(cfg, state, generator, tokenizer, runner, fmt, row_cfg, env_response_budget(cfg))
 
 
-def multiturn_rewards(out: MultiTurnOutput, prompts: list, reward_fn, cfg, device, penalty: bool = True) -> torch.Tensor:
+def multiturn_rewards(out: MultiTurnOutput, prompts: list, reward_fn, cfg, device, penalty: bool = True,
+                      should_stop: Optional[Callable[[], bool]] = None) -> torch.Tensor:
     """[B] fp32: each row's environment reward (the sum of what its steps returned), or, for a row that got
     none, ``reward_fn`` on its last response; plus DAPO's overlong penalty over the row's budget
-    (env.max_response_tokens as L_max: a multi-turn row's length limit) unless ``penalty`` is False (evaluation)."""
+    (env.max_response_tokens as L_max: a multi-turn row's length limit) unless ``penalty`` is False (evaluation).
+    ScoringStopped when ``should_stop()`` cut the scoring short."""
     from megatron_gspo.algorithms.overlong import overlong_penalty
     from megatron_gspo.config.rules import env_response_budget
     from megatron_gspo.data.rewards import compute_rewards
@@ -347,7 +349,8 @@ def multiturn_rewards(out: MultiTurnOutput, prompts: list, reward_fn, cfg, devic
     need = [i for i, r in enumerate(rewards) if r is None]
     if need:
         scored = compute_rewards(reward_fn, [prompts[i].text for i in need], [trajs[i]["final_text"] for i in need],
-                                 [prompts[i].answer for i in need], device=device).tolist()
+                                 [prompts[i].answer for i in need], device=device,
+                                 should_stop=should_stop).tolist()
         for i, r in zip(need, scored):
             rewards[i] = r
     result = torch.tensor(rewards, dtype=torch.float32, device=device)

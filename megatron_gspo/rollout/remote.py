@@ -13,7 +13,7 @@ the trainer's world.
 The data position saved in a checkpoint is the one after the *consumed* batch (the rollout ranks run
 ahead of it): a resumed job regenerates what was in flight, from that position, with the same noise.
 A rollout rank that failed, went silent or was lost mid-push stops the job through ``RolloutRanksLost``:
-the trainer checkpoints and exits (trainer.py).
+the trainer checkpoints and exits (trainer/stopping.py).
 """
 
 from __future__ import annotations
@@ -212,6 +212,22 @@ class RemoteSource:
             return _STOP, (f"rollout leader {i} (global rank {split.trainer_size + split.rollout_leaders[i]}) is gone: "
                            f"receiving its rows of step {step + 1} failed ({short_error(e)})", StopReason.ROLLOUT_RANK_GONE)
         return _DATA, concat(parts, self.gen_cfg.pad_id)
+
+    def stop_if_ranks_lost(self, signal_name: str) -> None:
+        """Every trainer rank, as the job stops for a stop signal (``signal_name``, as the stop line names it):
+        if a rollout rank is gone (it raised or exited, or its heartbeat stands still for a few seconds), raise
+        RolloutRanksLost naming it on every rank, as when the trainer finds the loss itself. torchrun SIGTERMs
+        every rank when one dies, and its signal may reach the trainer before the dead rank does (in an update,
+        the next vote sees the signal first): the stop line names the dead rank either way."""
+        why, reason = None, None
+        if self.state.is_main:
+            state, problem = self._rollout_state()
+            gone = problem if state is not PeerState.ALIVE else self._gone_ranks()
+            if gone:
+                why = f"{gone}, and the job got {signal_name} (torchrun stops every rank when one exits)"
+                reason = _REASON.get(state, StopReason.ROLLOUT_RANK_GONE)
+        if comm.any_rank(why is not None, self.state.device, what="async: rollout ranks lost, at a stop signal"):
+            self._stop_everywhere(why, reason)
 
     def peer_stop_request(self) -> Optional[str]:
         """A rollout rank got a stop signal and asked the trainer to stop: the signal, as the stop line names it

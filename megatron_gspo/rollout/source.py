@@ -23,6 +23,10 @@ class RolloutSource(Protocol):
     def peer_stop_request(self) -> Optional[str]:
         """A stop signal another side of the job asked for, named for the stop line (None: none)."""
 
+    def stop_if_ranks_lost(self, signal_name: str) -> None:
+        """As the job stops for a stop signal: raise RolloutRanksLost on every rank if ranks the source
+        depends on are gone (the remote source's rollout ranks), so that the stop line names them."""
+
     def close(self) -> None:
         ...
 

@@ -38,11 +38,10 @@ from megatron_gspo.rollout.record import RolloutRecord, pack
 from megatron_gspo.rollout.side import PeerState, Side, is_peer_loss, short_error
 from megatron_gspo.rollout.weight_sync import WeightReceiver
 from megatron_gspo.config import JobConfig
-from megatron_gspo.runtime.stop import PreemptionFlag, injected_faults
+from megatron_gspo.runtime.stop import PreemptionFlag
 from megatron_gspo.generation.generator import Generator
-from megatron_gspo.runtime.logger import setup_logging
 from megatron_gspo.algorithms.overlong import overlong_penalty
-from megatron_gspo.data.rewards import build_reward_fn, compute_rewards
+from megatron_gspo.data.rewards import ScoringStopped, build_reward, compute_rewards
 from megatron_gspo.rollout.rows import local_rows
 
 log = logging.getLogger("megatron_gspo")
@@ -112,9 +111,10 @@ def generate_with_updates(model, prompts, gen_cfg, *, vocab_size: int, state, se
 
 
 class RolloutWorker:
-    """A rollout rank: built from the job's config and its ``Side`` (rollout.side.join)."""
+    """A rollout rank: built from the job's config and its ``Side`` (rollout.side.join). ``faults``: the
+    tests' fault injection (testing/faults.py), which the entry point adds when asked; None otherwise."""
 
-    def __init__(self, cfg: JobConfig, side: Side) -> None:
+    def __init__(self, cfg: JobConfig, side: Side, faults=None) -> None:
         from megatron_gspo.data.prompts import build_prompt_sampler
         from megatron_gspo.model.gpt import build_model, job_precision
         from megatron_gspo.data.tokenizer import build_tokenizer, check_vocab_fits
@@ -127,7 +127,6 @@ class RolloutWorker:
         precision, _ = job_precision(cfg.model, st.device)
         if precision != cfg.model.precision:
             self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision=precision))
-        setup_logging(st.rank, prefix=f"rollout rank {side.global_rank}")  # say which side speaks
         side.open_bridge(st.device)
         self.control = side.control
         # a stop signal here is passed on to the trainer (_poll), which checkpoints and announces the stop
@@ -147,9 +146,9 @@ class RolloutWorker:
         # one decoder for every step of this rank (its KV cache and CUDA graphs sized for the longest prompt)
         self.generator = Generator(self.model, vocab_size=cfg.model.vocab_size, state=st,
                                    slots=cfg.data.max_prompt_length + g.max_new_tokens - 1)
-        self.reward_fn = build_reward_fn(cfg.reward)
+        self.reward_fn = build_reward(cfg.reward)
         self.receiver = WeightReceiver(self.model, st, side.sync_pg, int(r.weight_sync_bucket_mb * 2**20))
-        self.faults = injected_faults(side.global_rank)  # tests only (MEGATRON_GSPO_FAULTS)
+        self.faults = faults
         self.G = g.n_samples_per_prompt
         self.R = t.prompts_per_step * self.G
         self.rows = local_rows(self.R, 1, st.dp, st.dp_rank)
@@ -203,7 +202,11 @@ class RolloutWorker:
             poll=self._poll, apply=self._apply_push, policy=self.cfg.rollout.partial_rollouts, generator=self.generator)
         out = gen.out
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
-        rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine], device=dev)
+        try:  # a stop (the trainer's, read as in generation) cuts scoring short
+            rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine],
+                                      device=dev, should_stop=lambda: self._poll()[1])
+        except ScoringStopped:
+            raise Stopped(self._stop_why or "the trainer stopped") from None
         rc = self.cfg.reward
         if rc.overlong_buffer_len > 0:  # as ColocatedSource._generate_round
             rewards = rewards + overlong_penalty(out.response_lengths.to(dev), self.gen_cfg.max_new_tokens,
@@ -303,13 +306,15 @@ class RolloutWorker:
             self._clock["idle"] += time.perf_counter() - t0
 
     def close(self, message: str, error: bool) -> None:
+        self.reward_fn.close()  # its worker processes, if any
         self.control.record_exit(message, error)
         self.side.close()
 
 
-def run_rollout_rank(cfg: JobConfig) -> int:
+def run_rollout_rank(cfg: JobConfig, faults=None) -> int:
     """A rollout rank's whole life (train.main calls it); returns the process exit code. Why it ended goes
-    to the control plane, where the trainer reads it (a failure here stops the trainer with this message)."""
+    to the control plane, where the trainer reads it (a failure here stops the trainer with this message).
+    ``faults``: the tests' fault injection (train.injected_faults), or None."""
     from megatron_gspo.runtime import exit_status
     from megatron_gspo.rollout.side import join
     from megatron_gspo.errors import USER_ERRORS
@@ -317,7 +322,7 @@ def run_rollout_rank(cfg: JobConfig) -> int:
     side = join(cfg, ROLLOUT)
     worker = None
     try:
-        worker = RolloutWorker(cfg, side)
+        worker = RolloutWorker(cfg, side, faults=faults)
         why = worker.run()
     except BaseException as e:
         msg = f"{type(e).__name__}: {e}".strip()

@@ -82,6 +82,34 @@ def all_gather(t: torch.Tensor, group=None, *, what: str) -> list[torch.Tensor]:
     return out
 
 
+def all_gather_into(t: torch.Tensor, group=None, *, what: str) -> torch.Tensor:
+    """Every rank's ``t`` (same shape everywhere) stacked along dim 0 in group-rank order, one tensor
+    [n x t.shape[0], ...] (``t`` itself for one rank). No host synchronisation: a CUDA graph can hold it."""
+    if not _active(group):
+        return t
+    _check(t, group, what)
+    out = t.new_empty((_transport.get_world_size(group) * t.shape[0], *t.shape[1:]))
+    # all_gather_single is torch >= 2.11's name of all_gather_into_tensor (the old one warns there)
+    gather = getattr(_transport, "all_gather_single", None) or _transport.all_gather_into_tensor
+    gather(out, t.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter(t: torch.Tensor, group=None, *, what: str) -> torch.Tensor:
+    """The sum over the group of every rank's ``t`` [n x m, ...], of which group rank i keeps rows
+    i*m .. (i+1)*m - 1: [m, ...] (``t`` itself for one rank). No host synchronisation."""
+    if not _active(group):
+        return t
+    _check(t, group, what)
+    n = _transport.get_world_size(group)
+    if t.shape[0] % n:
+        raise ValueError(f"{what}: reduce_scatter of {t.shape[0]} rows over {n} ranks")
+    out = t.new_empty((t.shape[0] // n, *t.shape[1:]))
+    scatter = getattr(_transport, "reduce_scatter_single", None) or _transport.reduce_scatter_tensor
+    scatter(out, t.contiguous(), op=_op("sum"), group=group)
+    return out
+
+
 def broadcast(t: torch.Tensor, src: int, group=None, *, what: str) -> torch.Tensor:
     """In-place broadcast from global rank ``src``; returns ``t``."""
     if _active(group):

@@ -1,8 +1,9 @@
 """Exit codes that survive torchrun and SLURM: the ranks record theirs, the launcher returns it.
 
 A rank ends on purpose with 0 (done), 2 (user error), 75 (preempted, checkpoint of the current step
-written), 79 (preempted before this run completed a step: nothing new to save) or 76 (too many
-consecutive non-finite updates). torchrun reports *any* failed worker as its own status 1
+written), 79 (preempted before this run completed a step: nothing new to save), 76 (too many
+consecutive non-finite updates) or 74 (a checkpoint could not be written: no space left, or the disk
+failed). torchrun reports *any* failed worker as its own status 1
 plus a ChildFailedError traceback, so without help the rank's code never reaches the shell or
 SLURM (which requeues on it). Two channels carry it:
 
@@ -32,6 +33,9 @@ class ExitCode(enum.IntEnum):
     FINISHED = 0
     FAILED = 1  # a failure (a raised exception; a rollout rank of an async job that raised)
     USER_ERROR = 2
+    # EX_IOERR: a checkpoint could not be written for the disk's reason (no space left, quota, a file system
+    # gone read-only or failing); the last complete checkpoint stands. Not 75: a requeue meets the same disk.
+    CHECKPOINT_WRITE_FAILED = 74
     PREEMPTED = 75  # EX_TEMPFAIL: "try again later" -> requeue and resume
     TOO_MANY_SKIPS = 76  # consecutive non-finite steps: the run cannot make progress
     # Stopped by a signal before this run completed a step (during start-up, or in its first step): the
@@ -44,6 +48,7 @@ EXIT_USER_ERROR = ExitCode.USER_ERROR
 EXIT_PREEMPTED = ExitCode.PREEMPTED
 EXIT_TOO_MANY_SKIPS = ExitCode.TOO_MANY_SKIPS
 EXIT_PREEMPTED_NOTHING_SAVED = ExitCode.PREEMPTED_NOTHING_SAVED
+EXIT_CHECKPOINT_WRITE_FAILED = ExitCode.CHECKPOINT_WRITE_FAILED
 
 
 class StopReason(enum.Enum):
@@ -55,6 +60,7 @@ class StopReason(enum.Enum):
     PREEMPTED = ExitCode.PREEMPTED  # a stop signal; the last completed step (or the warm start) saved
     PREEMPTED_NOTHING_SAVED = ExitCode.PREEMPTED_NOTHING_SAVED
     TOO_MANY_SKIPS = ExitCode.TOO_MANY_SKIPS
+    CHECKPOINT_WRITE_FAILED = ExitCode.CHECKPOINT_WRITE_FAILED
     ROLLOUT_RANK_FAILED = ExitCode.FAILED
     ROLLOUT_RANK_EXITED = (ExitCode.PREEMPTED, "exited")
     ROLLOUT_RANK_SILENT = (ExitCode.PREEMPTED, "silent")
@@ -82,6 +88,8 @@ MEANING = {
     EXIT_USER_ERROR: "user error: fix the config, layout, file or checkpoint it names",
     EXIT_PREEMPTED: "preempted: a checkpoint was written, resume with checkpoint.resume=true",
     EXIT_TOO_MANY_SKIPS: "too many consecutive non-finite updates: the last good state was saved",
+    EXIT_CHECKPOINT_WRITE_FAILED: "a checkpoint could not be written (no space left, or the disk failed): make room "
+                                  "and resume from the last complete one it names",
     EXIT_PREEMPTED_NOTHING_SAVED: "preempted before a step completed: nothing new to save, the newest checkpoint "
                                   "(if any) is still the state to resume from",
 }
@@ -139,7 +147,7 @@ def record(code: int, message: str) -> None:
         _write_atomically(error_file, json.dumps(payload))
 
 
-# Signals after which the ranks save and stop (faults.STOP_SIGNALS). The launcher's supervisor
+# Signals after which the ranks save and stop (stop.STOP_SIGNALS). The launcher's supervisor
 # (launch/supervisor.py) delivers them to the ranks itself, once each; torchrun runs with them ignored.
 GRACEFUL = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 

@@ -15,6 +15,7 @@ from typing import Mapping, Optional, Union
 import torch
 
 from megatron_gspo.runtime.sysinfo import current_rss
+from megatron_gspo.runtime.writable import describe_os_error
 
 Value = Union[float, int, torch.Tensor]
 
@@ -22,8 +23,12 @@ log = logging.getLogger("megatron_gspo")
 
 
 def setup_logging(rank: int, prefix: str | None = None) -> None:
-    """INFO on rank 0, WARNING elsewhere; megatron's import-time apex/TE notices silenced. ``prefix``: who
-    speaks, in brackets after the time (an async job's rollout ranks: "rollout rank N")."""
+    """The process's logging and warning filters, for a command-line entry point (train.main, the preflight,
+    the comparison's runs, the test programs): the root logger at INFO on rank 0, WARNING elsewhere, one
+    line per record on stdout; megatron's import-time apex/TE notices, DeprecationWarning and
+    FutureWarning silenced. ``prefix``: who speaks, in brackets after the time (an async job's rollout
+    ranks: "rollout rank N"). The library itself never calls it: it logs to the ``megatron_gspo`` logger
+    and leaves the host program's logging and warnings as they are."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Apex|apex|Transformer Engine).*")
@@ -36,14 +41,21 @@ def setup_logging(rank: int, prefix: str | None = None) -> None:
 
 
 class MetricsLogger:
-    """Writes on rank 0 only; other ranks get a no-op object with the same methods."""
+    """Writes on rank 0 only; other ranks get a no-op object with the same methods.
+
+    metrics.jsonl gets one row per step, written whole to the file (no buffer of ours) as the step ends.
+    A write that fails (a full disk, a quota, a file system gone away) is said in one line when it
+    happens and training goes on: the metrics are a log, the checkpoint is the run's state (a checkpoint
+    the disk refuses stops the run, exit 74). Each later step tries again; a line says when rows are
+    written again and which steps have none. TensorBoard that fails is off for the rest of the run."""
 
     def __init__(self, output_dir: str, enabled: bool, tensorboard: bool = True) -> None:
         self.enabled = enabled
         self.output_dir = output_dir
         self.use_tb = tensorboard
         self.tb = None
-        self.jsonl = None
+        self.fd: Optional[int] = None  # metrics.jsonl, opened for appending at the first row
+        self.lost: list[int] = []  # steps whose row could not be written since the last one that was
 
     def _open(self, first_step: int) -> None:
         # Opened at the first log line, so a run refused at start-up writes nothing. That first
@@ -57,39 +69,88 @@ class MetricsLogger:
         if dropped:
             log.warning("%s: dropped %d row(s) of steps >= %d written by an earlier run that went past its last "
                         "checkpoint; this run logs those steps again", path, dropped, first_step)
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if self.use_tb:
-            from torch.utils.tensorboard import SummaryWriter
+            self._open_tensorboard(first_step)
 
+    def _open_tensorboard(self, first_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        try:
             self.tb = SummaryWriter(os.path.join(self.output_dir, "tensorboard"), purge_step=first_step)
-        self.jsonl = open(path, "a", encoding="utf-8")
+        except OSError as e:
+            self._tensorboard_off(e)
+
+    def _tensorboard_off(self, e: OSError) -> None:
+        self.use_tb, self.tb = False, None
+        log.warning("train.output_dir=%s: tensorboard is off for the rest of the run: %s (metrics.jsonl goes on)",
+                    self.output_dir, describe_os_error(e, os.path.join(self.output_dir, "tensorboard")))
 
     def log(self, step: int, metrics: Mapping[str, Value]) -> None:
         if not self.enabled:
             return
-        if self.jsonl is None:
-            self._open(step)
-        row = {"step": step}
+        row, scalars, histograms = {"step": step}, {}, {}
         for k, v in metrics.items():
             if isinstance(v, torch.Tensor) and v.numel() != 1:  # a histogram ("cat" metric; empty when no row trained)
                 v = v.float()
-                v = v[torch.isfinite(v)]  # a skipped (non-finite) step must not break logging
-                if self.tb is not None and v.numel() > 0:
-                    self.tb.add_histogram(k, v, step)
+                histograms[k] = v[torch.isfinite(v)]  # a skipped (non-finite) step must not break logging
                 continue
-            x = float(v)
-            row[k] = x
-            if self.tb is not None and math.isfinite(x):
-                self.tb.add_scalar(k, x, step)
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
+            row[k] = scalars[k] = float(v)
+        self._write_row(step, (json.dumps(row) + "\n").encode("utf-8"))
         if self.tb is not None:
-            self.tb.flush()
+            try:
+                for k, v in histograms.items():
+                    if v.numel() > 0:
+                        self.tb.add_histogram(k, v, step)
+                for k, x in scalars.items():
+                    if math.isfinite(x):
+                        self.tb.add_scalar(k, x, step)
+                self.tb.flush()
+            except OSError as e:
+                self._tensorboard_off(e)
+
+    def _write_row(self, step: int, data: bytes) -> None:
+        """Append one row, whole or not at all (a row cut by a full disk is cut off again)."""
+        start = None
+        try:
+            if self.fd is None:
+                self._open(step)
+            start = os.lseek(self.fd, 0, os.SEEK_END)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as e:
+            if start is not None:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.fd, start)
+            if not self.lost:
+                log.warning("train.output_dir=%s: cannot write metrics.jsonl at step %d: %s; training goes on (the "
+                            "metrics are a log, the checkpoint holds the run) and each step tries again",
+                            self.output_dir, step, describe_os_error(e, self.output_dir))
+            self.lost.append(step)
+            return
+        if self.lost:
+            log.warning("train.output_dir=%s: metrics.jsonl written again from step %d; %s", self.output_dir, step,
+                        self._missing())
+            self.lost = []
+
+    def _missing(self) -> str:
+        steps = self.lost
+        named = ", ".join(map(str, steps)) if len(steps) <= 8 else f"{steps[0]}-{steps[-1]}"
+        return f"{len(steps)} step(s) have no row: {named}"
 
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
+            with contextlib.suppress(OSError):
+                self.tb.close()
+            self.tb = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.lost:
+            log.warning("train.output_dir=%s: metrics.jsonl could not be written to the end: %s", self.output_dir,
+                        self._missing())
+            self.lost = []
 
 
 def truncate_jsonl(path: str, first_step: int) -> int:

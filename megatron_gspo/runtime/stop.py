@@ -9,15 +9,12 @@ step boundaries, between two SFT warm-start steps, before a step's update and in
 an all-reduce, the last completed state is saved (an RL step, or the warm start as far as it went)
 and the process exits with ``EXIT_PREEMPTED`` (or ``EXIT_PREEMPTED_NOTHING_SAVED`` when this run
 completed nothing) so the batch script can requeue and resume. Once the code is decided the entry
-point ignores the stop signals (exit_status.ignore_stop_signals): more of them change nothing.
-
-Test-only fault injection lives in megatron_gspo/testing/faults.py, loaded by ``injected_faults``
-only when ``MEGATRON_GSPO_FAULTS`` is set.
+point ignores the stop signals (exit_status.ignore_stop_signals): more of them change nothing. What a
+stop saves and the line that reports it: trainer/stopping.py.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from typing import Optional
@@ -28,8 +25,6 @@ from megatron_gspo.runtime.exit_status import (  # noqa: F401 (re-exported)
     EXIT_TOO_MANY_SKIPS,
     GRACEFUL,
 )
-
-FAULTS_ENV = "MEGATRON_GSPO_FAULTS"  # test-only fault injection (megatron_gspo/testing/faults.py)
 
 
 # The signals that mean "save and stop" (SIGQUIT stays a hard stop): the launcher's supervisor delivers
@@ -111,21 +106,11 @@ class PreemptionFlag:
 
 
 class StepAbandoned(Exception):
-    """Raised, on every rank at once, inside a step that a stop signal cut short (rollout.py votes
-    after each generation round; generation.generate stops decoding at once). Nothing of the step was
+    """Raised, on every rank at once, inside a step that a stop signal cut short (rollout/colocated.py
+    votes after each generation round; generation.generate stops decoding at once). Nothing of the step was
     applied: the trainer saves the last completed state and exits. ``where``: "in generation round 3";
     ``elapsed_s``: how long the step had run (set by the trainer)."""
 
     def __init__(self, step: int, where: str, elapsed_s: float = 0.0):
         super().__init__(f"step {step} abandoned {where}")
         self.step, self.where, self.elapsed_s = step, where, elapsed_s
-
-
-def injected_faults(rank: int):
-    """Test-only fault injection for this rank (megatron_gspo/testing/faults.py: a ``FaultInjection``,
-    a trainer hook that a rollout rank calls too), or None: loaded only when MEGATRON_GSPO_FAULTS is set."""
-    if not os.environ.get(FAULTS_ENV):
-        return None
-    from megatron_gspo.testing.faults import FaultInjection
-
-    return FaultInjection(rank=rank)

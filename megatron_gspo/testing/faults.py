@@ -1,7 +1,9 @@
 """Fault injection for the reliability tests: ``MEGATRON_GSPO_FAULTS="kind@step[:rank],..."``.
 
-Loaded only when that variable is set (faults.injected_faults); a production run never imports it.
-Kinds:
+The entry point adds it when that variable is set (train.py's ``injected_faults``: a trainer hook, and
+the same object for an async job's rollout rank); nothing else of the package imports this module, so
+a production run never loads it. A test that builds a Trainer itself passes ``FaultInjection(spec)`` in
+its hooks. Kinds:
   nan_logprob  make rank's old log-probs of the first micro-batch of every minibatch non-finite
                in that step (the loss and gradients follow: the NaN guard must catch it)
   raise        raise RuntimeError at the start of that step
@@ -18,9 +20,9 @@ import os
 import signal
 from typing import Optional
 
-from megatron_gspo.runtime.stop import FAULTS_ENV
 from megatron_gspo.trainer.hooks import TrainerHook
 
+FAULTS_ENV = "MEGATRON_GSPO_FAULTS"
 _KINDS = ("nan_logprob", "raise", "kill", "sigterm", "kill_in_save")
 
 
@@ -65,10 +67,17 @@ class Faults:
 
 
 class FaultInjection(TrainerHook):
-    """``MEGATRON_GSPO_FAULTS`` (or ``spec``) applied to a trainer (hook) or a rollout rank (step_starts)."""
+    """``MEGATRON_GSPO_FAULTS`` (or ``spec``) applied to a trainer (hook) or a rollout rank (step_starts);
+    ``rank``: the process's global rank (torchrun's RANK), which ``kind@step:rank`` names."""
 
     def __init__(self, spec: Optional[str] = None, rank: int = 0) -> None:
         self.faults = Faults(spec, rank)
+
+    @classmethod
+    def from_env(cls) -> Optional["FaultInjection"]:
+        """The faults ``MEGATRON_GSPO_FAULTS`` asks for, for this process (rank: ``RANK``), or None."""
+        spec = os.environ.get(FAULTS_ENV, "")
+        return cls(spec, rank=int(os.environ.get("RANK", "0"))) if spec.strip() else None
 
     def step_starts(self, step: int) -> None:
         """Step ``step`` (1-based) begins on this rank: raise / die / get SIGTERM as the spec says."""

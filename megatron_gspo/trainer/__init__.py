@@ -1,5 +1,5 @@
-"""The Trainer: its loop (loop), its components (components), hooks, the SFT warm start (sft), held-out evaluation (evaluation), the
-optimizer and LR schedule (optim).
+"""The Trainer: its loop (loop), its components (components), the stop story (stopping), hooks, the SFT
+warm start (sft), held-out evaluation (evaluation), the optimizer and LR schedule (optim).
 
 The names below are re-exported from their modules on first use (``from megatron_gspo.trainer import
 Hooks``), so importing one submodule does not import the rest of the package.
@@ -12,7 +12,7 @@ _EXPORTS = {
     "Hooks": "hooks",
     "Trainer": "loop",
     "TrainerHook": "hooks",
-    "TrainingStopped": "loop",
+    "TrainingStopped": "stopping",
 }
 __all__ = sorted(_EXPORTS)
 

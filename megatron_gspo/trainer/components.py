@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 from megatron_gspo.runtime import parallel
 from megatron_gspo.algorithms.rollout_correction import inactive_reason
 from megatron_gspo.checkpoint import CheckpointManager
 from megatron_gspo.config import JobConfig, to_dict
-from megatron_gspo.data.prompts import build_eval_prompts, build_prompt_sampler
+from megatron_gspo.errors import ConfigError
+from megatron_gspo.runtime.writable import check_writable
+from megatron_gspo.data.example_cache import ExamplesStopped
+from megatron_gspo.data.job_data import build_job_data
+from megatron_gspo.runtime.exit_status import EXIT_PREEMPTED_NOTHING_SAVED, StopReason, StoppedFor
 from megatron_gspo.trainer.evaluation import Evaluator
 from megatron_gspo.model.gpt import build_model, impl_reason, job_precision, model_summary, resolve_impl, wrap_ddp
 from megatron_gspo.model.oom import check_model_fits, explain_oom, model_shapes
-from megatron_gspo.data.rewards import check_reference_answers
 from megatron_gspo.routing import RoutingPolicy
 from megatron_gspo.data.tokenizer import build_tokenizer, check_vocab_fits
 
@@ -42,21 +46,44 @@ def open_bridge(side, device) -> None:
         side.open_bridge(device)
 
 
-def build_data(cfg: JobConfig):
-    """(tokenizer, training prompt sampler), the reference answers checked against the reward."""
+def build_data(cfg: JobConfig, st, stop):
+    """(tokenizer, training prompt sampler, the evaluation's prompts or None), checked (data/job_data.py). A stop
+    signal while examples are made ends start-up at once: StoppedFor, exit 79 (nothing to save yet)."""
     tokenizer = build_tokenizer(cfg.tokenizer)
     check_vocab_fits(tokenizer, cfg.model.vocab_size)
-    e = cfg.eval
-    # a held-out split of data.source leaves training (only a file loses records: see split_holdout)
-    holdout = e.num_prompts if e.interval > 0 and e.source is None else 0
-    sampler = build_prompt_sampler(cfg.data, tokenizer, cfg.train.prompts_per_step, holdout=holdout)
-    check_reference_answers(cfg.reward, sampler.dataset.references(), sampler.dataset.source)
-    return tokenizer, sampler
+    try:
+        data = build_job_data(cfg, tokenizer, should_stop=lambda: stop.set, write_cache=st.local_rank == 0,
+                              main=st.is_main)
+    except ExamplesStopped as e:
+        raise StoppedFor(
+            f"preempted by signal {stop.name} during start-up: nothing to save yet (no step of this run completed); "
+            f"exiting with {EXIT_PREEMPTED_NOTHING_SAVED}; {stop.timing()}, while making {e.source} examples ({e.done} "
+            f"of {e.total} made in {e.elapsed_s:.1f} s, {e.kept})", StopReason.PREEMPTED_NOTHING_SAVED) from None
+    return tokenizer, data.sampler, data.held
+
+
+def check_outputs(cfg: JobConfig, st) -> None:
+    """Every place the job writes, writable now (runtime/writable.py), before anything is built: checkpoint.save
+    on every rank (each writes its own files), train.output_dir (metrics.jsonl, tensorboard/) on the rank that
+    logs. ConfigError naming the key and the cause."""
+    ck, out = cfg.checkpoint.save, cfg.train.output_dir
+    if ck:
+        check_writable(ck, f"checkpoint.save={ck}", error=ConfigError)
+    if st.is_main:
+        check_writable(out, f"train.output_dir={out}", error=ConfigError)
+        check_writable(os.path.join(out, "metrics.jsonl"), f"train.output_dir={out}", directory=False, error=ConfigError)
+        if cfg.train.tensorboard:
+            check_writable(os.path.join(out, "tensorboard"), f"train.output_dir={out}", error=ConfigError)
 
 
 def build_checkpoints(cfg: JobConfig, st) -> CheckpointManager:
-    checkpoints = CheckpointManager(cfg.checkpoint, st)
-    checkpoints.check_config(to_dict(cfg))  # a resume refuses a trajectory-changing config change
+    """The resume decision and checkpoint.save's lock (checkpoint/lock.py; given back by release_process_state)."""
+    checkpoints = CheckpointManager(cfg.checkpoint, st, num_steps=cfg.train.num_steps)
+    try:
+        checkpoints.check_config(to_dict(cfg))  # a resume refuses a trajectory-changing config change
+    except BaseException:
+        checkpoints.close()
+        raise
     return checkpoints
 
 
@@ -94,17 +121,14 @@ def generation_config(cfg: JobConfig, tokenizer):
                                pad_token_id=g.pad_token_id if g.pad_token_id is not None else tokenizer.pad_id)
 
 
-def build_evaluator(cfg: JobConfig, st, ddp, tokenizer, reward_fn, gen_cfg):
-    """The held-out evaluation every eval.interval steps, or None."""
+def build_evaluator(cfg: JobConfig, st, ddp, tokenizer, reward_fn, gen_cfg, held):
+    """The evaluation every eval.interval steps on ``held`` (build_data's prompts), or None."""
     e = cfg.eval
-    if e.interval <= 0:
+    if e.interval <= 0 or held is None:
         return None
-    held = build_eval_prompts(cfg.data, e.source, e.num_prompts, tokenizer)
-    check_reference_answers(cfg.reward, [(f"{held.source} id {p.id}", p.answer) for p in held.prompts], held.source)
     evaluator = Evaluator(cfg, st, ddp, tokenizer, reward_fn, gen_cfg, held.prompts,
                           length_policy=(held.num_dropped, held.num_truncated))
-    log.info("evaluation: %d held-out prompts from %s every %d steps", len(held.prompts),
-             e.source or f"{cfg.data.source} (held out)", e.interval)
+    log.info("evaluation: %s every %d steps", held.describe(), e.interval)
     return evaluator
 
 
@@ -119,9 +143,11 @@ def log_setup(cfg: JobConfig, st, recompute: bool, why: str) -> None:
 
 
 def release_process_state(trainer) -> None:
-    """Give back what ``trainer`` set process-wide: the rollout ranks of an async job follow it out,
-    megatron's per-model globals are reset, deterministic mode is undone. Each once (a second call is a
-    no-op for the side and determinism)."""
+    """Give back what ``trainer`` set process-wide: checkpoint.save's lock, the rollout ranks of an async job
+    follow it out, megatron's per-model globals are reset, deterministic mode is undone. Each once (a second
+    call is a no-op for the lock, the side and determinism)."""
+    if getattr(trainer, "checkpoints", None) is not None:  # checkpoint.save's lock, on every way out
+        trainer.checkpoints.close()
     if trainer.side is not None:  # the rollout ranks follow the trainer out
         trainer.side.close(stop="the trainer ended")
         trainer.side = None

@@ -28,7 +28,7 @@ import torch
 from megatron_gspo.runtime import comm
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.model.oom import explain_oom
-from megatron_gspo.data.rewards import compute_rewards
+from megatron_gspo.data.rewards import ScoringStopped, compute_rewards
 from megatron_gspo.rollout.multiturn import build_multiturn, multiturn_rewards
 
 
@@ -90,8 +90,14 @@ class Evaluator:
                                                      what="stop vote after an evaluation generation"):
             raise EvaluationAbandoned(step, where + (", decoding cut short" if out.abandoned else ""))
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
-        rewards = compute_rewards(self.reward_fn, [p.text for p in prompts], texts, [p.answer for p in prompts],
-                                  device=self.state.device)
+        try:
+            rewards = compute_rewards(self.reward_fn, [p.text for p in prompts], texts, [p.answer for p in prompts],
+                                      device=self.state.device, should_stop=should_stop)
+        except ScoringStopped:
+            rewards = None
+        if should_stop is not None and comm.any_rank(rewards is None, self.state.device,
+                                                     what="stop vote after evaluation scoring"):
+            raise EvaluationAbandoned(step, where + ", while scoring")
         return rewards >= 1.0, out.response_lengths
 
     def _talk(self, prompts, gen_cfg, seed: int, step: int, where: str, should_stop) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +110,14 @@ class Evaluator:
         if should_stop is not None and comm.any_rank(out.abandoned or should_stop(), self.state.device,
                                                      what="stop vote after an evaluation generation"):
             raise EvaluationAbandoned(step, where + (", cut short" if out.abandoned else ""))
-        rewards = multiturn_rewards(out, prompts, self.reward_fn, self.cfg, self.state.device, penalty=False)
+        try:
+            rewards = multiturn_rewards(out, prompts, self.reward_fn, self.cfg, self.state.device, penalty=False,
+                                        should_stop=should_stop)
+        except ScoringStopped:
+            rewards = None
+        if should_stop is not None and comm.any_rank(rewards is None, self.state.device,
+                                                     what="stop vote after evaluation scoring"):
+            raise EvaluationAbandoned(step, where + ", while scoring")
         self.turn_metrics = {"eval/turns_mean": sum(t["num_turns"] for t in out.trajectories) / len(prompts),
                              "eval/tool_calls_mean": sum(len(t["tool_calls"]) for t in out.trajectories) / len(prompts)}
         return rewards >= 1.0, out.response_mask.sum(-1)

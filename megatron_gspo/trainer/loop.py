@@ -17,7 +17,8 @@ The components, each behind a narrow interface:
     routing      routing.RoutingPolicy        off / R2 / R3 routing replay and routing metrics
     source       rollout.build_source         prompts -> RolloutRecord (colocated, or the async rollout ranks)
     prepare      rollout.BatchPreparer        RolloutRecord -> TrainBatch
-    hooks        hooks.Hooks                  SFT warm start, fault injection, experiments' probes
+    hooks        hooks.Hooks                  SFT warm start, experiments' probes, the tests' fault injection
+    stopping     stopping.StopControl         the stop votes, what a stop saves, the stop line
     evaluator    evaluation.Evaluator         held-out greedy accuracy / pass@k every eval.interval steps
 """
 
@@ -37,18 +38,18 @@ from megatron_gspo.algorithms.advantages import get_advantage_estimator
 from megatron_gspo.algorithms.objective import (ObjectiveConfig, bad_sample_ids, loss_units, nonfinite_rows, objective,
                                                 warn_off_policy)
 from megatron_gspo.algorithms.overlong import empty_minibatch
-from megatron_gspo.checkpoint import has_manifest, iter_dir
-from megatron_gspo.config import JobConfig, old_logprob_source, to_dict
+from megatron_gspo.config import JobConfig, old_logprob_source
 from megatron_gspo.trainer.evaluation import EvaluationAbandoned
-from megatron_gspo.runtime.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, StopReason, StoppedFor
-from megatron_gspo.runtime.stop import PreemptionFlag, StepAbandoned, injected_faults
+from megatron_gspo.runtime.exit_status import StopReason
+from megatron_gspo.runtime.stop import PreemptionFlag, StepAbandoned
+from megatron_gspo.trainer.stopping import StopControl, TrainingStopped  # noqa: F401 (TrainingStopped: re-exported)
 from megatron_gspo.trainer.hooks import Hooks, TrainerHook
-from megatron_gspo.runtime.logger import MetricsLogger, Timer, data_metrics, perf_metrics, progress_line, setup_logging
+from megatron_gspo.runtime.logger import MetricsLogger, Timer, data_metrics, perf_metrics, progress_line
 from megatron_gspo.runtime.metrics import MetricAccumulator
 from megatron_gspo.model.oom import explain_oom, model_shapes
 from megatron_gspo.model.gpt import aux_loss_scales, clear_aux_losses_tracker, finalize_grads, forward_logprobs, set_aux_loss_scale
 from megatron_gspo.trainer.optim import nonfinite_grads, optimizer_step, setup_optimizer
-from megatron_gspo.data.rewards import build_reward_fn
+from megatron_gspo.data.rewards import build_reward
 from megatron_gspo.rollout.prepare import BatchPreparer, TrainBatch, rollout_metrics
 from megatron_gspo.rollout.dump import RolloutDump
 from megatron_gspo.rollout.remote import RolloutRanksLost
@@ -58,15 +59,11 @@ from megatron_gspo.trainer.sft import SFTWarmStart
 log = logging.getLogger("megatron_gspo")
 
 
-class TrainingStopped(StoppedFor):
-    """The run stops on purpose (preemption, too many non-finite steps, rollout ranks lost): checkpoint
-    written. ``reason``: an exit_status.StopReason; the exit code follows from it."""
-
-
 class Trainer:
     """Construction validates and builds everything (collective); ``run()`` is the loop.
 
-    hooks: extra TrainerHooks, called after the built-in ones (SFT warm start, fault injection).
+    hooks: extra TrainerHooks, called after the built-in ones (the SFT warm start, the source's); the
+    entry point adds the tests' fault injection here (testing/faults.py).
     stop: the process's stop flag (train.main passes the one it installed first thing); None: the
     process's flag, installed now for SIGTERM / SIGUSR1 (a Trainer built by another program)."""
 
@@ -86,35 +83,36 @@ class Trainer:
         """The components (trainer/components.py), in dependency order; collective."""
         self.side = join_side(cfg)  # rollout.mode=async: the trainer's ranks are a world of their own
         self.state = st = parallel.initialize(cfg.model, cfg.parallel, side=self.side)
-        setup_logging(st.rank)
+        components.check_outputs(cfg, st)  # every place the job writes, before anything is built
         self.cfg = cfg = components.resolve_precision(cfg, st)
         components.open_bridge(self.side, st.device)
         cfg.check_data_parallel(st.dp)  # the same checks as launch/pretrain_gspo.sh --dry-run
-        self.tokenizer, self.sampler = components.build_data(cfg)
-        self.checkpoints = components.build_checkpoints(cfg, st)
+        self.checkpoints = components.build_checkpoints(cfg, st)  # before the data: a root in use is refused first
+        self.reward = reward_fn = build_reward(cfg.reward)  # its settings refused by key before anything is built
+        # long steps stop early on it (StepAbandoned); so does the making of the data
+        self.preempt = self.preempt if self.preempt is not None else PreemptionFlag.install()
+        self.tokenizer, self.sampler, held_out = components.build_data(cfg, st, self.preempt)
         self.model, self.ref_model, self.ddp = components.build_models(cfg, st, self.checkpoints)
         recompute, why = old_logprob_source(cfg, st.device)
         self.routing = components.build_routing(cfg, st, self.ddp, recompute)
         self.timer = Timer(st.device)
         self.objective_cfg = ObjectiveConfig.of(cfg)  # what algorithms.objective reads of the job
         gen_cfg = components.generation_config(cfg, self.tokenizer)
-        reward_fn = build_reward_fn(cfg.reward)
-        # long steps stop early on it (StepAbandoned)
-        self.preempt = self.preempt if self.preempt is not None else PreemptionFlag.install()
         self.source = build_source(cfg, st, self.ddp, self.sampler, self.tokenizer, reward_fn, gen_cfg, self.routing,
                                    self.timer, side=self.side, stop=self.preempt)
         self.prepare = BatchPreparer(cfg, st, self.ddp, self.ref_model, get_advantage_estimator(cfg.train.advantage_estimator),
                                      gen_cfg, self.routing, self.timer, recompute_old_logprobs=recompute)
-        self.evaluator = components.build_evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg)
-        faults = injected_faults(st.rank)  # tests only (MEGATRON_GSPO_FAULTS)
+        self.evaluator = components.build_evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg, held_out)
         dump = [RolloutDump()] if cfg.train.dump_rollouts else []  # {output_dir}/rollouts/step_XXXXXX.jsonl
-        self.hooks = Hooks([SFTWarmStart(), *([faults] if faults else []), *self.source.hooks(), *dump, *hooks])
+        self.hooks = Hooks([SFTWarmStart(), *self.source.hooks(), *dump, *hooks])
+        # the stop story: votes, what a stop saves, the stop line (trainer/stopping.py)
+        self.stopping = StopControl(cfg, st, self.preempt, self.source, self.checkpoints, self.ddp, self.sampler,
+                                    during_save=functools.partial(self.hooks.during_save, self))
         self.logger = MetricsLogger(cfg.train.output_dir, enabled=st.is_main, tensorboard=cfg.train.tensorboard)
-        self.warm_start = None  # the SFT warm start of this run (sft.SFTRun), once it began
         self.consecutive_skips = 0
         self.skipped_total = 0
         self.warned_empty = False  # overlong filtering emptied a minibatch (said once)
-        self.step = self.first_step = 0  # first_step: where this run started (set again by a resume)
+        self.step = 0
         self._warned_off_policy = False
         components.log_setup(cfg, st, recompute, why)
 
@@ -128,9 +126,9 @@ class Trainer:
         """The warm start, then the RL steps. A stop signal is acted on within a fraction of the phase it
         lands in: at every step boundary, in the decode loop (StepAbandoned), between the rollout and the
         update, between two SFT steps, in an evaluation (EvaluationAbandoned); an update and a checkpoint
-        save run to their end first (stop_if_preempted)."""
+        save run to their end first (trainer/stopping.py)."""
         t = self.cfg.train
-        self.stop_if_preempted()  # a signal during start-up: stop before the SFT warm start and the restore
+        self.stopping.check(self.step)  # a signal during start-up: stop before the SFT warm start and the restore
         self.hooks.before_training(self)  # the SFT warm start, unless resuming a training checkpoint
         if self.ref_model is not None and not self.checkpoints.resuming:
             self.ref_model.load_state_dict(self.model.state_dict())
@@ -139,10 +137,10 @@ class Trainer:
         self.optimizer, self.scheduler, self.step = setup_optimizer(
             self.cfg, self.state, self.ddp, self.checkpoints, self.sampler, self.ref_model, self.step,
             during_save=functools.partial(self.hooks.during_save, self))
-        self.first_step = self.step  # no step of this run completed yet: a stop now has no new step to save
+        self.stopping.first_step = self.step  # the RL loop starts: a stop before a step completes saves no new one
         history = []
         while self.step < t.num_steps:
-            self.stop_if_preempted()
+            self.stopping.check(self.step)  # a collective vote; saves and raises TrainingStopped on a stop signal
             self.hooks.at_step_start(self)
             t0 = time.perf_counter()
             parallel.set_seed(t.seed + self.step, self.state)  # every draw of a step depends on (seed, step)
@@ -152,14 +150,14 @@ class Trainer:
                 batch = self.prepare(self.source.collect(self.step))
                 # a signal during the rollout's scoring or its old / reference log-prob passes: leave the step
                 # before the update, which once begun runs to its end (a half-applied step cannot be saved)
-                if self.stop_requested("preemption vote before the update"):
+                if self.stopping.requested("preemption vote before the update"):
                     raise StepAbandoned(self.step + 1, "before its update (rollout done)")
             except RolloutRanksLost as e:  # rollout.mode=async: checkpoint and stop, never hang
-                self._stop_without_rollouts(e)
+                self.stopping.without_rollouts(self.step, e)
             except StepAbandoned as e:  # a stop signal during generation: nothing of this step was applied
                 e.elapsed_s = time.perf_counter() - t0
                 self.sampler.load_state_dict(data_state)  # its prompts are drawn again after a resume
-                self.stop_if_preempted(abandoned=e)
+                self.stopping.check(self.step, abandoned=e)
             self.hooks.after_rollout(self, batch)
             with self.timer("train"):
                 metrics = self.train_on(batch)
@@ -169,7 +167,7 @@ class Trainer:
             metrics.update(perf_metrics(self.timer, metrics["perf/gen_tokens"], time.perf_counter() - t0))
             metrics.update(data_metrics(data_before, self.sampler.counters(), self.step, self.cfg.data, self.state.is_main))
             if (self.evaluator is not None and self.evaluator.due(self.step)
-                    and not self.stop_requested("preemption vote before evaluation")):
+                    and not self.stopping.requested("preemption vote before evaluation")):
                 metrics.update(self._evaluate())
             self.hooks.after_step(self, metrics)
             self.logger.log(self.step, metrics)
@@ -178,10 +176,7 @@ class Trainer:
                 log.info(progress_line(self.step, t.num_steps, metrics))
             self.checkpoints.save_if_due(self.step)
         self.checkpoints.save_final(self.step)  # a no-op without checkpoint.save
-        if self.preempt.set and self.state.is_main:  # it came too late to cut anything short: nothing is lost
-            log.warning("%s: %s, during the last step or after it: the run is complete (step %d%s); exiting with 0",
-                        self.preempt.name, self.preempt.timing(), self.step,
-                        " saved" if self.cfg.checkpoint.save else "")
+        self.stopping.finished(self.step)  # says so when a stop signal came too late to cut anything short
         self.logger.close()
         return {"history": history}
 
@@ -317,92 +312,13 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def stop_requested(self, what: str) -> bool:
         """Whether any rank got a stop signal (a collective vote: every rank calls it at the same point)."""
-        return comm.any_rank(self._stop_signalled(), self.state.device, what=what)
-
-    def _stop_signalled(self) -> bool:
-        """This rank got a stop signal, or (async, trainer rank 0) a rollout rank did and asked to stop."""
-        return self.preempt.set or self.source.peer_stop_request() is not None
-
-    def _signal_name(self) -> str:
-        """The stop signal, as the stop line names it: this rank's, a rollout rank's that asked the trainer to
-        stop (async), or "(on another rank)"."""
-        if self.preempt.received is None and (request := self.source.peer_stop_request()) is not None:
-            return request
-        return self.preempt.name
+        return self.stopping.requested(what)
 
     def stop_if_preempted(self, abandoned: StepAbandoned | None = None, agreed: bool = False) -> None:
-        """If any rank got a stop signal (SIGTERM, SIGUSR1, ...): all save what this run completed and stop,
-        exit 75: the last completed RL step, or else the SFT warm start as far as it went (the checkpoint of
-        step 0, continued by a resume); 79 when this run completed neither an RL step nor an SFT step
-        (nothing new to save). Called at a step boundary (a collective vote), or with ``abandoned`` /
-        ``agreed`` when every rank already agreed (a step left in flight, the warm start's own vote)."""
-        st = self.state
-        if abandoned is None and not agreed and not self.stop_requested("preemption vote"):
-            return
-        t_stop = time.perf_counter()
-        step, flag, name, ws = self.step + 1, self.preempt, self._signal_name(), self.warm_start
-        in_sft = ws is not None and not ws.finished
-        sft_saved = self.step == self.first_step and ws is not None and ws.progressed
-        when = (f"step {step} abandoned {abandoned.where} after {abandoned.elapsed_s:.1f} s" if abandoned is not None
-                else f"in the SFT warm start after SFT step {ws.done} of {ws.steps}" if in_sft
-                else "after the SFT warm start, before step 1" if sft_saved
-                else "during start-up" if self.step == self.first_step else f"between steps {self.step} and {step}")
-        nothing = self.step == self.first_step and not sft_saved
-        if st.is_main:
-            log.warning("%s: %s, %s; %s", name, flag.timing(), when,
-                        "nothing to save yet" if nothing else f"saving SFT step {ws.done}" if sft_saved
-                        else f"saving step {self.step}")
-        if nothing:
-            where = (f"{self.checkpoints.resume_dir} is still the state to resume from"
-                     if self.checkpoints.resume_dir is not None
-                     else "no checkpoint yet: a resumed run starts from the beginning")
-            raise TrainingStopped(
-                f"preempted by signal {name} {f'in step {step}' if abandoned else 'during start-up'}: nothing "
-                f"to save yet (no step of this run completed; {where}); exiting with {EXIT_PREEMPTED_NOTHING_SAVED}; "
-                f"{flag.timing()}, {when}", StopReason.PREEMPTED_NOTHING_SAVED)
-        if sft_saved:
-            saved = self.save_warm_start()
-            then = (f"the warm start continues at SFT step {ws.done + 1}" if in_sft
-                    else "the warm start is over, step 1 comes next")
-            raise TrainingStopped(
-                f"preempted by signal {name} {'in the SFT warm start' if in_sft else f'before step {step}'}: "
-                f"{saved} (SFT step {ws.done} of {ws.steps}); exiting with {EXIT_PREEMPTED} (resume with "
-                f"checkpoint.resume=true: {then}); {flag.timing()}, {when}, save {time.perf_counter() - t_stop:.1f} s",
-                StopReason.PREEMPTED)
-        saved = self._save_last_completed_step()
-        raise TrainingStopped(f"preempted by signal {name} before step {step}: {saved} (step {self.step}); "
-                              f"exiting with {EXIT_PREEMPTED} (resume with checkpoint.resume=true); {flag.timing()}, "
-                              f"{when}, save {time.perf_counter() - t_stop:.1f} s", StopReason.PREEMPTED)
-
-    def save_warm_start(self) -> str:
-        """Every rank: the SFT warm start as far as it went, as the checkpoint of step 0 (its weights, its
-        optimizer while it is unfinished, its progress and data position; the KL reference is taken after
-        it, so none). Returns what the stop line says about it."""
-        ck, ws = self.cfg.checkpoint, self.warm_start
-        self.checkpoints.save(0, self.ddp, ws.optimizer, None, extra_models={},
-                              extra={"data": self.sampler.state_dict(), "config": to_dict(self.cfg),
-                                     "sft": ws.state_dict()},
-                              during_save=functools.partial(self.hooks.during_save, self))
-        return f"warm start saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
-
-    def _stop_without_rollouts(self, e: RolloutRanksLost) -> None:
-        # raised on every trainer rank together (RemoteSource._stop_everywhere); the save holds the
-        # weights of version self.step and the data position after the last consumed batch
-        saved = self._save_last_completed_step()
-        raise TrainingStopped(f"stopping before step {self.step + 1}: {e}; {saved} (resume with "
-                              "checkpoint.resume=true: the rollouts in flight are generated again)", e.reason)
-
-    def _save_last_completed_step(self) -> str:
-        """Every rank, when the job stops early: save the state after step ``self.step``, unless the
-        periodic save at the end of that step holds it already (its directory has a manifest only once
-        complete): writing it again would spend the scheduler's lead time on a copy. The ranks vote, so
-        all save or none. Returns what the stop line says about the checkpoint."""
-        ck = self.cfg.checkpoint
-        just_saved = bool(ck.save and self.step and self.checkpoints.due(self.step)
-                          and has_manifest(iter_dir(ck.save, self.step)))
-        if not comm.all_ranks(just_saved, self.state.device, what="preemption: step already saved"):
-            self.save()
-        return f"checkpoint saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
+        """If any rank got a stop signal: save what this run completed and raise TrainingStopped
+        (trainer/stopping.py). At a step boundary (a vote), or with ``abandoned`` / ``agreed`` when every
+        rank already agreed (a step left in flight, the warm start's own vote)."""
+        self.stopping.check(self.step, abandoned=abandoned, agreed=agreed)
 
     def save(self) -> None:
         """Every rank: the state after ``self.step``, now (a stop, a skipped update)."""
@@ -416,5 +332,6 @@ class Trainer:
         self.source.close()
         if self.evaluator is not None:
             self.evaluator.close()
+        self.reward.close()  # its worker processes, if any
         self.logger.close()
         components.release_process_state(self)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,17 +43,35 @@ from megatron_gspo.rollout.rows import common_length, micro_batch_slices, pad_co
 log = logging.getLogger("megatron_gspo")
 
 
-def build_sft_batch(prompts, tokenizer, pad_id: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> tokens [B, T] (prompt + answer + eos, right-padded), loss mask [B, T-1] on the targets,
-    lengths [B] (real tokens per row); all on ``device``."""
-    seqs, starts = [], []
+def sft_rows(prompts, tokenizer, max_length: Optional[int] = None) -> tuple[list[list[int]], list[int], int]:
+    """(rows: prompt + answer + eos token ids, where each row's answer starts, how many rows were cut). A row
+    longer than ``max_length`` (model.max_position_embeddings) keeps its first ``max_length`` tokens: the
+    prompt whole (data.max_prompt_length keeps it shorter) and the start of its answer, without the eos
+    (the right truncation of TRL's SFTTrainer, verl's SFT ``truncation: right``)."""
+    rows, starts, cut = [], [], 0
     for p in prompts:
-        if p.answer is None:
+        if p.answer is None or getattr(p.answer, "missing", False):
             raise DataError(f"prompt {p.id}: the supervised warm start (train.sft_steps > 0) needs a reference "
                             "answer (data.answer_key)")
-        ans = tokenizer.encode(str(p.answer)) + [tokenizer.eos_id]
-        seqs.append(list(p.ids) + ans)
+        row = list(p.ids) + tokenizer.encode(str(p.answer)) + [tokenizer.eos_id]
+        if max_length is not None and len(row) > max_length:
+            row, cut = row[:max_length], cut + 1
+        rows.append(row)
         starts.append(len(p.ids))
+    return rows, starts, cut
+
+
+def build_sft_batch(prompts, tokenizer, pad_id: int, device="cpu",
+                    max_length: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> tokens [B, T] (prompt + answer + eos, right-padded; a row over ``max_length`` cut: sft_rows), loss mask
+    [B, T-1] on the targets, lengths [B] (real tokens per row); all on ``device``."""
+    rows, starts, _ = sft_rows(prompts, tokenizer, max_length)
+    return pad_sft_rows(rows, starts, pad_id, device)
+
+
+def pad_sft_rows(seqs: list[list[int]], starts: list[int], pad_id: int,
+                 device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sft_rows' rows as build_sft_batch's (tokens, loss mask, lengths)."""
     T = max(len(s) for s in seqs)
     tokens = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(seqs), T - 1, dtype=torch.bool)
@@ -105,8 +123,8 @@ def build_demonstration_batch(items, pad_id: int, device="cpu") -> tuple[torch.T
 
 class SFTRun:
     """The warm start's state: its optimizer, its own prompt stream and the steps done, so that a stop
-    signal can cut it short between two steps and a checkpoint of it (trainer.save_warm_start) continues
-    exactly where it stopped. model: the DDP-wrapped policy; cfg: the JobConfig (train.sft_*, optimizer,
+    signal can cut it short between two steps and a checkpoint of it (StopControl.save_warm_start, in
+    trainer/stopping.py) continues exactly where it stopped. model: the DDP-wrapped policy; cfg: the JobConfig (train.sft_*, optimizer,
     model, data); pad: the padding token id. ``optimizer=False``: none is built (a finished warm start
     that only restores its weights)."""
 
@@ -124,6 +142,7 @@ class SFTRun:
                         PromptSampler(dataset, tokenizer, dataclasses.replace(cfg.data, seed=cfg.data.seed + 7919),
                                       t.sft_batch_size))
         self.done = self.first = 0  # steps done; where this process started (a checkpoint's progress)
+        self.rows = self.cut = 0  # rows trained on by this process, and those cut at model.max_position_embeddings
 
     @property
     def finished(self) -> bool:
@@ -149,16 +168,36 @@ class SFTRun:
             if should_stop():
                 return False
             self.step()
+        if self.cut and self.state.is_main:
+            log.info("SFT warm start: %d of its %d rows were cut at model.max_position_embeddings=%d tokens",
+                     self.cut, self.rows, self.cfg.model.max_position_embeddings)
         return True
+
+    def _rows(self, prompts) -> tuple[list[list[int]], list[int]]:
+        """This rank's share of the batch ``prompts`` as sft_rows; rows cut for length counted over the whole
+        batch (said at the first step that cuts any)."""
+        limit = self.cfg.model.max_position_embeddings
+        rows, starts, cut = sft_rows(prompts, self.tokenizer, limit)
+        per = len(prompts) // self.state.dp
+        mine = slice(self.state.dp_rank * per, (self.state.dp_rank + 1) * per)
+        if cut and not self.cut and self.state.is_main:
+            log.warning("SFT step %d: %d of %d rows (prompt + reference answer + eos) are longer than "
+                        "model.max_position_embeddings=%d tokens; each keeps its first %d tokens (its answer cut on "
+                        "the right, without its eos; the total is said when the warm start ends)", self.done + 1, cut,
+                        len(prompts), limit, limit)
+        self.rows, self.cut = self.rows + len(prompts), self.cut + cut
+        return rows[mine], starts[mine]
 
     def step(self) -> None:
         """One supervised step on ``sft_batch_size`` prompts (collective)."""
         model, st, cfg, t, pad = self.model, self.state, self.cfg, self.cfg.train, self.pad
         prompts = self.sampler.next_batch()
         per = len(prompts) // st.dp
-        mine = prompts[st.dp_rank * per:(st.dp_rank + 1) * per]
-        tokens, mask, lengths = (build_demonstration_batch(mine, pad, st.device) if self.demonstrations
-                                 else build_sft_batch(mine, self.tokenizer, pad, st.device))
+        if self.demonstrations:
+            mine = prompts[st.dp_rank * per:(st.dp_rank + 1) * per]
+            tokens, mask, lengths = build_demonstration_batch(mine, pad, st.device)
+        else:
+            tokens, mask, lengths = pad_sft_rows(*self._rows(prompts), pad, st.device)
         # one width on every rank (MoE dispatch is a collective); (T - 1) % TP == 0 under SP, and a
         # multiple of FP8's token alignment under FP8 (rollout.forward_width_multiple)
         T = common_length(tokens.shape[1], forward_width_multiple(model, st), st.device, group=dist.group.WORLD)
@@ -206,7 +245,7 @@ class SFTWarmStart(TrainerHook):
             run.load_state_dict(progress, accept=trainer.checkpoints.change_allowed)
             log.info("resumed the supervised warm start from %s at SFT step %d of %d", info["path"], run.done,
                      run.steps)
-        trainer.warm_start = run
+        trainer.stopping.warm_start = run  # what a stop signal from now on saves
         if not run.run(should_stop=lambda: trainer.stop_requested("preemption vote in the SFT warm start")):
             trainer.stop_if_preempted(agreed=True)
         run.optimizer = None  # its memory goes before the RL optimizer is built

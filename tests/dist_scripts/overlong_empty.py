@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron_gspo.runtime import parallel
 from megatron_gspo.rollout import prepare as rollout  # where the batch's truncation flags are computed
 from megatron_gspo.config import load_job_config
-from megatron_gspo.train import DEMO_CONFIG, Trainer
+from megatron_gspo.train import DEMO_CONFIG, Trainer, configure_logging
 
 
 def main() -> None:
@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     cfg = load_job_config(DEMO_CONFIG, a.overrides + ["train.overlong_filtering=true", "train.num_steps=1"])
+    configure_logging(cfg)
     trainer = Trainer(cfg)
     rank = trainer.state.rank
     if str(rank) in a.truncated_on.split(","):

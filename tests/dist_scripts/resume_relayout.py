@@ -10,7 +10,7 @@ import argparse
 
 from megatron_gspo.runtime import parallel
 from megatron_gspo.config import load_job_config
-from megatron_gspo.train import DEMO_CONFIG, Trainer
+from megatron_gspo.train import DEMO_CONFIG, Trainer, configure_logging
 from megatron_gspo.trainer.optim import setup_optimizer
 
 
@@ -21,6 +21,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     cfg = load_job_config(DEMO_CONFIG, a.overrides + [f"checkpoint.save={a.src}", "checkpoint.resume=true"])
+    configure_logging(cfg)
     trainer = Trainer(cfg)
     trainer.optimizer, trainer.scheduler, trainer.step = setup_optimizer(  # loads weights, Adam moments, scheduler and data position
         trainer.cfg, trainer.state, trainer.ddp, trainer.checkpoints, trainer.sampler, trainer.ref_model, trainer.step)

@@ -15,14 +15,24 @@ Faults of an asynchronous job, for its tests (rollout.mode=async):
                              the weight push of version V: the trainer is in the middle of streaming to it
   --silence-trainer-at S     the trainer's heartbeat stops as step S begins (a hung trainer, process alive)
   --sigterm-rollout-at S:R   global rank R (a rollout rank) sends itself SIGTERM as it begins step S
+  --kill-rollout-after S:R   trainer rank 0, once step S is trained, SIGKILLs global rank R (a rollout rank)
+                             and sends itself SIGTERM, as torchrun does when a rank dies: the signal is there
+                             before the trainer touches the dead rank again (its next stop vote sees it)
+  --hold-sigterm             the trainer's ranks block SIGTERM for their whole life: torchrun's SIGTERM after
+                             a rank died never reaches them, so the trainer finds the dead rank itself
 """
+
+import signal
+import sys
+
+if "--hold-sigterm" in sys.argv:  # before any thread exists: every thread inherits the mask
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 import argparse
 import contextlib
 import dataclasses
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -33,9 +43,10 @@ from megatron_gspo.rollout.worker import run_rollout_rank
 from megatron_gspo.checkpoint import save_model
 from megatron_gspo.config import load_job_config
 from megatron_gspo.runtime.metrics import MetricAccumulator
+from megatron_gspo.testing.faults import FaultInjection
 from megatron_gspo.rollout.rows import micro_batch_slices
 from megatron_gspo.trainer.hooks import TrainerHook
-from megatron_gspo.train import DEMO_CONFIG, Trainer
+from megatron_gspo.train import DEMO_CONFIG, Trainer, configure_logging
 from megatron_gspo.trainer.loop import TrainingStopped
 
 
@@ -51,10 +62,22 @@ class SilenceHeartbeat(TrainerHook):
             trainer.side._heartbeat.stop()
 
 
+class KillRolloutRank(TrainerHook):
+    """Trainer rank 0, once step ``step`` is trained: SIGKILL the rollout rank of global rank ``rank`` (its pid
+    from ``out``/rank<R>.pid) and send itself SIGTERM, in that order, as torchrun does when a rank dies."""
+
+    def __init__(self, step, rank, out):
+        self.step, self.rank, self.out = step, rank, out
+
+    def after_step(self, trainer, metrics):
+        if trainer.step == self.step and trainer.state.is_main:
+            with open(os.path.join(self.out, f"rank{self.rank}.pid"), encoding="utf-8") as f:
+                os.kill(int(f.read()), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def kill_in_push(version):
     """This rollout rank dies (SIGKILL) right after receiving the header of the push of ``version``."""
-    import signal
-
     from megatron_gspo.runtime import comm
 
     real = comm.bridge_broadcast
@@ -217,18 +240,28 @@ def main():
     ap.add_argument("--kill-in-push", default="", help="V:R: global rank R dies in the weight push of version V")
     ap.add_argument("--silence-trainer-at", type=int, default=0, help="the trainer's heartbeat stops at this step")
     ap.add_argument("--sigterm-rollout-at", default="", help="S:R: global rank R gets SIGTERM as it begins step S")
+    ap.add_argument("--kill-rollout-after", default="", help="S:R: trainer rank 0 kills global rank R after step S")
+    ap.add_argument("--hold-sigterm", action="store_true", help="the trainer's ranks never see SIGTERM")
     a = ap.parse_args(argv[:split])
     overrides = argv[split + 1:] + [f"train.output_dir={a.out}", "train.tensorboard=false"]
     cfg = load_job_config(DEMO_CONFIG, overrides)
     os.makedirs(a.out, exist_ok=True)
+    configure_logging(cfg)  # as train.main does: the trainer's and the rollout ranks' lines
     if role_of(cfg) == ROLLOUT:  # rollout.mode=async: this rank generates for the trainer's ranks
+        with open(os.path.join(a.out, f"rank{os.environ['RANK']}.pid"), "w", encoding="utf-8") as f:
+            f.write(str(os.getpid()))  # for --kill-rollout-after
+        if a.hold_sigterm:  # only the trainer holds it back
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         if a.kill_in_push and int(a.kill_in_push.split(":")[1]) == int(os.environ["RANK"]):
             kill_in_push(int(a.kill_in_push.split(":")[0]))
         if a.sigterm_rollout_at and int(a.sigterm_rollout_at.split(":")[1]) == int(os.environ["RANK"]):
             sigterm_at(int(a.sigterm_rollout_at.split(":")[0]), int(os.environ["RANK"]))
-        sys.exit(run_rollout_rank(cfg))
+        sys.exit(run_rollout_rank(cfg, faults=FaultInjection.from_env()))
     hooks = [SilenceHeartbeat(a.silence_trainer_at)] if a.silence_trainer_at else []
-    trainer = Trainer(cfg, hooks=[RecordRollouts(a.out), *hooks])
+    if a.kill_rollout_after:
+        hooks.append(KillRolloutRank(*map(int, a.kill_rollout_after.split(":")), a.out))
+    faults = FaultInjection.from_env()  # MEGATRON_GSPO_FAULTS, as train.main adds it
+    trainer = Trainer(cfg, hooks=[*([faults] if faults else []), RecordRollouts(a.out), *hooks])
     try:
         if a.grads:
             save_gradients(trainer, a.out, [int(x) for x in a.grads.split(",")])
