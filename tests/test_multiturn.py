@@ -43,6 +43,7 @@ def test_a_row_is_its_prompt_then_sampled_turns_and_observations_appended_once(t
 
     with built_trainers(BASE, tmp_path) as build:
         t = build([])
+        position = t.sampler.state_dict()
         rec = _record(t)
         fmt = PlainFormat(t.tokenizer)
         assert rec.trajectories and len(rec.trajectories) == rec.num_rows == 8
@@ -71,7 +72,8 @@ def test_a_row_is_its_prompt_then_sampled_turns_and_observations_appended_once(t
             assert traj["max_turns_reached"] == (traj["num_turns"] == 3 and bool(rec.stopped[r]))
             turns_seen.add(traj["num_turns"])
         assert 3 in turns_seen
-        # the same record again: the noise is keyed by row, turn and position
+        # the same prompts again, the same record: the noise is keyed by row, turn and position
+        t.sampler.load_state_dict(position)
         again = _record(t)
         assert torch.equal(again.tokens, rec.tokens) and torch.equal(again.loss_mask, rec.loss_mask)
 
@@ -200,3 +202,52 @@ def test_a_multi_turn_run_resumed_in_the_middle_equals_the_uninterrupted_one(tmp
     for a, b in zip(straight, resumed):
         for k in keys:
             assert a[k] == b[k], (a["step"], k, a[k], b[k])
+
+
+@pytest.mark.slow
+def test_a_stop_signal_during_a_tool_call_ends_the_job_within_seconds(tmp_path):
+    """``python -m megatron_gspo.train`` whose environment step hangs (multiturn_envs:Hanging, in the worker
+    pool): a SIGTERM once the step is running stops the job within seconds, the hanging worker killed, exit 79
+    (the first step never completed: nothing to save), one stop line that says where."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from megatron_gspo.runtime import exit_status
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    marker, out = tmp_path / "pid", tmp_path / "run"
+    job = [a for a in BASE if not a.startswith("env.name=")] + [
+        "env.name=multiturn_envs:Hanging", f"env.kwargs={{marker: {marker}}}", "env.tool_timeout_s=600",
+        f"train.output_dir={out}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
+    with open(tmp_path / "log", "w") as log:
+        p = subprocess.Popen([sys.executable, "-m", "megatron_gspo.train", *job], stdout=log, stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
+        try:
+            deadline = time.time() + 240
+            while not (marker.exists() and marker.read_text()):
+                assert p.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()[-3000:]
+                time.sleep(0.1)
+            worker = int(marker.read_text())
+            sent = time.time()
+            p.send_signal(signal.SIGTERM)
+            said = None
+            while p.poll() is None and time.time() < sent + 60:
+                if said is None and "preempted by signal" in (tmp_path / "log").read_text():
+                    said = time.time() - sent
+                time.sleep(0.05)
+            rc, took = p.poll(), time.time() - sent
+        finally:
+            if p.poll() is None:
+                p.kill()
+    text = (tmp_path / "log").read_text()
+    print(f"SIGTERM during a hanging environment step: the stop line {said} s later, exit {rc} {took:.1f} s later")
+    assert rc == exit_status.EXIT_PREEMPTED_NOTHING_SAVED and said is not None and said < 5 and took < 30, \
+        (rc, said, took, text[-3000:])
+    stop = [ln for ln in text.splitlines() if "preempted by signal" in ln]
+    assert len(stop) == 1 and "SIGTERM" in stop[0] and "over turns" in stop[0] and "Traceback" not in text, text[-3000:]
+    with pytest.raises(ProcessLookupError):  # the worker that hung is gone
+        os.kill(worker, 0)
