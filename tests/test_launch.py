@@ -359,7 +359,6 @@ def test_python_half_dry_run_validates_a_recipe_layout():
 
 
 @pytest.mark.parametrize("world, args, message", [
-    (2, ["train.dynamic_sampling=true"], "error: train.dynamic_sampling=true needs data-parallel size 1, got 2"),
     (3, [], "error: train.prompts_per_step x generation.n_samples_per_prompt = 256 rollout rows are not divisible "
             "by train.num_minibatches x the data-parallel size = 2 x 3"),
 ])
