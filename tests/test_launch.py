@@ -617,6 +617,25 @@ def test_memory_arithmetic_by_hand():
     assert r["generation"] > kv_cache / gib
 
 
+def test_memory_estimate_counts_the_batch_routes_and_the_global_batch():
+    """The GRPO-R2 recipe (DP 16, dynamic sampling, R2) by hand: the batch's behaviour routes (int16, every
+    position of the rank's 24 rows, 48 layers x top-8) + the replay's int64 copy of one 2-row micro-batch;
+    the step's rows: the batch (29 B per position), the kept rows between rounds (12 B per position, up to
+    all 384 rows) and the exchange's buffers (8 B per token)."""
+    from megatron_gspo.config import load_job_config
+
+    path = str(RECIPE_DIR / "grpo_r2_qwen3_30b_a3b_16xh100.yaml")
+    cfg = load_job_config(path, [])
+    assert cfg.train.dynamic_sampling and cfg.train.dynamic_sampling_max_rounds == 9
+    r = mem.estimate_memory(cfg, 16)
+    gib, seq, L, k, rows, R = 1024 ** 3, 1024 + 3072, 48, 8, 24, 384
+    assert r["routing"] == pytest.approx((rows * seq * L * k * 2 + 2 * seq * L * k * 8) / gib)
+    assert r["rows"] == pytest.approx((rows * seq * 29 + R * seq * 12 + (R + rows) * seq * 8) / gib)
+    off = mem.estimate_memory(load_job_config(path, ["train.dynamic_sampling=false"]), 16)
+    assert off["rows"] == pytest.approx((rows * seq * 29 + (rows + rows) * seq * 8) / gib)
+    assert r["total"] - off["total"] == pytest.approx(r["rows"] - off["rows"])
+
+
 def test_memory_estimate_reacts_to_the_layout():
     from megatron_gspo.config import load_job_config
 
