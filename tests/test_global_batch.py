@@ -5,7 +5,6 @@ replaying every kept row's own routes after the rows moved between ranks."""
 
 import glob
 import json
-import math
 
 import pytest
 import torch
@@ -244,7 +243,6 @@ def test_r3_with_dynamic_sampling_at_dp2_replays_every_kept_rows_own_routes(tmp_
     for line in lines:
         r = json.loads(line.split(" ", 1)[1])
         assert r["rounds"] > 1 and r["moved_rows_frac"] > 0 and r["rows"] == 8, r
-        if r["mode"] == "R3":
-            assert r["old_vs_sample_max"] < 1e-4 and r["routing_change"] == 0.0, r
-        else:
-            assert r["routing_change"] == 0.0 and math.isfinite(r["compared"]) and r["compared"] > 0, r
+        assert r["routing_change"] == 0.0, r  # (NaN, nothing compared, is not 0.0)
+        if r["mode"] == "R3":  # measured 4.8e-7
+            assert r["old_vs_sample_max"] < 1e-4, r

@@ -189,13 +189,12 @@ class ColocatedSource:
             local = dataclasses.replace(local, row_ids=torch.tensor(deal[st.dp_rank], dtype=torch.long,
                                                                     device=local.row_ids.device))
         if st.dp > 1:
-            spec = RouteSpec.of(pool.routes)
+            spec, plen = RouteSpec.of(pool.routes), scores.prompt_lengths.tolist()
             stats = {**stats, "rollout/dp_token_imbalance": token_imbalance(lengths, deal, t.num_minibatches),
                      "rollout/dp_token_imbalance_unbalanced": token_imbalance(
                          lengths, deal_rows(lengths, t.num_minibatches, st.dp, balance=False), t.num_minibatches),
                      "rollout/dp_moved_rows_frac": len(moves) / R,
-                     "rollout/dp_exchange_bytes": float(sum(row_bytes(int(scores.prompt_lengths[s]),
-                                                                      int(scores.response_lengths[s]), spec)
+                     "rollout/dp_exchange_bytes": float(sum(row_bytes(plen[s], lengths[s] - plen[s], spec)
                                                             for s in moves))}
         return dataclasses.replace(local, step=pool.step, gen_s=pool.gen_s, gen_tokens=pool.gen_tokens,
                                    decode_row_steps=pool.decode_row_steps, stats=stats, prompt_ids=[
