@@ -212,12 +212,11 @@ When the trainer starts: the parallel layout is validated against the world size
 (`parallel.validate_layout`, see [troubleshooting](troubleshooting.md#invalid-parallel-layouts)),
 then `JobConfig.check_data_parallel` (also run by `launch/pretrain_gspo.sh --dry-run` with
 `WORLD_SIZE`): the rollout's rows must split evenly into `train.num_minibatches` x the data-parallel
-size, `train.sft_batch_size` must divide by the data-parallel size and `train.dynamic_sampling=true`
-needs data-parallel size 1. The tokenizer's vocabulary must fit `model.vocab_size`, a chat template
-must parse, the `math` reward's reference answers are checked (`reward.max_unreadable_reference_frac`),
-and a resume compares the job with the checkpoint's (`checkpoint.allow_config_change`). A minibatch's
-rows need not be a multiple of `train.micro_batch_size`: the last micro-batch of each minibatch is
-simply smaller.
+size and `train.sft_batch_size` must divide by the data-parallel size. The tokenizer's vocabulary must
+fit `model.vocab_size`, a chat template must parse, the `math` reward's reference answers are checked
+(`reward.max_unreadable_reference_frac`), and a resume compares the job with the checkpoint's
+(`checkpoint.allow_config_change`). A minibatch's rows need not be a multiple of
+`train.micro_batch_size`: the last micro-batch of each minibatch is simply smaller.
 """
 
 

@@ -169,5 +169,10 @@ class FakeNccl:
     def broadcast(self, t, src=0, group=None) -> None:
         self.calls.append(("broadcast", t.device.type))
 
+    def all_to_all_single(self, out, t, output_split_sizes=None, input_split_sizes=None, group=None) -> None:
+        self.calls.append(("all_to_all_single", t.device.type))
+        if out.shape == t.shape:  # a test that sends every rank what it receives gets its own data back
+            out.copy_(t)
+
     def barrier(self, group=None) -> None:
         self.calls.append(("barrier", "-"))

@@ -356,7 +356,6 @@ def test_sampling_at_the_edges_of_the_refused_ranges_is_accepted():
 
 
 @pytest.mark.parametrize("dp, overrides, match", [
-    (2, ["train.dynamic_sampling=true"], r"train\.dynamic_sampling=true needs data-parallel size 1, got 2"),
     (3, [], r"= 64 rollout rows are not divisible by train\.num_minibatches x the data-parallel size = 2 x 3"),
     (4, ["train.sft_steps=1", "train.sft_batch_size=6", "train.num_minibatches=1"],
      r"train\.sft_batch_size=6 is not divisible by the data-parallel size 4"),
@@ -367,6 +366,16 @@ def test_data_parallel_checks(dp, overrides, match):
     cfg = load_job_config(None, overrides)
     cfg.check_data_parallel(1)
     with pytest.raises(ConfigError, match=match):
+        cfg.check_data_parallel(dp)
+
+
+def test_dynamic_sampling_is_accepted_at_any_data_parallel_size():
+    """The kept groups are decided over the whole batch and move to the ranks they are dealt to
+    (rollout/exchange.py): no data-parallel limit left."""
+    from megatron_gspo.config import load_job_config
+
+    cfg = load_job_config(None, ["train.dynamic_sampling=true"])
+    for dp in (1, 2, 4, 8):
         cfg.check_data_parallel(dp)
 
 

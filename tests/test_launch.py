@@ -359,7 +359,6 @@ def test_python_half_dry_run_validates_a_recipe_layout():
 
 
 @pytest.mark.parametrize("world, args, message", [
-    (2, ["train.dynamic_sampling=true"], "error: train.dynamic_sampling=true needs data-parallel size 1, got 2"),
     (3, [], "error: train.prompts_per_step x generation.n_samples_per_prompt = 256 rollout rows are not divisible "
             "by train.num_minibatches x the data-parallel size = 2 x 3"),
 ])
@@ -634,6 +633,25 @@ def test_memory_arithmetic_by_hand():
     megatron = mem.estimate_memory(load_job_config(str(RECIPE_DIR / "gspo_qwen3_30b_a3b_8xh100.yaml"),
                                                    ["generation.decode_impl=megatron"]), 8)
     assert megatron["decoder"] == "megatron" and megatron["generation"] > r["generation"]
+
+
+def test_memory_estimate_counts_the_batch_routes_and_the_global_batch():
+    """The GRPO-R2 recipe (DP 16, dynamic sampling, R2) by hand: the batch's behaviour routes (int16, every
+    position of the rank's 24 rows, 48 layers x top-8) + the replay's int64 copy of one 2-row micro-batch;
+    the step's rows: the batch (29 B per position), the kept rows between rounds (12 B per position, up to
+    all 384 rows) and the exchange's buffers (8 B per token)."""
+    from megatron_gspo.config import load_job_config
+
+    path = str(RECIPE_DIR / "grpo_r2_qwen3_30b_a3b_16xh100.yaml")
+    cfg = load_job_config(path, [])
+    assert cfg.train.dynamic_sampling and cfg.train.dynamic_sampling_max_rounds == 9
+    r = mem.estimate_memory(cfg, 16)
+    gib, seq, L, k, rows, R = 1024 ** 3, 1024 + 3072, 48, 8, 24, 384
+    assert r["routing"] == pytest.approx((rows * seq * L * k * 2 + 2 * seq * L * k * 8) / gib)
+    assert r["rows"] == pytest.approx((rows * seq * 29 + R * seq * 12 + (R + rows) * seq * 8) / gib)
+    off = mem.estimate_memory(load_job_config(path, ["train.dynamic_sampling=false"]), 16)
+    assert off["rows"] == pytest.approx((rows * seq * 29 + (rows + rows) * seq * 8) / gib)
+    assert r["total"] - off["total"] == pytest.approx(r["rows"] - off["rows"])
 
 
 def test_memory_estimate_reacts_to_the_layout():

@@ -435,7 +435,7 @@ def test_old_logprobs_from_the_rollout_save_a_pass(trainer_on, source):
     assert dev == 0 if source == "recompute" else 0 < dev < 1e-5
     assert metrics["loss/onpolicy/clip_frac"] == 0
     # and the routing change is measured against the rollout's own routes when no pass ran
-    routing = trainer.routing.step_metrics(n_micro)
+    routing = trainer.routing.step_metrics()
     assert 0 <= routing["routing/routing_change_frac"] < 0.01  # one minibatch: no update before it
 
 

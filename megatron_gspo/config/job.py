@@ -67,9 +67,6 @@ class JobConfig:
               "holds an equal share of every minibatch")
         check(not (t.sft_steps > 0 and t.sft_batch_size % dp),
               f"train.sft_batch_size={t.sft_batch_size} is not divisible by the data-parallel size {dp}")
-        check(not (t.dynamic_sampling and dp > 1),
-              f"train.dynamic_sampling=true needs data-parallel size 1, got {dp}: the kept groups would have to "
-              "move between data-parallel ranks (use TP / EP for more GPUs)")
 
 
 # The packaged demo job (GSPO on the tiny MoE and the built-in arithmetic task): what the trainer

@@ -381,8 +381,8 @@ class TrainConfig:
     routing_replay: str = knob("off", resume=Resume.REFUSED, choices=ROUTING_REPLAY_MODES)
     # DAPO dynamic sampling (arXiv 2503.14476 §3.2): drop the groups whose rewards are all equal (zero
     # advantage, no signal) and generate more prompts until the step holds train.prompts_per_step
-    # informative groups. Needs data-parallel size 1, routing_replay off or R2, and the old-log-prob
-    # pass (old_logprobs auto or recompute: the pass gives the kept rows' routing references).
+    # informative groups, decided over every data-parallel rank's rows (the kept rows then move to the
+    # ranks they are dealt to, with their routes: rollout/exchange.py).
     dynamic_sampling: bool = knob(False, resume=Resume.REFUSED)
     # The most extra generation rounds a step may run for dynamic sampling (at most 32:
     # DYNAMIC_SAMPLING_ROUNDS_LIMIT); past it the step trains on the informative groups it has, filled
@@ -391,6 +391,11 @@ class TrainConfig:
         4, resume=Resume.REFUSED, ge=0, le=DYNAMIC_SAMPLING_ROUNDS_LIMIT,
         hint="(every round generates train.prompts_per_step x generation.n_samples_per_prompt more responses within "
              "one step)")
+    # Data parallelism: each minibatch's rows are dealt to the DP ranks by token count (equal row counts,
+    # Karmarkar-Karp's partition of the lengths; verl's trainer.balance_batch), after generation, so that
+    # no rank's long responses hold up the update; false: each rank trains the rows it generated (dynamic
+    # sampling still moves the kept rows). Only how the same sums are split: float rounding at most.
+    balance_batch: bool = knob(True, resume=Resume.MAY_CHANGE)
     # Overlong filtering (DAPO §3.4): responses cut at generation.max_new_tokens (no stop token) are
     # masked out of the loss: a truncated answer is not evidence that its reasoning was wrong.
     overlong_filtering: bool = knob(False, resume=Resume.REFUSED)

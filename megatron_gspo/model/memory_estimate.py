@@ -18,9 +18,16 @@ What is counted, and how megatron_gspo actually holds it (model.py / optim.py / 
   ref_model    a second bf16 copy of the weights when loss.kl_coef > 0 (the KL reference).
   fp8_cache    FP8 only: TE's fp8 copy of each GEMM weight and its transpose (2 B/param) while a
                micro-batch is in flight.
-  routing      routes of the local rollout kept between the old-log-prob pass and training:
-               RoutingMonitor's [T, k] int64 ids per layer (always), + RouterReplay's int32 copy
-               (R2 / R3).
+  routing      the behaviour routes, a field of the batch's rows (routing/policy.py): [rows, seq, L, k]
+               int16 ids, every layer's top-k at every position of the rank's R / DP rows, on every TP
+               rank (the old-log-prob pass fills its own sequence chunk), + the replay's int64 copy of
+               one micro-batch (this TP rank's chunk) under R2 / R3.
+  rows         the step's rows on the device: the prepared batch (tokens int64, mask, sample and old
+               (+ reference) log-probs fp32) and the rollout record it is made from (tokens int64,
+               log-probs fp32), 29 B (+4) per position of the R / DP rows; at DP > 1 the exchange's send
+               and receive buffers (rollout/exchange.py: 8 B per token, + L x k B with rollout routes);
+               with dynamic sampling the kept rows between rounds (12 B per position), for up to R rows
+               (every kept group generated on this rank: the worst case, not the mean).
   train_act    activations of ONE micro-batch (micro_batch_size x (max_prompt_length +
                max_new_tokens) tokens), per layer per token, in elements of 2 B (GEMM inputs:
                1 B under FP8):
@@ -55,7 +62,7 @@ What is counted, and how megatron_gspo actually holds it (model.py / optim.py / 
                ``fragmentation`` x the dynamic (activation / generation) peak for the caching
                allocator.
 
-  total = weights + grads + optimizer + ref_model + fp8_cache + routing + kv_cache_kept
+  total = weights + grads + optimizer + ref_model + fp8_cache + routing + rows + kv_cache_kept
           + max(train_act, generation) x (1 + fragmentation) + runtime
 
 It is an estimate for choosing a layout, not a guarantee: sequence lengths are the configured
@@ -203,6 +210,26 @@ def _decoder_bytes(job_cfg, rows_local: int, seq: int, layers: int, w_bytes: int
     return ("megatron", *_generation_bytes(m, rows_local, seq, prompt, layers, tp, w_bytes, imbalance))
 
 
+def _routing_bytes(job_cfg, rows_local: int, seq: int, layers: int, tp: int) -> float:
+    """The batch's behaviour routes (int16, every position of every local row, on every TP rank) + the
+    replay's int64 copy of one micro-batch's chunk (R2 / R3)."""
+    t, k = job_cfg.train, job_cfg.model.moe_router_topk
+    replay = t.micro_batch_size * seq / tp * layers * k * 8 if t.routing_replay != "off" else 0
+    return rows_local * seq * layers * k * 2 + replay
+
+
+def _rows_bytes(job_cfg, rows_local: int, seq: int, layers: int, dp: int) -> float:
+    """The step's rows on the device (module doc: ``rows``)."""
+    t, g, k = job_cfg.train, job_cfg.generation, job_cfg.model.moe_router_topk
+    R = t.prompts_per_step * g.n_samples_per_prompt
+    held = R if t.dynamic_sampling else rows_local  # rows a rank may hold before the deal
+    batch = rows_local * seq * (29 + (4 if job_cfg.loss.kl_coef > 0 else 0))
+    pool = held * seq * 12 if t.dynamic_sampling else 0
+    rollout_routes = t.routing_replay == "R3" or t.old_logprobs == "rollout"
+    wire = (held + rows_local) * seq * (8 + (layers * k if rollout_routes else 0)) if dp > 1 else 0
+    return batch + pool + wire
+
+
 def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 1.5,
                     runtime_overhead_gib: float = 3.0, fragmentation: float = 0.10) -> dict[str, Any]:
     """Estimated peak memory of one GPU of ``job_cfg`` on ``world_size`` GPUs, in GiB.
@@ -236,10 +263,10 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     out["fp8_cache"] = p["gemm"] * 2 / GIB if m.fp8 else 0.0
     # sequences and tokens
     seq = d.max_prompt_length + g.max_new_tokens
-    rows_local = (t.prompts_per_step // dp) * g.n_samples_per_prompt
+    rows_local = t.prompts_per_step * g.n_samples_per_prompt // dp  # generated, and dealt after (rows.deal_rows)
     layers = m.num_layers // pp
-    route_bytes = 8 + (4 if t.routing_replay != "off" else 0)
-    out["routing"] = layers * rows_local * seq / tp * m.moe_router_topk * route_bytes / GIB
+    out["routing"] = _routing_bytes(job_cfg, rows_local, seq, layers, tp) / GIB
+    out["rows"] = _rows_bytes(job_cfg, rows_local, seq, layers, dp) / GIB
     # activations: training (one micro-batch) or generation (KV cache + one prefill block)
     tokens = t.micro_batch_size * seq
     out["train_act"] = _train_activation_bytes(m, tokens, layers, tp, w_bytes, expert_load_imbalance) / GIB
@@ -248,7 +275,7 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     out["generation"] = (kv_cache + prefill) / GIB
     out["kv_cache_kept"] = kv_cache / GIB if g.cuda_graphs else 0.0
 
-    static = sum(out[x] for x in ("weights", "grads", "optimizer", "ref_model", "fp8_cache", "routing",
+    static = sum(out[x] for x in ("weights", "grads", "optimizer", "ref_model", "fp8_cache", "routing", "rows",
                                   "kv_cache_kept"))
     dynamic = max(out["train_act"], out["generation"]) * (1 + fragmentation)
     out["runtime"] = runtime_overhead_gib + dynamic - max(out["train_act"], out["generation"])

@@ -3,9 +3,10 @@
     record.py       RolloutRecord (one step's rows on this rank) and the async wire format: pack / unpack / concat
     source.py       the RolloutSource protocol, build_source (the one run-time reader of rollout.mode)
     colocated.py    ColocatedSource: the training model generates (generation, rewards, dynamic sampling)
+    exchange.py     the scored rows as one global batch: every rank's scores gathered, rows moved to their ranks
     remote.py       RemoteSource: the rollout ranks of an async job generate; the trainer pushes weights
     prepare.py      BatchPreparer: RolloutRecord -> TrainBatch (advantages, micro-batches, old / reference log-probs)
-    rows.py         which global rows a rank holds; token-grid helpers
+    rows.py         which global rows a rank generates and trains (the deal by tokens); token-grid helpers
 The rollout ranks' side of an asynchronous job (``rollout.mode=async``):
     layout.py       which rank trains and which generates; the config checks that need the world size
     side.py         each side's own torch.distributed world, the bridge between them, the control plane
@@ -23,7 +24,7 @@ _EXPORTS = {
     "RolloutSource": "source", "build_source": "source", "join_side": "source",
     "ColocatedSource": "colocated", "RemoteSource": "remote", "RolloutRanksLost": "remote",
     "BatchPreparer": "prepare", "TrainBatch": "prepare", "rollout_metrics": "prepare",
-    "local_rows": "rows", "micro_batch_slices": "rows",
+    "local_rows": "rows", "micro_batch_slices": "rows", "deal_rows": "rows", "karmarkar_karp": "rows",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,14 +1,16 @@
 """The colocated rollout source: the training model samples its own rollouts (``rollout.mode=colocated``).
 
     1. draw the step's P prompts, the same on every rank                      data.PromptSampler
-    2. keep this rank's rows: its share of every minibatch                    rows.local_rows
+    2. generate this rank's rows: its share of every minibatch                rows.local_rows
     3. sample G responses per prompt on the training model (KV cache)        generation.Generator
-    4. score them (+ DAPO's overlong penalty)                                 rewards
+    4. score them (+ DAPO's overlong penalty); every rank's scores gathered   rewards, exchange.gather_scores
     5. dynamic sampling: more rounds until P informative groups              algorithms.dynamic_sampling
--> a RolloutRecord of this rank's rows (record.py); rollout/prepare.py turns it into the training batch.
+    6. the kept rows as one global batch, dealt to the DP ranks by tokens     rows.deal_rows, exchange.exchange
+-> a RolloutRecord of the rows this rank trains (record.py); rollout/prepare.py turns it into the training batch.
 Sampling noise is keyed by the global row (sampling.py), so the rows are the same under any DP / TP / EP
-layout. The routing policy is told while generating: the routes it records (R3, or the routing reference
-without an old-log-prob pass) travel with their rows, in the record.
+layout; which groups dynamic sampling keeps and which rank trains a row are decided on the gathered
+scores, the same on every rank. The routing policy is told while generating: the routes it records (R3,
+or the routing reference without an old-log-prob pass) travel with their rows, in the record.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -27,10 +28,10 @@ from megatron_gspo.runtime.stop import StepAbandoned
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.model.oom import explain_oom
 from megatron_gspo.data.rewards import ScoringStopped, compute_rewards
+from megatron_gspo.rollout.exchange import RouteSpec, Scores, exchange, gather_scores, row_bytes
 from megatron_gspo.rollout.multiturn import build_multiturn, multiturn_rewards
 from megatron_gspo.rollout.record import RolloutRecord
-from megatron_gspo.rollout.rows import local_rows
-from megatron_gspo.routing.rollout_routes import RolloutRoutes
+from megatron_gspo.rollout.rows import deal_rows, generating_rank, local_rows, token_imbalance
 
 log = logging.getLogger("megatron_gspo")
 
@@ -83,7 +84,8 @@ class ColocatedSource:
         Round ``rnd`` > 0 (dynamic sampling) keys its noise by rows rnd * R + g: every row of every
         round of a step draws distinct noise, and round 0 is exactly the rollout without dynamic
         sampling. Returns (this rank's prompts per row, GenerationOutput, texts, rewards [B], the routes it
-        was generated with: routing.RolloutRoutes, or None when the routing policy records none)."""
+        was generated with: routing.RolloutRoutes, or None when the routing policy records none, the round's
+        P prompts)."""
         cfg, st, dev = self.cfg, self.state, self.state.device
         prompts = self.sampler.next_batch()  # 1. the same P prompts on every rank
         G = self.gen_cfg.n_samples_per_prompt
@@ -91,7 +93,7 @@ class ColocatedSource:
         shapes = (f"{len(mine)} rows, prompts up to {max(len(p.ids) for p in mine)} tokens + "
                   f"{self.gen_cfg.max_new_tokens} new")
         if self.multiturn is not None:
-            return (mine, *self._talk(step, rnd, rows, R, mine, shapes))
+            return (mine, *self._talk(step, rnd, rows, R, mine, shapes), prompts)
         with self.timer("generate"), self.routing.generating(), explain_oom("generation", cfg, st, shapes):  # 3.
             out = self.generator.generate([p.ids for p in mine], self.row_gen_cfg, seed=self.sampling_seed(step),
                                           row_keys=[rnd * R + g for g in rows],
@@ -114,7 +116,7 @@ class ColocatedSource:
             if r.overlong_buffer_len > 0:  # DAPO's soft overlong punishment, part of the reward
                 rewards = rewards + overlong_penalty(out.response_lengths.to(dev), self.gen_cfg.max_new_tokens,
                                                      r.overlong_buffer_len, r.overlong_penalty_factor)
-        return mine, out, texts, rewards, routes
+        return mine, out, texts, rewards, routes, prompts
 
     def _talk(self, step: int, rnd: int, rows: list[int], R: int, mine: list, shapes: str):
         """Steps 3-4 of a multi-turn job: every row talks with its environment (rollout/multiturn.py), then is
@@ -136,55 +138,52 @@ class ColocatedSource:
                 raise StepAbandoned(step + 1, f"while scoring round {rnd + 1}")
         return out, texts, rewards, out.routes
 
+    def _round(self, step: int, rnd: int, rows: list[int], R: int):
+        """One generation round: this rank's rows as a record (row_ids: the generation keys rnd * R + g, unique
+        within the step), every rank's scores by row of the round (one all-gather), the round's prompts."""
+        st, t = self.state, self.cfg.train
+        mine, out, texts, rewards, routes, prompts = self._generate_round(step, rnd, rows, R)
+        scores = gather_scores(rewards, out, R, t.num_minibatches, st.dp, st.dp_group, st.device)
+        record = RolloutRecord.from_generation(step, out, [rnd * R + g for g in rows], [p.id for p in mine], texts,
+                                               rewards, routes=routes)
+        return record, scores, prompts
+
     def _dynamic_rounds(self, step: int, rows: list[int], R: int, G: int):
-        """Dynamic sampling (dynamic_sampling.py; data-parallel size 1, so ``rows`` is every row): rounds
-        of P prompts until P informative groups, or train.dynamic_sampling_max_rounds extra rounds (each
-        one logged). Between rounds only the groups that can still be picked are kept (prune_groups: at
-        most P, their rows copied out of the round's output), so memory does not grow with the rounds.
-        Returns the kept rows merged like one round's output (prompts, output, texts, rewards, routes), the
-        step's statistics and every round's generated-token count."""
+        """Dynamic sampling over the whole batch: rounds of P prompts until P informative groups (decided on
+        every rank's gathered rewards), or train.dynamic_sampling_max_rounds extra rounds (each one logged).
+        Between rounds only the groups that can still be picked are kept (prune_groups: at most P, this
+        rank's rows of them copied out of the round's output), so memory does not grow with the rounds.
+        Returns (the picked groups in pick order, this rank's rows of them, the step's statistics)."""
         t = self.cfg.train
         P = t.prompts_per_step
-        kept: list[_Group] = []  # informative first, each part in (round, group) order
-        rounds = groups = dropped = gen_tokens = 0
-        reward_sum, times = 0.0, dict(elapsed_s=0.0, prefill_s=0.0, num_forwards=0, decode_row_steps=0)
+        kept: list[_Pick] = []  # informative first, each part in (round, group) order
+        pool, rounds, dropped, reward_sum, totals = None, 0, 0, 0.0, dict(gen_s=0.0, gen_tokens=0, decode_row_steps=0)
         while True:
-            mine, out, texts, rewards, routes = self._generate_round(step, rounds, rows, R)
-            flags = informative_groups(rewards, G).tolist()
-            groups, dropped = groups + len(flags), dropped + flags.count(False)
-            reward_sum, gen_tokens = reward_sum + float(rewards.double().sum()), gen_tokens + out.num_generated_tokens
-            times = {k: v + getattr(out, k) for k, v in times.items()}
-            new = [_Group(ok, mine[g * G:(g + 1) * G], texts[g * G:(g + 1) * G], rewards[g * G:(g + 1) * G].clone(),
-                          routes.select(range(g * G, (g + 1) * G)) if routes is not None else None,
-                          _merge_rows([out], [(0, g * G + j) for j in range(G)], self.gen_cfg.pad_id))
-                   for g, ok in enumerate(flags)]
-            kept = prune_groups(kept + new, P, informative=lambda grp: grp.informative)
+            record, scores, prompts = self._round(step, rounds, rows, R)
+            flags = informative_groups(scores.rewards, G).tolist()
+            dropped, reward_sum = dropped + flags.count(False), reward_sum + float(scores.rewards.double().sum())
+            totals = {k: v + getattr(record, k) for k, v in totals.items()}
+            kept = prune_groups(kept + [_Pick(rounds, g, ok, prompts[g], scores.rows(g * G, (g + 1) * G))
+                                        for g, ok in enumerate(flags)], P, informative=lambda p: p.informative)
+            pool = _keep(record if pool is None else RolloutRecord.cat([pool, record], self.gen_cfg.pad_id),
+                         {p.round * R + p.group * G + j for p in kept for j in range(G)})
             rounds += 1
-            found = sum(grp.informative for grp in kept)
+            found = sum(p.informative for p in kept)
             if found == P or rounds > t.dynamic_sampling_max_rounds:
                 break
             log.info("step %d: dynamic sampling: %d of %d informative groups after %d generation round(s); round %d "
                      "of at most %d (train.dynamic_sampling_max_rounds=%d extra)", step + 1, found, P, rounds,
                      rounds + 1, t.dynamic_sampling_max_rounds + 1, t.dynamic_sampling_max_rounds)
-        filled = P - found
-        if filled:
+        if P - found and self.state.is_main:
             log.warning("step %d: dynamic sampling found %d of %d informative groups in %d generation rounds "
                         "(train.dynamic_sampling_max_rounds=%d); %d constant groups (zero advantage) fill the step",
-                        step + 1, found, P, rounds, t.dynamic_sampling_max_rounds, filled)
+                        step + 1, found, P, rounds, t.dynamic_sampling_max_rounds, P - found)
         stats = {"dynamic_sampling/rounds": float(rounds),
-                 "dynamic_sampling/dropped_group_frac": dropped / groups,
-                 "dynamic_sampling/filled_groups": float(filled),
-                 "dynamic_sampling/generated_reward_mean": reward_sum / (groups * G)}
-        # the kept groups' rows, in pick order; the timings are those of every round
-        out = _merge_rows([grp.out for grp in kept], [(k, j) for k in range(len(kept)) for j in range(G)],
-                          self.gen_cfg.pad_id)
-        out = dataclasses.replace(out, **times)
-        mine = [p for grp in kept for p in grp.prompts]
-        texts = [x for grp in kept for x in grp.texts]
-        # the kept rows' own routes (R3, or the routing reference), whichever round generated them
-        routes = RolloutRoutes.cat([grp.routes for grp in kept]) if kept[0].routes is not None else None
-        # gen_tokens: every round's, kept or not
-        return mine, out, texts, torch.cat([grp.rewards for grp in kept]), routes, stats, gen_tokens
+                 "dynamic_sampling/dropped_group_frac": dropped / (rounds * P),
+                 "dynamic_sampling/filled_groups": float(P - found),
+                 "dynamic_sampling/generated_reward_mean": reward_sum / (rounds * P * G)}
+        # the timings and generated tokens are every round's, kept or not
+        return kept, dataclasses.replace(pool, **totals), stats
 
     def collect(self, step: int) -> RolloutRecord:
         st, t = self.state, self.cfg.train
@@ -192,44 +191,64 @@ class ColocatedSource:
         R = t.prompts_per_step * G
         rows = local_rows(R, t.num_minibatches, st.dp, st.dp_rank)  # 2.
         if t.dynamic_sampling:
-            mine, out, texts, rewards, routes, stats, gen_tokens = self._dynamic_rounds(step, rows, R, G)
+            picks, pool, stats = self._dynamic_rounds(step, rows, R, G)
         else:
-            (mine, out, texts, rewards, routes), stats, gen_tokens = self._generate_round(step, 0, rows, R), {}, None
-        return RolloutRecord.from_generation(step, out, rows, [p.id for p in mine], texts, rewards,
-                                             gen_tokens=gen_tokens, stats=stats, routes=routes)
+            pool, scores, prompts = self._round(step, 0, rows, R)
+            picks, stats = [_Pick(0, g, True, prompts[g], scores.rows(g * G, (g + 1) * G)) for g in range(len(prompts))], {}
+        return self._global_batch(picks, pool, stats, R, G)
+
+    def _global_batch(self, picks: list, pool: RolloutRecord, stats: dict, R: int, G: int) -> RolloutRecord:
+        """The picked groups as the step's global batch (slot i * G + j: sample j of the i-th picked group), dealt
+        to the DP ranks by token count (rows.deal_rows) and moved there (exchange.exchange; nothing moves
+        when the deal leaves every row where it was generated): this rank's rows as a record, with every
+        slot's reward (the advantages' input) and, at DP > 1, how balanced the deal is."""
+        st, t = self.state, self.cfg.train
+        keys = [p.round * R + p.group * G + j for p in picks for j in range(G)]  # slot -> generation key
+        scores = Scores.cat([p.scores for p in picks])
+        lengths = scores.seq_lengths.tolist()
+        deal = deal_rows(lengths, t.num_minibatches, st.dp, balance=t.balance_batch)
+        holder = [generating_rank(k % R, R, t.num_minibatches, st.dp) for k in keys]
+        at = {key: i for i, key in enumerate(pool.row_ids.tolist())}
+        where = {s: at[k] for s, k in enumerate(keys) if k in at}  # slot -> its row in the pool, held here
+        moves = [s for r, dealt in enumerate(deal) for s in dealt if holder[s] != r]
+        prompt_ids = [p.prompt.id for p in picks for _ in range(G)]
+        if moves:
+            local = exchange(pool, where, deal, holder, scores, prompt_ids, rank=st.dp_rank, group=st.dp_group,
+                             device=st.device, pad_id=self.gen_cfg.pad_id, conversations=self.multiturn is not None,
+                             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        else:
+            idx = [where[s] for s in deal[st.dp_rank]]
+            local = pool if idx == list(range(pool.num_rows)) else pool.select(
+                torch.tensor(idx, dtype=torch.long, device=pool.tokens.device), width=pool.tokens.shape[1])
+            local = dataclasses.replace(local, row_ids=torch.tensor(deal[st.dp_rank], dtype=torch.long,
+                                                                    device=local.row_ids.device))
+        if st.dp > 1:
+            spec, plen = RouteSpec.of(pool.routes), scores.prompt_lengths.tolist()
+            stats = {**stats, "rollout/dp_token_imbalance": token_imbalance(lengths, deal, t.num_minibatches),
+                     "rollout/dp_token_imbalance_unbalanced": token_imbalance(
+                         lengths, deal_rows(lengths, t.num_minibatches, st.dp, balance=False), t.num_minibatches),
+                     "rollout/dp_moved_rows_frac": len(moves) / R,
+                     "rollout/dp_exchange_bytes": float(sum(row_bytes(plen[s], lengths[s] - plen[s], spec)
+                                                            for s in moves))}
+        return dataclasses.replace(local, step=pool.step, gen_s=pool.gen_s, gen_tokens=pool.gen_tokens,
+                                   decode_row_steps=pool.decode_row_steps, stats=stats, prompt_ids=[
+                                       prompt_ids[s] for s in local.row_ids.tolist()],
+                                   global_rewards=scores.rewards)
 
 
 @dataclass
-class _Group:
-    """One generated group that dynamic sampling may still pick: its G rows, copied out of their round."""
+class _Pick:
+    """A generated group that dynamic sampling may still pick (every rank knows all of them): its round,
+    its index in the round, whether it carries signal, its prompt and its G rows' scores."""
 
+    round: int
+    group: int
     informative: bool
-    prompts: list
-    texts: list
-    rewards: torch.Tensor  # [G]
-    routes: Optional[RolloutRoutes]  # the G rows' routes (routing.RolloutRoutes), when recorded
-    out: object  # GenerationOutput of the G rows
+    prompt: object
+    scores: Scores
 
 
-
-def _merge_rows(outs: list, take: list[tuple[int, int]], pad_id: int):
-    """One GenerationOutput of the rows ``take`` = [(output index, row)] of several outputs, the token
-    grid padded to the widest; timings and generated-token counts are those of every output (all of
-    them were generated)."""
-    width = max(o.tokens.shape[1] for o in outs)
-
-    def gather(name: str, pad=None) -> torch.Tensor:
-        parts = [getattr(outs[k], name)[i] for k, i in take]
-        if pad is not None:
-            parts = [torch.nn.functional.pad(x, (0, width - x.shape[0]), value=pad) for x in parts]
-        return torch.stack(parts)
-
-    merged = dataclasses.replace(
-        outs[0], tokens=gather("tokens", pad_id), prompt_lengths=gather("prompt_lengths"),
-        response_lengths=gather("response_lengths"), response_mask=gather("response_mask", False),
-        logprobs=gather("logprobs", 0.0), stopped=gather("stopped"), prompt_index=gather("prompt_index"),
-        elapsed_s=sum(o.elapsed_s for o in outs), prefill_s=sum(o.prefill_s for o in outs),
-        num_forwards=sum(o.num_forwards for o in outs), decode_row_steps=sum(o.decode_row_steps for o in outs))
-    if getattr(outs[0], "trajectories", None):  # multi-turn rows: their conversations follow them
-        merged = dataclasses.replace(merged, trajectories=[outs[k].trajectories[i] for k, i in take])
-    return merged
+def _keep(record: RolloutRecord, keys: set) -> RolloutRecord:
+    """The rows of ``record`` whose generation key (row_ids) is in ``keys``, copied out (the grid keeps its width)."""
+    idx = [i for i, k in enumerate(record.row_ids.tolist()) if k in keys]
+    return record.select(torch.tensor(idx, dtype=torch.long, device=record.row_ids.device), width=record.tokens.shape[1])

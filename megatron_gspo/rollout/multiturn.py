@@ -300,7 +300,8 @@ class MultiTurnRollout:
         if routing is not None and routing.on_generation_forward is not None and not abandoned:
             from megatron_gspo.routing.rollout_routes import RolloutRoutes
 
-            routes = RolloutRoutes.from_rows([r.routes for r in rows], routing.recorder.num_experts)
+            L, _, k = rows[0].routes.shape
+            routes = RolloutRoutes.from_rows([r.routes for r in rows], L, k, routing.recorder.num_experts)
         return MultiTurnOutput(
             tokens=tokens.to(dev), prompt_lengths=plen.to(dev), response_lengths=(total - plen).to(dev),
             response_mask=mask.to(dev), logprobs=lp.to(dev),

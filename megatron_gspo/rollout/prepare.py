@@ -1,10 +1,10 @@
 """From a step's RolloutRecord to the training batch: ``BatchPreparer(record) -> TrainBatch``.
 
-    1. advantages over every rank's rewards (a group of G samples may be spread over DP ranks)   global_advantages
+    1. advantages over the step's rewards of every row (record.global_rewards, by global row id)
     2. truncation flags (overlong filtering)                                                    algorithms.overlong
     3. micro-batches of rows of similar length, the same shapes on every EP rank                plan_micro_batches
-    4. the routing policy's after_generation (the record's routes: R3 replays, reference), old log-probs (recomputed, or the
-       sampling ones per train.old_logprobs), reference log-probs (KL)
+    4. the rows' behaviour routes (routing.RoutingPolicy.batch_routes: the record's, or the old-log-prob pass's),
+       old log-probs (recomputed, or the sampling ones per train.old_logprobs), reference log-probs (KL)
 Both rollout sources (colocated.py, remote.py) return a RolloutRecord; the trainer prepares either alike.
 ``rollout_metrics`` reduces the rollout's own metrics over DP.
 
@@ -13,8 +13,8 @@ then pad). Training forwards ``tokens[:, :-1]`` and scores ``tokens[:, 1:]``, so
 used by the losses lives on the shifted ``[B, T-1]`` grid: ``mask = loss_mask[:, 1:]`` (the response; a
 multi-turn row's sampled turns, never its prompt or observations: rollout/multiturn.py). The last
 token of a row is never an input, which is also why routing recorded during generation (R3) needs no
-route for it. Advantages are computed over the gathered rewards of all rows, so the minibatches and
-hence every update are the same under any DP / TP / EP layout.
+route for it. Advantages are computed over the rewards of all rows of the step, so the minibatches and
+hence every update are the same under any DP / TP / EP layout, whichever rank holds a row.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -37,9 +37,6 @@ from megatron_gspo.rollout.record import RolloutRecord
 from megatron_gspo.rollout.rows import local_rows, pad_columns
 
 log = logging.getLogger("megatron_gspo")
-
-# Called around each micro-batch forward with its index: routing replay/monitor hooks use it.
-MicroBatchHook = Optional[Callable[[int], "object"]]
 
 
 @dataclass
@@ -70,6 +67,10 @@ class TrainBatch:
     # [B] long: the policy versions that sampled each row (record.version_start / version_end: async staleness)
     version_start: Optional[torch.Tensor] = None
     version_end: Optional[torch.Tensor] = None
+    # [B, T-1, L, k] compact ids: per row, the behaviour policy's top-k experts of every local MoE layer at each
+    # input position (the rollout's, or the old-log-prob pass's: routing.RoutingPolicy): R2 / R3 replay them,
+    # the routing change is measured against them. Sliced with the rows.
+    routes: Optional[torch.Tensor] = None
     # multi-turn rows (env.name): each row's conversation (record.trajectories), in the batch's row order
     trajectories: list = field(default_factory=list)
 
@@ -92,7 +93,7 @@ class TrainBatch:
             row_ids=self.row_ids[idx], rewards=self.rewards[idx], advantages=self.advantages[idx],
             sample_logprobs=pick(self.sample_logprobs), old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs), sample_ids=ids,
-            truncated=None if self.truncated is None else self.truncated[idx],
+            truncated=None if self.truncated is None else self.truncated[idx], routes=pick(self.routes),
         )
 
     def micro_batch(self, i: int) -> "TrainBatch":
@@ -110,7 +111,8 @@ def forward_width_multiple(model, state) -> int:
 
 def global_advantages(rewards: torch.Tensor, row_ids: torch.Tensor, num_rows: int, group_size: int,
                       estimator, dp_size: int, num_minibatches: int, dp_group) -> torch.Tensor:
-    """Advantages of this rank's rows [B] computed over every rank's rewards.
+    """Advantages of this rank's rows [B] computed over every rank's rewards, for a record without
+    ``global_rewards`` whose rank holds its ``local_rows`` share (the asynchronous source).
 
     rewards, row_ids: [B] on the compute device (this rank's rows). The rewards of all R rows are
     gathered over the DP group (a group of G samples may be spread over ranks) and the estimator
@@ -193,8 +195,11 @@ class BatchPreparer:
         rows = record.row_ids.tolist()
         row_ids = torch.tensor(rows, dtype=torch.long, device=dev)
         rewards = record.rewards
-        advantages = global_advantages(rewards, row_ids, R, G, self.advantage_fn, st.dp, t.num_minibatches,
-                                       st.dp_group)
+        if record.global_rewards is not None:  # the source knows every row's reward (the global batch)
+            advantages = self.advantage_fn(record.global_rewards.to(dev, torch.float32), G)[row_ids]
+        else:
+            advantages = global_advantages(rewards, row_ids, R, G, self.advantage_fn, st.dp, t.num_minibatches,
+                                           st.dp_group)
         cut = truncated(record.stopped.to(dev), record.response_lengths.to(dev), self.gen_cfg.max_new_tokens)
         # rows of similar length share a micro-batch as wide as its longest row; under expert
         # parallelism every MoE forward is a collective: the widths are agreed over all ranks
@@ -212,17 +217,16 @@ class BatchPreparer:
                            sample_ids=[sample_ids[i] for i in perm],
                            micro=[sl for mini in plan for sl in mini], widths=widths,
                            version_start=record.version_start[order], version_end=record.version_end[order],
+                           routes=self.routing.batch_routes(record.routes, order, T - 1, dev),
                            trajectories=[record.trajectories[i] for i in perm] if record.trajectories else [])
         batch.minibatches, n = [], 0
         for mini in plan:
             batch.minibatches.append(list(range(n, n + len(mini))))
             n += len(mini)
         pads = [batch.micro_batch(i).input_padding_mask() for i in range(len(batch.micro))]
-        self.routing.after_generation(record.routes, [order[sl] for sl in batch.micro], widths, pads)
         with self.timer("old_logprob"):
             if self.recompute_old_logprobs:
-                batch.old_logprobs = self.logprobs(self.model, batch, pads, on_micro_batch=self.routing.old_pass)
-                self.routing.after_old_pass()
+                batch.old_logprobs = self.logprobs(self.model, batch, pads, routing=self.routing)
             else:  # the sampling log-probs stand for the old policy's (config.old_logprob_source); a copy,
                 # so that nothing written to one can change the other
                 batch.old_logprobs = batch.sample_logprobs.clone()
@@ -252,18 +256,21 @@ class BatchPreparer:
         return perm, plan, widths
 
     @torch.no_grad()
-    def logprobs(self, model, batch: TrainBatch, pads: list[torch.Tensor], on_micro_batch=None) -> torch.Tensor:
+    def logprobs(self, model, batch: TrainBatch, pads: list[torch.Tensor], routing=None) -> torch.Tensor:
         """Forward-only log-probs of the batch's targets [B, T-1], micro-batch by micro-batch at each one's
-        own width (0 past it)."""
+        own width (0 past it). routing: the RoutingPolicy, for the old-log-prob pass (R3 replays the rows'
+        routes; R2 and the routing reference record this pass's into ``batch.routes``)."""
         out = torch.zeros_like(batch.sample_logprobs)
         for i, sl in enumerate(batch.micro):
             w = batch.widths[i]
-            ctx = on_micro_batch(i) if on_micro_batch is not None else contextlib.nullcontext()
+            ctx = routing.old_pass(batch.micro_batch(i)) if routing is not None else contextlib.nullcontext()
             shapes = f"micro-batch of {sl.stop - sl.start} rows x {w - 1} tokens"
-            with ctx, explain_oom("old_logprobs", self.cfg, self.state, shapes):
+            with ctx as recorded, explain_oom("old_logprobs", self.cfg, self.state, shapes):
                 out[sl, : w - 1], _ = forward_logprobs(model, batch.tokens[sl, : w - 1], batch.tokens[sl, 1:w],
                                                        self.cfg.model.vocab_size, temperature=self.temperature,
                                                        with_entropy=False, padding_mask=pads[i])
+            if recorded is not None and recorded.routes is not None:
+                batch.routes[sl, : w - 1] = recorded.routes
         return out
 
 

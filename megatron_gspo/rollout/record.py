@@ -16,7 +16,8 @@ ranks, each time as four tensors::
 A new field is one entry in one of the three tuples (and WIRE_VERSION + 1, so that a rank of another
 version is refused by name instead of misreading the tensors). ``LOCAL_FIELDS`` never travel: the
 routes a colocated rollout recorded (the asynchronous job refuses R3 and recomputes the old log-probs,
-so nothing on its trainer ranks reads rollout routes: config/rules.py).
+so nothing on its trainer ranks reads rollout routes: config/rules.py), and the step's rewards of every
+row, which the trainer side assembles itself (``global_rewards``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ INT_FIELDS = (("tokens", 2), ("loss_mask", 2), ("prompt_lengths", 1), ("response
               ("stopped", 1), ("version_start", 1), ("version_end", 1))
 FLOAT_FIELDS = (("sample_logprobs", 2), ("rewards", 1))
 META_FIELDS = ("prompt_ids", "texts", "gen_s", "gen_tokens", "decode_row_steps", "stats", "data_state", "trajectories")
-LOCAL_FIELDS = ("routes",)  # not on the wire (module doc)
+LOCAL_FIELDS = ("routes", "global_rewards")  # not on the wire (module doc)
 _DTYPES = {"stopped": torch.bool, "loss_mask": torch.bool}  # int64 on the wire, this dtype in the record
 
 
@@ -79,6 +80,8 @@ class RolloutRecord:
     routes            routing.RolloutRoutes: per row, the top-k experts of every MoE layer for each of its
                       tokens but the last, as generated (R3 replays them; without an old-log-prob pass they
                       are the routing reference); on the host; None when the routing policy records none
+    global_rewards    [R] fp32  the rewards of every row of the step (all ranks), by global row id: the
+                      advantages' input (rollout/prepare.py); None: prepare gathers them from the ranks
     """
 
     step: int
@@ -87,11 +90,11 @@ class RolloutRecord:
     response_lengths: torch.Tensor
     stopped: torch.Tensor
     sample_logprobs: torch.Tensor
-    loss_mask: torch.Tensor
     rewards: torch.Tensor
     row_ids: torch.Tensor
     version_start: torch.Tensor
     version_end: torch.Tensor
+    loss_mask: Optional[torch.Tensor] = None  # None: the response (response_mask), a single-turn row's
     prompt_ids: list = field(default_factory=list)
     texts: list = field(default_factory=list)
     gen_s: float = 0.0
@@ -101,6 +104,11 @@ class RolloutRecord:
     data_state: Optional[dict] = None
     trajectories: list = field(default_factory=list)
     routes: Optional["RolloutRoutes"] = None
+    global_rewards: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.response_mask
 
     @property
     def num_rows(self) -> int:
@@ -153,6 +161,24 @@ class RolloutRecord:
                                    texts=[self.texts[i] for i in pick],
                                    trajectories=[self.trajectories[i] for i in pick] if self.trajectories else [],
                                    routes=self.routes.select(idx) if self.routes is not None else None)
+
+    @classmethod
+    def cat(cls, parts: list["RolloutRecord"], pad_id: int) -> "RolloutRecord":
+        """The rows of ``parts`` (records of one step) one after the other, on one grid (T: the widest;
+        tokens padded with ``pad_id``, log-probs with 0), with their routes; everything else is the first
+        part's (the caller sets the step's timings and statistics)."""
+        T = max(p.tokens.shape[1] for p in parts)
+        tensors = {name: torch.cat([pad_columns(getattr(p, name), T, pad_id if name == "tokens" else 0.0)
+                                    if dims == 2 else getattr(p, name) for p in parts])
+                   for name, dims in INT_FIELDS + FLOAT_FIELDS}
+        routes = None
+        if parts[0].routes is not None:
+            from megatron_gspo.routing.rollout_routes import RolloutRoutes  # the routing package loads megatron
+
+            routes = RolloutRoutes.cat([p.routes for p in parts])
+        return dataclasses.replace(parts[0], **tensors, prompt_ids=[x for p in parts for x in p.prompt_ids],
+                                   texts=[x for p in parts for x in p.texts],
+                                   trajectories=[x for p in parts for x in p.trajectories], routes=routes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,17 +257,8 @@ def concat(parts: list[RolloutRecord], pad_id: int) -> RolloutRecord:
     """Several leaders' records of one step as one record on one grid (T: the widest; tokens padded with
     ``pad_id``, log-probs with 0). gen_s: the slowest part's; gen_tokens, decode_row_steps: summed; stats
     by STAT_MERGE; data_state: the first part's (every leader draws the same prompts)."""
-    T = max(p.tokens.shape[1] for p in parts)
-    tensors = {}
-    for name, dims in INT_FIELDS + FLOAT_FIELDS:
-        if dims == 2:
-            tensors[name] = torch.cat([pad_columns(getattr(p, name), T, pad_id if name == "tokens" else 0) for p in parts])
-        else:
-            tensors[name] = torch.cat([getattr(p, name) for p in parts])
     raw = [{**p.stats, "idle_frac": p.stats["idle_s"] / max(p.stats["wall_s"], 1e-9)} for p in parts]
-    return RolloutRecord(
-        step=parts[0].step, **tensors, prompt_ids=[x for p in parts for x in p.prompt_ids],
-        texts=[x for p in parts for x in p.texts], trajectories=[x for p in parts for x in p.trajectories],
-        gen_s=max(p.gen_s for p in parts),
+    return dataclasses.replace(
+        RolloutRecord.cat(parts, pad_id), gen_s=max(p.gen_s for p in parts),
         gen_tokens=sum(p.gen_tokens for p in parts), decode_row_steps=sum(p.decode_row_steps for p in parts),
         stats={k: merge([s[k] for s in raw]) for k, merge in STAT_MERGE.items()}, data_state=parts[0].data_state)

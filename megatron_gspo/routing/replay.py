@@ -230,28 +230,37 @@ class RoutingReplay:
         if self.mode == "off":
             yield
             return
-        if self.mode == "R3":
-            raise RoutingReplayError("mode R3 takes its routes from rollout generation (RolloutRoutes + load()); "
-                                     "recording() is the R2 path")
         if mb_id in self._routes:
             raise RoutingReplayError(f"routes for micro-batch {mb_id!r} were already recorded this step")
+        with self.recorded(f"recording({mb_id!r})") as got:
+            yield
+        self._store(mb_id, got, f"recording({mb_id!r})")
+
+    @contextlib.contextmanager
+    def recorded(self, what: str = "recorded()") -> Iterator[list[torch.Tensor]]:
+        """Record the top-k of every MoE layer during this forward and hand them over: the yielded list holds,
+        once the block is over, per layer [T, k] int64 (router layout); nothing is stored here (the caller
+        keeps them: routing/policy.py files them with the batch's rows). R2 only."""
+        if self.mode != "R2":
+            raise RoutingReplayError(f"mode {self.mode} records no routes: R3 takes its routes from rollout generation "
+                                     "(RolloutRoutes + load()); recording is the R2 path")
         RR, A = megatron_api()
         inst = self._instances()
         self._check_idle(inst)
         for i in inst:
             i.record_indices(None)
+        got: list[torch.Tensor] = []
         RR.set_global_router_replay_action(A.RECORD)
         try:
-            yield
+            yield got
         finally:
             RR.clear_global_router_replay_action()
-            got = [i.get_recorded_indices() for i in inst]
+            got += [i.get_recorded_indices() for i in inst]
             for i in inst:
                 i.record_indices(None)
         missing = [l for l, g in enumerate(got) if g is None]
         if missing:
-            raise RoutingReplayError(f"recording({mb_id!r}): MoE layers {missing} did not run a forward")
-        self._store(mb_id, got, f"recording({mb_id!r})")
+            raise RoutingReplayError(f"{what}: MoE layers {missing} did not run a forward")
 
     # -- loading (R3, or any externally produced routes) -----------------------------------------------
 
@@ -262,29 +271,34 @@ class RoutingReplay:
         under sequence parallel). No-op in mode "off"."""
         if self.mode == "off":
             return
-        per_layer = as_layer_list(routes, self.num_layers, f"load({mb_id!r})")
+        self._store(mb_id, self._router_routes(routes, f"load({mb_id!r})"), f"load({mb_id!r})")
+
+    def _router_routes(self, routes: Routes, what: str) -> list[torch.Tensor]:
+        """Per layer [b, s, k] (batch-major, full sequences) -> per layer [s_local * b, k] (router layout, this
+        TP rank's sequence chunk under sequence parallel), checked."""
+        per_layer = as_layer_list(routes, self.num_layers, what)
         out = []
         for l, r in enumerate(per_layer):
             if r.dim() != 3:
-                raise RoutingReplayError(f"load({mb_id!r}): layer {l} routes have shape {tuple(r.shape)}, expected [b, s, k]")
+                raise RoutingReplayError(f"{what}: layer {l} routes have shape {tuple(r.shape)}, expected [b, s, k]")
             if r.shape != per_layer[0].shape:
-                raise RoutingReplayError(f"load({mb_id!r}): layer {l} routes {tuple(r.shape)} differ from layer 0 "
+                raise RoutingReplayError(f"{what}: layer {l} routes {tuple(r.shape)} differ from layer 0 "
                                          f"{tuple(per_layer[0].shape)}")
             if bool((r < 0).any()):
-                raise RoutingReplayError(f"load({mb_id!r}): layer {l} has unfilled (-1) expert ids; "
+                raise RoutingReplayError(f"{what}: layer {l} has unfilled (-1) expert ids; "
                                          "use RolloutRoutes.routes_for, which fills padding")
             if self.num_experts is not None and bool((r >= self.num_experts).any()):
-                raise RoutingReplayError(f"load({mb_id!r}): layer {l} has expert ids >= num_experts={self.num_experts}")
+                raise RoutingReplayError(f"{what}: layer {l} has expert ids >= num_experts={self.num_experts}")
             b, s, k = r.shape
             x = r.transpose(0, 1)  # [s, b, k]
             if self.sp_size > 1:
                 if s % self.sp_size:
-                    raise RoutingReplayError(f"load({mb_id!r}): sequence length {s} is not divisible by the "
+                    raise RoutingReplayError(f"{what}: sequence length {s} is not divisible by the "
                                              f"sequence-parallel size {self.sp_size}")
                 c = s // self.sp_size
                 x = x[self.sp_rank * c:(self.sp_rank + 1) * c]
             out.append(x.reshape(-1, k))
-        self._store(mb_id, out, f"load({mb_id!r})")
+        return out
 
     # -- replaying -----------------------------------------------------------------------------------
 
@@ -301,13 +315,29 @@ class RoutingReplay:
         if mb_id in self._consumed:
             raise RoutingReplayError(f"replaying({mb_id!r}): the routes of this micro-batch were already consumed in "
                                      "this training pass (call finish_pass() before replaying them again)")
+        self._consumed.add(mb_id)
+        with self._replay(self._routes[mb_id], mb_id):
+            yield
+
+    @contextlib.contextmanager
+    def replaying_routes(self, routes: Routes) -> Iterator[None]:
+        """Replay ``routes`` (per layer [b, s, k], the micro-batch's full sequences, as ``load`` takes them) in
+        this forward without storing them: the caller keeps them (routing/policy.py: a field of the batch's
+        rows). Activation recompute in the backward replays them too (``backward_replay``)."""
+        if self.mode == "off":
+            yield
+            return
+        with self._replay(self._router_routes(routes, "replaying_routes"), "replaying_routes"):
+            yield
+
+    @contextlib.contextmanager
+    def _replay(self, routes: list[torch.Tensor], tag: Hashable) -> Iterator[None]:
         RR, A = megatron_api()
         inst = self._instances()
         self._check_idle(inst)
         targets = [r.to(device=self._device, dtype=torch.long) if self._device is not None else r.long()
-                   for r in self._routes[mb_id]]
+                   for r in routes]
         RR.set_replay_data(targets)  # sets target_topk_idx and appends to replay_backward_list
-        self._consumed.add(mb_id)
         keep = self.recompute and torch.is_grad_enabled()
         ok = False
         RR.set_global_router_replay_action(A.REPLAY_FORWARD)
@@ -323,7 +353,7 @@ class RoutingReplay:
                     if i.replay_backward_list and i.replay_backward_list[-1] is t:
                         i.replay_backward_list.pop()
             if keep and ok:
-                self._pending.append(mb_id)
+                self._pending.append(tag)
 
     @contextlib.contextmanager
     def backward_replay(self) -> Iterator[None]:

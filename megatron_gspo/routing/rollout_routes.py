@@ -127,17 +127,43 @@ class RolloutRoutes:
         rows = torch.as_tensor(rows, device=self.routes.device).long().reshape(-1)
         return self._of(self.routes[:, rows], self.count[rows], self.num_experts, self.num_steps, self._checked)
 
+    def row(self, i: int) -> torch.Tensor:
+        """Sequence ``i``'s own routes: [L, n - 1, k] for its n tokens (every token but the last)."""
+        return self.routes[:, i, :int(self.count[i])]
+
     @classmethod
-    def from_rows(cls, rows: Sequence[torch.Tensor], num_experts: Optional[int] = None) -> "RolloutRoutes":
-        """Routes assembled row by row (multi-turn rollouts: rollout/multiturn.py): ``rows[i]`` [L, n_i - 1, k],
-        the routes of row i's n_i tokens but the last, in order. Checked by construction."""
-        L, _, k = rows[0].shape
-        width = max(1, max(r.shape[1] for r in rows))
-        routes = torch.full((L, len(rows), width, k), -1, dtype=index_dtype(num_experts))
+    def from_rows(cls, rows: Sequence[torch.Tensor], num_layers: int, topk: int,
+                  num_experts: Optional[int] = None) -> "RolloutRoutes":
+        """Checked routes of sequences given one by one (``row``'s [L, n_i - 1, k]), e.g. rows that moved
+        between ranks (rollout/exchange.py)."""
         for i, r in enumerate(rows):
-            routes[:, i, :r.shape[1]] = r.to(routes.dtype)
+            if r.dim() != 3 or r.shape[0] != num_layers or r.shape[2] != topk:
+                raise RoutingReplayError(f"from_rows: row {i} routes {tuple(r.shape)}; expected [L={num_layers}, n, "
+                                         f"k={topk}]")
         count = torch.tensor([r.shape[1] for r in rows], dtype=torch.long)
-        return cls._of(routes, count, num_experts, 0, True)
+        width = max(1, int(count.max())) if rows else 1
+        out = torch.full((num_layers, len(rows), width, topk), -1, dtype=index_dtype(num_experts))
+        for i, r in enumerate(rows):
+            out[:, i, :r.shape[1]] = r.to(out.dtype)
+        return cls._of(out, count, num_experts, 0, True)
+
+    def batch_layout(self, rows: Sequence[int] | torch.Tensor, seq_len: int) -> torch.Tensor:
+        """The routes of sequences ``rows`` in the training batch's layout: [len(rows), seq_len, L, k], compact
+        ids (``index_dtype``), the filler route [0, ..., k-1] past each sequence's routes (``routes_for``)."""
+        if not self._checked:
+            raise RoutingReplayError("batch_layout: call check(lengths) after the last add_step")
+        rows = torch.as_tensor(rows, device=self.routes.device).long().reshape(-1)
+        count = self.count[rows]
+        if rows.numel() and seq_len < int(count.max()):
+            raise RoutingReplayError(f"batch_layout: seq_len={seq_len} is shorter than a sequence's {int(count.max())} "
+                                     "routed positions")
+        n = min(seq_len, self.max_len)
+        out = torch.empty(rows.numel(), seq_len, self.num_layers, self.topk, dtype=self.routes.dtype,
+                          device=self.routes.device)
+        out[:, :n] = self.routes[:, rows, :n].permute(1, 2, 0, 3)
+        pad = torch.arange(seq_len, device=out.device)[None, :] >= count[:, None]  # [b, s]
+        out[pad] = torch.arange(self.topk, dtype=out.dtype, device=out.device)
+        return out
 
     @classmethod
     def cat(cls, parts: Sequence["RolloutRoutes"]) -> "RolloutRoutes":

@@ -118,14 +118,17 @@ def broadcast(t: torch.Tensor, src: int, group=None, *, what: str) -> torch.Tens
     return t
 
 
-def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group=None, *, what: str) -> torch.Tensor:
-    """Equal-split all-to-all: chunk i of ``t`` (along dim 0) goes to group rank i, ``out`` receives
-    one chunk from every rank in group-rank order; returns ``out`` (a copy of ``t`` for one rank)."""
+def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group=None, *, what: str,
+                      out_splits: Optional[list[int]] = None, in_splits: Optional[list[int]] = None) -> torch.Tensor:
+    """All-to-all: chunk i of ``t`` (along dim 0) goes to group rank i, ``out`` receives one chunk from
+    every rank in group-rank order; returns ``out`` (a copy of ``t`` for one rank). Equal chunks, or
+    ``in_splits`` / ``out_splits``: the sizes sent to / received from each rank (both ends must agree)."""
     if not _active(group):
         return out.copy_(t)
     _check(t, group, what)
     _check(out, group, what)
-    _transport.all_to_all_single(out, t.contiguous(), group=group)
+    _transport.all_to_all_single(out, t.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                 group=group)
     return out
 
 

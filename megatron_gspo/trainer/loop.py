@@ -162,7 +162,7 @@ class Trainer:
             with self.timer("train"):
                 metrics = self.train_on(batch)
             metrics.update(rollout_metrics(batch, self.state))
-            metrics.update(self.routing.step_metrics(len(batch.micro)))
+            metrics.update(self.routing.step_metrics())
             self.step += 1
             metrics.update(perf_metrics(self.timer, metrics["perf/gen_tokens"], time.perf_counter() - t0))
             metrics.update(data_metrics(data_before, self.sampler.counters(), self.step, self.cfg.data, self.state.is_main))
@@ -226,7 +226,7 @@ class Trainer:
             self.scheduler.step(increment=1)
             grad_norms.append(gnorm)
             self.hooks.after_update(self, k)
-        self.routing.finish_step()  # asserts every recorded route was replayed exactly once
+        self.routing.finish_step()  # asserts every replayed backward recompute ran
         out = {(k if k.startswith(("rollout/", "rollout_correction/")) else f"loss/{k}"): v
                for k, v in acc.reduce(st.dp_group).items()}
         out["loss/clip_frac"] = out["loss/clip_frac_low"] + out["loss/clip_frac_high"]
@@ -268,7 +268,7 @@ class Trainer:
         for j, micro in enumerate(micros):
             set_aux_loss_scale(scales[j], st.device)  # megatron reads it in this micro-batch's backward only
             shape = f"micro-batch of {micro.tokens.shape[0]} rows x {micro.tokens.shape[1] - 1} tokens"
-            with explain_oom("training", cfg, st, shape), self.routing.train_pass(mini[j]):
+            with explain_oom("training", cfg, st, shape), self.routing.train_pass(micro):
                 # log-probs from the final hidden states, output layer fused in: no [b, s, V] logits
                 logp, ent = forward_logprobs(self.ddp, micro.tokens[:, :-1], micro.tokens[:, 1:], cfg.model.vocab_size,
                                              temperature=self.prepare.temperature, padding_mask=pad_masks[j])
