@@ -251,3 +251,70 @@ def test_a_stop_signal_during_a_tool_call_ends_the_job_within_seconds(tmp_path):
     assert len(stop) == 1 and "SIGTERM" in stop[0] and "over turns" in stop[0] and "Traceback" not in text, text[-3000:]
     with pytest.raises(ProcessLookupError):  # the worker that hung is gone
         os.kill(worker, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts and the asynchronous source (torchrun, gloo): the multi-turn job equals its one-rank run
+# ----------------------------------------------------------------------------------------------
+
+# A multi-turn environment that is not a tool (env/games.py), importable by every rank: an untrained policy
+# rarely says a number, so most rows are told "a number, please" and talk until env.max_turns.
+DIST_JOB = [a for a in BASE if not a.startswith(("env.name=", "parallel.device=", "train.num_steps="))] + [
+    "env.name=megatron_gspo.env.games:GuessWithFeedback", "train.num_steps=2", "train.old_logprobs=recompute",
+    "model.moe_router_load_balancing_type=global_aux_loss"]
+DIST_LAYOUTS = {  # name: (ranks, overrides)
+    "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),
+    "ep2": (2, ["parallel.expert_model_parallel_size=2"]),
+    "dp2": (2, []),
+    "async": (2, ["rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0"]),
+}
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory, run_dist):
+    root = tmp_path_factory.mktemp("multiturn_layouts")
+    run_dist("run_job.py", 1, "--out", str(root / "one"), "--", *DIST_JOB, timeout=600)
+    for name, (n, extra) in DIST_LAYOUTS.items():
+        run_dist("run_job.py", n, "--out", str(root / name), "--", *DIST_JOB, *extra, timeout=600)
+    return root
+
+
+def _trained_rows(d):
+    out = {}
+    for name in sorted(os.listdir(d)):
+        if name.startswith("rollouts.dp"):
+            for line in open(d / name):
+                r = json.loads(line)
+                assert (r["step"], r["row"]) not in out
+                out[(r["step"], r["row"])] = r
+    return out
+
+
+@pytest.mark.parametrize("layout", list(DIST_LAYOUTS))
+def test_the_multi_turn_job_under_a_layout_or_async_equals_one_rank(dist_runs, layout):
+    """TP 2 (the environments on the first rank of the TP group, their replies broadcast), EP 2 (the turns in
+    MoE lockstep), DP 2 (rows dealt by tokens: conversations and loss masks move with them), and an async job
+    (one trainer + one rollout rank, staleness 0: the record over the wire): every row of every step, its
+    tokens, its loss mask, its reward and advantage are the one-rank run's, the turn metrics equal, the losses
+    and the final weights equal to float noise."""
+    from megatron_gspo.checkpoint import dist_checkpoint_to_tensors
+
+    ref, got = _trained_rows(dist_runs / "one"), _trained_rows(dist_runs / layout)
+    assert len(ref) == 2 * 8 and ref.keys() == got.keys()
+    for k in ref:
+        for field in ("tokens", "mask", "reward", "advantage"):
+            assert ref[k][field] == got[k][field], (layout, k, field)
+    assert any(0 < sum(r["mask"]) < len(r["mask"]) - 3 for r in ref.values())  # observations in the rows
+    m_ref = [json.loads(x) for x in open(dist_runs / "one" / "metrics.jsonl")]
+    m_got = [json.loads(x) for x in open(dist_runs / layout / "metrics.jsonl")]
+    assert [r["step"] for r in m_got] == [1, 2] and m_ref[0]["rollout/turns_mean"] > 1.5
+    for a, b in zip(m_ref, m_got):
+        for key in ("rollout/turns_mean", "rollout/observation_tokens_mean", "rollout/max_turns_reached_frac",
+                    "rollout/reward_mean"):
+            assert a[key] == b[key], (layout, a["step"], key)
+        for key in ("loss/loss", "train/grad_norm", "loss/approx_kl", "loss/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (layout, a["step"], key)
+    tensors = lambda d: {k: v for k, v in dist_checkpoint_to_tensors(str(d / "weights")).items()  # noqa: E731
+                         if isinstance(v, torch.Tensor)}
+    w_ref, w_got = tensors(dist_runs / "one"), tensors(dist_runs / layout)
+    assert max((w_got[k] - w_ref[k]).abs().max().item() for k in w_ref) < 5e-5

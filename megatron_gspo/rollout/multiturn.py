@@ -126,6 +126,7 @@ class MultiTurnRollout:
         self.runs_env = self.tp_group is None or state.tp_rank == 0
         self.lockstep = state is not None and state.ep > 1  # generate's MoE lockstep spans the world
         self.device = state.device if state is not None else torch.device("cpu")
+        self.gen_kw: Optional[dict] = None  # run()'s
 
     def close(self) -> None:
         """End the worker processes."""
@@ -175,7 +176,7 @@ class MultiTurnRollout:
         on_forward = routing.on_generation_forward if routing is not None else None
         with (routing.generating() if routing is not None else _nothing()):
             out = self.generator.generate(contexts, cfg, seed=seed, row_keys=turn_keys, on_forward=on_forward,
-                                          should_stop=should_stop)
+                                          **(self.gen_kw or {"should_stop": should_stop}))
         routes = routing.rollout_routes(out) if routing is not None and on_forward is not None else None
         return out, routes
 
@@ -238,14 +239,16 @@ class MultiTurnRollout:
         return rows
 
     def run(self, prompts: list, keys: list[int], seed: int, routing=None,
-            should_stop: Optional[Callable[[], bool]] = None, gen_cfg=None) -> MultiTurnOutput:
+            should_stop: Optional[Callable[[], bool]] = None, gen_cfg=None, gen_kw: Optional[dict] = None) -> MultiTurnOutput:
         """The rows of ``prompts`` (data.Prompt, one row each; ``keys``: their noise keys) talked to the end;
-        ``gen_cfg``: another sampling config for this call (the evaluator's greedy pass), one sample per row."""
-        saved, self.gen_cfg = self.gen_cfg, gen_cfg or self.gen_cfg
+        ``gen_cfg``: another sampling config for this call (the evaluator's greedy pass), one sample per row;
+        ``gen_kw``: keywords of every turn's generate in place of ``should_stop`` (an asynchronous rollout rank's
+        ``poll`` / ``on_update``: weight pushes between decode steps; rollout/worker.py)."""
+        saved, self.gen_cfg, self.gen_kw = self.gen_cfg, gen_cfg or self.gen_cfg, gen_kw
         try:
             return self._run(prompts, keys, seed, routing, should_stop)
         finally:
-            self.gen_cfg = saved
+            self.gen_cfg, self.gen_kw = saved, None
 
     # long: the turn loop in one place, each step a call (generate, take, observe, vote)
     def _run(self, prompts: list, keys: list[int], seed: int, routing, should_stop) -> MultiTurnOutput:
