@@ -455,8 +455,9 @@ def stopped_line(run_dist, tmp_path, steps: int, *overrides: str) -> str:
 def test_a_heartbeat_timeout_says_so_in_the_stop_line(run_dist, tmp_path):
     """The trainer's heartbeat stops at step 2 (a hung trainer, seen from the rollout rank): after
     rollout.heartbeat_timeout_s the rollout rank leaves, and the trainer's stop line says that a heartbeat
-    timeout ended it, quoting the timeout (not "rollout rank 1 exited: finished")."""
-    line = stopped_line(run_dist, tmp_path, 40, "rollout.heartbeat_timeout_s=3", "--silence-trainer-at", "2")
+    timeout ended it, quoting the timeout (not "rollout rank 1 exited: finished"). The job asks for far more
+    steps than it runs: at 0.07 s a step on an idle machine, 40 steps ended before the 3 s timeout (CI, exit 0)."""
+    line = stopped_line(run_dist, tmp_path, 1000, "rollout.heartbeat_timeout_s=3", "--silence-trainer-at", "2")
     assert line.startswith("STOPPED exit 75: stopping before step "), line
     assert ("rollout rank 1 exited: declared the trainer dead: trainer rank 0 sent no heartbeat for "
             in line and "(rollout.heartbeat_timeout_s=3)" in line), line

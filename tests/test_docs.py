@@ -109,7 +109,7 @@ def test_overrides_in_docs_exist():
 # Quoted log text that looks like a metric name ("non-finite loss/gradients, update skipped").
 NOT_METRICS = {"loss/gradients"}
 _PREFIXES = "loss|rollout|routing|perf|train|data|rollout_correction|dynamic_sampling|eval|async"
-# a module path (rollout/prepare.py, data/rewards.py) is not a metric name
+# a module path (rollout/prepare.py, data/tokenizer.py) is not a metric name
 _METRIC = re.compile(r"(?<![\w/.-])((?:" + _PREFIXES + r")/[A-Za-z0-9_/@]*[A-Za-z0-9_])(?![A-Za-z0-9_/@])(?!\.py\b)")
 
 
@@ -202,7 +202,8 @@ def test_python_m_modules_in_docs_exist():
 KEEP_PATH = "keep-path"
 # Files of other projects that comments and docs name by their file name, and placeholders of examples.
 NOT_OURS = {"fp8_utils.py": "megatron-core", "moe_utils.py": "megatron-core", "quantization.py": "Transformer Engine",
-            "core_algos.py": "verl", "file.py": "the reward spec's path:function example",
+            "core_algos.py": "verl", "moe_logging.py": "megatron-core",
+            "my_losses.py": "docs/algorithms.md's plug-in loss example", "file.py": "the reward spec's path:function example",
             "x.py": "tests/test_tools.py's hand-made trees", "y.py": "(the same)", "rt.py": "(the same)"}
 # ``name.attr`` references whose first part is not a module: torch.distributed imported as ``dist``; a
 # variable of routing/metrics.py; placeholders ("section.field").
