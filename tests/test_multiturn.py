@@ -318,3 +318,21 @@ def test_the_multi_turn_job_under_a_layout_or_async_equals_one_rank(dist_runs, l
                          if isinstance(v, torch.Tensor)}
     w_ref, w_got = tensors(dist_runs / "one"), tensors(dist_runs / layout)
     assert max((w_got[k] - w_ref[k]).abs().max().item() for k in w_ref) < 5e-5
+
+
+def test_dynamic_sampling_and_rollout_correction_run_on_multi_turn_rows(tmp_path):
+    """Dynamic sampling draws rounds of multi-turn rows (no group is informative here: every row ends unscored by
+    Echo, exact_match gives 0) and keeps their conversations with them; rollout correction weighs the sampled
+    tokens (TIS, the old log-probs recomputed: the ratio to the rollout's is float noise)."""
+    from megatron_gspo.config import load_job_config
+
+    rows = run_job_rows(load_job_config(None, BASE + [
+        f"train.output_dir={tmp_path}/ds", "train.dynamic_sampling=true", "train.dynamic_sampling_max_rounds=1",
+        "train.old_logprobs=recompute", "rollout_correction.mode=tis", "train.dump_rollouts=true"]))
+    m = rows[0]
+    assert m["dynamic_sampling/rounds"] == 2.0 and m["rollout/turns_mean"] > 1.5
+    correction = {k: v for k, v in m.items() if k.startswith("rollout_correction/")}
+    assert correction, sorted(m)
+    dumped = [json.loads(x) for x in open(tmp_path / "ds" / "rollouts" / "step_000001.jsonl")]
+    assert len(dumped) == 8 and all(d["turns"][-1]["role"] == "assistant" for d in dumped)
+    assert m["rollout/logprob_diff_max"] < 1e-5
