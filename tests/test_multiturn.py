@@ -336,3 +336,16 @@ def test_dynamic_sampling_and_rollout_correction_run_on_multi_turn_rows(tmp_path
     dumped = [json.loads(x) for x in open(tmp_path / "ds" / "rollouts" / "step_000001.jsonl")]
     assert len(dumped) == 8 and all(d["turns"][-1]["role"] == "assistant" for d in dumped)
     assert m["rollout/logprob_diff_max"] < 1e-5
+
+
+def test_evaluation_talks_each_held_out_prompt_to_its_end(tmp_path):
+    """eval.* of a multi-turn job: each held-out prompt talked over turns with its environment (greedy), the
+    turns and tool calls reported beside the accuracy."""
+    from megatron_gspo.config import load_job_config
+
+    rows = run_job_rows(load_job_config(None, [a for a in BASE if a != "eval.interval=0"] + [
+        f"train.output_dir={tmp_path}/eval", "eval.interval=1", "eval.num_prompts=4", "eval.num_samples=0"]))
+    m = rows[0]
+    assert m["eval/num_prompts"] == 4.0 and m["eval/turns_mean"] > 1.5 and m["eval/tool_calls_mean"] == 0.0
+    assert m["eval/greedy_accuracy"] == 0.0  # Echo never rewards, exact_match on a word of the untrained model
+    assert m["eval/response_length_mean"] <= 3 * 4  # sampled tokens only: at most 3 turns of 4
