@@ -550,6 +550,14 @@ def test_loss_config_validation_names_the_field(kwargs, match):
             pytest.fail(f"{path} took {kwargs}")
 
 
+def test_a_loss_key_is_refused_before_the_other_rules():
+    """The loss section's own mistake is the one reported, whatever else the job gets wrong (the job's first rule)."""
+    from megatron_gspo.config import load_job_config
+
+    with pytest.raises(ValueError, match=r"loss\.dual_clip_c applies to loss\.name='grpo' only"):
+        load_job_config(None, ["loss.dual_clip_c=3", "train.num_minibatches=7"])
+
+
 def test_registry_and_dispatch_errors():
     assert get_policy_loss("gspo") is gspo_loss
     with pytest.raises(ValueError, match=r"unknown policy loss 'ppo'; valid names: \['gspo', 'gspo_token', 'grpo', 'sapo', 'cispo', 'gmpo', 'luspo'\]"):
