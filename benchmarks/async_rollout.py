@@ -27,16 +27,15 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.torchrun_job import run_job  # noqa: E402
 from benchmarks.trl_side_by_side import SHAPES  # noqa: E402
 from megatron_gspo.runtime.sysinfo import load_avg, machine_info  # noqa: E402
 
@@ -75,32 +74,18 @@ def warm_start(shape: str, a, out_dir: str) -> str:
 def run(shape: str, mode: str, a, out_dir: str, start: str) -> dict:
     args = job(shape, a) + mode_overrides(mode, a.rollout_ranks) + [
         f"train.output_dir={out_dir}", "train.sft_steps=0", f"checkpoint.load={start}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
-           "-m", "megatron_gspo.train", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if p.returncode != 0:
-        raise SystemExit(f"{mode} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    rows = [json.loads(x) for x in open(os.path.join(out_dir, "metrics.jsonl"))]
-    timed = rows[1:] or rows
-
-    def mean(key):
-        vals = [r[key] for r in timed if key in r]
-        return statistics.fmean(vals) if vals else None
-
+    r = run_job(args, out_dir, nproc=a.nproc, threads=a.threads, tree=REPO, label=mode, pythonpath=False)
     return {
-        "mode": mode, "wall_s": wall, "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-        "step_s_median": statistics.median(r["perf/step_time_s"] for r in timed),
-        "step_s_all": [r["perf/step_time_s"] for r in rows],
-        "reward": [r["rollout/reward_mean"] for r in rows],
-        "trainer_idle_frac": mean("async/trainer_idle_frac"), "rollout_idle_frac": mean("async/rollout_idle_frac"),
-        "weight_sync_s": mean("async/weight_sync_s"), "weight_sync_bytes": mean("async/weight_sync_bytes"),
-        "staleness_mean": mean("async/staleness_mean"),
-        "partial_finished_rows": sum(r.get("async/partial_finished_rows", 0) for r in rows),
+        "mode": mode, "wall_s": r.wall_s, "cpu_s": r.cpu_s,
+        "step_s_median": statistics.median(x["perf/step_time_s"] for x in r.timed),
+        "step_s_all": [x["perf/step_time_s"] for x in r.rows],
+        "reward": [x["rollout/reward_mean"] for x in r.rows],
+        "trainer_idle_frac": r.stat("async/trainer_idle_frac", statistics.fmean),
+        "rollout_idle_frac": r.stat("async/rollout_idle_frac", statistics.fmean),
+        "weight_sync_s": r.stat("async/weight_sync_s", statistics.fmean),
+        "weight_sync_bytes": r.stat("async/weight_sync_bytes", statistics.fmean),
+        "staleness_mean": r.stat("async/staleness_mean", statistics.fmean),
+        "partial_finished_rows": sum(x.get("async/partial_finished_rows", 0) for x in r.rows),
     }
 
 

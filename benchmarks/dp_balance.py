@@ -35,9 +35,7 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +43,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.torchrun_job import run_job  # noqa: E402
 from benchmarks.trl_side_by_side import SHAPES  # noqa: E402
 from megatron_gspo.runtime.sysinfo import load_avg, machine_info  # noqa: E402
 
@@ -67,34 +66,16 @@ def job(a) -> list[str]:
 def run(variant: str, a, out_dir: str) -> dict:
     tree = a.before if variant == "before" else REPO
     args = job(a) + VARIANTS[variant] + [f"train.output_dir={out_dir}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "megatron_gspo.train", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": tree}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if p.returncode != 0:
-        raise SystemExit(f"{variant} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    rows = [json.loads(x) for x in open(os.path.join(out_dir, "metrics.jsonl"))]
-    timed = rows[1:] or rows
-
-    def median(key):
-        vals = [r[key] for r in timed if key in r]
-        return statistics.median(vals) if vals else None
-
-    return {"variant": variant, "tree": tree, "wall_s": wall,
-            "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-            "step_s_median": median("perf/step_time_s"), "train_s_median": median("perf/train_s"),
-            "old_logprob_s_median": median("perf/old_logprob_s"), "generate_s_median": median("perf/generate_s"),
-            "step_s_all": [r["perf/step_time_s"] for r in rows],
-            "imbalance": median("rollout/dp_token_imbalance"),
-            "imbalance_unbalanced": median("rollout/dp_token_imbalance_unbalanced"),
-            "response_length_mean": median("rollout/response_length_mean"),
-            "response_length_max": median("rollout/response_length_max"),
-            "loss": [r["loss/loss"] for r in rows]}
+    r = run_job(args, out_dir, nproc=2, threads=a.threads, tree=tree, label=variant)
+    return {"variant": variant, "tree": tree, "wall_s": r.wall_s, "cpu_s": r.cpu_s,
+            "step_s_median": r.stat("perf/step_time_s"), "train_s_median": r.stat("perf/train_s"),
+            "old_logprob_s_median": r.stat("perf/old_logprob_s"), "generate_s_median": r.stat("perf/generate_s"),
+            "step_s_all": [x["perf/step_time_s"] for x in r.rows],
+            "imbalance": r.stat("rollout/dp_token_imbalance"),
+            "imbalance_unbalanced": r.stat("rollout/dp_token_imbalance_unbalanced"),
+            "response_length_mean": r.stat("rollout/response_length_mean"),
+            "response_length_max": r.stat("rollout/response_length_max"),
+            "loss": [x["loss/loss"] for x in r.rows]}
 
 
 def _update_s(trainer, record, rows: list[int], micro_batch_size: int) -> float:

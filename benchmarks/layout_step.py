@@ -27,16 +27,14 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.torchrun_job import run_job  # noqa: E402
 from benchmarks.trl_side_by_side import SHAPES  # noqa: E402
 from megatron_gspo.runtime.sysinfo import load_avg, machine_info  # noqa: E402
 
@@ -58,31 +56,14 @@ def job(a, layout: str, side: str, out_dir: str, steps: int) -> list[str]:
 
 def run(a, layout: str, side: str, out_dir: str, steps: int) -> dict:
     repo = os.path.abspath(a.baseline_repo) if side == "before" else REPO
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "megatron_gspo.train", *job(a, layout, side, out_dir, steps)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": repo}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=repo)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if p.returncode != 0:
-        raise SystemExit(f"{layout} {side} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    rows = [json.loads(x) for x in open(os.path.join(out_dir, "metrics.jsonl"))]
-    timed = rows[1:] or rows
-
-    def median(key):
-        vals = [r[key] for r in timed if key in r]
-        return statistics.median(vals) if vals else None
-
-    return {"layout": layout, "side": side, "wall_s": wall,
-            "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-            "step_s_median": median("perf/step_time_s"), "generate_s_median": median("perf/generate_s"),
-            "old_logprob_s_median": median("perf/old_logprob_s"), "train_s_median": median("perf/train_s"),
-            "step_s_all": [r["perf/step_time_s"] for r in rows],
-            "reward": [r["rollout/reward_mean"] for r in rows],
-            "response_length": [r.get("rollout/response_length_mean") for r in rows]}
+    r = run_job(job(a, layout, side, out_dir, steps), out_dir, nproc=2, threads=a.threads, tree=repo,
+                label=f"{layout} {side}")
+    return {"layout": layout, "side": side, "wall_s": r.wall_s, "cpu_s": r.cpu_s,
+            "step_s_median": r.stat("perf/step_time_s"), "generate_s_median": r.stat("perf/generate_s"),
+            "old_logprob_s_median": r.stat("perf/old_logprob_s"), "train_s_median": r.stat("perf/train_s"),
+            "step_s_all": [x["perf/step_time_s"] for x in r.rows],
+            "reward": [x["rollout/reward_mean"] for x in r.rows],
+            "response_length": [x.get("rollout/response_length_mean") for x in r.rows]}
 
 
 def summarize(runs: list[dict], layouts: list[str], sides: list[str]) -> dict:

@@ -178,12 +178,14 @@ python -m megatron_gspo.train job.yaml --train.num_steps 10 --loss.name=gspo_tok
 
 Checks across sections (`config/rules.py`, run in order by `JobConfig.__post_init__`), before anything is built:
 
+* first, the `loss` section against its loss's spec (`algorithms/loss_spec.py`), by key: `loss.name`
+  names a loss, `loss.clip_ratio_*` do not apply to `loss.name=sapo` (a gate, no clip range),
+  `loss.sapo_tau_*` apply to it only, `loss.loss_agg_mode` to `grpo` and `cispo` only, every value within
+  its bounds (those that overflow in the training precision after the two checks below);
 * `train.prompts_per_step x generation.n_samples_per_prompt` must be divisible by
   `train.num_minibatches`;
 * `train.routing_replay` other than `off` needs a loss with per-token ratios, `loss.name` `grpo`, `sapo`,
   `cispo` or `gmpo` (GSPO's sequence ratio needs no routing replay);
-* `loss.clip_ratio_*` do not apply to `loss.name=sapo` (a gate, no clip range), `loss.sapo_tau_*` apply
-  to it only, `loss.loss_agg_mode` to `grpo` and `cispo` only;
 * `generation.n_samples_per_prompt >= 2`: every advantage estimator is group-relative (`dr_grpo` and
   `mean_only` subtract the group mean too), so a group of one response has advantage 0;
 * `train.sft_steps > 0` needs reference answers: `data.answer_key` set (built-in and reasoning-gym

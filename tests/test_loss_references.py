@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_gspo.config import LossConfig
+from megatron_gspo.algorithms.loss_spec import clip_range
 from megatron_gspo.algorithms.losses import (
     SAPO_GATED_WEIGHT,
     batch_normalizer,
@@ -372,11 +373,11 @@ def test_gmpo_clips_tokens_before_the_mean_one_sided_by_the_advantage_sign():
 
 
 def test_config_defaults_are_the_papers():
-    assert LossConfig(name="cispo").clip_range() == (1.0, 4.0)
-    assert LossConfig(name="gmpo").clip_range() == (0.4, 0.4)
-    assert LossConfig(name="luspo").clip_range() == (2e-3, 2.5e-3)
+    assert clip_range(LossConfig(name="cispo")) == (1.0, 4.0)
+    assert clip_range(LossConfig(name="gmpo")) == (0.4, 0.4)
+    assert clip_range(LossConfig(name="luspo")) == (2e-3, 2.5e-3)
     sapo = LossConfig(name="sapo")
-    assert sapo.clip_range() is None and (sapo.sapo_tau_pos, sapo.sapo_tau_neg) == (1.0, 1.05)
+    assert clip_range(sapo) is None and (sapo.sapo_tau_pos, sapo.sapo_tau_neg) == (1.0, 1.05)
     # compute_policy_loss hands each loss its config (float32 path here, as in the trainer)
     logp, old, adv, mask = random_batch(12, scale=0.5)
     for name, fn in LOSSES.items():

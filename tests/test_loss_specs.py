@@ -22,8 +22,10 @@ FP32, BF16 = torch.finfo(torch.float32), torch.finfo(torch.bfloat16)
 
 
 def test_a_plug_in_loss_is_checked_by_key_from_its_spec():
+    from megatron_gspo.algorithms.loss_spec import clip_range, describe_loss
+
     loss = load_job_config(None, [SPO]).loss
-    assert loss.clip_range() == (0.2, 0.2) and loss.describe() == "clip 0.2 / 0.2"  # its spec's defaults
+    assert clip_range(loss) == (0.2, 0.2) and describe_loss(loss) == "clip 0.2 / 0.2"  # its spec's defaults
     with pytest.raises(ConfigError, match=r"loss\.clip_ratio_low must be in \(0, 1\), got 1\.5"):  # its units
         load_job_config(None, [SPO, "loss.clip_ratio_low=1.5"])
     with pytest.raises(ConfigError, match=r"loss\.dual_clip_c applies to loss\.name='grpo' only"):
@@ -68,7 +70,8 @@ def test_every_built_in_loss_is_one_spec_beside_its_function():
     SAPO_TAUS) is each loss's spec; the function's defaults are the config's, its keywords the spec's."""
     import inspect
 
-    from megatron_gspo.algorithms.loss_spec import CONFIGURABLE, TOKEN, config_values, loss_spec, losses_where
+    from megatron_gspo.algorithms.loss_spec import (CONFIGURABLE, TOKEN, config_values, describe_loss, loss_spec,
+                                                    losses_where)
     from megatron_gspo.algorithms.losses import POLICY_LOSSES, LossConfig, gspo_loss
 
     assert list(POLICY_LOSSES) == ["gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo", "luspo"]
@@ -81,8 +84,8 @@ def test_every_built_in_loss_is_one_spec_beside_its_function():
         params = inspect.signature(fn).parameters
         assert list(params)[:4] == ["logp", "old_logp", "advantages", "mask"]
         assert {p: params[p].default for p in fn.spec.defaults()} == fn.spec.defaults()
-    assert LossConfig(name="sapo").describe() == "gate tau 1 / 1.05"
-    assert LossConfig(name="gmpo").describe() == "clip 0.4 / 0.4 (log-ratio)"
+    assert describe_loss(LossConfig(name="sapo")) == "gate tau 1 / 1.05"
+    assert describe_loss(LossConfig(name="gmpo")) == "clip 0.4 / 0.4 (log-ratio)"
     logp, mask = torch.zeros(1, 2, requires_grad=True), torch.ones(1, 2, dtype=torch.bool)
     with pytest.raises(TypeError, match=r"gspo_loss\(\) got an unexpected keyword argument 'tau_pos'"):
         gspo_loss(logp, torch.zeros(1, 2), torch.ones(1), mask, tau_pos=1.0)

@@ -15,6 +15,8 @@ from megatron_gspo.algorithms.losses import (
     gspo_loss,
     gspo_token_loss,
 )
+from megatron_gspo.algorithms.loss_spec import check_loss_config, clip_range
+from megatron_gspo.config import JobConfig
 from megatron_gspo.runtime.metrics import reduce_metrics
 
 X = 123.0  # a value at a masked position; must never matter
@@ -499,10 +501,10 @@ def test_bf16_inputs_are_computed_in_float32():
 
 
 def test_loss_config_defaults_per_loss():
-    assert LossConfig(name="gspo").clip_range() == (3e-4, 4e-4)
-    assert LossConfig(name="gspo_token").clip_range() == (3e-4, 4e-4)
-    assert LossConfig(name="grpo").clip_range() == (0.2, 0.2)
-    assert LossConfig(name="grpo", clip_ratio_high=0.28).clip_range() == (0.2, 0.28)
+    assert clip_range(LossConfig(name="gspo")) == (3e-4, 4e-4)
+    assert clip_range(LossConfig(name="gspo_token")) == (3e-4, 4e-4)
+    assert clip_range(LossConfig(name="grpo")) == (0.2, 0.2)
+    assert clip_range(LossConfig(name="grpo", clip_ratio_high=0.28)) == (0.2, 0.28)
 
 
 @pytest.mark.parametrize(
@@ -534,8 +536,26 @@ def test_loss_config_defaults_per_loss():
     ],
 )
 def test_loss_config_validation_names_the_field(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        LossConfig(**kwargs)
+    """The same refusal, by key, on every path a loss section takes: its check against the loss's spec
+    (check_loss_config; a knob's own bounds are refused by the LossConfig itself), the job's rules (what
+    load_job_config builds) and the loss function's dispatch."""
+    refusals = {
+        "check_loss_config": lambda: check_loss_config(LossConfig(**kwargs)),
+        "JobConfig": lambda: JobConfig(loss=LossConfig(**kwargs)),
+        "compute_policy_loss": lambda: compute_policy_loss(LossConfig(**kwargs), *small_batch()),
+    }
+    for path, refuse in refusals.items():
+        with pytest.raises(ValueError, match=match):
+            refuse()
+            pytest.fail(f"{path} took {kwargs}")
+
+
+def test_a_loss_key_is_refused_before_the_other_rules():
+    """The loss section's own mistake is the one reported, whatever else the job gets wrong (the job's first rule)."""
+    from megatron_gspo.config import load_job_config
+
+    with pytest.raises(ValueError, match=r"loss\.dual_clip_c applies to loss\.name='grpo' only"):
+        load_job_config(None, ["loss.dual_clip_c=3", "train.num_minibatches=7"])
 
 
 def test_registry_and_dispatch_errors():

@@ -40,6 +40,7 @@ WORKER = ["-m", "experiments.compare", "_worker"]
 def run_comparison(args, overrides: list[str]) -> dict:
     """Run every variant of ``args`` (cli.parse_args) with the job ``overrides``; -> the metadata
     also written to ``OUT/compare.json``."""
+    from megatron_gspo.algorithms.loss_spec import describe_loss
     from megatron_gspo.config import load_job_config
 
     out = os.path.abspath(args.out)
@@ -90,7 +91,7 @@ def run_comparison(args, overrides: list[str]) -> dict:
             probe = [] if args.no_probe else ["--probe", os.path.join(vdir, "probe.jsonl"),
                                               "--probe-rows", str(args.probe_rows)]
             print(f"[compare] {v}{'' if seed is None else f' seed {seed}'}: {cfgs[v].loss.name}, "
-                  f"{cfgs[v].loss.describe()}, routing replay {cfgs[v].train.routing_replay}", flush=True)
+                  f"{describe_loss(cfgs[v].loss)}, routing replay {cfgs[v].train.routing_replay}", flush=True)
             tag = v if seed is None else f"{v}/{seed}"
             rc, wall = launch(probe + [args.config, *run_over], os.path.join(vdir, "train.log"), tag)
             entries.append({"seed": base.generation.seed if seed is None else seed, "dir": rel, "rc": rc,

@@ -6,12 +6,13 @@ A loss is one spec and one function (losses.py: ``@register_policy_loss(name, Lo
 replay applies to the second), its clip range's default and units, how it aggregates (fixed by its paper, or
 ``loss.loss_agg_mode``), its own settings and their bounds. Everything that depends on which loss runs reads it:
 
-    the config     LossConfig checks every loss.* key against the spec when the job is loaded, by key
-                   (check_loss_config); rules.py checks the bounds that depend on the training precision and
-                   routing replay against the ratio kind
+    the config     the job's rules (config/rules.py) check every loss.* key against the spec when the job is
+                   loaded, by key, then the bounds that depend on the training precision (check_loss_config),
+                   and routing replay against the ratio kind; the LossConfig itself is plain data
     the function   the same checks of its keyword arguments, in the precision of its inputs (resolve_settings)
-    the objective  the unit the loss divides by (tokens or sequences: LossSpec.unit), the settings it is handed
-    the logs       LossConfig.describe
+    the objective  the config checked by key (losses.loss_kwargs), the unit the loss divides by (tokens or
+                   sequences: LossSpec.unit), the settings it is handed
+    the logs       describe_loss; clip_range, the clip range a LossConfig resolves to
 
 Bounds in the training precision. A token's gradient is at most its ratio, e^log_ratio_bound, times its advantage
 (the KL term's, kl_coef times as much), divided by loss_agg_norm_constant under "seq-mean-token-sum-norm"; Adam's
@@ -234,7 +235,8 @@ class LossSpec:
     clip: the default (clip_ratio_low, clip_ratio_high), in ``units``; None: the loss has no clip range;
     settings: its own settings beyond the shared ones (log_ratio_bound, kl_coef, entropy_coef) and the clip range;
     note: what to say when a setting it does not take is given; describe: a format of its settings for the logs
-        (a loss with a clip range says it: "clip 0.0003 / 0.0004"); name: set when it is registered."""
+        (describe_loss; a loss with a clip range says it: "clip 0.0003 / 0.0004"); name: set when it is
+        registered."""
 
     ratio: str
     aggregation: str
@@ -397,7 +399,7 @@ def losses_where(predicate: Callable[[LossSpec], bool]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# The config's check
+# A LossConfig read through its loss's spec: its settings, their check, its clip range, its description
 # ----------------------------------------------------------------------------------------------
 
 
@@ -451,3 +453,17 @@ def check_loss_config(cfg, numerics: Optional[Numerics] = None) -> None:
     given = {k: getattr(cfg, k) for k in defaults if k != "name" and getattr(cfg, k) != defaults[k]}
     _refuse_what_it_does_not_take(cfg, spec, given)
     spec.check(config_values(cfg), numerics, "loss.")
+
+
+def clip_range(cfg) -> Optional[tuple[float, float]]:
+    """A LossConfig's (clip_ratio_low, clip_ratio_high), None resolved to its loss's default; None for a loss
+    without a clip range (sapo)."""
+    if loss_spec(cfg.name).clip is None:
+        return None
+    values = config_values(cfg)
+    return values["clip_ratio_low"], values["clip_ratio_high"]
+
+
+def describe_loss(cfg) -> str:
+    """A LossConfig's settings in one phrase, for logs: "clip 0.0003 / 0.0004", "gate tau 1 / 1.05"."""
+    return loss_spec(cfg.name).describe_values(config_values(cfg))

@@ -76,6 +76,7 @@ from megatron_gspo.algorithms.loss_spec import (
     WEIGHT,
     LossSpec,
     Setting,
+    check_loss_config,
     config_values,
     get_policy_loss,
     loss_spec,
@@ -733,7 +734,9 @@ def luspo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -
 
 
 def loss_kwargs(cfg: LossConfig) -> dict:
-    """The settings of ``cfg.name``'s loss function, as keyword arguments, from the config (its spec says which)."""
+    """The settings of ``cfg.name``'s loss function, as keyword arguments, from the config (its spec says which),
+    the config checked by key first: a key the loss does not read is refused, not dropped."""
+    check_loss_config(cfg)
     return config_values(cfg)
 
 
@@ -753,7 +756,8 @@ def compute_policy_loss(
     global_batch_normalizer: Normalizer = None, is_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, Metrics]:
     """Dispatch to the loss named by ``cfg.name`` with the config's settings (is_weights: the
-    rollout-correction weights, rollout_correction.correction_weights)."""
+    rollout-correction weights, rollout_correction.correction_weights); the config is checked by key first."""
+    settings = loss_kwargs(cfg)
     return get_policy_loss(cfg.name)(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=entropy,
                                      global_batch_normalizer=global_batch_normalizer, is_weights=is_weights,
-                                     **config_values(cfg))
+                                     **settings)

@@ -1,7 +1,9 @@
 """The rules that span sections of a job, in one place: small named functions over the JobConfig, run in
 order (``RULES``) by ``JobConfig.__post_init__``, so a job that cannot work is refused by key before
 anything is built (TRL-style). A single field's type and range are declared with the field
-(config/fields.py); a rule within one section stays with that section's ``__post_init__``.
+(config/fields.py); a rule within one section stays with that section's ``__post_init__``. The loss
+section's check against its loss's spec (algorithms/loss_spec.py) is the first rule here instead: the
+sections stay plain data that import no subsystem.
 
 Also here, because they are pure functions of the job:
 
@@ -35,6 +37,14 @@ def _response_budget(job) -> int:
 # ----------------------------------------------------------------------------------------------
 # The step's batch and objective
 # ----------------------------------------------------------------------------------------------
+
+
+def loss_takes_its_settings(job) -> None:
+    """The loss section against its loss's spec, by key (algorithms/loss_spec.py): the name names a loss, every
+    key given is one it reads, every value within its precision-free bounds. First: the LossConfig is plain data."""
+    from megatron_gspo.algorithms.loss_spec import check_loss_config
+
+    check_loss_config(job.loss)
 
 
 def minibatches_divide_the_rollout(job) -> None:
@@ -383,8 +393,8 @@ def env_budget_fits(job) -> None:
 
 # In this order (the first broken rule is the one reported).
 RULES: tuple[Callable[[Any], None], ...] = (
-    minibatches_divide_the_rollout, routing_replay_needs_token_ratios, loss_fits_the_precision, warm_start_needs_answers,
-    task_verifier_needs_a_task_source,
+    loss_takes_its_settings, minibatches_divide_the_rollout, routing_replay_needs_token_ratios, loss_fits_the_precision,
+    warm_start_needs_answers, task_verifier_needs_a_task_source,
     no_pipeline_parallelism, prompt_and_response_fit_the_positions, overlong_buffer_within_the_response,
     dynamic_sampling_needs_groups, groups_of_two_or_more, no_greedy_groups, temperature_floor, top_k_not_greedy,
     top_p_not_greedy, overlong_filtering_keeps_some_rows, transformer_engine_not_on_the_cpu, lean_decode_runs_here,

@@ -12,8 +12,8 @@ from megatron_gspo.config.fields import Resume, knob, validate
 from megatron_gspo.errors import ConfigError
 
 # Names the registries must offer (tests/test_config.py checks each registry against its tuple):
-# the config validates names without importing the subsystems that implement them. (The loss section is
-# the exception: a loss is one spec beside its function, read when a LossConfig is checked.)
+# the config validates names without importing the subsystems that implement them. (The loss section names
+# no loss: a loss is one spec beside its function, which config/rules.py checks the section against.)
 ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "mean_only")  # algorithms/advantages.py: ADVANTAGE_ESTIMATORS
 TOKENIZER_TYPES = ("builtin", "hf", "sentencepiece")  # tokenizer.build_tokenizer
 ROUTING_REPLAY_MODES = ("off", "R2", "R3")  # routing.RoutingPolicy
@@ -76,7 +76,8 @@ class ParallelConfig:
 class LossConfig:
     """The ``loss`` section of a job: which policy loss, and its settings. Which keys a loss reads, their defaults
     and bounds are its spec's (algorithms/loss_spec.py; the table of losses below): a key it does not read is
-    refused by name, as is a value out of bounds, in the training precision for those that overflow.
+    refused by name, as is a value out of bounds, in the training precision for those that overflow (checked
+    when the job is loaded, config/rules.py, and by compute_policy_loss).
 
     name: a registered loss, "gspo" | "gspo_token" | "grpo" | "sapo" | "cispo" | "gmpo" | "luspo", or your own as
         "package.module:function" / "path/to/file.py:function" (a function made by losses.policy_loss).
@@ -111,26 +112,7 @@ class LossConfig:
     sapo_tau_neg: float = knob(1.05, resume=Resume.REFUSED, gt=0)
 
     def __post_init__(self) -> None:
-        validate(self, "loss")
-        from megatron_gspo.algorithms.loss_spec import check_loss_config  # the registry: see the docstring
-
-        check_loss_config(self)
-
-    def clip_range(self) -> Optional[tuple[float, float]]:
-        """(clip_ratio_low, clip_ratio_high) with None resolved to the loss's default; None for a loss without
-        a clip range (sapo)."""
-        from megatron_gspo.algorithms.loss_spec import config_values, loss_spec
-
-        if loss_spec(self.name).clip is None:
-            return None
-        values = config_values(self)
-        return values["clip_ratio_low"], values["clip_ratio_high"]
-
-    def describe(self) -> str:
-        """The loss's settings in one phrase, for logs: "clip 0.0003 / 0.0004", "gate tau 1 / 1.05"."""
-        from megatron_gspo.algorithms.loss_spec import config_values, loss_spec
-
-        return loss_spec(self.name).describe_values(config_values(self))
+        validate(self, "loss")  # each knob's own type and bounds; the loss's spec is read by the job's rules
 
 
 @dataclass

@@ -16,7 +16,7 @@ per-sample function::
 A reward that is cheaper a batch at a time (a reward model, a pool of verifiers, a remote service)
 implements ``score(batch: RewardBatch) -> rewards`` instead (batch.py; registry.py for the three shapes
 a reward can take). ``reward.num_workers`` processes score a per-sample reward in parallel where it
-allows (pool.py), the same numbers in the same row order whatever their number; a stop signal cuts
+allows (per_sample.py, pool.py), the same numbers in the same row order whatever their number; a stop signal cuts
 scoring short within about one sample (ScoringStopped: the trainer abandons the step).
 
 It returns a finite number that float32 holds (bool and 0-d tensors/arrays count). Anything else -- an

@@ -1,16 +1,16 @@
-"""The batch interface: ``score(batch) -> rewards``, and the per-sample function as its simple case.
+"""The batch interface: ``score(batch) -> rewards``, and what scoring one row takes.
 
 Every reward is scored through a :class:`BatchReward`: ``score(batch)`` returns one reward per row of
 the :class:`RewardBatch`, in row order, and ``close()`` frees what it holds (worker processes, a
 model). A reward model or a pool of verifiers implements it directly (``math``: a pool of math-verify
-processes); a per-sample function becomes one through :class:`PerSampleReward`, which scores the rows
-one at a time in this process or, where the reward allows and ``reward.num_workers > 1``, in a pool
-of worker processes (pool.py). Either way a long scoring honours the job's stop flag
-(``batch.should_stop``) within about one sample: :class:`ScoringStopped`, which the trainer turns into
-an abandoned step.
+processes); a batch function becomes one through :class:`BatchFunctionReward`; a per-sample function,
+the simple case, through per_sample.PerSampleReward, which scores the rows one at a time (``score_one``)
+in this process or, where the reward allows and ``reward.num_workers > 1``, in a pool of worker
+processes (pool.py). Either way a long scoring honours the job's stop flag (``batch.should_stop``)
+within about one sample: :class:`ScoringStopped`, which the trainer turns into an abandoned step.
 
-This module imports no torch: the pool's worker processes use it (a reward returning a tensor is
-read through ``as_float`` where torch is already loaded).
+This module imports no torch and nothing of the package but errors: the pool and its worker processes
+use it (a reward returning a tensor is read through ``as_float`` where torch is already loaded).
 """
 
 from __future__ import annotations
@@ -100,34 +100,6 @@ def score_one(fn: Callable, settings: dict, prompt: str, response: str, answer: 
     if value is None:
         return SampleFailed(f"returned {type(raw).__name__} {clip_repr(raw, 60)}, not a number")
     return value
-
-
-class PerSampleReward(BatchReward):
-    """A per-sample function as a BatchReward: in this process, one row at a time, reading the stop flag
-    before each; or in a pool of ``num_workers`` processes (pool.RewardPool) when ``num_workers > 1`` and
-    the reward allows it (``spec.parallel``). The rewards are the same, in row order, either way."""
-
-    def __init__(self, spec, settings: dict, num_workers: int = 1) -> None:
-        self.fn, self.settings = spec.target, dict(settings)
-        self.pool = None
-        if num_workers > 1 and spec.parallel:
-            from megatron_gspo.data.rewards.pool import RewardPool
-
-            self.pool = RewardPool(spec.name, self.settings, num_workers)
-
-    def score(self, batch: RewardBatch) -> list:
-        if self.pool is not None:
-            return self.pool.score(batch)
-        out = []
-        for prompt, response, answer in batch.rows():
-            if batch.should_stop():
-                raise ScoringStopped()
-            out.append(score_one(self.fn, self.settings, prompt, response, answer))
-        return out
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
 
 
 class BatchFunctionReward(BatchReward):

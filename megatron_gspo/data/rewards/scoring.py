@@ -18,8 +18,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from megatron_gspo.config import RewardConfig
-from megatron_gspo.data.rewards.batch import (BatchFunctionReward, BatchReward, PerSampleReward, RewardBatch,
-                                              SampleFailed, ScoringStopped, as_float)
+from megatron_gspo.data.rewards.batch import (BatchFunctionReward, BatchReward, RewardBatch, SampleFailed,
+                                              ScoringStopped, as_float)
+from megatron_gspo.data.rewards.per_sample import PerSampleReward
 from megatron_gspo.data.rewards.registry import (RewardSpec, check_signature, registered_rewards, registered_spec,
                                                  resolve_reward, spec_of)
 from megatron_gspo.data.rewards.settings import NUM_WORKERS, check_settings
@@ -115,7 +116,7 @@ class Reward:
 
 def instantiate(spec: RewardSpec, settings: dict, num_workers: int = 1) -> BatchReward:
     """The BatchReward of ``spec`` with its (checked) settings: a class built once (given ``num_workers`` if
-    its constructor takes it), a batch function bound, a per-sample function adapted (batch.PerSampleReward)."""
+    its constructor takes it), a batch function bound, a per-sample function adapted (per_sample.PerSampleReward)."""
     if spec.kind == "class":
         extra = {NUM_WORKERS: num_workers} if NUM_WORKERS in _constructor_parameters(spec.target) else {}
         return spec.target(**settings, **extra)
