@@ -174,6 +174,7 @@ def test_dump_rollouts_metrics_and_the_progress_line(tmp_path):
                 "rollout/max_turns_reached_frac"):
         assert key in m, key
     assert m["rollout/tool_calls_mean"] == 0.0 and m["rollout/tool_errors"] == 0.0
+    assert 0 < m["perf/env_s"] < m["perf/generate_s"]  # the environment's share of the turns' time
     line = progress_line(1, 1, m)
     assert f"turns {m['rollout/turns_mean']:.2f} | tools 0.00" in line
     dumped = [json.loads(x) for x in open(out / "rollouts" / "step_000001.jsonl")]

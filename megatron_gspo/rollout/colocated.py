@@ -125,6 +125,8 @@ class ColocatedSource:
         with self.timer("generate"), explain_oom("generation", cfg, st, shapes + ", over turns"):
             out = self.multiturn.run(mine, [rnd * R + g for g in rows], self.sampling_seed(step), self.routing,
                                      self.should_stop)
+        # perf/env_s: the part of perf/generate_s spent in environment steps (tool calls), every round's
+        self.timer.record("env", self.timer.times.get("env", 0.0) + out.stats["rollout/env_s"])
         if comm.any_rank(out.abandoned or self.should_stop(), st.device, what="stop vote after generation"):
             raise StepAbandoned(step + 1, f"in generation round {rnd + 1}, over turns" +
                                 (", cut short" if out.abandoned else ""))
