@@ -283,13 +283,13 @@ def test_under_a_real_memory_limit_a_model_too_big_is_refused_before_building(tm
 
 @pytest.mark.slow
 def test_under_a_real_memory_limit_generation_that_does_not_fit_is_one_line(tmp_path):
-    """The tiny model, its rollout's KV cache (2048 rows x 4064 slots: 4.2 GiB estimated) in a process
+    """The tiny model, its rollout's KV cache (2048 rows x 4064 slots: 4.3 GiB estimated) in a process
     limited to its import plus 2.4 GiB (3 GiB in all with the CPU build of torch): the CPU allocator's
     failure, named as the generation's with its knobs."""
     error = _run_limited(["train.num_steps=1", "train.prompts_per_step=256", "model.max_position_embeddings=4096",
                           "generation.max_new_tokens=4000", "train.sft_steps=0", "eval.interval=0",
                           "train.tensorboard=false"], 2.4, tmp_path)
     assert error.startswith("error: out of memory in the generation (2048 rows, prompts up to "), error
-    for what in ("DefaultCPUAllocator: can't allocate memory", "generation 4.2 GiB", "generation.max_new_tokens=4000 "
+    for what in ("DefaultCPUAllocator: can't allocate memory", "generation 4.3 GiB", "generation.max_new_tokens=4000 "
                  "(lower it)", "train.prompts_per_step=256", "address-space limit (ulimit -v)"):
         assert what in error, (what, error)
