@@ -201,6 +201,21 @@ def test_a_broken_environment_ends_its_row_or_is_refused_at_reset(pool):
         check_step(("x", float("nan"), False), "E")
 
 
+def test_env_kwargs_that_do_not_fit_the_class_are_refused_at_start_up():
+    """A misspelt env.kwargs key is said when the job builds its runner (before the warm start), with the class's
+    parameters; kwargs that fit build it."""
+    from megatron_gspo.config import EnvConfig
+    from megatron_gspo.env.protocol import build_runner
+
+    name = "megatron_gspo.env.games:GuessWithFeedback"
+    with pytest.raises(EnvError) as e:
+        build_runner(EnvConfig(name=name, kwargs={"discont": 0.5}), "plain")
+    assert str(e.value) == (f"env.kwargs={{'discont': 0.5}} do not fit {name}(discount=0.5): got an unexpected keyword "
+                            "argument 'discont'")
+    runner = build_runner(EnvConfig(name=name, kwargs={"discount": 0.25}), "plain")
+    runner.pool.close()
+
+
 def test_the_guessing_game_answers_higher_lower_and_ends_on_the_number():
     from megatron_gspo.env.games import GuessWithFeedback
 

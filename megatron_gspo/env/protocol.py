@@ -24,6 +24,8 @@ talking, so the calls of all rows run side by side.
 
 from __future__ import annotations
 
+import inspect
+
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -220,4 +222,19 @@ def build_runner(env_cfg, tool_format: str):
     cls = import_object(env_cfg.name, "env.name")
     if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
         raise EnvError(f"env.name: {env_cfg.name!r} is not a class with reset(example) and step(response) methods")
+    _check_kwargs(cls, env_cfg.name, env_cfg.kwargs)
     return ClassRunner(env_cfg.name, env_cfg.kwargs, pool, env_cfg.tool_timeout_s)
+
+
+def _check_kwargs(cls: type, path: str, kwargs: dict) -> None:
+    """env.kwargs against the class's signature, at start-up: a misspelt or missing argument is said before the warm
+    start and the first rollout, not when the first row's environment is built in a worker."""
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):  # no signature to read (a C extension's class): the worker will say it
+        return
+    try:
+        sig.bind(**kwargs)
+    except TypeError as e:
+        params = ", ".join(str(p.replace(annotation=inspect.Parameter.empty)) for p in sig.parameters.values())
+        raise EnvError(f"env.kwargs={kwargs!r} do not fit {path}({params}): {e}") from None
