@@ -97,6 +97,7 @@ class DemonstrationSampler(PromptSampler):
                                                                  apply_chat_template=False), batch_size)
         self.fmt = build_format(tokenizer, cfg.data, cfg.env.tool_format)
         self.tools = [t.schema() for t in load_tools(cfg.env.tools).values()] if cfg.env.tools else None
+        self.limit = cfg.model.max_position_embeddings
 
     def encode(self, example):
         from megatron_gspo.env.chat import conversation_ids
@@ -105,6 +106,9 @@ class DemonstrationSampler(PromptSampler):
             ids, mask = conversation_ids(self.fmt, example.prompt, self.tools)
         except (EnvError, TokenizerError) as e:
             raise DataError(f"{example.where} (env.sft_source): {e}") from None
+        if len(ids) > self.limit:  # a whole conversation or none: a cut one would end inside a turn
+            raise DataError(f"{example.where} (env.sft_source): the conversation is {len(ids)} tokens > "
+                            f"model.max_position_embeddings={self.limit}; shorten it")
         return ids, mask
 
 
