@@ -262,7 +262,7 @@ def test_a_stop_signal_during_a_tool_call_ends_the_job_within_seconds(tmp_path):
 # rarely says a number, so most rows are told "a number, please" and talk until env.max_turns.
 DIST_JOB = [a for a in BASE if not a.startswith(("env.name=", "parallel.device=", "train.num_steps="))] + [
     "env.name=megatron_gspo.env.games:GuessWithFeedback", "train.num_steps=2", "train.old_logprobs=recompute",
-    "model.moe_router_load_balancing_type=global_aux_loss"]
+    "model.moe_router_load_balancing_type=global_aux_loss", "train.dump_rollouts=true"]
 DIST_LAYOUTS = {  # name: (ranks, overrides)
     "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),
     "ep2": (2, ["parallel.expert_model_parallel_size=2"]),
@@ -306,6 +306,10 @@ def test_the_multi_turn_job_under_a_layout_or_async_equals_one_rank(dist_runs, l
         for field in ("tokens", "mask", "reward", "advantage"):
             assert ref[k][field] == got[k][field], (layout, k, field)
     assert any(0 < sum(r["mask"]) < len(r["mask"]) - 3 for r in ref.values())  # observations in the rows
+    for step in (1, 2):  # train.dump_rollouts: every DP rank's rows in rank 0's file, their conversations with them
+        dumped = [{d["sample_id"]: d for d in map(json.loads, open(root / "rollouts" / f"step_{step:06d}.jsonl"))}
+                  for root in (dist_runs / "one", dist_runs / layout)]
+        assert len(dumped[0]) == 8 and dumped[0] == dumped[1], (layout, step)
     m_ref = [json.loads(x) for x in open(dist_runs / "one" / "metrics.jsonl")]
     m_got = [json.loads(x) for x in open(dist_runs / layout / "metrics.jsonl")]
     assert [r["step"] for r in m_got] == [1, 2] and m_ref[0]["rollout/turns_mean"] > 1.5
