@@ -167,16 +167,6 @@ def _in_bounds(x: float, k: Knob) -> bool:
                 or (k.le is not None and not x <= k.le) or (k.lt is not None and not x < k.lt))
 
 
-def colon_value_hint(value: Any) -> str:
-    """What to write instead, when YAML read a value that ends in ':' (``reward.name=mod:``,
-    ``data.source=reasoning_gym:``) as a one-key mapping ``{'mod': None}``; "" for any other value."""
-    if not (isinstance(value, dict) and len(value) == 1 and next(iter(value.values())) is None):
-        return ""
-    text = f"{next(iter(value))}:"
-    return (f" (YAML reads {text!r}, a value that ends in ':', as the mapping {value!r}: finish it, e.g. "
-            f"{text}<name>, or quote it)")
-
-
 def check_field(name: str, value: Any, tp: Any, k: Knob) -> None:
     """Raise ConfigError naming ``name`` unless ``value`` is of type ``tp`` and within ``k``'s constraints."""
     base, optional = split_optional(tp)
@@ -194,9 +184,11 @@ def check_field(name: str, value: Any, tp: Any, k: Knob) -> None:
     elif ok and typing.get_origin(base) in (list, tuple):
         ok = all(_in_bounds(x, k) for x in value if isinstance(x, (int, float)))
     if not ok:
+        if base is str and isinstance(value, (dict, list)):  # YAML's reading of "mod:" (the loader says the same)
+            raise ConfigError(not_a_string(name, value))
         hint = f" {k.hint}" if k.hint else ""
         null = " or null" if optional else ""
-        raise ConfigError(f"{name} must be {_expected(base, k)}{hint}{null}, got {value!r}{colon_value_hint(value)}")
+        raise ConfigError(f"{name} must be {_expected(base, k)}{hint}{null}, got {value!r}")
 
 
 def validate(section: Any, where: str) -> None:
