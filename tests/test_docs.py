@@ -153,7 +153,7 @@ def _known_metrics() -> set[str]:
         with open(os.path.join(ROOT, "megatron_gspo", module), encoding="utf-8") as f:
             src += f.read()
     keys |= set(re.findall(r"\"((?:" + _PREFIXES + r")/[A-Za-z0-9_/]+)\"", src))
-    keys |= {f"perf/{name}_s" for name in re.findall(r"self\.timer\(\"(\w+)\"\)", src)}
+    keys |= {f"perf/{name}_s" for name in re.findall(r"self\.timer(?:\.record)?\(\"(\w+)\"", src)}
     return keys
 
 

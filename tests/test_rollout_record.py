@@ -68,7 +68,7 @@ def test_the_response_mask_is_generations():
 
 
 @pytest.mark.parametrize("index, value, words", [
-    (0, 0x1234, ["magic 0x1234 version 1", f"magic {wire.MAGIC:#x} version {wire.WIRE_VERSION}"]),
+    (0, 0x1234, [f"magic 0x1234 version {wire.WIRE_VERSION}", f"magic {wire.MAGIC:#x} version {wire.WIRE_VERSION}"]),
     (1, 7, [f"magic {wire.MAGIC:#x} version 7", f"this rank reads magic {wire.MAGIC:#x} version {wire.WIRE_VERSION}"]),
 ])
 def test_a_wire_version_mismatch_names_both(index, value, words):

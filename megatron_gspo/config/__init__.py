@@ -15,6 +15,7 @@ goes the other way, at validation, not at import: the loss section checks its ke
     sections.py  parallel, loss, generation, optimizer, data, tokenizer, reward, train, checkpoint,
                  rollout_correction, eval
     rollout.py   the rollout section (colocated / async rollouts)
+    env.py       the env section (multi-turn, tool-using rollouts)
     job.py       JobConfig (the sections) and load_job_config
     rules.py     the checks across sections (run in order by JobConfig), the lean decoder's limits,
                  where the old policy's log-probs come from (old_logprob_source)
@@ -26,6 +27,7 @@ goes the other way, at validation, not at import: the loss section checks its ke
 from megatron_gspo.config.fields import Resume, knob, walk_knobs
 from megatron_gspo.config.job import DEMO_CONFIG, JobConfig, load_job_config, split_job_args
 from megatron_gspo.config.loader import apply_overrides, from_dict, load_yaml, parse_overrides, to_dict
+from megatron_gspo.config.env import ENV_TOOL_FORMATS, TOOL_ERROR_POLICIES, EnvConfig
 from megatron_gspo.config.rollout import PARTIAL_ROLLOUT_POLICIES, ROLLOUT_MODES, RolloutConfig
 from megatron_gspo.config.rules import LEAN_DECODE_LIMITS, ON_POLICY_RATIO_TOLERANCE, lean_decode_limit, old_logprob_source
 from megatron_gspo.config.model import (
@@ -65,7 +67,7 @@ __all__ = [
     "walk_knobs", "LEAN_DECODE_LIMITS", "lean_decode_limit",
     "OLD_LOGPROB_SOURCES", "OVERLONG_POLICIES", "ROLLOUT_CORRECTION_LEVELS", "ROLLOUT_CORRECTION_MODES",
     "ROUTING_REPLAY_MODES", "TOKENIZER_TYPES", "CheckpointConfig", "ConfigError",
-    "DataConfig", "EvalConfig", "GenerationConfig", "JobConfig", "LossConfig", "ModelConfig", "OptimizerConfig",
+    "DataConfig", "ENV_TOOL_FORMATS", "EnvConfig", "EvalConfig", "TOOL_ERROR_POLICIES", "GenerationConfig", "JobConfig", "LossConfig", "ModelConfig", "OptimizerConfig",
     "ParallelConfig", "PARTIAL_ROLLOUT_POLICIES", "ROLLOUT_MODES", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "TokenizerConfig", "TrainConfig", "apply_overrides", "from_dict",
     "load_job_config", "load_yaml", "model_config_from_hf", "model_config_from_preset", "parse_overrides",
     "split_job_args", "to_dict",

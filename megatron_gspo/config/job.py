@@ -16,6 +16,7 @@ from megatron_gspo.config.loader import (
     parse_overrides,
 )
 from megatron_gspo.config.model import ModelConfig, model_config_from_preset
+from megatron_gspo.config.env import EnvConfig
 from megatron_gspo.config.rollout import RolloutConfig
 from megatron_gspo.config.rules import check_job
 from megatron_gspo.config.sections import (
@@ -49,6 +50,7 @@ class JobConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
         check_job(self)  # the rules across sections (config/rules.py), in order

@@ -364,6 +364,33 @@ def async_without_dynamic_sampling(job) -> None:
           "would run on the rollout ranks mid-step; use rollout.mode=colocated")
 
 
+# ----------------------------------------------------------------------------------------------
+# Multi-turn rollouts (env.*)
+# ----------------------------------------------------------------------------------------------
+
+
+def env_response_budget(job) -> int:
+    """Tokens after the prompt a multi-turn row may hold: env.max_response_tokens, or what the model's positions
+    leave after data.max_prompt_length."""
+    e = job.env
+    return e.max_response_tokens if e.max_response_tokens is not None else (
+        job.model.max_position_embeddings - job.data.max_prompt_length)
+
+
+def env_budget_fits(job) -> None:
+    if not job.env.enabled:
+        return
+    budget, g = env_response_budget(job), job.generation
+    check(job.data.max_prompt_length + budget <= job.model.max_position_embeddings,
+          f"data.max_prompt_length + env.max_response_tokens = {job.data.max_prompt_length + budget} exceeds "
+          f"model.max_position_embeddings={job.model.max_position_embeddings}")
+    check(budget >= g.max_new_tokens,
+          f"env.max_response_tokens={budget} is below generation.max_new_tokens={g.max_new_tokens}: a row's budget "
+          "must hold at least one whole turn")
+    check(not g.ignore_eos, "generation.ignore_eos=true with env.name: a turn ends at a stop token, without one "
+                            "every row would end after its first turn, cut at generation.max_new_tokens")
+
+
 # In this order (the first broken rule is the one reported).
 RULES: tuple[Callable[[Any], None], ...] = (
     loss_takes_its_settings, minibatches_divide_the_rollout, routing_replay_needs_token_ratios, loss_fits_the_precision,
@@ -372,7 +399,7 @@ RULES: tuple[Callable[[Any], None], ...] = (
     dynamic_sampling_needs_groups, groups_of_two_or_more, no_greedy_groups, temperature_floor, top_k_not_greedy,
     top_p_not_greedy, overlong_filtering_keeps_some_rows, transformer_engine_not_on_the_cpu, lean_decode_runs_here,
     allow_config_change_names_keys, token_budget_holds_a_row, old_logprobs_under_async,
-    async_staleness_needs_correction, async_without_r3, async_without_dynamic_sampling,
+    async_staleness_needs_correction, async_without_r3, async_without_dynamic_sampling, env_budget_fits,
 )
 
 

@@ -396,6 +396,9 @@ class TrainConfig:
     # or off, a resumed run against an uninterrupted one), at some speed. The CPU path is deterministic
     # without it.
     deterministic: bool = knob(False, resume=Resume.REFUSED)
+    # Write every step's rollout rows to {output_dir}/rollouts/step_XXXXXX.jsonl (rank 0): token ids, loss mask,
+    # the turns as spans over the ids, tool calls with their arguments, results and errors, the reward.
+    dump_rollouts: bool = knob(False, resume=Resume.MAY_CHANGE)
 
     def __post_init__(self) -> None:
         validate(self, "train")

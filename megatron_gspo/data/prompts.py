@@ -270,7 +270,8 @@ class Prompt:
     """A drawn, tokenized prompt.
 
     ``text`` is what the model is conditioned on (after the chat template), in full; ``ids`` are its
-    tokens, left-truncated when ``truncated``. Reward functions get ``text`` and ``answer``.
+    tokens, left-truncated when ``truncated``. Reward functions get ``text`` and ``answer``. ``raw``: the
+    example's prompt as the data gave it (a string or chat messages), what an environment's reset reads.
     """
 
     id: str
@@ -278,6 +279,7 @@ class Prompt:
     ids: list[int]
     answer: Optional[str]
     truncated: bool = False
+    raw: Union[str, Messages, None] = None
 
 
 class PromptSampler:
@@ -328,7 +330,7 @@ class PromptSampler:
                             "or fix this record")
         limit = cfg.max_prompt_length
         if len(ids) <= limit:
-            return Prompt(id=example.id, text=text, ids=ids, answer=example.answer)
+            return Prompt(id=example.id, text=text, ids=ids, answer=example.answer, raw=example.prompt)
         if cfg.overlong_prompt_policy == "drop":
             self.num_dropped += 1
             return None
@@ -341,7 +343,7 @@ class PromptSampler:
         # Keep a leading BOS: models trained with one behave badly without it.
         keep_bos = tok.bos_id is not None and ids[0] == tok.bos_id and limit > 1
         ids = ([ids[0]] + ids[len(ids) - limit + 1:]) if keep_bos else ids[len(ids) - limit:]
-        return Prompt(id=example.id, text=text, ids=ids, answer=example.answer, truncated=True)
+        return Prompt(id=example.id, text=text, ids=ids, answer=example.answer, truncated=True, raw=example.prompt)
 
     def next_batch(self) -> list[Prompt]:
         batch: list[Prompt] = []

@@ -29,6 +29,7 @@ from megatron_gspo.generation.generator import Generator
 from megatron_gspo.model.oom import explain_oom
 from megatron_gspo.data.rewards import ScoringStopped, compute_rewards
 from megatron_gspo.rollout.exchange import RouteSpec, Scores, exchange, gather_scores, row_bytes
+from megatron_gspo.rollout.multiturn import build_multiturn, multiturn_rewards
 from megatron_gspo.rollout.record import RolloutRecord
 from megatron_gspo.rollout.rows import deal_rows, generating_rank, local_rows, token_imbalance
 
@@ -53,6 +54,8 @@ class ColocatedSource:
         # one decoder for every rollout of the job (its KV cache and CUDA graphs sized for the longest prompt)
         self.generator = Generator(model, vocab_size=cfg.model.vocab_size, state=state,
                                    slots=cfg.data.max_prompt_length + gen_cfg.max_new_tokens - 1)
+        # env.name: every row talks with an environment over turns (rollout/multiturn.py)
+        self.multiturn = build_multiturn(cfg, state, self.generator, tokenizer, gen_cfg)
 
     def should_stop(self) -> bool:
         return self.stop.set
@@ -68,7 +71,8 @@ class ColocatedSource:
         """Nothing to lose: a colocated job generates on the trainer's own ranks."""
 
     def close(self) -> None:
-        pass
+        if self.multiturn is not None:
+            self.multiturn.close()
 
     def sampling_seed(self, step: int) -> int:
         """(generation.seed, step) in one 64-bit key; sampling.py keys every draw by row and position too."""
@@ -88,6 +92,8 @@ class ColocatedSource:
         mine = [prompts[g // G] for g in rows]
         shapes = (f"{len(mine)} rows, prompts up to {max(len(p.ids) for p in mine)} tokens + "
                   f"{self.gen_cfg.max_new_tokens} new")
+        if self.multiturn is not None:
+            return (mine, *self._talk(step, rnd, rows, R, mine, shapes), prompts)
         with self.timer("generate"), self.routing.generating(), explain_oom("generation", cfg, st, shapes):  # 3.
             out = self.generator.generate([p.ids for p in mine], self.row_gen_cfg, seed=self.sampling_seed(step),
                                           row_keys=[rnd * R + g for g in rows],
@@ -111,6 +117,28 @@ class ColocatedSource:
                 rewards = rewards + overlong_penalty(out.response_lengths.to(dev), self.gen_cfg.max_new_tokens,
                                                      r.overlong_buffer_len, r.overlong_penalty_factor)
         return mine, out, texts, rewards, routes, prompts
+
+    def _talk(self, step: int, rnd: int, rows: list[int], R: int, mine: list, shapes: str):
+        """Steps 3-4 of a multi-turn job: every row talks with its environment (rollout/multiturn.py), then is
+        scored: the environment's reward, or reward.name on its last response. (output, texts, rewards, routes)"""
+        cfg, st = self.cfg, self.state
+        with self.timer("generate"), explain_oom("generation", cfg, st, shapes + ", over turns"):
+            out = self.multiturn.run(mine, [rnd * R + g for g in rows], self.sampling_seed(step), self.routing,
+                                     self.should_stop)
+        # perf/env_s: the part of perf/generate_s spent in environment steps (tool calls), every round's
+        self.timer.record("env", self.timer.times.get("env", 0.0) + out.stats["rollout/env_s"])
+        if comm.any_rank(out.abandoned or self.should_stop(), st.device, what="stop vote after generation"):
+            raise StepAbandoned(step + 1, f"in generation round {rnd + 1}, over turns" +
+                                (", cut short" if out.abandoned else ""))
+        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
+        with self.timer("reward"):
+            try:
+                rewards = multiturn_rewards(out, mine, self.reward_fn, cfg, st.device, should_stop=self.should_stop)
+            except ScoringStopped:
+                rewards = None
+            if comm.any_rank(rewards is None, st.device, what="stop vote after scoring"):
+                raise StepAbandoned(step + 1, f"while scoring round {rnd + 1}")
+        return out, texts, rewards, out.routes
 
     def _round(self, step: int, rnd: int, rows: list[int], R: int):
         """One generation round: this rank's rows as a record (row_ids: the generation keys rnd * R + g, unique
@@ -188,7 +216,7 @@ class ColocatedSource:
         prompt_ids = [p.prompt.id for p in picks for _ in range(G)]
         if moves:
             local = exchange(pool, where, deal, holder, scores, prompt_ids, rank=st.dp_rank, group=st.dp_group,
-                             device=st.device, pad_id=self.gen_cfg.pad_id,
+                             device=st.device, pad_id=self.gen_cfg.pad_id, conversations=self.multiturn is not None,
                              decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         else:
             idx = [where[s] for s in deal[st.dp_rank]]

@@ -13,13 +13,17 @@ What moves is only what the trainer needs of a row, by length (no padding): its 
 sampling log-probs of its response (fp32) and, when the routing policy recorded them, its routes (one id
 per token but the last, layer and top-k slot: uint8 up to 256 experts). Rewards, lengths and stop flags
 are known everywhere already; prompt ids follow from the row (every rank drew the same prompts); the
-response text is decoded where the row lands. ``row_bytes`` is the size of one row on the wire.
+response text is decoded where the row lands. ``row_bytes`` is the size of one row on the wire. Multi-turn
+rows (env.name) also need their conversations (rollout/multiturn.py): those are all-gathered as JSON (one
+more collective), and a row's loss mask is its assistant turns' spans.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+import json
 
 import torch
 
@@ -131,14 +135,15 @@ def _unpack(buf: torch.Tensor, slots: list[int], plen: list[int], rlen: list[int
 
 def exchange(pool: RolloutRecord, where: dict[int, int], deal: list[list[int]], holder: list[int], scores: Scores,
              prompt_ids: list[str], *, rank: int, group, device: torch.device, pad_id: int,
-             decode: Callable[[list[int]], str]) -> RolloutRecord:
+             decode: Callable[[list[int]], str], conversations: bool = False) -> RolloutRecord:
     """This rank's dealt rows ``deal[rank]`` as a record (row_ids: the slots), moved from the ranks that hold
     them in one all-to-all over ``group`` (the data-parallel group).
 
     pool: this rank's scored rows; where: slot -> its row in the pool, for the slots held here; holder:
     slot -> the rank holding it; scores / prompt_ids: every slot's (known on every rank). The rows sent
     to rank d are the slots of ``deal[d]`` held here, in that order, so that both ends know the order and
-    every size without asking. The record's tensors on ``device``, its routes on the host."""
+    every size without asking. The record's tensors on ``device``, its routes on the host. ``conversations``:
+    multi-turn rows (module doc), on every rank of the group."""
     spec = RouteSpec.of(pool.routes)
     plen, rlen = scores.prompt_lengths.tolist(), scores.response_lengths.tolist()
     sizes = [row_bytes(p, r, spec) for p, r in zip(plen, rlen)]
@@ -159,6 +164,13 @@ def exchange(pool: RolloutRecord, where: dict[int, int], deal: list[list[int]], 
         tokens[i, :plen[s] + rlen[s]] = rows[s][0]
         logprobs[i, plen[s]:plen[s] + rlen[s]] = rows[s][1]
     texts = [pool.texts[where[s]] if s in where else decode(rows[s][0][plen[s]:].tolist()) for s in mine]
+    mask = torch.zeros(len(mine), width, dtype=torch.bool)
+    trajectories = _conversations(pool, where, mine, group, device) if conversations else []
+    for i, s in enumerate(mine):
+        spans = [(t["start"], t["end"]) for t in trajectories[i]["turns"] if t["role"] == "assistant"] if conversations \
+            else [(plen[s], plen[s] + rlen[s])]
+        for a, b in spans:
+            mask[i, a:b] = True
     routes = None
     if spec is not None:
         from megatron_gspo.routing.rollout_routes import RolloutRoutes  # the routing package loads megatron
@@ -170,4 +182,20 @@ def exchange(pool: RolloutRecord, where: dict[int, int], deal: list[list[int]], 
         response_lengths=scores.response_lengths[idx], stopped=scores.stopped[idx], sample_logprobs=logprobs.to(device),
         rewards=scores.rewards[idx], row_ids=idx, version_start=torch.full_like(idx, pool.step),
         version_end=torch.full_like(idx, pool.step), prompt_ids=[prompt_ids[s] for s in mine], texts=texts,
-        routes=routes)
+        loss_mask=mask.to(device), trajectories=trajectories, routes=routes)
+
+
+def _conversations(pool: RolloutRecord, where: dict[int, int], mine: list[int], group, device) -> list[dict]:
+    """The conversations of the slots ``mine``, from the ranks that hold them: every rank's held ones all-gathered
+    as JSON {slot: conversation} (sizes first: one all-gather of the lengths, one of the padded bytes)."""
+    held = json.dumps({s: pool.trajectories[i] for s, i in where.items()}).encode()
+    raw = torch.tensor(list(held), dtype=torch.uint8, device=device)
+    sizes = comm.all_gather(torch.tensor([raw.numel()], dtype=torch.long, device=device), group,
+                            what="global batch: the size of the conversations held")
+    n = max(int(x) for x in sizes)
+    parts = comm.all_gather(torch.nn.functional.pad(raw, (0, n - raw.numel())), group,
+                            what="global batch: the conversations of multi-turn rows")
+    every = {}
+    for part, size in zip(parts, sizes):
+        every.update({int(k): v for k, v in json.loads(bytes(part[:int(size)].cpu().tolist()).decode()).items()})
+    return [every[s] for s in mine]

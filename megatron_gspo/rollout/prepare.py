@@ -10,7 +10,8 @@ Both rollout sources (colocated.py, remote.py) return a RolloutRecord; the train
 
 Token grid. A record holds right-padded rows ``tokens [B, T]`` (prompt from column 0, then the response,
 then pad). Training forwards ``tokens[:, :-1]`` and scores ``tokens[:, 1:]``, so every per-token tensor
-used by the losses lives on the shifted ``[B, T-1]`` grid: ``mask = response_mask[:, 1:]``. The last
+used by the losses lives on the shifted ``[B, T-1]`` grid: ``mask = loss_mask[:, 1:]`` (the response; a
+multi-turn row's sampled turns, never its prompt or observations: rollout/multiturn.py). The last
 token of a row is never an input, which is also why routing recorded during generation (R3) needs no
 route for it. Advantages are computed over the rewards of all rows of the step, so the minibatches and
 hence every update are the same under any DP / TP / EP layout, whichever rank holds a row.
@@ -70,6 +71,8 @@ class TrainBatch:
     # input position (the rollout's, or the old-log-prob pass's: routing.RoutingPolicy): R2 / R3 replay them,
     # the routing change is measured against them. Sliced with the rows.
     routes: Optional[torch.Tensor] = None
+    # multi-turn rows (env.name): each row's conversation (record.trajectories), in the batch's row order
+    trajectories: list = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -205,7 +208,7 @@ class BatchPreparer:
         T = max(max(widths), record.tokens.shape[1])
         order = torch.tensor(perm, dtype=torch.long, device=dev)
         tokens = pad_columns(record.tokens, T, self.gen_cfg.pad_id)[order]
-        mask = pad_columns(record.response_mask, T, False)[order]
+        mask = pad_columns(record.loss_mask, T, False)[order]
         sample_lp = pad_columns(record.sample_logprobs, T, 0.0)[order]
         sample_ids = record.sample_ids(G)
         batch = TrainBatch(tokens=tokens, mask=mask[:, 1:], seq_lengths=seq_lengths[order], row_ids=row_ids[order],
@@ -214,7 +217,8 @@ class BatchPreparer:
                            sample_ids=[sample_ids[i] for i in perm],
                            micro=[sl for mini in plan for sl in mini], widths=widths,
                            version_start=record.version_start[order], version_end=record.version_end[order],
-                           routes=self.routing.batch_routes(record.routes, order, T - 1, dev))
+                           routes=self.routing.batch_routes(record.routes, order, T - 1, dev),
+                           trajectories=[record.trajectories[i] for i in perm] if record.trajectories else [])
         batch.minibatches, n = [], 0
         for mini in plan:
             batch.minibatches.append(list(range(n, n + len(mini))))
@@ -287,4 +291,21 @@ def rollout_metrics(batch: TrainBatch, state) -> dict:
         "perf/gen_tokens": Metric.sum(torch.tensor([float(batch.timings["gen_tokens"])], device=dev)),
         "perf/decode_row_steps": Metric.sum(torch.tensor([float(batch.timings["decode_row_steps"])], device=dev)),
     })
+    if batch.trajectories:
+        acc.add(trajectory_metrics(batch.trajectories, dev))
     return {**acc.reduce(state.dp_group), **batch.stats}
+
+
+def trajectory_metrics(trajectories: list, device) -> dict:
+    """rollout/* of multi-turn rows (rollout/multiturn.py's summaries), as Metrics that reduce over DP: assistant
+    turns, tool calls and observation tokens per row, failed tool calls (a count), the share of rows that
+    reached env.max_turns still talking, and the share that ended on an environment's own error."""
+    col = lambda key: torch.tensor([float(t[key]) for t in trajectories], dtype=torch.float64, device=device)  # noqa: E731
+    calls = torch.tensor([float(len(t["tool_calls"])) for t in trajectories], dtype=torch.float64, device=device)
+    env_errors = torch.tensor([float(t["env_error"] is not None) for t in trajectories], dtype=torch.float64,
+                              device=device)
+    return {"rollout/turns_mean": Metric.mean(col("num_turns")), "rollout/tool_calls_mean": Metric.mean(calls),
+            "rollout/tool_errors": Metric.sum(col("tool_errors")),
+            "rollout/observation_tokens_mean": Metric.mean(col("observation_tokens")),
+            "rollout/max_turns_reached_frac": Metric.mean(col("max_turns_reached")),
+            "rollout/env_error_frac": Metric.mean(env_errors)}

@@ -35,15 +35,15 @@ if TYPE_CHECKING:
     from megatron_gspo.routing.rollout_routes import RolloutRoutes
 
 MAGIC = 0x6A5E
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: the loss mask and the multi-turn trajectories
 HEADER = ("magic", "version", "step", "rows", "width", "ints", "floats", "meta_bytes")
 # (field, dimensions): [B, T] grids first, then [B] columns
-INT_FIELDS = (("tokens", 2), ("prompt_lengths", 1), ("response_lengths", 1), ("row_ids", 1), ("stopped", 1),
-              ("version_start", 1), ("version_end", 1))
+INT_FIELDS = (("tokens", 2), ("loss_mask", 2), ("prompt_lengths", 1), ("response_lengths", 1), ("row_ids", 1),
+              ("stopped", 1), ("version_start", 1), ("version_end", 1))
 FLOAT_FIELDS = (("sample_logprobs", 2), ("rewards", 1))
-META_FIELDS = ("prompt_ids", "texts", "gen_s", "gen_tokens", "decode_row_steps", "stats", "data_state")
+META_FIELDS = ("prompt_ids", "texts", "gen_s", "gen_tokens", "decode_row_steps", "stats", "data_state", "trajectories")
 LOCAL_FIELDS = ("routes", "global_rewards")  # not on the wire (module doc)
-_DTYPES = {"stopped": torch.bool}  # int64 on the wire, this dtype in the record
+_DTYPES = {"stopped": torch.bool, "loss_mask": torch.bool}  # int64 on the wire, this dtype in the record
 
 
 class WireFormatError(RuntimeError):
@@ -58,8 +58,12 @@ class RolloutRecord:
 
     tokens            [B, T] int64  prompt (from column 0) + response + pad, right-padded
     prompt_lengths    [B] int64
-    response_lengths  [B] int64     generated tokens, the stop token included
-    stopped           [B] bool      ended with a stop token (False: generation.max_new_tokens reached)
+    response_lengths  [B] int64     tokens after the prompt: the response (its stop token included); a multi-turn
+                                    row's every turn, sampled and observed
+    loss_mask         [B, T] bool   the tokens the policy sampled (the response; a multi-turn row's assistant turns,
+                                    not its observations): what the loss trains on
+    stopped           [B] bool      the (last) response ended with a stop token (False: cut at its token limit,
+                                    generation.max_new_tokens or a multi-turn row's budget: truncated)
     sample_logprobs   [B, T] fp32   the sampling policy's log-prob of tokens[:, t] at response positions, 0 elsewhere
     rewards           [B] fp32      reward (+ DAPO's overlong penalty)
     row_ids           [B] int64     global row index
@@ -71,6 +75,8 @@ class RolloutRecord:
     stats             source statistics: logged as they are (dynamic_sampling/*), or the remote source's
                       raw counters (STAT_MERGE)
     data_state        the prompt sampler's position after the step's prompts (remote: the rollout side's)
+    trajectories      [B] multi-turn rows: their conversation (rollout/multiturn.py Trajectory.summary: turns as
+                      spans over the tokens, tool calls, counts, the environment's reward); [] for single-turn rows
     routes            routing.RolloutRoutes: per row, the top-k experts of every MoE layer for each of its
                       tokens but the last, as generated (R3 replays them; without an old-log-prob pass they
                       are the routing reference); on the host; None when the routing policy records none
@@ -88,6 +94,7 @@ class RolloutRecord:
     row_ids: torch.Tensor
     version_start: torch.Tensor
     version_end: torch.Tensor
+    loss_mask: Optional[torch.Tensor] = None  # None: the response (response_mask), a single-turn row's
     prompt_ids: list = field(default_factory=list)
     texts: list = field(default_factory=list)
     gen_s: float = 0.0
@@ -95,8 +102,13 @@ class RolloutRecord:
     decode_row_steps: int = 0
     stats: dict = field(default_factory=dict)
     data_state: Optional[dict] = None
+    trajectories: list = field(default_factory=list)
     routes: Optional["RolloutRoutes"] = None
     global_rewards: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.response_mask
 
     @property
     def num_rows(self) -> int:
@@ -128,14 +140,14 @@ class RolloutRecord:
         n = len(rows)
         full = lambda v: torch.full((n,), step if v is None else v, dtype=torch.long, device=dev)  # noqa: E731
         return cls(step=step, tokens=out.tokens, prompt_lengths=out.prompt_lengths, response_lengths=out.response_lengths,
-                   stopped=out.stopped, sample_logprobs=out.logprobs, rewards=rewards,
+                   stopped=out.stopped, sample_logprobs=out.logprobs, loss_mask=out.response_mask, rewards=rewards,
                    row_ids=torch.tensor(rows, dtype=torch.long, device=dev),
                    version_start=full(version_start) if not isinstance(version_start, torch.Tensor) else version_start,
                    version_end=full(version_end) if not isinstance(version_end, torch.Tensor) else version_end,
                    prompt_ids=list(prompt_ids), texts=list(texts), gen_s=out.elapsed_s,
                    gen_tokens=out.num_generated_tokens if gen_tokens is None else gen_tokens,
                    decode_row_steps=out.decode_row_steps, stats=dict(stats or {}), data_state=data_state,
-                   routes=routes)
+                   trajectories=list(getattr(out, "trajectories", [])), routes=routes)
 
     def select(self, idx: torch.Tensor, width: Optional[int] = None) -> "RolloutRecord":
         """The rows ``idx`` ([n] int64 index tensor), the grid cut to ``width`` columns (default: the
@@ -147,6 +159,7 @@ class RolloutRecord:
         cols = {name: getattr(self, name)[idx] for name, dims in INT_FIELDS + FLOAT_FIELDS if dims == 1}
         return dataclasses.replace(self, **grids, **cols, prompt_ids=[self.prompt_ids[i] for i in pick],
                                    texts=[self.texts[i] for i in pick],
+                                   trajectories=[self.trajectories[i] for i in pick] if self.trajectories else [],
                                    routes=self.routes.select(idx) if self.routes is not None else None)
 
     @classmethod
@@ -164,7 +177,8 @@ class RolloutRecord:
 
             routes = RolloutRoutes.cat([p.routes for p in parts])
         return dataclasses.replace(parts[0], **tensors, prompt_ids=[x for p in parts for x in p.prompt_ids],
-                                   texts=[x for p in parts for x in p.texts], routes=routes)
+                                   texts=[x for p in parts for x in p.texts],
+                                   trajectories=[x for p in parts for x in p.trajectories], routes=routes)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ class RemoteSource:
             "async/mid_generation_updates": float(raw["updates"]),
         }
         # step, gen_s and data_state are the whole step's (select keeps them); the tokens are this rank's
-        return dataclasses.replace(mine, gen_tokens=int(mine.response_lengths.sum().item()),
+        return dataclasses.replace(mine, gen_tokens=int(mine.loss_mask.sum().item()),  # sampled: a multi-turn row's turns
                                    decode_row_steps=full.decode_row_steps if st.dp_rank == 0 else 0, stats=stats)
 
     # ------------------------------------------------------------------------------------------

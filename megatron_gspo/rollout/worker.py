@@ -42,6 +42,7 @@ from megatron_gspo.runtime.stop import PreemptionFlag
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.algorithms.overlong import overlong_penalty
 from megatron_gspo.data.rewards import ScoringStopped, build_reward, compute_rewards
+from megatron_gspo.rollout.multiturn import build_multiturn, multiturn_rewards
 from megatron_gspo.rollout.rows import local_rows
 
 log = logging.getLogger("megatron_gspo")
@@ -147,6 +148,8 @@ class RolloutWorker:
         self.generator = Generator(self.model, vocab_size=cfg.model.vocab_size, state=st,
                                    slots=cfg.data.max_prompt_length + g.max_new_tokens - 1)
         self.reward_fn = build_reward(cfg.reward)
+        # env.name: every row talks with an environment over turns (rollout/multiturn.py), here as colocated
+        self.multiturn = build_multiturn(cfg, st, self.generator, self.tokenizer, self.gen_cfg)
         self.receiver = WeightReceiver(self.model, st, side.sync_pg, int(r.weight_sync_bucket_mb * 2**20))
         self.faults = faults
         self.G = g.n_samples_per_prompt
@@ -196,6 +199,8 @@ class RolloutWorker:
         prompts = self.sampler.next_batch()
         data_state = self.sampler.state_dict()
         mine = [prompts[g // self.G] for g in self.rows]
+        if self.multiturn is not None:
+            return self._talk(step, mine, data_state)
         gen = generate_with_updates(
             self.model, [p.ids for p in mine], self.row_gen_cfg, vocab_size=self.cfg.model.vocab_size, state=st,
             seed=(self.gen_cfg.seed << 32) + step, row_keys=self.rows, version=self.version,
@@ -214,6 +219,44 @@ class RolloutWorker:
         if self.leader:
             self._send(step, gen, mine, texts, rewards, data_state)
 
+    def _talk(self, step: int, mine: list, data_state) -> None:
+        """``_one_step`` of a multi-turn job: the rows talk with their environments (rollout/multiturn.py, the
+        noise keyed as in a colocated job); a weight push announced during a turn is applied between two of its
+        decode steps, as in one response (partial_rollouts=drop: the step's conversations start over). Every
+        row of a step that took a push counts as finished under it: version_end is the newest version."""
+        dev, policy = self.state.device, self.cfg.rollout.partial_rollouts
+        dropped = applied = 0
+
+        def on_update(idx: int) -> None:
+            nonlocal applied
+            self._apply_push()
+            applied += 1
+            if policy == "drop":
+                raise _Restart()
+
+        stop = lambda: self._poll()[1]  # noqa: E731
+        while True:
+            v_start = self.version
+            try:
+                out = self.multiturn.run(mine, self.rows, (self.gen_cfg.seed << 32) + step, should_stop=stop,
+                                         gen_kw={"poll": self._poll, "on_update": on_update})
+            except _Restart:
+                dropped += len(self.rows)
+                continue
+            break
+        if out.abandoned:
+            raise Stopped(self._stop_why or "the trainer stopped")
+        try:
+            rewards = multiturn_rewards(out, mine, self.reward_fn, self.cfg, dev, should_stop=stop)
+        except ScoringStopped:
+            raise Stopped(self._stop_why or "the trainer stopped") from None
+        touched = v_start != self.version
+        gen = Generated(out, v_start, torch.full((len(self.rows),), self.version, dtype=torch.long, device=dev),
+                        len(self.rows) if touched and policy == "finish" else 0, dropped, applied)
+        if self.leader:
+            texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
+            self._send(step, gen, mine, texts, rewards, data_state)
+
     # ------------------------------------------------------------------------------------------
     def _send(self, step: int, gen: Generated, mine, texts, rewards, data_state) -> None:
         """This data-parallel rank's rows of ``step`` to trainer rank 0 (bridge rank 0), without waiting."""
@@ -224,11 +267,12 @@ class RolloutWorker:
         clock, self._clock = self._clock, {"idle": 0.0, "sync": 0.0}
         record = RolloutRecord(
             step=step, tokens=out.tokens, prompt_lengths=out.prompt_lengths, response_lengths=out.response_lengths,
-            stopped=out.stopped, sample_logprobs=out.logprobs, rewards=rewards,
+            stopped=out.stopped, sample_logprobs=out.logprobs, loss_mask=out.response_mask, rewards=rewards,
             row_ids=torch.tensor(self.rows, dtype=torch.long, device=dev),
             version_start=torch.full((n,), gen.version_start, dtype=torch.long, device=dev),
             version_end=gen.version_end, prompt_ids=[p.id for p in mine], texts=texts, gen_s=out.elapsed_s,
             gen_tokens=out.num_generated_tokens, decode_row_steps=out.decode_row_steps, data_state=data_state,
+            trajectories=list(getattr(out, "trajectories", [])),
             stats={"idle_s": clock["idle"], "sync_s": clock["sync"], "wall_s": wall,
                    "partial_finished": gen.finished_partial, "dropped": gen.dropped_rows, "updates": gen.updates})
         header, ints, floats, metab = pack(record)
@@ -307,6 +351,8 @@ class RolloutWorker:
 
     def close(self, message: str, error: bool) -> None:
         self.reward_fn.close()  # its worker processes, if any
+        if self.multiturn is not None:
+            self.multiturn.close()
         self.control.record_exit(message, error)
         self.side.close()
 

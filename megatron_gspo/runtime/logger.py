@@ -196,6 +196,8 @@ def progress_line(step: int, total: int, m: Mapping[str, Value]) -> str:
         ("gnorm", "train/grad_norm", ".3f"),
         ("lr", "train/lr", ".2e"),
         ("len", "rollout/response_length_mean", ".1f"),
+        ("turns", "rollout/turns_mean", ".2f"),
+        ("tools", "rollout/tool_calls_mean", ".2f"),
         ("route_chg", "routing/routing_change_frac", ".3f"),
         ("|lp-lp_gen|", "rollout/logprob_diff_max", ".1e"),
         ("eval acc", "eval/greedy_accuracy", ".3f"),

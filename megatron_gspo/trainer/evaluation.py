@@ -29,6 +29,7 @@ from megatron_gspo.runtime import comm
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.model.oom import explain_oom
 from megatron_gspo.data.rewards import ScoringStopped, compute_rewards
+from megatron_gspo.rollout.multiturn import build_multiturn, multiturn_rewards
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -68,6 +69,8 @@ class Evaluator:
         self.generator = Generator(model, vocab_size=cfg.model.vocab_size, state=state,
                                    rows=len(prompts) * max(1, self.ecfg.num_samples),
                                    slots=max((len(p.ids) for p in prompts), default=0) + gen_cfg.max_new_tokens - 1)
+        # a multi-turn job (env.name) is evaluated over turns, with its environment (rollout/multiturn.py)
+        self.multiturn = build_multiturn(cfg, state, self.generator, tokenizer, gen_cfg)
 
     def due(self, step: int) -> bool:
         """After RL step ``step`` (1-based): every eval.interval steps and after the last."""
@@ -78,6 +81,8 @@ class Evaluator:
                 should_stop: Optional[Callable[[], bool]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(correct [N] bool, response lengths [N]) of one response per prompt; EvaluationAbandoned
         (every rank) when ``should_stop`` says so on any rank."""
+        if self.multiturn is not None:
+            return self._talk(prompts, gen_cfg, seed, step, where, should_stop)
         with explain_oom("generation", self.cfg, self.state, f"evaluation: {len(prompts)} rows"):
             out = self.generator.generate([p.ids for p in prompts], gen_cfg, seed=seed,
                                           row_keys=list(range(len(prompts))), should_stop=should_stop)
@@ -95,6 +100,32 @@ class Evaluator:
             raise EvaluationAbandoned(step, where + ", while scoring")
         return rewards >= 1.0, out.response_lengths
 
+    def _talk(self, prompts, gen_cfg, seed: int, step: int, where: str, should_stop) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_answer`` of a multi-turn job: each held-out prompt talked to its end; correct when its reward (the
+        environment's, or reward.name on the last response; no overlong penalty) is >= 1; the lengths count the
+        sampled tokens. The turns and tool calls go to eval/turns_mean, eval/tool_calls_mean."""
+        with explain_oom("generation", self.cfg, self.state, f"evaluation: {len(prompts)} rows over turns"):
+            out = self.multiturn.run(prompts, list(range(len(prompts))), seed, should_stop=should_stop,
+                                     gen_cfg=dataclasses.replace(gen_cfg, n_samples_per_prompt=1))
+        if should_stop is not None and comm.any_rank(out.abandoned or should_stop(), self.state.device,
+                                                     what="stop vote after an evaluation generation"):
+            raise EvaluationAbandoned(step, where + (", cut short" if out.abandoned else ""))
+        try:
+            rewards = multiturn_rewards(out, prompts, self.reward_fn, self.cfg, self.state.device, penalty=False,
+                                        should_stop=should_stop)
+        except ScoringStopped:
+            rewards = None
+        if should_stop is not None and comm.any_rank(rewards is None, self.state.device,
+                                                     what="stop vote after evaluation scoring"):
+            raise EvaluationAbandoned(step, where + ", while scoring")
+        self.turn_metrics = {"eval/turns_mean": sum(t["num_turns"] for t in out.trajectories) / len(prompts),
+                             "eval/tool_calls_mean": sum(len(t["tool_calls"]) for t in out.trajectories) / len(prompts)}
+        return rewards >= 1.0, out.response_mask.sum(-1)
+
+    def close(self) -> None:
+        if self.multiturn is not None:
+            self.multiturn.close()
+
     @torch.no_grad()
     def run(self, step: int, should_stop: Optional[Callable[[], bool]] = None) -> dict[str, float]:
         """eval/* metrics after RL step ``step``. ``should_stop``: this rank's stop flag (module doc)."""
@@ -104,6 +135,8 @@ class Evaluator:
         out = {"eval/greedy_accuracy": int(correct.sum()) / P,
                "eval/response_length_mean": int(lengths.sum()) / P,
                "eval/num_prompts": float(P), **self.length_metrics}
+        if self.multiturn is not None:
+            out.update(self.turn_metrics)  # the greedy pass's
         if e.num_samples > 0:
             n = e.num_samples
             rows = [p for p in self.prompts for _ in range(n)]  # prompt-major: row i*n + j

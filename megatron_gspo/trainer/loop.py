@@ -51,6 +51,7 @@ from megatron_gspo.model.gpt import aux_loss_scales, clear_aux_losses_tracker, f
 from megatron_gspo.trainer.optim import nonfinite_grads, optimizer_step, setup_optimizer
 from megatron_gspo.data.rewards import build_reward
 from megatron_gspo.rollout.prepare import BatchPreparer, TrainBatch, rollout_metrics
+from megatron_gspo.rollout.dump import RolloutDump
 from megatron_gspo.rollout.remote import RolloutRanksLost
 from megatron_gspo.rollout.source import build_source, join_side
 from megatron_gspo.trainer.sft import SFTWarmStart
@@ -102,7 +103,8 @@ class Trainer:
         self.prepare = BatchPreparer(cfg, st, self.ddp, self.ref_model, get_advantage_estimator(cfg.train.advantage_estimator),
                                      gen_cfg, self.routing, self.timer, recompute_old_logprobs=recompute)
         self.evaluator = components.build_evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg, held_out)
-        self.hooks = Hooks([SFTWarmStart(), *self.source.hooks(), *hooks])
+        dump = [RolloutDump()] if cfg.train.dump_rollouts else []  # {output_dir}/rollouts/step_XXXXXX.jsonl
+        self.hooks = Hooks([SFTWarmStart(), *self.source.hooks(), *dump, *hooks])
         # the stop story: votes, what a stop saves, the stop line (trainer/stopping.py)
         self.stopping = StopControl(cfg, st, self.preempt, self.source, self.checkpoints, self.ddp, self.sampler,
                                     during_save=functools.partial(self.hooks.during_save, self))
@@ -328,6 +330,8 @@ class Trainer:
         caller running several jobs) tears them down with parallel.destroy()."""
         self.hooks.close(self)
         self.source.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
         self.reward.close()  # its worker processes, if any
         self.logger.close()
         components.release_process_state(self)

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.runtime import comm
-from megatron_gspo.data.prompts import PromptSampler
-from megatron_gspo.errors import DataError
+from megatron_gspo.data.prompts import PromptDataset, PromptSampler
+from megatron_gspo.errors import DataError, EnvError, TokenizerError
 from megatron_gspo.trainer.hooks import TrainerHook
 from megatron_gspo.model.gpt import (
     aux_loss_scales,
@@ -82,6 +82,49 @@ def pad_sft_rows(seqs: list[list[int]], starts: list[int], pad_id: int,
     return tokens.to(device), mask.to(device), lengths.to(device)
 
 
+class DemonstrationSampler(PromptSampler):
+    """The warm start's batches of a multi-turn job with env.sft_source: demonstrations ({"messages": [...]}),
+    each drawn as (ids, loss mask) by env.chat.conversation_ids, the way the rollout tokenizes a row; the order
+    and its resume state are PromptSampler's."""
+
+    def __init__(self, cfg, tokenizer, batch_size: int) -> None:
+        from megatron_gspo.env.chat import build_format
+        from megatron_gspo.env.tools import load_tools
+
+        dataset = PromptDataset.from_jsonl(cfg.env.sft_source, prompt_key="messages", answer_key=None,
+                                           key="env.sft_source")
+        super().__init__(dataset, tokenizer, dataclasses.replace(cfg.data, seed=cfg.data.seed + 7919,
+                                                                 apply_chat_template=False), batch_size)
+        self.fmt = build_format(tokenizer, cfg.data, cfg.env.tool_format)
+        self.tools = [t.schema() for t in load_tools(cfg.env.tools).values()] if cfg.env.tools else None
+        self.limit = cfg.model.max_position_embeddings
+
+    def encode(self, example):
+        from megatron_gspo.env.chat import conversation_ids
+
+        try:
+            ids, mask = conversation_ids(self.fmt, example.prompt, self.tools)
+        except (EnvError, TokenizerError) as e:
+            raise DataError(f"{example.where} (env.sft_source): {e}") from None
+        if len(ids) > self.limit:  # a whole conversation or none: a cut one would end inside a turn
+            raise DataError(f"{example.where} (env.sft_source): the conversation is {len(ids)} tokens > "
+                            f"model.max_position_embeddings={self.limit}; shorten it")
+        return ids, mask
+
+
+def build_demonstration_batch(items, pad_id: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Demonstrations [(ids, loss mask)] -> tokens [B, T], loss mask [B, T-1] on the targets, lengths [B]
+    (as build_sft_batch)."""
+    T = max(len(ids) for ids, _ in items)
+    tokens = torch.full((len(items), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(items), T - 1, dtype=torch.bool)
+    for i, (ids, m) in enumerate(items):
+        tokens[i, :len(ids)] = torch.tensor(ids)
+        mask[i, :len(ids) - 1] = torch.tensor(m[1:], dtype=torch.bool)
+    lengths = torch.tensor([len(ids) for ids, _ in items], dtype=torch.long)
+    return tokens.to(device), mask.to(device), lengths.to(device)
+
+
 class SFTRun:
     """The warm start's state: its optimizer, its own prompt stream and the steps done, so that a stop
     signal can cut it short between two steps and a checkpoint of it (StopControl.save_warm_start, in
@@ -96,9 +139,12 @@ class SFTRun:
         opt_cfg = dataclasses.replace(cfg.optimizer, lr=t.sft_lr, min_lr=0.0, lr_warmup_steps=0,
                                       lr_decay_style="constant", weight_decay=0.0)
         self.optimizer = build_optimizer(opt_cfg, model, state, cfg.model.precision == "bf16") if optimizer else None
-        # draw from the same dataset with a separate stream so the RL data order is untouched
-        self.sampler = PromptSampler(dataset, tokenizer, dataclasses.replace(cfg.data, seed=cfg.data.seed + 7919),
-                                     t.sft_batch_size)
+        # draw from the same dataset with a separate stream so the RL data order is untouched; a multi-turn job
+        # with demonstrations (env.sft_source) learns those instead
+        self.demonstrations = cfg.env.enabled and cfg.env.sft_source is not None
+        self.sampler = (DemonstrationSampler(cfg, tokenizer, t.sft_batch_size) if self.demonstrations else
+                        PromptSampler(dataset, tokenizer, dataclasses.replace(cfg.data, seed=cfg.data.seed + 7919),
+                                      t.sft_batch_size))
         self.done = self.first = 0  # steps done; where this process started (a checkpoint's progress)
         self.rows = self.cut = 0  # rows trained on by this process, and those cut at model.max_position_embeddings
 
@@ -151,7 +197,11 @@ class SFTRun:
         model, st, cfg, t, pad = self.model, self.state, self.cfg, self.cfg.train, self.pad
         prompts = self.sampler.next_batch()
         per = len(prompts) // st.dp
-        tokens, mask, lengths = pad_sft_rows(*self._rows(prompts), pad, st.device)
+        if self.demonstrations:
+            mine = prompts[st.dp_rank * per:(st.dp_rank + 1) * per]
+            tokens, mask, lengths = build_demonstration_batch(mine, pad, st.device)
+        else:
+            tokens, mask, lengths = pad_sft_rows(*self._rows(prompts), pad, st.device)
         # one width on every rank (MoE dispatch is a collective); (T - 1) % TP == 0 under SP, and a
         # multiple of FP8's token alignment under FP8 (rollout.forward_width_multiple)
         T = common_length(tokens.shape[1], forward_width_multiple(model, st), st.device, group=dist.group.WORLD)

@@ -110,9 +110,10 @@ class RecordRollouts(TrainerHook):
             return
         with open(os.path.join(self.out_dir, f"rollouts.dp{st.dp_rank}.jsonl"), "a") as f:
             for i in range(batch.num_rows):
-                keep = batch.tokens[i, : int(batch.seq_lengths[i])].tolist()
+                n = int(batch.seq_lengths[i])
+                keep = batch.tokens[i, :n].tolist()
                 f.write(json.dumps({"step": trainer.step + 1, "row": int(batch.row_ids[i]), "sample": batch.sample_ids[i],
-                                    "tokens": keep,
+                                    "tokens": keep, "mask": batch.mask[i, :n - 1].long().tolist(),  # the loss's targets
                                     "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i]),
                                     # the policy versions that drew the row's first and last tokens (the record's)
                                     "versions": [int(batch.version_start[i]), int(batch.version_end[i])]}) + "\n")

@@ -1,0 +1,100 @@
+"""Environments and tools the multi-turn tests run (importable by the env worker processes: the pool hands
+them this process's sys.path)."""
+
+import os
+import time
+
+
+class Echo:
+    """Says "ok" after every turn and never ends: every row talks until env.max_turns."""
+
+    def __init__(self, reply: str = "ok") -> None:
+        self.reply = reply
+
+    def reset(self, example):
+        return example["prompt"] if isinstance(example["prompt"], str) else example["prompt"][-1]["content"]
+
+    def step(self, response):
+        return self.reply, None, False
+
+
+class Countdown:
+    """Ends after ``turns`` turns with reward 1 / turns; an object result, not a tuple."""
+
+    class Result:
+        def __init__(self, observation, reward, done):
+            self.observation, self.reward, self.done = observation, reward, done
+
+    def __init__(self, turns: int = 2) -> None:
+        self.turns, self.seen = turns, 0
+
+    def reset(self, example):
+        return str(example["prompt"])
+
+    def step(self, response):
+        self.seen += 1
+        if self.seen >= self.turns:
+            return self.Result(None, 1.0 / self.turns, True)
+        return self.Result(f"again {self.seen}", None, False)
+
+
+class Hanging:
+    """Writes its pid to ``marker`` at its first step, then never answers (a stuck tool)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def reset(self, example):
+        return str(example["prompt"])
+
+    def step(self, response):
+        with open(self.marker, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(3600)
+
+
+class Raising:
+    def reset(self, example):
+        return str(example["prompt"])
+
+    def step(self, response):
+        raise RuntimeError("the environment broke")
+
+
+class BadStep:
+    def reset(self, example):
+        return str(example["prompt"])
+
+    def step(self, response):
+        return "no reward or done"
+
+
+def add(a: int, b: int = 0) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b (int): the second,
+            0 when left out
+    """
+    return a + b
+
+
+def nap(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(seconds)
+    return f"slept {seconds}"
+
+
+def boom() -> str:
+    """Always fails."""
+    raise ValueError("no luck")
+
+
+def crash() -> str:
+    """Ends its process."""
+    os._exit(3)

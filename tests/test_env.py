@@ -1,0 +1,314 @@
+"""The interface users write against (megatron_gspo/env/): tools and their schemas, the calculator, tool-call
+parsing, the worker pool (errors, timeouts, stop signals, side by side), environments, chat formats (the
+built-in tokenizer's plain one and Qwen3's real template: token in, token out, the <think> rewrite avoided)."""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from megatron_gspo.env.calls import format_call, parse_tool_calls
+from megatron_gspo.env.chat import PlainFormat, TemplateFormat, conversation_ids
+from megatron_gspo.env.pool import PoolStopped, WorkerPool
+from megatron_gspo.env.protocol import ClassRunner, ToolRunner, check_step
+from megatron_gspo.env.tools import load_tool, load_tools
+from megatron_gspo.errors import EnvError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+pytest.importorskip("simpleeval")
+
+
+@pytest.fixture
+def pool():
+    p = WorkerPool(4)
+    yield p
+    p.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tools
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_tool_schema_comes_from_its_signature_and_docstring():
+    tool = load_tool("multiturn_envs:add")
+    assert tool.schema() == {"type": "function", "function": {
+        "name": "add", "description": "Add two integers.",
+        "parameters": {"type": "object",
+                       "properties": {"a": {"type": "integer", "description": "the first"},
+                                      "b": {"type": "integer", "description": "the second, 0 when left out"}},
+                       "required": ["a"]}}}
+    assert load_tool("calculator").path == "megatron_gspo.env.calculator:calculator"
+
+
+def test_bad_tool_names_are_refused_by_name():
+    with pytest.raises(EnvError, match="neither a built-in tool"):
+        load_tool("no_colon")
+    with pytest.raises(EnvError, match="no module named 'nowhere_at_all'"):
+        load_tool("nowhere_at_all:f")
+    with pytest.raises(EnvError, match="has no 'missing'"):
+        load_tool("multiturn_envs:missing")
+    with pytest.raises(EnvError, match="'multiturn_envs:Echo' is a type, not a function"):
+        load_tool("multiturn_envs:Echo")
+    with pytest.raises(EnvError, match="both named 'add'"):
+        load_tools(["multiturn_envs:add", "multiturn_envs:add"])
+
+
+def test_the_calculator_computes_and_never_evaluates_code():
+    from megatron_gspo.env.calculator import calculator
+
+    assert calculator("123*456") == "56088" and calculator("(7+5)/3") == "4" and calculator("7/2") == "3.5"
+    assert calculator("max(3, 9) - abs(-2)") == "7"
+    for bad in ("__import__('os').getcwd()", "open('/etc/passwd')", "(1).__class__", "x + 1", "[i for i in (1, 2)]"):
+        with pytest.raises(Exception):
+            calculator(bad)
+    with pytest.raises(Exception):  # simpleeval's power limit: no 10-million-digit integer
+        calculator("9**99999999")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tool calls
+# ----------------------------------------------------------------------------------------------
+
+
+def test_qwen3_tool_calls_are_parsed_and_written_back_identically():
+    text = format_call("calculator", {"expression": "12*3"}, "qwen3")
+    assert text == '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*3"}}\n</tool_call>'
+    two = "<think>\nx\n</think>\n\n" + text + "\n" + format_call("add", {"a": 1, "b": 2}, "qwen3")
+    calls = parse_tool_calls(two, "qwen3")
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("calculator", {"expression": "12*3"}, None),
+                                                               ("add", {"a": 1, "b": 2}, None)]
+    # arguments as a JSON string (some models write them so) are read too
+    assert parse_tool_calls('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>', "qwen3")[0].arguments == {"a": 1}
+
+
+def test_malformed_tool_calls_are_errors_not_exceptions():
+    def err(text, fmt="qwen3"):
+        (call,) = parse_tool_calls(text, fmt)
+        return call.error
+
+    assert "is never closed" in err('<tool_call>{"name": "add"')
+    assert "not valid JSON" in err("<tool_call>{name: add}</tool_call>")
+    assert "names no tool" in err('<tool_call>{"arguments": {}}</tool_call>')
+    assert "not a JSON object" in err('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>')
+    assert "names no tool" in err("<call> </call>", "plain")
+    assert parse_tool_calls("no call here", "qwen3") == []
+
+
+def test_the_plain_format_writes_a_one_parameter_tool_bare():
+    text = format_call("calculator", {"expression": "6*7"}, "plain", single="expression")
+    assert text == "<call>calculator 6*7</call>"
+    (call,) = parse_tool_calls(text + "<eos>", "plain", {"calculator": ("expression", "string")})
+    assert (call.name, call.arguments, call.error) == ("calculator", {"expression": "6*7"}, None)
+    (call,) = parse_tool_calls('<call>add {"a": 2, "b": 3}</call>', "plain", {"add": None})
+    assert call.arguments == {"a": 2, "b": 3}
+    assert parse_tool_calls("<call>nap 1.5</call>", "plain", {"nap": ("seconds", "number")})[0].arguments == {"seconds": 1.5}
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker pool and the tool environment
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_tool_that_raises_hangs_crashes_or_is_malformed_is_answered_and_counted(pool):
+    tools = load_tools(["calculator", "multiturn_envs:nap", "multiturn_envs:boom", "multiturn_envs:crash"])
+    runner = ToolRunner(tools, pool, "plain", timeout_s=1.5)
+    t0 = time.perf_counter()
+    results = runner.step(["<call>calculator 6*7</call>", "<call>boom</call>", "<call>nap 30</call>",
+                           "<call>crash</call>", "<call>calculator 6*7", "<call>nope 1</call>", "the answer is 42"],
+                          list(range(7)))
+    took = time.perf_counter() - t0
+    assert results[0].observation == [{"role": "tool", "content": "42"}] and results[0].tool_errors == 0
+    assert results[1].observation[0]["content"] == "error: the tool 'boom' failed: ValueError: no luck"
+    assert results[1].tool_calls[0]["where"].endswith("multiturn_envs.py:" + str(_line_of("raise ValueError")))
+    assert results[2].observation[0]["content"] == ("error: the tool 'nap' did not answer within 1.5 s "
+                                                    "(env.tool_timeout_s)")
+    assert "the environment worker process exited (status 3)" in results[3].observation[0]["content"]
+    assert results[4].observation[0]["content"] == "error: <call> is never closed by </call>"
+    assert results[5].observation[0]["content"].startswith("error: there is no tool 'nope'; the tools are calculator")
+    assert [r.tool_errors for r in results] == [0, 1, 1, 1, 1, 1, 0] and not any(r.done for r in results[:6])
+    assert results[6].done and results[6].observation is None and results[6].tool_calls == []
+    assert took < 1.5 + 10, took  # the hang cost its timeout once, the others ran beside it
+    # the pool goes on after a kill and a crash
+    assert runner.step(["<call>calculator 1+1</call>"], [0])[0].observation[0]["content"] == "2"
+    # env.on_tool_error=end: a failed call ends the row instead
+    ender = ToolRunner(tools, pool, "plain", timeout_s=1.5, end_on_error=True)
+    (r,) = ender.step(["<call>boom</call>"], [0])
+    assert r.done and r.observation is None and r.tool_errors == 1
+
+
+def _line_of(text: str) -> int:
+    lines = open(os.path.join(HERE, "multiturn_envs.py")).read().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+def test_tool_calls_of_many_rows_run_side_by_side(pool):
+    runner = ToolRunner(load_tools(["multiturn_envs:nap"]), pool, "plain", timeout_s=30)
+    runner.step(["<call>nap 0</call>"] * 4, list(range(4)))  # the workers are started
+    t0 = time.perf_counter()
+    results = runner.step(["<call>nap 1</call>"] * 4, list(range(4)))
+    took = time.perf_counter() - t0
+    assert all(r.observation[0]["content"] == "slept 1.0" for r in results)
+    print(f"4 rows x a 1 s tool call on 4 workers: {took:.2f} s")
+    assert took < 3.5, took  # 4 s one after the other
+
+
+def test_a_stop_request_during_a_tool_call_kills_it_within_a_fraction_of_a_second(pool):
+    runner = ToolRunner(load_tools(["multiturn_envs:nap"]), pool, "plain", timeout_s=600)
+    flag = threading.Event()
+    threading.Timer(0.5, flag.set).start()
+    t0 = time.perf_counter()
+    with pytest.raises(PoolStopped):
+        runner.step(["<call>nap 600</call>"] * 2, [0, 1], should_stop=flag.is_set)
+    took = time.perf_counter() - t0
+    assert took < 0.5 + 2, took
+    assert all(s.proc is None for s in pool.slots if s.busy is None) and pool.num_kills == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Environments
+# ----------------------------------------------------------------------------------------------
+
+
+def test_an_environment_class_runs_in_the_workers_row_by_row(pool):
+    runner = ClassRunner("multiturn_envs:Countdown", {"turns": 2}, pool, timeout_s=10)
+    first = runner.reset([{"id": "a", "prompt": "p0", "answer": None}, {"id": "b", "prompt": "p1", "answer": None}])
+    assert first == ["p0", "p1"]
+    one = runner.step(["x", "y"], [0, 1])
+    assert [(r.observation, r.reward, r.done) for r in one] == [([{"role": "user", "content": "again 1"}], None, False)] * 2
+    two = runner.step(["x"], [1])  # each row's object keeps its own state
+    assert (two[0].observation, two[0].reward, two[0].done) == (None, 0.5, True)
+    assert runner.step(["x"], [0])[0].done
+    runner.end([0, 1])
+
+
+def test_a_broken_environment_ends_its_row_or_is_refused_at_reset(pool):
+    runner = ClassRunner("multiturn_envs:Raising", {}, pool, timeout_s=10)
+    runner.reset([{"id": "a", "prompt": "p", "answer": None}])
+    (r,) = runner.step(["x"], [0])
+    assert r.done and r.error == "multiturn_envs:Raising.step() failed: RuntimeError: the environment broke"
+    bad = ClassRunner("multiturn_envs:BadStep", {}, pool, timeout_s=10)
+    bad.reset([{"id": "a", "prompt": "p", "answer": None}])
+    (r,) = bad.step(["x"], [0])
+    assert "it must return (observation, reward, done)" in r.error
+    with pytest.raises(EnvError, match=r"multiturn_envs:Countdown\(\*\*env.kwargs\) failed: TypeError"):
+        ClassRunner("multiturn_envs:Countdown", {"nope": 1}, pool, timeout_s=10).reset(
+            [{"id": "a", "prompt": "p", "answer": None}])
+    with pytest.raises(TypeError, match="reward must be a finite number"):
+        check_step(("x", float("nan"), False), "E")
+
+
+def test_env_kwargs_that_do_not_fit_the_class_are_refused_at_start_up():
+    """A misspelt env.kwargs key is said when the job builds its runner (before the warm start), with the class's
+    parameters; kwargs that fit build it."""
+    from megatron_gspo.config import EnvConfig
+    from megatron_gspo.env.protocol import build_runner
+
+    name = "megatron_gspo.env.games:GuessWithFeedback"
+    with pytest.raises(EnvError) as e:
+        build_runner(EnvConfig(name=name, kwargs={"discont": 0.5}), "plain")
+    assert str(e.value) == (f"env.kwargs={{'discont': 0.5}} do not fit {name}(discount=0.5): got an unexpected keyword "
+                            "argument 'discont'")
+    runner = build_runner(EnvConfig(name=name, kwargs={"discount": 0.25}), "plain")
+    runner.pool.close()
+
+
+def test_the_guessing_game_answers_higher_lower_and_ends_on_the_number():
+    from megatron_gspo.env.games import GuessWithFeedback
+
+    env = GuessWithFeedback(discount=0.5)
+    assert env.reset({"id": "1", "prompt": "3+4=", "answer": "7"}) == "3+4="
+    assert env.step("5") == ("higher", None, False)
+    assert env.step("no idea") == ("a number, please", None, False)
+    assert env.step("9") == ("lower", None, False)
+    assert env.step("7") == (None, 0.5 ** 3, True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat formats: the plain one, and Qwen3's real template
+# ----------------------------------------------------------------------------------------------
+
+
+def test_the_plain_format_and_a_demonstration_tokenize_as_the_rollout_builds_the_row():
+    from megatron_gspo.data.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    fmt = PlainFormat(tok, add_special_tokens=False)
+    messages = [{"role": "user", "content": "6*7="}, {"role": "assistant", "content": "<call>calculator 6*7</call>"},
+                {"role": "tool", "content": "42"}, {"role": "assistant", "content": "42"}]
+    ids, mask = conversation_ids(fmt, messages)
+    assert tok.decode(ids) == "6*7=<call>calculator 6*7</call><eos><tool>42</tool>42<eos>"
+    text = tok.decode(ids)
+    sampled = "".join(ch for ch, m in zip(_chars(tok, ids), mask) if m)
+    assert sampled == "<call>calculator 6*7</call><eos>42<eos>" and text.count("<eos>") == 2
+    with pytest.raises(EnvError, match="ends with an assistant turn"):
+        conversation_ids(fmt, messages[:3])
+    with pytest.raises(EnvError, match="two assistant turns in a row"):
+        conversation_ids(fmt, [messages[0], messages[1], messages[1]])
+
+
+def _chars(tok, ids):
+    return [tok.decode([i]) for i in ids]
+
+
+def _qwen3_tokenizer(tmp_path):
+    """A Qwen3-layout tokenizer directory (tests/test_tokenizer.py's BPE) with the published Qwen3 chat template
+    (tests/fixtures/qwen3_chat_template.jinja) and Qwen3's tool tokens."""
+    from test_tokenizer import _write_hf_tokenizer
+
+    from megatron_gspo.data.tokenizer import HFTokenizer
+
+    template = open(os.path.join(HERE, "fixtures", "qwen3_chat_template.jinja")).read()
+    d = tmp_path / "qwen3"
+    tok = _write_hf_tokenizer(d, template=template)
+    tok.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])  # Qwen3: added, not special
+    tok.save(str(d / "tokenizer.json"))
+    return HFTokenizer(d)
+
+
+def test_qwen3_observations_are_the_template_s_tool_turn_appended_once(tmp_path):
+    tok = _qwen3_tokenizer(tmp_path)
+    fmt = TemplateFormat(tok)
+    tools = [load_tool("calculator").schema()]
+    prompt = tok.decode(fmt.prompt_ids("what is 12*3?", tools))
+    assert prompt.startswith("<|im_start|>system\n# Tools\n\nYou may call one or more functions")
+    assert json.dumps(tools[0]) in prompt and prompt.endswith("<|im_start|>user\nwhat is 12*3?<|im_end|>\n<|im_start|>assistant\n")
+    im_end = tok.token_to_id("<|im_end|>")
+    obs = fmt.observation_ids([{"role": "tool", "content": "36"}], after=im_end)
+    # the newline after the sampled <|im_end|> included, never lost; no second <|im_end|>
+    assert tok.decode(obs) == "\n<|im_start|>user\n<tool_response>\n36\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    feedback = fmt.observation_ids([{"role": "user", "content": "higher"}], after=im_end)
+    assert tok.decode(feedback) == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+    no_think = TemplateFormat(tok, {"enable_thinking": False}).observation_ids([{"role": "tool", "content": "36"}], im_end)
+    assert tok.decode(no_think).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_qwen3_the_stream_is_the_sampled_tokens_and_rerendering_would_rewrite_think(tmp_path):
+    """The row a multi-turn rollout trains on is prompt + the sampled ids + the observation ids. Rendering the
+    whole conversation again with the template (what re-tokenizing frameworks do) rewrites history: Qwen3's
+    template drops the <think> block of every assistant turn before the last user message, so the first
+    turn's tokens would no longer be the ones the policy sampled (the log-probs, the ratios and the routes
+    would be paired with other tokens). The stream keeps them."""
+    tok = _qwen3_tokenizer(tmp_path)
+    fmt = TemplateFormat(tok)
+    im_end = tok.token_to_id("<|im_end|>")
+    turns = ["<think>\nguess low\n</think>\n\n5", "<think>\nhigher, so\n</think>\n\n7"]
+    sampled = [tok.encode(t) + [im_end] for t in turns]  # what the policy drew, its stop token included
+    stream = fmt.prompt_ids("3+4=?") + sampled[0]
+    stream += fmt.observation_ids([{"role": "user", "content": "higher"}], im_end) + sampled[1]
+    conversation = [{"role": "user", "content": "3+4=?"}, {"role": "assistant", "content": turns[0]},
+                    {"role": "user", "content": "higher"}, {"role": "assistant", "content": turns[1]}]
+    ids, mask = conversation_ids(fmt, conversation)  # a demonstration is built the same way
+    assert ids == stream
+    assert [i for i, m in zip(ids, mask) if m] == sampled[0] + sampled[1]
+    rendered = tok.apply_chat_template(conversation, add_generation_prompt=False)
+    again = tok.encode(rendered)
+    first = fmt.prompt_ids("3+4=?")
+    assert stream[len(first):len(first) + len(sampled[0])] == sampled[0]
+    assert again[len(first):len(first) + len(sampled[0])] != sampled[0]  # re-rendered: not what was sampled
+    assert "guess low" in tok.decode(stream) and "guess low" not in rendered
+    # that rewrite is the whole difference (plus the newline the template writes after the last turn)
+    assert rendered == tok.decode(stream).replace("<think>\nguess low\n</think>\n\n", "", 1) + "\n"
