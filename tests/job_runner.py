@@ -45,3 +45,32 @@ def built_trainers(base: list, out_dir) -> Iterator[Callable[[list], object]]:
         for t in made:
             t.close()
         parallel.destroy()
+
+
+def stop_when_ready(cmd: list, env: dict, log_path, ready: Callable[[], bool], startup_s: float = 240,
+                    wait_s: float = 60) -> tuple:
+    """Start ``cmd`` (a job) with its output in ``log_path``; once ``ready()`` (the phase under test has begun),
+    SIGTERM it and wait up to ``wait_s``: (exit code or None, seconds from the signal to the job's
+    "preempted by signal" line or None, seconds from the signal to its exit). The job is killed on the way out."""
+    import signal
+    import subprocess
+    import time
+
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            deadline = time.time() + startup_s
+            while not ready():
+                assert p.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
+                time.sleep(0.1)
+            sent = time.time()
+            p.send_signal(signal.SIGTERM)
+            said = None  # when the stop line came
+            while p.poll() is None and time.time() < sent + wait_s:
+                if said is None and "preempted by signal" in open(log_path).read():
+                    said = time.time() - sent
+                time.sleep(0.05)
+            return p.poll(), said, time.time() - sent
+        finally:
+            if p.poll() is None:
+                p.kill()

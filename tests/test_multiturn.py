@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from job_runner import built_trainers, run_job_rows
+from job_runner import built_trainers, run_job_rows, stop_when_ready
 
 pytest.importorskip("simpleeval")
 
@@ -210,10 +210,7 @@ def test_a_stop_signal_during_a_tool_call_ends_the_job_within_seconds(tmp_path):
     """``python -m megatron_gspo.train`` whose environment step hangs (multiturn_envs:Hanging, in the worker
     pool): a SIGTERM once the step is running stops the job within seconds, the hanging worker killed, exit 79
     (the first step never completed: nothing to save), one stop line that says where."""
-    import signal
-    import subprocess
     import sys
-    import time
 
     from megatron_gspo.runtime import exit_status
 
@@ -224,26 +221,9 @@ def test_a_stop_signal_during_a_tool_call_ends_the_job_within_seconds(tmp_path):
         f"train.output_dir={out}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")])}
-    with open(tmp_path / "log", "w") as log:
-        p = subprocess.Popen([sys.executable, "-m", "megatron_gspo.train", *job], stdout=log, stderr=subprocess.STDOUT,
-                             env=env, start_new_session=True)
-        try:
-            deadline = time.time() + 240
-            while not (marker.exists() and marker.read_text()):
-                assert p.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()[-3000:]
-                time.sleep(0.1)
-            worker = int(marker.read_text())
-            sent = time.time()
-            p.send_signal(signal.SIGTERM)
-            said = None
-            while p.poll() is None and time.time() < sent + 60:
-                if said is None and "preempted by signal" in (tmp_path / "log").read_text():
-                    said = time.time() - sent
-                time.sleep(0.05)
-            rc, took = p.poll(), time.time() - sent
-        finally:
-            if p.poll() is None:
-                p.kill()
+    rc, said, took = stop_when_ready([sys.executable, "-m", "megatron_gspo.train", *job], env, tmp_path / "log",
+                                     ready=lambda: marker.exists() and bool(marker.read_text()))
+    worker = int(marker.read_text())
     text = (tmp_path / "log").read_text()
     print(f"SIGTERM during a hanging environment step: the stop line {said} s later, exit {rc} {took:.1f} s later")
     assert rc == exit_status.EXIT_PREEMPTED_NOTHING_SAVED and said is not None and said < 5 and took < 30, \

@@ -28,6 +28,7 @@ import time
 import pytest
 import torch
 
+from job_runner import stop_when_ready
 from launch_modules import supervisor
 from megatron_gspo.runtime import exit_status
 from megatron_gspo.checkpoint import iter_dir, latest_complete
@@ -451,24 +452,8 @@ def test_a_stop_signal_while_reasoning_gym_examples_are_made_ends_start_up_withi
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "megatron_gspo.train", "data.source=reasoning_gym:zebra_puzzles", "parallel.device=cpu",
            f"train.output_dir={out}", "train.tensorboard=false"]
-    with open(tmp_path / "log", "w") as log:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
-        try:
-            deadline = time.time() + 240
-            while " examples made (" not in (tmp_path / "log").read_text():
-                assert p.poll() is None and time.time() < deadline, (tmp_path / "log").read_text()[-3000:]
-                time.sleep(0.1)
-            sent = time.time()
-            p.send_signal(signal.SIGTERM)
-            said = None  # when the stop line came
-            while p.poll() is None and time.time() < sent + 60:
-                if said is None and "preempted by signal" in (tmp_path / "log").read_text():
-                    said = time.time() - sent
-                time.sleep(0.05)
-            rc, took = p.poll(), time.time() - sent
-        finally:
-            if p.poll() is None:
-                p.kill()
+    rc, said, took = stop_when_ready(cmd, ENV, tmp_path / "log",
+                                     ready=lambda: " examples made (" in (tmp_path / "log").read_text())
     text = (tmp_path / "log").read_text()
     print(f"SIGTERM while making examples: the stop line {said} s later, exit {rc} {took:.1f} s later")
     # the stop is decided at the next example; the process's exit then tears down torch.distributed and
