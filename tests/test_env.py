@@ -312,3 +312,34 @@ def test_qwen3_the_stream_is_the_sampled_tokens_and_rerendering_would_rewrite_th
     assert "guess low" in tok.decode(stream) and "guess low" not in rendered
     # that rewrite is the whole difference (plus the newline the template writes after the last turn)
     assert rendered == tok.decode(stream).replace("<think>\nguess low\n</think>\n\n", "", 1) + "\n"
+
+
+def test_the_pools_wait_on_pipes_numbered_past_1024():
+    """A process that holds more than 1024 open files (a long test session; a program that built many
+    trainers, each leaving gloo's sockets) gets pipe numbers that select(2) refuses ("filedescriptor out of
+    range in select()"): the environment pool and the math checker wait on their workers with poll(2)."""
+    import resource
+
+    from megatron_gspo.config import RewardConfig
+    from megatron_gspo.data.rewards import build_reward, compute_rewards
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this process may open {hard} files: no descriptor past 1024 to test")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1200 if hard == resource.RLIM_INFINITY else min(hard, 4096), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100 - len(os.listdir("/proc/self/fd")))]
+    pool, reward = WorkerPool(1), None
+    try:
+        runner = ToolRunner(load_tools(["multiturn_envs:add"]), pool, "plain", timeout_s=30)
+        (result,) = runner.step(['<call>add {"a": 2, "b": 3}</call>'], [0])
+        assert result.observation[0]["content"] == "5", result
+        reward = build_reward(RewardConfig(name="math"))
+        assert compute_rewards(reward, ["q"], [r"\boxed{7}"], ["7"]).tolist() == [1.0]
+        assert max(held) > 1024
+    finally:
+        pool.close()
+        if reward is not None:
+            reward.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

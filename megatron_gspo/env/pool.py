@@ -3,7 +3,7 @@ environment steps side by side, each request with a deadline, all of them interr
 
 ``run(requests, timeout_s, should_stop)`` hands every request to a worker (a request naming a worker,
 ``Request.worker``, waits for that one: an environment lives in the process that built it) and collects
-the replies, one ``select`` over the busy workers' pipes at a time:
+the replies, one ``wait`` over the busy workers' pipes at a time:
 
 * a request older than ``timeout_s`` is answered ``Reply(timeout=True)`` and its worker killed (a Python
   timer cannot stop a C call; the parent's clock can); the next request for that slot starts another
@@ -22,8 +22,8 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import select
 import subprocess
+from multiprocessing.connection import wait  # poll(2): no FD_SETSIZE limit, unlike select(2)
 import sys
 import time
 from dataclasses import dataclass
@@ -97,7 +97,7 @@ class WorkerPool:
         proc = subprocess.Popen([sys.executable, "-m", "megatron_gspo.env.worker"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=None, env=env, text=True, bufsize=1,
                                 start_new_session=True)
-        ready, _, _ = select.select([proc.stdout], [], [], STARTUP_TIMEOUT_S)
+        ready = wait([proc.stdout], STARTUP_TIMEOUT_S)
         line = proc.stdout.readline() if ready else ""
         if line.strip() != json.dumps({"ready": True}):
             self._kill_proc(proc)
@@ -156,8 +156,8 @@ class WorkerPool:
         if not busy:
             return
         now = time.monotonic()
-        wait = max(0.0, min(POLL_S, min(s.busy[1] + timeout_s - now for s in busy)))
-        ready, _, _ = select.select([s.proc.stdout for s in busy], [], [], wait)
+        timeout = max(0.0, min(POLL_S, min(s.busy[1] + timeout_s - now for s in busy)))
+        ready = wait([s.proc.stdout for s in busy], timeout)
         for slot in busy:
             i, t0 = slot.busy
             if slot.proc.stdout in ready:

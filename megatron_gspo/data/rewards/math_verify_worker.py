@@ -19,7 +19,7 @@ compared with the reference). Two limits:
   average of 110 and 1 when idle); a check's CPU time does not depend on the load. math-verify's own
   timeouts are off in the child. Past the limit the check scores 0 (math-verify's verdict on its
   timeouts) and the child goes on.
-* ``wall_timeout_s``: a backstop the parent keeps with ``select`` for what no Python-level timer
+* ``wall_timeout_s``: a backstop the parent keeps with ``wait`` (poll) for what no Python-level timer
   interrupts (a C-level computation): past it the parent kills the child (the next check starts
   another) and scores 0.
 
@@ -42,9 +42,9 @@ import atexit
 import json
 import os
 import queue
-import select
 import signal
 import subprocess
+from multiprocessing.connection import wait  # poll(2): no FD_SETSIZE limit, unlike select(2)
 import sys
 import threading
 import time
@@ -81,7 +81,7 @@ class MathVerifyProcess:
 
     def _start(self, should_stop: Optional[Callable[[], bool]]) -> subprocess.Popen:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        # unbuffered: select() sees every byte the child wrote (a buffered reader could hold a second line)
+        # unbuffered: wait() sees every byte the child wrote (a buffered reader could hold a second line)
         proc = subprocess.Popen([sys.executable, "-m", "megatron_gspo.data.rewards.math_verify_worker"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
                                 bufsize=0, start_new_session=True)
@@ -104,7 +104,7 @@ class MathVerifyProcess:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            ready, _, _ = select.select([proc.stdout], [], [], min(left, POLL_S))
+            ready = wait([proc.stdout], min(left, POLL_S))
             if ready:
                 chunk = os.read(proc.stdout.fileno(), 1 << 16)
                 if not chunk:
