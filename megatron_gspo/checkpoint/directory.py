@@ -25,7 +25,8 @@ import shutil
 import zlib
 from typing import Optional
 
-from megatron_gspo.checkpoint.torch_dist_files import CORE_FILES, data_files, missing_files, read_dcp_metadata
+from megatron_gspo.checkpoint.torch_dist_files import (ALWAYS, CORE_FILES, core_files, data_files, missing_files,
+                                                       read_dcp_metadata)
 from megatron_gspo.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -77,7 +78,7 @@ def write_manifest(ckpt_dir: str, step: int) -> None:
     one is refused here, never given a manifest: a directory of another job's leftovers, or of a save whose
     files another job deleted, would otherwise pass for a checkpoint."""
     md = read_dcp_metadata(ckpt_dir)
-    required = [*CORE_FILES, *data_files(md)]
+    required = [*core_files(md), *data_files(md)]
     missing = missing_files(ckpt_dir, md)
     if missing:
         raise CheckpointError(f"{ckpt_dir}: the save is incomplete, {', '.join(missing)} missing (deleted by "
@@ -114,7 +115,7 @@ def _manifest_files(ckpt_dir: str) -> tuple[Optional[dict], Optional[str]]:
             raise ValueError("'files' is not a mapping or 'required' not a list")
     except (ValueError, KeyError, TypeError) as e:
         return None, f"unreadable manifest.json ({e})"
-    unlisted = [f for f in (*CORE_FILES, *required) if f not in files]
+    unlisted = [f for f in (*ALWAYS, *required) if f not in files]
     if unlisted:
         return None, f"manifest.json does not list {', '.join(dict.fromkeys(unlisted))} (an incomplete save)"
     return files, None

@@ -5,7 +5,9 @@ A megatron torch_dist checkpoint directory holds
     metadata.json   megatron's backend description (JSON)
     .metadata       torch.distributed.checkpoint's global metadata: every tensor's chunks and the file
                     and byte range of each (a *pickle*)
-    common.pt       the non-sharded state (step, scheduler, the job's config, ...; torch.save)
+    common.pt       the non-sharded state (step, scheduler, the job's config, ...; torch.save), as megatron-core
+                    0.16 writes it; 0.19 keeps that state in the data instead, as one byte object
+                    ("common_state/...") that .metadata names, read with weights_only=True (core_files)
     __R_N.distcp    the data, named by .metadata
 
 What loading one trusts: torch.distributed.checkpoint reads ``.metadata`` with ``pickle.load`` and
@@ -32,8 +34,11 @@ from megatron_gspo.errors import CheckpointError
 DCP_METADATA = ".metadata"
 COMMON = "common.pt"
 MEGATRON_METADATA = "metadata.json"
-# what every torch_dist checkpoint holds besides the data files its .metadata names
-CORE_FILES = (MEGATRON_METADATA, DCP_METADATA, COMMON)
+# what every torch_dist checkpoint holds besides the data files its .metadata names (common.pt: core_files)
+ALWAYS = (MEGATRON_METADATA, DCP_METADATA)
+CORE_FILES = (*ALWAYS, COMMON)
+# megatron-core 0.19's key of the common state inside the data (ShardedObject("common_state", ...).unique_key)
+COMMON_STATE_KEY = "common_state/"
 
 
 class _Refused(pickle.UnpicklingError):
@@ -94,15 +99,51 @@ def weights_only_cause(e: Exception) -> str:
     return next((ln for ln in lines if "GLOBAL" in ln), lines[0] if lines else type(e).__name__).rstrip(".")
 
 
+def common_state_key(md) -> str | None:
+    """The key of the common state inside the data when the checkpoint keeps it there (megatron-core 0.19's
+    format), else None (0.16's: common.pt)."""
+    return next((k for k in (md.state_dict_metadata or {}) if k.startswith(COMMON_STATE_KEY)), None)
+
+
+def core_files(md) -> tuple[str, ...]:
+    """The files besides the data that the checkpoint of Metadata ``md`` needs: common.pt unless its common
+    state is in the data."""
+    return ALWAYS if common_state_key(md) is not None else CORE_FILES
+
+
+def _common_bytes(ckpt_dir: str, key: str):
+    """The common state's bytes in the data of ``ckpt_dir``, as a file object. DCP's default load planner
+    would ``torch.load(weights_only=False)`` them; this one keeps the bytes, for read_common's weights_only load."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    kept = {}
+
+    class _KeepBytes(DefaultLoadPlanner):  # (DCP loads into a copy of the state dict: the bytes are kept aside)
+        def load_bytes(self, read_item, value) -> None:
+            kept[read_item.dest_index.fqn] = value.read()
+
+    dcp.load({key: io.BytesIO()}, storage_reader=dcp.FileSystemReader(ckpt_dir), planner=_KeepBytes(), no_dist=True)
+    if key not in kept:
+        raise CheckpointError(f"{ckpt_dir}: not a complete checkpoint: its common state ({key}) is not in the data")
+    return io.BytesIO(kept[key])
+
+
 def read_common(ckpt_dir: str) -> dict:
-    """``common.pt`` of ``ckpt_dir``, read with weights_only=True (tensors and plain data only)."""
+    """The common (non-sharded) state of ``ckpt_dir``: ``common.pt`` (megatron-core 0.16), or the byte object
+    in the data that .metadata names (0.19), read with weights_only=True (tensors and plain data only)."""
     import torch
 
     path = os.path.join(ckpt_dir, COMMON)
-    if not os.path.isfile(path):
+    key = None if os.path.isfile(path) else common_state_key(read_dcp_metadata(ckpt_dir))
+    if key is None and not os.path.isfile(path):
         raise CheckpointError(f"{ckpt_dir}: not a complete checkpoint: {COMMON} missing")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path if key is None else _common_bytes(ckpt_dir, key), map_location="cpu", weights_only=True)
+        if key is not None and isinstance(obj, (list, tuple)) and len(obj) == 1:
+            obj = obj[0]  # megatron saves it as a one-element list (load_common_state_dict)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path}: refused: it holds more than tensors and plain data ({weights_only_cause(e)}); "
                               "loading it unrestricted could run code from it") from None
@@ -116,4 +157,4 @@ def read_common(ckpt_dir: str) -> dict:
 def missing_files(ckpt_dir: str, md=None) -> list[str]:
     """The core files and the data files (named by .metadata) that ``ckpt_dir`` lacks."""
     md = read_dcp_metadata(ckpt_dir) if md is None else md
-    return [f for f in (*CORE_FILES, *data_files(md)) if not os.path.isfile(os.path.join(ckpt_dir, f))]
+    return [f for f in (*core_files(md), *data_files(md)) if not os.path.isfile(os.path.join(ckpt_dir, f))]
