@@ -141,7 +141,14 @@ def read_common(ckpt_dir: str) -> dict:
     if key is None and not os.path.isfile(path):
         raise CheckpointError(f"{ckpt_dir}: not a complete checkpoint: {COMMON} missing")
     try:
-        obj = torch.load(path if key is None else _common_bytes(ckpt_dir, key), map_location="cpu", weights_only=True)
+        source = path if key is None else _common_bytes(ckpt_dir, key)
+    except CheckpointError:
+        raise
+    except Exception as e:  # a damaged data file
+        raise CheckpointError(f"{ckpt_dir}: its common state ({key}) unreadable ({type(e).__name__}: {e})") from None
+    path = path if key is None else f"{ckpt_dir}: its common state ({key})"  # what the messages below name
+    try:
+        obj = torch.load(source, map_location="cpu", weights_only=True)
         if key is not None and isinstance(obj, (list, tuple)) and len(obj) == 1:
             obj = obj[0]  # megatron saves it as a one-element list (load_common_state_dict)
     except pickle.UnpicklingError as e:
