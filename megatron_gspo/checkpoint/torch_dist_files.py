@@ -140,24 +140,20 @@ def read_common(ckpt_dir: str) -> dict:
     key = None if os.path.isfile(path) else common_state_key(read_dcp_metadata(ckpt_dir))
     if key is None and not os.path.isfile(path):
         raise CheckpointError(f"{ckpt_dir}: not a complete checkpoint: {COMMON} missing")
+    where = path if key is None else f"{ckpt_dir}: its common state ({key})"  # what the messages name
     try:
-        source = path if key is None else _common_bytes(ckpt_dir, key)
-    except CheckpointError:
-        raise
-    except Exception as e:  # a damaged data file
-        raise CheckpointError(f"{ckpt_dir}: its common state ({key}) unreadable ({type(e).__name__}: {e})") from None
-    path = path if key is None else f"{ckpt_dir}: its common state ({key})"  # what the messages below name
-    try:
-        obj = torch.load(source, map_location="cpu", weights_only=True)
+        obj = torch.load(path if key is None else _common_bytes(ckpt_dir, key), map_location="cpu", weights_only=True)
         if key is not None and isinstance(obj, (list, tuple)) and len(obj) == 1:
             obj = obj[0]  # megatron saves it as a one-element list (load_common_state_dict)
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path}: refused: it holds more than tensors and plain data ({weights_only_cause(e)}); "
+        raise CheckpointError(f"{where}: refused: it holds more than tensors and plain data ({weights_only_cause(e)}); "
                               "loading it unrestricted could run code from it") from None
-    except Exception as e:
-        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    except Exception as e:  # truncated, or a damaged data file
+        raise CheckpointError(f"{where}: unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: holds a {type(obj).__name__}, not megatron's common state dict")
+        raise CheckpointError(f"{where}: holds a {type(obj).__name__}, not megatron's common state dict")
     return obj
 
 
