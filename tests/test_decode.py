@@ -281,13 +281,18 @@ def _optimizer_step(m) -> None:
     m.eval()
 
 
-def _rebind_experts(m) -> None:
+def _rebind_experts(m) -> list:
     """Every expert weight moved to new storage (``p.data = ...``: what a checkpoint load or a wrapper's
-    buffer may do): views taken before read the old values."""
+    buffer may do): views taken before read the old values. Returns the old storages, which the caller
+    keeps alive: freed, the allocator may hand their addresses to the decoder's next packing of the
+    experts (DeviceMoE.bind), and a graph reading the same addresses rightly needs no new capture."""
+    old = []
     with torch.no_grad():
         for layer in m.decoder.layers:
             for p in layer.mlp.experts.parameters():
+                old.append(p.data)
                 p.data = p.data.clone() * 1.5
+    return old
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
@@ -308,8 +313,9 @@ def test_a_kept_decoder_reads_the_weights_of_each_rollout(model, graphs, change)
     gen = Generator(m, vocab_size=VOCAB, state=st, graph_factory=factory)
     before = gen.generate(_rollout_prompts(4), gcfg)
     captured = len(StandInGraph.captures)
-    change(m)
+    kept = change(m)  # the old storages stay allocated meanwhile: their addresses cannot come back
     got = gen.generate(_rollout_prompts(4), gcfg)
+    del kept
     recaptured = len(StandInGraph.captures) - captured
     want = Generator(m, vocab_size=VOCAB, state=st, graph_factory=factory).generate(_rollout_prompts(4), gcfg)
     assert not torch.equal(want.logprobs, before.logprobs)  # the change changed the policy

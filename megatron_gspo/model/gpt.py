@@ -10,6 +10,7 @@ Two implementations share one TransformerConfig:
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Optional
 
 import torch
@@ -596,7 +597,27 @@ def wrap_ddp(model, state: ParallelState):
         # a bucket per ~40M params on GPU; one bucket on CPU (gloo, no overlap to win)
         bucket_size=None,
     )
-    return DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model, pg_collection=state.pg)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model, pg_collection=state.pg)
+    # megatron registers its gradient hook on each parameter's grad accumulator (a C++ autograd node) and
+    # keeps no handle. The hook holds the DDP, the DDP the model and its process groups, the node its hook:
+    # a cycle through C++ that Python's collector cannot see once a backward has run, so a finished job's
+    # model, grad buffers and gloo threads (3 per process group, ~48 per job) would live as long as the
+    # process. The hooks' dicts (what a RemovableHandle removes from) are taken now, while the collector
+    # still reaches them through the nodes, so that release_ddp can remove the hooks.
+    ddp._gspo_hook_dicts = [d for acc in getattr(ddp, "grad_accs", ()) for d in gc.get_referents(acc)
+                            if isinstance(d, dict)]
+    return ddp
+
+
+def release_ddp(ddp) -> None:
+    """After the job (Trainer.close): remove DDP's gradient hooks (see wrap_ddp), so that the model, its
+    buffers and its process groups are freed with the last reference to them. The DDP takes no backward
+    after this."""
+    for hooks in getattr(ddp, "_gspo_hook_dicts", ()):
+        hooks.clear()
+    ddp._gspo_hook_dicts = []
+    if hasattr(ddp, "grad_accs"):
+        ddp.grad_accs.clear()
 
 
 def finalize_grads(ddp_model, state: ParallelState) -> None:

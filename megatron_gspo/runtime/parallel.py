@@ -271,7 +271,9 @@ def reset_megatron_globals() -> None:
       device (a deeper model then failed with IndexError in save_to_aux_losses_tracker);
     * RouterReplay's class-level instance list and action (a rebuilt model's routers append to it);
     * MoEAuxLossAutoScaler's loss scale (a tensor on the previous job's device: set_loss_scale copies
-      into it).
+      into it);
+    * RotaryEmbedding.forward's lru_cache, keyed by the module: it kept the last 32 jobs' rotary modules,
+      and with them their context-parallel group and its gloo threads, alive.
     The parallel groups and megatron's global memory buffer go with ``destroy`` / ``initialize``
     (destroy_model_parallel), the RNG tracker with ``compat.apply``."""
     from megatron.core.transformer.moe import moe_utils
@@ -281,6 +283,10 @@ def reset_megatron_globals() -> None:
     RouterReplay.clear_global_router_replay_instances()
     RouterReplay.clear_global_router_replay_action()
     moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    if hasattr(RotaryEmbedding.forward, "cache_clear"):
+        RotaryEmbedding.forward.cache_clear()
 
 
 def destroy() -> None:

@@ -21,7 +21,8 @@ from megatron_gspo.data.example_cache import ExamplesStopped
 from megatron_gspo.data.job_data import build_job_data
 from megatron_gspo.runtime.exit_status import EXIT_PREEMPTED_NOTHING_SAVED, StopReason, StoppedFor
 from megatron_gspo.trainer.evaluation import Evaluator
-from megatron_gspo.model.gpt import build_model, impl_reason, job_precision, model_summary, resolve_impl, wrap_ddp
+from megatron_gspo.model.gpt import (build_model, impl_reason, job_precision, model_summary, release_ddp, resolve_impl,
+                                     wrap_ddp)
 from megatron_gspo.model.oom import check_model_fits, explain_oom, model_shapes
 from megatron_gspo.routing import RoutingPolicy
 from megatron_gspo.data.tokenizer import build_tokenizer, check_vocab_fits
@@ -144,13 +145,16 @@ def log_setup(cfg: JobConfig, st, recompute: bool, why: str) -> None:
 
 def release_process_state(trainer) -> None:
     """Give back what ``trainer`` set process-wide: checkpoint.save's lock, the rollout ranks of an async job
-    follow it out, megatron's per-model globals are reset, deterministic mode is undone. Each once (a second
+    follow it out, DDP's gradient hooks are removed (model.release_ddp: else the model and its process groups'
+    threads outlive the job), megatron's per-model globals are reset, deterministic mode is undone. Each once (a second
     call is a no-op for the lock, the side and determinism)."""
     if getattr(trainer, "checkpoints", None) is not None:  # checkpoint.save's lock, on every way out
         trainer.checkpoints.close()
     if trainer.side is not None:  # the rollout ranks follow the trainer out
         trainer.side.close(stop="the trainer ended")
         trainer.side = None
+    if getattr(trainer, "ddp", None) is not None:  # the model and its process groups freed with the trainer
+        release_ddp(trainer.ddp)
     parallel.reset_megatron_globals()
     if trainer._restore_determinism is not None:
         trainer._restore_determinism()
