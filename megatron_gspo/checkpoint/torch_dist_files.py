@@ -137,9 +137,11 @@ def read_common(ckpt_dir: str) -> dict:
     import torch
 
     path = os.path.join(ckpt_dir, COMMON)
-    key = None if os.path.isfile(path) else common_state_key(read_dcp_metadata(ckpt_dir))
-    if key is None and not os.path.isfile(path):
-        raise CheckpointError(f"{ckpt_dir}: not a complete checkpoint: {COMMON} missing")
+    key = None
+    if not os.path.isfile(path):
+        key = common_state_key(read_dcp_metadata(ckpt_dir))
+        if key is None:
+            raise CheckpointError(f"{ckpt_dir}: not a complete checkpoint: {COMMON} missing")
     where = path if key is None else f"{ckpt_dir}: its common state ({key})"  # what the messages name
     try:
         obj = torch.load(path if key is None else _common_bytes(ckpt_dir, key), map_location="cpu", weights_only=True)

@@ -23,10 +23,10 @@ import atexit
 import json
 import os
 import subprocess
-from multiprocessing.connection import wait  # poll(2): no FD_SETSIZE limit, unlike select(2)
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import wait  # poll(2): no FD_SETSIZE limit, unlike select(2)
 from typing import Callable, Optional
 
 POLL_S = 0.1

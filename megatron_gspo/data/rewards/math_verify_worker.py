@@ -44,11 +44,11 @@ import os
 import queue
 import signal
 import subprocess
-from multiprocessing.connection import wait  # poll(2): no FD_SETSIZE limit, unlike select(2)
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import wait  # poll(2): no FD_SETSIZE limit, unlike select(2)
 from typing import Callable, Optional
 
 from megatron_gspo.data.rewards.batch import ScoringStopped
