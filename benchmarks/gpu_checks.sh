@@ -20,7 +20,8 @@
 #   --budget S    seconds for the whole run (default 540; 0: no limit)
 #   --only LIST   run these checks only (names as listed by --dry-run)
 #   --dry-run     list each check: its budget, what it needs (TE, megatron-core 0.19) and whether the kit
-#                 given covers that, and its command; run nothing (exit 0)
+#                 given covers that, and its command; run nothing (exit 0; 2 when the kit given is missing
+#                 or damaged: python -m tools.gpu_kit check DIR, which every run does first)
 #   --cpu         the checks that have a CPU form, in that form (preflight --quick items, one-step jobs;
 #                 timeouts x 5, no budget): for trying the script itself on a machine without a GPU; its
 #                 figures mean nothing
@@ -52,16 +53,18 @@ while [ $# -gt 0 ]; do
         *) echo "gpu_checks.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
-if [ -n "$kit" ] && [ ! -f "$kit/manifest.json" ]; then
-    echo "gpu_checks.sh: --kit $kit is not a GPU kit (no manifest.json); make one with python -m tools.gpu_kit build --out $kit" >&2
-    exit 2
-fi
 # --cpu: the checks' CPU forms on a (possibly loaded) CPU: timeouts x 5 and, unless given, no budget
 scale=$([ "$cpu" = 1 ] && echo 5 || echo 1)
 budget=${budget:-$([ "$cpu" = 1 ] && echo 0 || echo 540)}
 py="${PYTHON:-python3}"
 mcore019="${GSPO_MCORE019_SITE:-${TMPDIR:-/tmp}/gpu_kit_mcore019}"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+# The kit is checked (manifest, every file's size and sha256; seconds) before anything else, the dry run
+# included: a damaged copy is named here, not found by the install on the GPU machine.
+if [ -n "$kit" ] && ! kit_check=$("$py" -m tools.gpu_kit check "$kit" 2>&1); then
+    echo "gpu_checks.sh: --kit $kit: ${kit_check#python -m tools.gpu_kit: error: }" >&2
+    exit 2
+fi
 
 # ---- the checks: name | timeout (s) | needs (te, mcore019, -) | GPU command | CPU command ("-": none) ------
 PF="$py -m megatron_gspo.preflight"

@@ -47,22 +47,65 @@ def test_dry_run_lists_every_check_in_the_issues_order_with_its_budget_and_needs
     assert cpu["decode-te-spec"].split()[1] == "300s"  # x 5 on the CPU
 
 
-def test_dry_run_says_what_the_kit_covers(tmp_path):
-    kit = tmp_path / "kit"
+def _kit(root, mcore019=False):
+    """A kit whose manifest lists its files with their real sizes and hashes (build.files_of)."""
+    import json
+    from tools.gpu_kit.build import files_of
+
     for sub in ("sdist", "mcore019", "wheels"):
-        (kit / sub).mkdir(parents=True)
-    (kit / "manifest.json").write_text("{}")
-    (kit / "sdist" / "transformer_engine_torch-2.20.2.tar.gz").write_bytes(b"")
-    lines = _lines(_run("--kit", str(kit), "--dry-run").stdout)
+        (root / sub).mkdir(parents=True)
+    (root / "sdist" / "transformer_engine_torch-2.20.2.tar.gz").write_bytes(b"sdist bytes")
+    (root / "wheels" / "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"a wheel")
+    if mcore019:
+        (root / "mcore019" / "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"0.19")
+    (root / "manifest.json").write_text(json.dumps({"files": files_of(root)}))
+    return root
+
+
+def test_dry_run_says_what_the_kit_covers(tmp_path):
+    kit = _kit(tmp_path / "kit")
+    p = _run("--kit", str(kit), "--dry-run")
+    assert p.returncode == 0, p.stderr
+    lines = _lines(p.stdout)
     assert "kit: TE+build" in lines["te-rl-bf16"]  # the extension is built from the sdist first
     assert "kit: NO 0.19" in lines["preflight-mcore019"] and "kit: base" in lines["pytest-in-process"]
-    (kit / "mcore019" / "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    kit = _kit(tmp_path / "kit2", mcore019=True)
+    # ext/ (the extension built on the GPU machine and brought back) is outside the manifest
     (kit / "ext" / "cp312-torch2.11.0_cu130").mkdir(parents=True)
     (kit / "ext" / "cp312-torch2.11.0_cu130" / "transformer_engine_torch-2.20.2-cp312-cp312-linux_x86_64.whl").write_bytes(b"")
     lines = _lines(_run("--kit", str(kit), "--dry-run").stdout)
     assert "kit: TE " in lines["memory-30b-te"] and "kit: mc0.19" in lines["preflight-mcore019"]
     p = _run("--kit", str(tmp_path / "nope"), "--dry-run")
-    assert p.returncode == 2 and "is not a GPU kit (no manifest.json)" in p.stderr
+    assert p.returncode == 2 and "no GPU kit at" in p.stderr
+
+
+def test_dry_run_refuses_a_damaged_kit_and_names_the_damage(tmp_path):
+    """Issue 47 N: a damaged manifest or a file that is not the one hashed was listed as covered (exit 0) and
+    found only by the install on the GPU machine."""
+    def refused(kit):
+        p = _run("--kit", str(kit), "--dry-run")
+        assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+        return p.stderr
+    kit = _kit(tmp_path / "kit")
+    (kit / "manifest.json").write_text('{"files": {')  # cut short
+    assert "manifest.json is unreadable (JSONDecodeError" in refused(kit)
+    (kit / "manifest.json").write_text("{}")
+    assert "manifest.json lists no files" in refused(kit)
+    kit = _kit(tmp_path / "kit2")
+    sdist = kit / "sdist" / "transformer_engine_torch-2.20.2.tar.gz"
+    sdist.write_bytes(b"sdist")  # truncated
+    err = refused(kit)
+    assert "sdist/transformer_engine_torch-2.20.2.tar.gz (5 bytes, the manifest says 11)" in err
+    assert "rebuild it: python -m tools.gpu_kit build --out" in err
+    sdist.write_bytes(b"sdist BYTES")  # same size, other bytes
+    assert "transformer_engine_torch-2.20.2.tar.gz (sha256 differs)" in refused(kit)
+    sdist.write_bytes(b"sdist bytes")
+    (kit / "wheels" / "stray-1.0-py3-none-any.whl").write_bytes(b"")  # install would take it
+    assert "wheels/stray-1.0-py3-none-any.whl (not in the manifest)" in refused(kit)
+    (kit / "wheels" / "stray-1.0-py3-none-any.whl").unlink()
+    (kit / "wheels" / "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl").unlink()
+    assert "1 file(s) differ from manifest.json: wheels/megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl (missing)" in refused(kit)
 
 
 def test_bad_arguments_exit_2():

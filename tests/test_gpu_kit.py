@@ -10,12 +10,13 @@ import io
 import os
 import struct
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from tools.gpu_kit import build, fatbin
+from tools.gpu_kit import KitError, build, fatbin
 
 TE_VENV = Path(os.environ.get("GSPO_TE_VENV") or Path(__file__).resolve().parents[1] / ".te-venv")
 NCCL_EP = next(iter(sorted(TE_VENV.glob("lib/python3*/site-packages/transformer_engine/wheel_lib/libnccl_ep.so"))), None)
@@ -151,3 +152,64 @@ def test_a_real_cuda_library_is_cut_to_hopper_and_cuobjdump_reads_it(tmp_path):
     assert listed.returncode == 0, listed.stderr
     archs = {ln.rsplit(".", 2)[-2] for ln in listed.stdout.splitlines() if ln.startswith("ELF file")}
     assert archs == {"sm_90"}, listed.stdout
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu_kit(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "tools.gpu_kit", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def _one_line_error(p, *needles):
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    for n in needles:
+        assert n in p.stderr, p.stderr
+
+
+def test_the_commands_say_in_one_line_what_is_missing_or_damaged(tmp_path):
+    """Issue 47 O: a missing kit (install), a garbage manifest (verify-cpu, check), and a build in a fresh clone
+    without the TE venv (it needs it for the sdist's download) each gave a raw traceback."""
+    _one_line_error(_gpu_kit("install", tmp_path / "nope"), f"no GPU kit at {tmp_path / 'nope'}",
+                    "python -m tools.gpu_kit build --out")
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    (kit / "manifest.json").write_text("not json at all")
+    _one_line_error(_gpu_kit("verify-cpu", kit, "--te-venv", tmp_path / "venv"), "manifest.json is unreadable")
+    _one_line_error(_gpu_kit("check", kit), "manifest.json is unreadable")
+    _one_line_error(_gpu_kit("images", tmp_path / "nope.so"), "nope.so")
+    # the build stops before any download, naming the one command to run first
+    p = _gpu_kit("build", "--out", tmp_path / "new-kit", env={"GSPO_TE_VENV": str(tmp_path / "no-venv")})
+    _one_line_error(p, f"no TE venv python at {tmp_path / 'no-venv'}/bin/python", "bash .ci/setup-te-venv")
+    assert not (tmp_path / "new-kit").exists()
+
+
+def test_check_passes_a_whole_kit_and_returns_its_manifest(tmp_path):
+    kit = tmp_path / "kit"
+    (kit / "wheels").mkdir(parents=True)
+    (kit / "wheels" / "a-1.0-py3-none-any.whl").write_bytes(b"abc")
+    (kit / "ext").mkdir()
+    (kit / "ext" / "built.whl").write_bytes(b"brought back from the GPU machine")  # outside the manifest
+    manifest = {"files": build.files_of(kit), "library": {"library_sha256": "x"}}
+    (kit / "manifest.json").write_text(__import__("json").dumps(manifest))
+    assert build.check_kit(kit) == manifest
+    p = _gpu_kit("check", kit)
+    assert p.returncode == 0 and "1 files" in p.stdout, p.stdout + p.stderr
+    (kit / "wheels" / "a-1.0-py3-none-any.whl").write_bytes(b"abd")
+    with pytest.raises(KitError, match=r"1 file\(s\) differ .*a-1.0-py3-none-any.whl \(sha256 differs\)"):
+        build.check_kit(kit)
+
+
+def test_verify_cpus_copy_of_the_te_venv_is_ignored_by_git():
+    """verify-cpu's copy (374 MB, hard links beside the venv) was left untracked in the checkout, and a
+    `git add -A` took it."""
+    from tools.gpu_kit.__main__ import default_copy
+
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    for path in (default_copy(ROOT / ".te-venv"), ROOT / ".te-venv"):
+        p = subprocess.run(["git", "check-ignore", "-q", f"{path}/bin/python"], cwd=ROOT, capture_output=True)
+        assert p.returncode == 0, f"{path} is not git-ignored"
+    assert default_copy(ROOT / ".te-venv") == ROOT / ".te-venv-kit"

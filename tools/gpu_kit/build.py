@@ -27,7 +27,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from tools.gpu_kit import fatbin
+from tools.gpu_kit import KitError, fatbin
 
 TE_VERSION = "2.20.2"
 ARCH = 90
@@ -146,8 +146,51 @@ def _core(cache: Path, timings: dict) -> tuple[Path, dict]:
 
 
 def files_of(out: Path) -> dict:
-    return {str(p.relative_to(out)): {"sha256": sha256(p), "bytes": p.stat().st_size}
-            for p in sorted(out.rglob("*")) if p.is_file() and p.name != "manifest.json" and "ext" not in p.parts}
+    return {rel: {"sha256": sha256(out / rel), "bytes": (out / rel).stat().st_size} for rel in files_of_names(out)}
+
+
+def check_kit(kit: Path) -> dict:
+    """The kit's manifest, once it and every file it lists are checked (size and sha256) and no file outside
+    ext/ is there that it does not list (install takes every wheel in wheels/). Raises KitError naming each
+    damaged file: a truncated or edited copy fails here, not at an import on the GPU machine."""
+    rebuild = f"rebuild it: python -m tools.gpu_kit build --out {kit}"
+    if not kit.is_dir():
+        raise KitError(f"no GPU kit at {kit} (make one: python -m tools.gpu_kit build --out {kit})")
+    path = kit / "manifest.json"
+    if not path.is_file():
+        raise KitError(f"{kit} is not a GPU kit (no manifest.json); {rebuild}")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise KitError(f"{path} is unreadable ({type(e).__name__}: {e}); {rebuild}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        raise KitError(f"{path} lists no files (no 'files' table); {rebuild}")
+    bad_entries = [rel for rel, meta in files.items()
+                   if not (isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str))]
+    if bad_entries:
+        raise KitError(f"{path}: entries without 'bytes' and 'sha256': {', '.join(bad_entries[:5])}; {rebuild}")
+    damaged = []
+    for rel, meta in files.items():
+        p = kit / rel
+        if not p.is_file():
+            damaged.append(f"{rel} (missing)")
+        elif p.stat().st_size != meta["bytes"]:
+            damaged.append(f"{rel} ({p.stat().st_size} bytes, the manifest says {meta['bytes']})")
+        elif sha256(p) != meta["sha256"]:
+            damaged.append(f"{rel} (sha256 differs)")
+    extra = sorted(set(files_of_names(kit)) - set(files))
+    damaged += [f"{rel} (not in the manifest)" for rel in extra]
+    if damaged:
+        raise KitError(f"{kit} is damaged: {len(damaged)} file(s) differ from manifest.json: "
+                       f"{'; '.join(damaged[:6])}{'; ...' if len(damaged) > 6 else ''}; {rebuild}")
+    return manifest
+
+
+def files_of_names(out: Path) -> list:
+    """The kit's files that its manifest covers (all but manifest.json and ext/), relative to ``out``."""
+    return [str(p.relative_to(out)) for p in sorted(out.rglob("*"))
+            if p.is_file() and p.name != "manifest.json" and "ext" not in p.relative_to(out).parts]
 
 
 def is_current(out: Path) -> bool:
@@ -167,6 +210,10 @@ def build(out: Path, te_venv_python: str) -> dict:
         print(f"gpu_kit: {out} is current ({manifest['total_bytes'] / 2**20:.1f} MiB), nothing to do "
               f"({time.time() - t0:.1f} s)")
         return manifest
+    # before any download: the sdist's metadata step imports torch's CUDA build, which only the TE venv has
+    if not Path(te_venv_python).is_file():
+        raise KitError(f"no TE venv python at {te_venv_python}: the extension's sdist is downloaded with torch's "
+                       "CUDA build; make the venv first: bash .ci/setup-te-venv (or give --te-venv / $GSPO_TE_VENV)")
     cache, timings = cache_dir(), {}
     core, library = _core(cache, timings)
     t = time.time()

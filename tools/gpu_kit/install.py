@@ -1,6 +1,6 @@
 """``python -m tools.gpu_kit install DIR``: the kit into the GPU machine's Python (3.12, torch 2.11, no network).
 
-1. the kit's files checked against its manifest (a truncated copy fails here, named, not at an import);
+1. the kit's files checked against its manifest (build.check_kit: a truncated copy fails here, named, exit 2);
 2. ``pip install --no-index --no-deps DIR/wheels/*.whl`` (TE's core with the Hopper-only library, TE's
    metapackage, the Python dependencies the image lacks, megatron-core 0.16.1);
 3. TE's PyTorch extension: the wheel in DIR/ext/ built for this Python and torch when there is one, else
@@ -15,7 +15,6 @@ Prints one line per step; exits 1 naming the step that failed.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 import subprocess
@@ -33,16 +32,6 @@ def _pip(*args: str) -> subprocess.CompletedProcess:
 def _fail(step: str, detail: str) -> None:
     print(f"gpu_kit install: {step} failed: {detail}", flush=True)
     raise SystemExit(1)
-
-
-def check_files(kit: Path) -> None:
-    from tools.gpu_kit.build import sha256
-
-    manifest = json.loads((kit / "manifest.json").read_text())
-    for rel, meta in manifest["files"].items():
-        p = kit / rel
-        if not p.is_file() or p.stat().st_size != meta["bytes"] or sha256(p) != meta["sha256"]:
-            _fail("check", f"{p} is missing or differs from the kit's manifest (rebuild: python -m tools.gpu_kit build)")
 
 
 def ext_tag() -> str:
@@ -103,8 +92,10 @@ def build_extension(kit: Path) -> Path:
 
 
 def install(kit: Path, mcore019_target: Path, build_only: bool = False) -> None:
+    from tools.gpu_kit.build import check_kit
+
     t0 = time.time()
-    check_files(kit)
+    check_kit(kit)
     wheels = sorted(str(p) for p in (kit / "wheels").glob("*.whl"))
     p = _pip("install", "-q", "--no-index", "--no-deps", "--no-compile", *wheels)
     if p.returncode != 0:

@@ -9,7 +9,6 @@ TE extension, the torch extension and every host-side symbol of the library load
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -35,14 +34,16 @@ def installed_library(python: Path) -> Path:
 
 
 def verify(kit: Path, te_venv: Path, copy: Path, pytest_args: list) -> int:
-    from tools.gpu_kit import fatbin
-    from tools.gpu_kit.build import sha256
-    from tools.gpu_kit.install import check_files
+    from tools.gpu_kit import KitError, fatbin
+    from tools.gpu_kit.build import check_kit, sha256
 
-    check_files(kit)
-    manifest = json.loads((kit / "manifest.json").read_text())
+    manifest = check_kit(kit)
+    library = manifest.get("library")
+    if not isinstance(library, dict) or not isinstance(library.get("library_sha256"), str):
+        raise KitError(f"{kit / 'manifest.json'} has no library.library_sha256; rebuild it: "
+                       f"python -m tools.gpu_kit build --out {kit}")
     if not (te_venv / "bin" / "python").exists():
-        raise SystemExit(f"gpu_kit verify-cpu: no TE venv at {te_venv} (bash .ci/setup-te-venv, or --te-venv)")
+        raise KitError(f"no TE venv at {te_venv}: make it first: bash .ci/setup-te-venv (or --te-venv / $GSPO_TE_VENV)")
     t = time.time()
     copy_venv(te_venv, copy)
     python = copy / "bin" / "python"
@@ -51,7 +52,7 @@ def verify(kit: Path, te_venv: Path, copy: Path, pytest_args: list) -> int:
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--force-reinstall",
                     str(core)], check=True, env=env)
     lib = installed_library(python)
-    if sha256(lib) != manifest["library"]["library_sha256"]:
+    if sha256(lib) != library["library_sha256"]:
         raise SystemExit(f"gpu_kit verify-cpu: {lib} is not the kit's library")
     images = fatbin.images(lib.read_bytes())
     print(f"gpu_kit verify-cpu: {copy} holds the kit's library ({lib.stat().st_size} bytes, images {images}); "
