@@ -305,6 +305,18 @@ def test_variants_and_their_overrides_are_checked_before_any_work(capsys, argv, 
     assert e.value.code == 2 and said in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--steps", "0"], "train.num_steps must be an integer >= 1, got 0"),
+    (["--variant-override", "grpo:optimizer.lrr=1"], "unknown config key optimizer.lrr"),
+])
+def test_a_refused_comparison_writes_nothing(tmp_path, capsys, argv, said):
+    """Issue 47 P: refused, but an empty --out was left behind."""
+    out = tmp_path / "a" / "out"
+    assert cli.main([*argv, "--out", str(out), "--in-process", "--quiet"]) == 2
+    assert said in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def _write_seed_runs(out) -> None:
     """A finished --seeds directory (OUT/<variant>/seed_<s>/metrics.jsonl) of gspo and grpo_r2, 20 steps."""
     import random

@@ -44,7 +44,6 @@ def run_comparison(args, overrides: list[str]) -> dict:
     from megatron_gspo.config import load_job_config
 
     out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
     if args.in_process and args.nproc_per_node > 1:
         raise SystemExit("--in-process runs one rank; use subprocesses (the default) with --nproc-per-node > 1")
     extra: dict[str, list[str]] = {}
@@ -54,6 +53,8 @@ def run_comparison(args, overrides: list[str]) -> dict:
     # 1. validate every variant before running anything
     cfgs = {v: load_job_config(args.config, overrides + variant_overrides(v, extra)) for v in args.variants}
     base = load_job_config(args.config, overrides)
+    # only now: a comparison refused above (--steps 0, a typo in an override) leaves no --out behind
+    os.makedirs(out, exist_ok=True)
     meta = _metadata(args, overrides, extra, base)
     launch = _launcher(args)
     t_all = time.perf_counter()
