@@ -285,37 +285,29 @@ def test_two_jobs_started_together_on_one_root(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
-def _mcore_016() -> bool:
-    from megatron_gspo.runtime.sysinfo import package_version
-
-    return (package_version("megatron-core") or "").startswith("0.16.")
-
-
 def fill_disk_at_save(monkeypatch, at_save: int) -> None:
-    """The checkpoint writer (storage._write_buckets_in_threads: megatron's per-file writes) runs out of space
-    at its ``at_save``-th call: each file it was to write gets a few bytes, then ENOSPC."""
-    from megatron_gspo.checkpoint import storage
+    """The disk runs out of space in the ``at_save``-th checkpoint: each file megatron's checkpoint writer
+    (filesystem_async.write_preloaded_data, which 0.16 runs in our threads and 0.19 in its own) opens under
+    iter_<at_save>.tmp gets a few bytes, then ENOSPC. The writer's ``open`` is replaced, not one version's
+    call path: the save under either megatron-core fails as a full disk would, and needs no root."""
+    import builtins
 
-    real, calls = storage._write_buckets_in_threads, []
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    def writer(transforms, rank, write_buckets, results_queue):
-        calls.append(1)
-        if len(calls) != at_save:
-            return real(transforms, rank, write_buckets, results_queue)
-        for bucket in write_buckets:
-            with open(bucket[0], "wb") as f:
+    partial_dir = f"iter_{at_save:07d}.tmp"
+
+    def open_(file, mode="r", *args, **kwargs):
+        if partial_dir in os.fspath(file) and "w" in mode:
+            with builtins.open(file, mode, *args, **kwargs) as f:
                 f.write(b"\0" * 100)
-        results_queue.put(OSError(errno.ENOSPC, "No space left on device"))
+            raise OSError(errno.ENOSPC, "No space left on device", os.fspath(file))
+        return builtins.open(file, mode, *args, **kwargs)
 
-    monkeypatch.setattr(storage, "_write_buckets_in_threads", writer)
+    monkeypatch.setattr(filesystem_async, "open", open_, raising=False)
 
 
 def test_a_save_the_disk_refuses_is_one_line_and_exit_74(tmp_path, monkeypatch):
     from megatron_gspo.checkpoint import has_manifest
-
-    if not _mcore_016():
-        pytest.skip("the full disk is injected into megatron-core 0.16's file writer (storage._write_buckets_in_threads), "
-                    "which 0.19's save does not call; test_a_real_disk_that_fills_at_the_second_save needs no injection")
 
     root = str(tmp_path / "ckpt")
     fill_disk_at_save(monkeypatch, at_save=2)

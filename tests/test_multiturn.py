@@ -10,7 +10,7 @@ import torch
 
 from job_runner import built_trainers, run_job_rows, stop_when_ready
 
-pytest.importorskip("simpleeval")
+import simpleeval  # noqa: E402,F401  (install_requires: missing, it is an error, never a skip)
 
 # Turns end at a stop token half of the time: 1-3 sampled tokens per turn from the untrained model; the Echo
 # environment answers every turn, so rows talk until env.max_turns (or a turn cut at its cap).

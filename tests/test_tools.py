@@ -191,31 +191,6 @@ def test_import_graph_of_a_cycle_is_the_same_from_every_file(tmp_path):
                  "cyc/z.py": {"cyc/x.py", "cyc/y.py"}}
 
 
-@pytest.mark.slow
-def test_walk_of_the_default_step_is_deterministic_and_reads_the_step():
-    """Two traces of one RL step of the default job (fewer rows: the same code path, a shorter step) give
-    the same walk, which starts and ends in train.run_trainer, goes through the trainer, the rollout and
-    the loss, and never into the runtime."""
-    small = ["train.prompts_per_step=4", "generation.n_samples_per_prompt=2", "train.micro_batch_size=4",
-             "parallel.device=cpu"]  # the CPU path, stated (conftest refuses device=auto in-process)
-    tops = [step_walk.trace_default_step(small) for _ in range(2)]
-    walks = [[str(s) for s in step_walk.walk(t)] for t in tops]
-    assert walks[0] == walks[1]
-    assert walks[0][0].startswith("megatron_gspo/train.py:run_trainer")
-    assert walks[0][-1] == "megatron_gspo/train.py:run_trainer"
-    files = {w.split(":")[0] for w in walks[0]}
-    assert {"megatron_gspo/trainer/loop.py", "megatron_gspo/rollout/prepare.py", "megatron_gspo/algorithms/losses.py",
-            "megatron_gspo/generation/generator.py"} <= files
-    assert not [f for f in files if any(__import__("fnmatch").fnmatch(f, p) for p in step_walk.STEP_OVER)]
-    above = step_walk.import_graph()
-    s = step_walk.summarize(step_walk.walk(tops[0]), above)
-    assert len(s.stays) == sum(s.entries.values()) and s.climbs
-    # issue 31's targets, on the walk docs/architecture.md reports: at most 4 climbs back up, the trainer's
-    # loop entered at most 3 times (a fourth entry was Trainer.save, read after CheckpointManager.due)
-    r = step_walk.summarize(step_walk.walk(tops[0], max_depth=2, returns=False), above)
-    assert len(r.climbs) <= 4 and r.entries["megatron_gspo/trainer/loop.py"] <= 3, step_walk.line(r)
-
-
 # ----------------------------------------------------------------------------------------------
 # compare_metrics
 # ----------------------------------------------------------------------------------------------

@@ -46,8 +46,9 @@ def model_sharded_state_dict(model, prefix: str = ""):
 
 
 def _write_buckets_in_threads(transforms: list, rank: int, write_buckets: list, results_queue) -> None:
-    """Stands in for FileSystemWriterAsync.write_preloaded_data_multiproc: the same per-file
-    writer (megatron's write_preloaded_data), one thread per file instead of one forked process."""
+    """Stands in for FileSystemWriterAsync.write_preloaded_data_multiproc (megatron-core 0.16) and
+    write_preloaded_data_multithread (0.19): the same per-file writer (megatron's write_preloaded_data),
+    one thread per file, a file's exception handed over as it was raised."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
@@ -71,7 +72,6 @@ def save_strategy():
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     if filesystem_async._results_queue is None:
@@ -85,10 +85,12 @@ def save_strategy():
             request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret, *args)
             if request.async_fn is None:  # nothing to write on this rank
                 return request
-            if hasattr(FileSystemWriterAsync, "write_preloaded_data_multithread"):
-                # megatron-core 0.19's writer already writes with threads of this process; only the
-                # results queue above had to stay in this process
+            if getattr(writer, "use_msc", False):  # megatron-core 0.19's multi-storage client: its own writer
                 return request
+            # megatron-core 0.19's writer writes with threads of this process too, but a file's OSError
+            # reaches the caller as "error: <class 'OSError'>", the errno lost (its results check asserts
+            # on the exception): a full disk could not be told from a bug (space.write_failure). Ours
+            # hands the OSError itself to megatron's finalize step, under either version.
             transforms = [writer.transforms] if hasattr(writer, "transforms") else []
             return request._replace(async_fn=functools.partial(_write_buckets_in_threads, transforms))
 
