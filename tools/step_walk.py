@@ -36,7 +36,8 @@ no warm start, no evaluation; plus any overrides) in this process, with ``run_tr
   (``megatron_gspo/rollout/`` for all its files; a top-level module is its own place).
 
 The numbers printed: stays, files, climbs back up, and how often each file was entered. The walk is
-deterministic for a given tree (same config, same code, any hash seed): tests/test_tools.py traces twice.
+deterministic for a given tree (same config, same code, any hash seed). A reading aid: no test holds the
+code to its counts.
 
 ``STEP_OVER`` names the runtime package, config, errors, the OOM wrapper and the test fault injection
 (``megatron_gspo/testing/``): the same modules the walk stepped over before the package was
