@@ -32,6 +32,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, or does not fit the model."""
 
 
+def a_or_an(noun: str) -> str:
+    """``noun`` with its indefinite article, for a type named in a message: 'an int', 'a float', 'a type'."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
 def clip_repr(text: Any, limit: int = 200) -> str:
     """repr(text), cut to ``limit`` characters with the full length said."""
     text = repr(text)

@@ -170,7 +170,9 @@ def summarize(history: list[dict], first_step: int, loss_name: str) -> str:
     first, last = sum(r[:k]) / k, sum(r[-k:]) / k
     end = first_step + len(r) - 1
     part = "" if first_step == 1 else f" of this run segment (the run resumed at step {first_step - 1})"
-    return (f"mean reward of the first {k} {loss_name.upper()} steps ({first_step}-{first_step + k - 1}) {first:.3f} -> "
+    # a built-in loss by its name (GSPO, GRPO); a plug-in's module:function path as written (a file path)
+    label = loss_name if ":" in loss_name else loss_name.upper()
+    return (f"mean reward of the first {k} {label} steps ({first_step}-{first_step + k - 1}) {first:.3f} -> "
             f"last {k} steps ({end - k + 1}-{end}) {last:.3f} ({last - first:+.3f}){part}")
 
 

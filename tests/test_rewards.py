@@ -163,6 +163,8 @@ def test_lookup_builtins_and_unknown_names():
         resolve_reward("math:nope")  # the stdlib module, not the registered reward
     with pytest.raises(ValueError, match="math.pi is a float, not a function"):
         resolve_reward("math:pi")
+    with pytest.raises(ValueError, match="errno.EIO is an int, not a function"):  # not "a int"
+        resolve_reward("errno:EIO")
     with pytest.raises(ConfigError, match="the function after ':' is missing"):
         resolve_reward("math:")
 

@@ -507,6 +507,21 @@ def test_the_summary_covers_the_whole_run_after_a_resume(tmp_path):
     assert first == 13 and summarize(hist, first, "gspo") == (
         "mean reward of the first 4 GSPO steps (13-16) 1.450 -> last 4 steps (17-20) 1.850 (+0.400) of this run "
         "segment (the run resumed at step 12)")
+    # a plug-in loss by its path as written (it was upper-cased: TESTS/LOSS_PLUGINS.PY:...)
+    assert summarize(hist, first, "tests/loss_plugins.py:spo_loss").startswith(
+        "mean reward of the first 4 tests/loss_plugins.py:spo_loss steps (13-16)")
+
+
+def test_too_many_skips_without_checkpoint_save_says_nothing_was_saved(tmp_path, monkeypatch):
+    """Issue 47: the stop line said "the last good state was saved to (checkpoint.save not set)"."""
+    from jobs_in_process import TINY_JOB, run_main
+
+    monkeypatch.setenv("MEGATRON_GSPO_FAULTS", "nan_logprob@1")
+    code, errors, lines = run_main(TINY_JOB + ["train.num_steps=2", "train.num_minibatches=1",
+                                               "train.max_consecutive_skips=1", f"train.output_dir={tmp_path}"])
+    assert code == exit_status.EXIT_TOO_MANY_SKIPS, lines[-10:]
+    said = [ln for ln in lines if "consecutive updates had non-finite loss or gradients" in ln]
+    assert said and said[-1].endswith("at step 1; the last good state was not saved (checkpoint.save is not set)"), said
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import os
 import pickle
 from typing import Any
 
-from megatron_gspo.errors import CheckpointError
+from megatron_gspo.errors import CheckpointError, a_or_an
 
 DCP_METADATA = ".metadata"
 COMMON = "common.pt"
@@ -155,7 +155,7 @@ def read_common(ckpt_dir: str) -> dict:
     except Exception as e:  # truncated, or a damaged data file
         raise CheckpointError(f"{where}: unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(obj, dict):
-        raise CheckpointError(f"{where}: holds a {type(obj).__name__}, not megatron's common state dict")
+        raise CheckpointError(f"{where}: holds {a_or_an(type(obj).__name__)}, not megatron's common state dict")
     return obj
 
 

@@ -34,7 +34,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megatron_gspo.errors import EnvError
+from megatron_gspo.errors import EnvError, a_or_an
 
 BUILTIN_TOOLS = {"calculator": "megatron_gspo.env.calculator:calculator"}
 
@@ -153,7 +153,7 @@ def load_tool(spec: str) -> Tool:
     path = resolve_path(spec)
     fn = import_object(path, "env.tools")
     if not callable(fn) or inspect.isclass(fn):
-        raise EnvError(f"env.tools: {path!r} is a {type(fn).__name__}, not a function")
+        raise EnvError(f"env.tools: {path!r} is {a_or_an(type(fn).__name__)}, not a function")
     name = path.rpartition(":")[2].split(".")[-1]
     description, parameters = tool_schema(fn, path)
     return Tool(name=name, path=path, description=description, parameters=parameters)

@@ -306,7 +306,8 @@ class Trainer:
             raise TrainingStopped(
                 f"stopping: {self.consecutive_skips} consecutive updates had non-finite loss or gradients "
                 f"(train.max_consecutive_skips={self.cfg.train.max_consecutive_skips}) at step {self.step + 1}; "
-                f"the last good state was saved to {self.cfg.checkpoint.save or '(checkpoint.save not set)'}",
+                + (f"the last good state was saved to {self.cfg.checkpoint.save}" if self.cfg.checkpoint.save
+                   else "the last good state was not saved (checkpoint.save is not set)"),
                 StopReason.TOO_MANY_SKIPS)
 
     # ------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import os
 import re
 from typing import Any, Callable, Optional
 
-from megatron_gspo.errors import ConfigError
+from megatron_gspo.errors import ConfigError, a_or_an
 
 KINDS = ("sample", "batch", "class")
 # The modules of the built-in rewards: each registers its reward when imported (on the first lookup).
@@ -131,7 +131,7 @@ def resolve_reward(name_or_path: str) -> RewardSpec:
     if target is None:
         raise ConfigError(f"{where}: module {module_name!r} has no attribute {fn_name!r}")
     if not callable(target):
-        raise ConfigError(f"{where}: {module_name}.{fn_name} is a {type(target).__name__}, not a function")
+        raise ConfigError(f"{where}: {module_name}.{fn_name} is {a_or_an(type(target).__name__)}, not a function")
     spec = spec_of(target, name_or_path)
     if spec.kind == "class" and not callable(getattr(target, "score", None)):
         raise ConfigError(f"{where}: class {fn_name} has no score(batch) method (a reward class scores a batch)")
