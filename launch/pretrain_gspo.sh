@@ -35,7 +35,9 @@
 #      `srun --ntasks-per-node=1 --kill-on-bad-exit=1` (set GSPO_SRUN=0 to refuse instead).
 #
 # --dry-run (or DRY_RUN=1) prints the environment it sets and the exact torchrun (or srun) command
-# line, one shell-quoted line, and exits 0 without starting anything (the config is not read).
+# line, one shell-quoted line, and exits 0 without starting anything (the config is not read). A real
+# launch reads the config first, as the ranks will (layout, batch and rule checks for nodes x NPROC
+# ranks, no torch, about a second): a mistake is `error: <what is wrong>` and exit 2 before torchrun.
 # Under torchrun (way 1), or as `WORLD_SIZE=16 python launch/pretrain_gspo.sh --dry-run job.yaml`,
 # the flag makes every rank load and validate the config and the parallel layout and exit 0, or
 # print `error: <what is wrong>` and exit 2.
@@ -217,6 +219,10 @@ if [ "$DRY" = 1 ]; then
     exit 0
 fi
 
+# The job's config, read as every rank will read it (layout and batch checks for this world size), before
+# torchrun starts (and before srun: a multi-node batch script refuses it once): a mistake is the trainer's
+# one line and exit 2 here, in a second, not after the ranks started.
+WORLD_SIZE=$(( ${NNODES:-1} * NPROC_PER_NODE )) "${PYTHON:-python3}" "$SELF" --gspo-check "${ARGS[@]}" || exit $?
 for e in "${ENV[@]}"; do export "${e?}"; done
 if [ "${#SRUN_CMD[@]}" -gt 0 ]; then
     exec "${SRUN_CMD[@]}"  # every node's task is this script again, supervising its own torchrun
@@ -256,6 +262,42 @@ def _supervise(cmd: list) -> int:
     return supervise(cmd)
 
 
+def _check_config(argv: list, world: int):
+    """The job's config as the trainer reads it, its layout for ``world`` ranks and its data-parallel checks:
+    (config, trainer DP size), or the ConfigError's message, printed as ``error: ...`` (one line)."""
+    from megatron_gspo.config import ConfigError, load_job_config, split_job_args
+    from megatron_gspo.runtime.parallel import validate_layout
+
+    try:
+        cfg = load_job_config(*split_job_args(argv))  # the trainer's reading: no YAML = the demo job
+        if cfg.rollout.is_async:  # the trainer gets world - rollout.world_size ranks, the rest generate
+            from megatron_gspo.rollout.layout import check_world
+
+            dp = check_world(cfg, world).trainer_dp
+        else:
+            dp = validate_layout(cfg.model, cfg.parallel, world)
+        cfg.check_data_parallel(dp)  # what the trainer checks with the process groups up
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return str(e)
+    return cfg, dp
+
+
+def _check_before_launch(argv: list) -> int:
+    """What the bash part runs before torchrun (``--gspo-check``, WORLD_SIZE = nodes x processes per node):
+    a config every rank would refuse is refused here, in a second and without torch, not once the ranks
+    have started. 0 when this interpreter cannot import the trainer (then the ranks check it)."""
+    _checkout_on_path()
+    if os.environ.get("GSPO_ENTRY_MODULE", "megatron_gspo.train") != "megatron_gspo.train" or \
+            "-h" in argv or "--help" in argv:
+        return 0  # another entry point's arguments, or the trainer's usage
+    try:
+        import megatron_gspo.config  # noqa: F401
+    except ImportError:
+        return 0
+    return 2 if isinstance(_check_config(argv, int(os.environ["WORLD_SIZE"])), str) else 0
+
+
 def _run(argv: list) -> int:
     _checkout_on_path()
     entry = os.environ.get("GSPO_ENTRY_MODULE", "megatron_gspo.train")
@@ -270,23 +312,13 @@ def _run(argv: list) -> int:
         # validate what this rank would run, start nothing; a mistake is one line and exit 2,
         # as in the trainer
         from megatron_gspo.runtime import exit_status
-        from megatron_gspo.config import ConfigError, load_job_config, split_job_args
-        from megatron_gspo.runtime.parallel import validate_layout
 
         world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-        try:
-            cfg = load_job_config(*split_job_args(argv))  # the trainer's reading: no YAML = the demo job
-            if cfg.rollout.is_async:  # the trainer gets world - rollout.world_size ranks, the rest generate
-                from megatron_gspo.rollout.layout import check_world
-
-                dp = check_world(cfg, world).trainer_dp
-            else:
-                dp = validate_layout(cfg.model, cfg.parallel, world)
-            cfg.check_data_parallel(dp)  # what the trainer checks with the process groups up
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            exit_status.record(exit_status.EXIT_USER_ERROR, str(e))
+        checked = _check_config(argv, world)
+        if isinstance(checked, str):
+            exit_status.record(exit_status.EXIT_USER_ERROR, checked)
             return exit_status.EXIT_USER_ERROR
+        cfg, dp = checked
         if rank == 0:
             p = cfg.parallel
             print(f"dry run: {world} ranks would run {entry} {' '.join(argv)}: TP {p.tensor_model_parallel_size} "
@@ -318,4 +350,6 @@ def _run(argv: list) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--gspo-supervise"]:
         sys.exit(_supervise(sys.argv[2:]))
+    if sys.argv[1:2] == ["--gspo-check"]:
+        sys.exit(_check_before_launch(sys.argv[2:]))
     sys.exit(_run(sys.argv[1:]))

@@ -217,6 +217,29 @@ def test_dry_run_env_flag_and_extra_torchrun_args():
     assert argv.index("--log-dir") < argv.index(str(LAUNCHER)) < argv.index("x.y=1")
 
 
+@pytest.mark.parametrize("nproc, args, said", [
+    (2, ["rollout.mode=async", "rollout.world_size=1"],
+     "error: rollout.max_staleness=1 trains on rollouts of older weights: the loss needs the behaviour-to-old "
+     "importance weight"),
+    (3, ["train.num_minibatches=4"], "error: train.prompts_per_step x generation.n_samples_per_prompt = 256 rollout "
+                                     "rows are not divisible by train.num_minibatches x the data-parallel size = 4 x 3"),
+])
+def test_a_config_the_ranks_would_refuse_is_refused_before_torchrun(tmp_path, nproc, args, said):
+    """Issue 47: `rollout.mode=async` without rollout_correction was refused only once torchrun had started
+    the ranks. The launcher reads the config first, for nodes x NPROC ranks, and torchrun is never run."""
+    torchrun = fake_bin(tmp_path, torchrun=f'touch {tmp_path}/torchrun-ran\n')
+    p = subprocess.run([BASH, str(LAUNCHER), *args], env=clean_env(NPROC=nproc, TORCHRUN=f"{torchrun}/torchrun"),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and said in p.stderr, p.stderr
+    assert not (tmp_path / "torchrun-ran").exists()
+    # a config that is fine goes on to torchrun
+    p = subprocess.run([BASH, str(LAUNCHER), "train.num_minibatches=2"],
+                       env=clean_env(NPROC=2, TORCHRUN=f"{torchrun}/torchrun"), capture_output=True, text=True,
+                       timeout=120)
+    assert (tmp_path / "torchrun-ran").exists(), p.stdout + p.stderr
+
+
 def test_bad_nproc_is_refused():
     p = subprocess.run([BASH, str(LAUNCHER), "--dry-run"], env=clean_env(NPROC="two"), capture_output=True,
                        text=True, timeout=30)
