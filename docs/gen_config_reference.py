@@ -70,9 +70,11 @@ SUPPLEMENT: dict[str, str] = {
     "optimizer.adam_beta2": "Adam beta2.",
     "optimizer.adam_eps": "Adam epsilon.",
     "train.num_steps": "RL steps: one rollout each, followed by `num_minibatches` optimizer steps.",
-    "train.prompts_per_step": "Prompts per RL step over all data-parallel ranks (P); divisible by the "
-                              "data-parallel size. The rollout has P x `generation.n_samples_per_prompt` "
-                              "responses.",
+    "train.prompts_per_step": "Prompts per RL step over all data-parallel ranks (P). The rollout has P x "
+                              "`generation.n_samples_per_prompt` rows (responses), divisible by "
+                              "`train.num_minibatches` x the data-parallel size (every rank holds an equal share "
+                              "of every minibatch; P itself need not divide by it), and under `rollout.mode=async` "
+                              "by the rollout ranks' data-parallel size.",
     "data.chat_template_kwargs": "Variables for the chat template (Qwen3: `{enable_thinking: false}`).",
     "model.moe_aux_loss_coeff": "Coefficient of megatron-core's MoE load-balancing (aux) loss.",
     "model.moe_router_load_balancing_type": "megatron-core's load-balancing loss type.",

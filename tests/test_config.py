@@ -369,6 +369,25 @@ def test_data_parallel_checks(dp, overrides, match):
         cfg.check_data_parallel(dp)
 
 
+def test_prompts_per_step_need_not_divide_by_the_data_parallel_size_as_the_docs_say():
+    """Issue 47: the reference said train.prompts_per_step must divide by the data-parallel size; the rule
+    (JobConfig.check_data_parallel) is on the rollout's rows, split over minibatches and ranks."""
+    import os
+
+    from megatron_gspo.config import load_job_config
+
+    cfg = load_job_config(None, ["train.prompts_per_step=3", "generation.n_samples_per_prompt=4",
+                                 "train.num_minibatches=2"])
+    cfg.check_data_parallel(2)  # 3 prompts, 12 rows: 6 per minibatch, 3 on each of 2 ranks
+    with pytest.raises(ConfigError, match="12 rollout rows are not divisible by train.num_minibatches x the "
+                                          "data-parallel size = 2 x 4"):
+        cfg.check_data_parallel(4)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    row = next(ln for ln in open(os.path.join(root, "docs", "configuration.md")) if ln.startswith("| `train.prompts_per_step`"))
+    assert "divisible by the data-parallel size" not in row, row
+    assert "`train.num_minibatches` x the data-parallel size" in row, row
+
+
 def test_dynamic_sampling_is_accepted_at_any_data_parallel_size():
     """The kept groups are decided over the whole batch and move to the ranks they are dealt to
     (rollout/exchange.py): no data-parallel limit left."""
