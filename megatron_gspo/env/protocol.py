@@ -215,7 +215,9 @@ def build_runner(env_cfg, tool_format: str):
     from megatron_gspo.config.env import TOOLS_ENV
     from megatron_gspo.env.tools import import_object, load_tools
 
-    pool = WorkerPool(env_cfg.num_workers)
+    from megatron_gspo.env.worker import result_byte_limit
+
+    pool = WorkerPool(env_cfg.num_workers, result_byte_limit(env_cfg.max_observation_tokens))
     end = env_cfg.on_tool_error == "end"
     if env_cfg.name == TOOLS_ENV:
         return ToolRunner(load_tools(env_cfg.tools), pool, tool_format, env_cfg.tool_timeout_s, end_on_error=end)
