@@ -392,7 +392,10 @@ def main(argv: list[str]) -> None:
     fd_in, fd_out = int(argv[0]), int(argv[1])
     for fd in (fd_in, fd_out):
         os.set_inheritable(fd, False)  # a program user code runs does not get the protocol's pipes
-    os.dup2(2, 1)  # fd 1 is the log: nothing user code writes there can reach the protocol
+    try:
+        os.dup2(2, 1)  # fd 1 is the log: nothing user code writes there can reach the protocol
+    except OSError:  # no stderr (a parent that closed it): fd 1 goes nowhere, still not to the protocol
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_orphan_watch, args=(os.getppid(),), daemon=True).start()
