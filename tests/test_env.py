@@ -384,7 +384,7 @@ def test_a_tool_that_hangs_past_its_timeout_takes_its_child_processes_with_it(po
 
 
 def test_a_huge_tool_result_is_cut_in_the_worker_at_the_documented_byte_limit():
-    """A tool that returns 20 MB sends 64 KiB over the pipe (env/worker.py's result_byte_limit at
+    """A tool that returns 20 MB sends 64 KiB over the pipe (env/pool.py's result_byte_limit at
     env.max_observation_tokens=256: 16 bytes a token, at least 64 KiB)."""
     from megatron_gspo.config import EnvConfig
     from megatron_gspo.env.protocol import build_runner
@@ -400,6 +400,6 @@ def test_a_huge_tool_result_is_cut_in_the_worker_at_the_documented_byte_limit():
         assert r.tool_calls[0]["result"] == content
     finally:
         runner.pool.close()
-    from megatron_gspo.env.worker import result_byte_limit
+    from megatron_gspo.env.pool import result_byte_limit
 
     assert result_byte_limit(256) == 65536 and result_byte_limit(10_000) == 160_000

@@ -9,14 +9,23 @@ exit).
 
 from __future__ import annotations
 
-from megatron_gspo.env.worker import MIN_RESULT_BYTES
 from megatron_gspo.runtime import workers
 from megatron_gspo.runtime.workers import PoolStopped, Reply, Request, WorkerStartError  # noqa: F401 (the env's API)
 
 HANDLER = "megatron_gspo.env.worker:EnvHandler"
+# A result's bytes per observation token the policy may read: a text cut here still holds
+# env.max_observation_tokens tokens unless its tokens average more than this many bytes.
+RESULT_BYTES_PER_TOKEN = 16
+MIN_RESULT_BYTES = 1 << 16
+
+
+def result_byte_limit(max_observation_tokens: int) -> int:
+    """The bytes of a tool result or an observation that leave a worker (env/worker.py cuts them there):
+    RESULT_BYTES_PER_TOKEN per ``env.max_observation_tokens``, at least 64 KiB."""
+    return max(MIN_RESULT_BYTES, RESULT_BYTES_PER_TOKEN * int(max_observation_tokens))
 
 
 def WorkerPool(num_workers: int, max_result_bytes: int = MIN_RESULT_BYTES) -> workers.WorkerPool:  # noqa: N802
     """``num_workers`` environment worker processes; a tool result or observation leaves a worker cut at
-    ``max_result_bytes`` (env/worker.py: result_byte_limit)."""
+    ``max_result_bytes`` (result_byte_limit)."""
     return workers.WorkerPool(num_workers, HANDLER, {"max_result_bytes": int(max_result_bytes)}, name="environment")

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from megatron_gspo.env.calls import parse_tool_calls
-from megatron_gspo.env.pool import Reply, Request, WorkerPool
+from megatron_gspo.env.pool import Reply, Request, WorkerPool, result_byte_limit
 from megatron_gspo.env.tools import Tool
 from megatron_gspo.errors import EnvError
 
@@ -214,8 +214,6 @@ def build_runner(env_cfg, tool_format: str):
     The tools and the class are imported here (their schemas, a clear error for a bad name at start-up)."""
     from megatron_gspo.config.env import TOOLS_ENV
     from megatron_gspo.env.tools import import_object, load_tools
-
-    from megatron_gspo.env.worker import result_byte_limit
 
     pool = WorkerPool(env_cfg.num_workers, result_byte_limit(env_cfg.max_observation_tokens))
     end = env_cfg.on_tool_error == "end"

@@ -14,7 +14,7 @@ Requests (payloads) and what ``handle`` returns::
 
 or the pool's error reply when the user code raised or returned something else than the protocol says
 (env/protocol.py checks a step's result). A tool's result and a step's observation are cut at
-``max_result_bytes`` (result_byte_limit) here, before they cross the pipe: a tool that returns 20 MB sends
+``max_result_bytes`` (env/pool.py: result_byte_limit) here, before they cross the pipe: a tool that returns 20 MB sends
 at most that, and the rollout cuts it again to ``env.max_observation_tokens``, which the policy reads and
 the dump stores.
 """
@@ -23,17 +23,7 @@ from __future__ import annotations
 
 import json
 
-# A result's bytes per observation token the policy may read: a text cut here still holds
-# env.max_observation_tokens tokens unless its tokens average more than this many bytes.
-RESULT_BYTES_PER_TOKEN = 16
-MIN_RESULT_BYTES = 1 << 16
-
-
-def result_byte_limit(max_observation_tokens: int) -> int:
-    """The bytes of a tool result or observation that leave the worker: RESULT_BYTES_PER_TOKEN per
-    ``env.max_observation_tokens``, at least 64 KiB."""
-    return max(MIN_RESULT_BYTES, RESULT_BYTES_PER_TOKEN * int(max_observation_tokens))
-
+from megatron_gspo.env.pool import MIN_RESULT_BYTES
 
 def cut_text(text: str, max_bytes: int) -> str:
     """``text``'s first ``max_bytes`` bytes of UTF-8 (a character split by the cut left out)."""
