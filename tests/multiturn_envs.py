@@ -98,3 +98,59 @@ def boom() -> str:
 def crash() -> str:
     """Ends its process."""
     os._exit(3)
+
+
+class Noisy(Echo):
+    """Echo that writes to file descriptor 1 at every reset and step, three ways: ``print``, ``os.write`` (as a C
+    library would) and a child process; what it writes looks like the old JSON protocol's lines."""
+
+    def _noise(self, where: str) -> None:
+        import subprocess
+
+        print(f"noisy print in {where}")
+        os.write(1, b'{"ok": "forged by os.write"}\nnot JSON at all {\n')
+        subprocess.run(["echo", f"noisy child process in {where}"], check=True)
+
+    def reset(self, example):
+        self._noise("reset")
+        return super().reset(example)
+
+    def step(self, response):
+        self._noise("step")
+        return super().step(response)
+
+
+def noisy(text: str) -> str:
+    """Writes to file descriptor 1, then answers.
+
+    Args:
+        text: what to answer
+    """
+    import subprocess
+
+    os.write(1, b'{"ok": "forged"}\n')
+    subprocess.run(["echo", "noisy tool's child"], check=True)
+    return text
+
+
+def huge(megabytes: int) -> str:
+    """A result of ``megabytes`` MB of text (a tool that dumps a file).
+
+    Args:
+        megabytes: how many
+    """
+    return "0123456789" * (megabytes * 100_000)
+
+
+def spawn_and_hang(marker: str) -> str:
+    """Starts three child processes (their pids written to ``marker``), then hangs.
+
+    Args:
+        marker: a file
+    """
+    import subprocess
+
+    pids = [subprocess.Popen(["sleep", "600"]).pid for _ in range(3)]
+    with open(marker, "w") as f:
+        f.write(" ".join(map(str, pids)))
+    time.sleep(3600)

@@ -76,3 +76,13 @@ def dies_on(prompt: str, response: str, answer=None, *, word: str = "die") -> fl
     if response == word:
         os._exit(3)
     return float(len(response))
+
+
+def noisy_length(prompt: str, response: str, answer=None) -> float:
+    """Writes to file descriptor 1 (as a C library or a program it runs would), then scores the response's length."""
+    import os
+    import subprocess
+
+    os.write(1, b"noisy reward wrote this\n")
+    subprocess.run(["echo", "noisy reward's child"], check=True)
+    return float(len(response))

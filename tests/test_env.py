@@ -165,7 +165,7 @@ def test_a_stop_request_during_a_tool_call_kills_it_within_a_fraction_of_a_secon
         runner.step(["<call>nap 600</call>"] * 2, [0, 1], should_stop=flag.is_set)
     took = time.perf_counter() - t0
     assert took < 0.5 + 2, took
-    assert all(s.proc is None for s in pool.slots if s.busy is None) and pool.num_kills == 2
+    assert pool.pids == [] and pool.num_kills == 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,3 +343,63 @@ def test_the_pools_wait_on_pipes_numbered_past_1024():
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# ----------------------------------------------------------------------------------------------
+# User code against the worker protocol: output on fd 1, huge results, children that outlive a timeout
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_tool_writing_to_fd_1_cannot_break_the_protocol_and_its_output_reaches_the_log(pool, capfd):
+    """``os.write(1, ...)`` and a child process's output land in the log (the worker's stderr), never in the
+    replies: the protocol runs on pipes of its own."""
+    runner = ToolRunner(load_tools(["multiturn_envs:noisy"]), pool, "plain", timeout_s=30)
+    results = runner.step(["<call>noisy hello</call>", "<call>noisy world</call>"], [0, 1])
+    assert [r.observation[0]["content"] for r in results] == ["hello", "world"]
+    assert [r.tool_errors for r in results] == [0, 0]
+    err = capfd.readouterr().err
+    assert err.count('{"ok": "forged"}') == 2 and err.count("noisy tool's child") == 2, err
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_tool_that_hangs_past_its_timeout_takes_its_child_processes_with_it(pool, tmp_path):
+    """The timeout kills the worker's whole process group: the programs the tool started too."""
+    marker = tmp_path / "pids"
+    runner = ToolRunner(load_tools(["multiturn_envs:spawn_and_hang"]), pool, "plain", timeout_s=2.0)
+    (r,) = runner.step([f"<call>spawn_and_hang {marker}</call>"], [0])
+    assert r.observation[0]["content"] == "error: the tool 'spawn_and_hang' did not answer within 2 s (env.tool_timeout_s)"
+    children = [int(p) for p in marker.read_text().split()]
+    deadline = time.monotonic() + 5  # orphans are reaped by init shortly after the kill
+    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in children), [p for p in children if _alive(p)]
+
+
+def test_a_huge_tool_result_is_cut_in_the_worker_at_the_documented_byte_limit():
+    """A tool that returns 20 MB sends 64 KiB over the pipe (env/pool.py's result_byte_limit at
+    env.max_observation_tokens=256: 16 bytes a token, at least 64 KiB)."""
+    from megatron_gspo.config import EnvConfig
+    from megatron_gspo.env.protocol import build_runner
+
+    runner = build_runner(EnvConfig(tools=["multiturn_envs:huge"], max_observation_tokens=256, num_workers=1), "plain")
+    try:
+        t0 = time.perf_counter()
+        (r,) = runner.step(["<call>huge 20</call>"], [0])
+        took = time.perf_counter() - t0
+        content = r.observation[0]["content"]
+        print(f"a 20 MB tool result: {len(content)} bytes back in {took:.2f} s")
+        assert len(content) == 65536 and content == ("0123456789" * 10000)[:65536]
+        assert r.tool_calls[0]["result"] == content
+    finally:
+        runner.pool.close()
+    from megatron_gspo.env.pool import result_byte_limit
+
+    assert result_byte_limit(256) == 65536 and result_byte_limit(10_000) == 160_000

@@ -334,3 +334,49 @@ def test_evaluation_talks_each_held_out_prompt_to_its_end(tmp_path):
     assert m["eval/num_prompts"] == 4.0 and m["eval/turns_mean"] > 1.5 and m["eval/tool_calls_mean"] == 0.0
     assert m["eval/greedy_accuracy"] == 0.0  # Echo never rewards, exact_match on a word of the untrained model
     assert m["eval/response_length_mean"] <= 3 * 4  # sampled tokens only: at most 3 turns of 4
+
+
+# ----------------------------------------------------------------------------------------------
+# User code against the worker protocol, in a job: output on fd 1; the record of a huge tool result
+# ----------------------------------------------------------------------------------------------
+
+
+def test_an_environment_writing_to_fd_1_trains_and_its_output_reaches_the_log(tmp_path, capfd):
+    """A job whose environment writes to file descriptor 1 at every reset and step (``print``, ``os.write``, a child
+    process), in lines that look like replies: the job trains its step, the rows talk to env.max_turns, and what
+    the environment wrote is in the log (the workers' stderr)."""
+    from megatron_gspo.config import load_job_config
+
+    out = tmp_path / "run"
+    job = [a for a in BASE if not a.startswith("env.name=")] + ["env.name=multiturn_envs:Noisy",
+                                                               f"train.output_dir={out}", "train.dump_rollouts=true"]
+    (m,) = run_job_rows(load_job_config(None, job))
+    assert m["step"] == 1 and m["rollout/env_error_frac"] == 0.0 and math.isfinite(m["loss/loss"])
+    dumped = [json.loads(x) for x in open(out / "rollouts" / "step_000001.jsonl")]
+    observed = [t["text"] for d in dumped for t in d["turns"] if t["role"] == "user"]
+    assert observed and set(observed) == {"ok"}  # what step returned, never what it wrote
+    err = capfd.readouterr().err  # every reset and every step said its three lines (a step per observation at least)
+    assert err.count("noisy child process in reset") == 8 and err.count("noisy print in step") >= len(observed), err[-2000:]
+    assert err.count('{"ok": "forged by os.write"}') == err.count("noisy print in") >= 8 + len(observed)
+
+
+def test_the_record_keeps_a_tool_result_as_the_policy_read_it():
+    """A tool's result longer than env.max_observation_tokens: the observation and the recorded tool call (what
+    train.dump_rollouts writes) hold the same cut text, not what the tool returned."""
+    from megatron_gspo.config import EnvConfig
+    from megatron_gspo.data.tokenizer import CharTokenizer
+    from megatron_gspo.env.chat import PlainFormat
+    from megatron_gspo.rollout.multiturn import MultiTurnRollout, Trajectory
+
+    tok = CharTokenizer()
+    mt = MultiTurnRollout.__new__(MultiTurnRollout)
+    mt.tokenizer, mt.fmt, mt.env, mt.budget = tok, PlainFormat(tok), EnvConfig(max_observation_tokens=8), 1000
+    row = Trajectory(tok.encode("q"), 1)
+    row.append(tok.encode("<call>huge 1</call>") + [tok.eos_id], True)
+    row.num_turns = 1
+    big = "0123456789" * 1000
+    res = {"observation": [{"role": "tool", "content": big}], "reward": None, "done": False, "error": None,
+           "tool_calls": [{"name": "huge", "arguments": {"megabytes": 1}, "result": big}], "tool_errors": 0}
+    mt._observe(row, res, tok.eos_id)
+    assert row.turns[-1]["text"] == "01234567" and row.tool_calls == [
+        {"turn": 1, "name": "huge", "arguments": {"megabytes": 1}, "result": "01234567"}]

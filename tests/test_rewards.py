@@ -441,6 +441,18 @@ def test_workers_give_the_same_rewards_in_row_order_and_the_same_first_bad_row()
         three.close()
 
 
+def test_a_reward_writing_to_fd_1_in_the_workers_scores_and_its_output_reaches_the_log(capfd):
+    """Reward workers share the job's worker pool: what a reward writes to file descriptor 1 goes to the log
+    (the workers' stderr), the rewards are the ones it returned."""
+    reward = build_reward(RewardConfig(name=f"{PLUGINS}:noisy_length", num_workers=2))
+    try:
+        assert compute_rewards(reward, ["p"] * 3, ["a", "bb", "ccc"]).tolist() == [1.0, 2.0, 3.0]
+    finally:
+        reward.close()
+    out, err = capfd.readouterr()
+    assert err.count("noisy reward wrote this") == 3 and err.count("noisy reward's child") == 3, (out, err)
+
+
 def test_workers_score_reasoning_gym_tasks_with_their_verifiers():
     """A reasoning_gym reference pickles with its task's verifier: worker processes score it as this one does."""
     pytest.importorskip("reasoning_gym")

@@ -5,8 +5,8 @@
     calls.py       tool calls in a response: Qwen3's <tool_call>{...}</tool_call>, or the plain <call>NAME ARGS</call>
     protocol.py    the environment protocol (reset / step), the tool environment and the environment classes' runner
     chat.py        a conversation's pieces as token ids, once each: the chat template's, or a plain format
-    pool.py        the worker processes that run tools and environments, with timeouts and stop signals
-    worker.py      one worker process
+    pool.py        the worker processes that run tools and environments (runtime/workers.py's pool)
+    worker.py      what a worker does: the handler that runs tools and environments, a result's byte limit
     games.py       a multi-turn environment that is not a tool: an answer guessed over turns, with feedback
 
 The turns themselves run in rollout/multiturn.py, over the job's Generator. Nothing here imports torch:

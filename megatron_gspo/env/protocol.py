@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from megatron_gspo.env.calls import parse_tool_calls
-from megatron_gspo.env.pool import Reply, Request, WorkerPool
+from megatron_gspo.env.pool import Reply, Request, WorkerPool, result_byte_limit
 from megatron_gspo.env.tools import Tool
 from megatron_gspo.errors import EnvError
 
@@ -215,7 +215,7 @@ def build_runner(env_cfg, tool_format: str):
     from megatron_gspo.config.env import TOOLS_ENV
     from megatron_gspo.env.tools import import_object, load_tools
 
-    pool = WorkerPool(env_cfg.num_workers)
+    pool = WorkerPool(env_cfg.num_workers, result_byte_limit(env_cfg.max_observation_tokens))
     end = env_cfg.on_tool_error == "end"
     if env_cfg.name == TOOLS_ENV:
         return ToolRunner(load_tools(env_cfg.tools), pool, tool_format, env_cfg.tool_timeout_s, end_on_error=end)

@@ -1,29 +1,36 @@
-"""An environment worker process (``python -m megatron_gspo.env.worker``): runs tools and environments.
+"""The environment handler of the worker pool (runtime/workers.py): runs tools and environments.
 
-User code (a tool function, an environment class) runs here, never in a trainer rank: the parent
-(env/pool.py) kills this process when a request outlives ``env.tool_timeout_s`` or when a stop signal
-asks the trainer to leave the step, and a crash here is an error message, not a dead rank. The process
-ignores the stop signals (the trainer decides), runs in its own session and exits at the end of its
-input, however the parent ends.
+User code (a tool function, an environment class) runs in a worker process, never in a trainer rank: the
+pool kills the worker's process group when a request outlives ``env.tool_timeout_s`` or when a stop signal
+asks the trainer to leave the step, and a crash there is an error message, not a dead rank.
 
-Protocol: one JSON object per line. The first line out is ``{"ready": true}``. Requests and replies::
+Requests (payloads) and what ``handle`` returns::
 
-    {"op": "call", "path": "module:function", "arguments": {...}}   -> {"ok": "<result as text>"}
-    {"op": "new", "id": k, "path": "module:Class", "kwargs": {...}} -> {"ok": null}
-    {"op": "reset", "id": k, "example": {...}}                      -> {"ok": "<first user message>"}
-    {"op": "step", "id": k, "response": "..."}                      -> {"ok": [observation, reward, done]}
-    {"op": "close", "id": k}                                        -> {"ok": null}
+    {"op": "call", "path": "module:function", "arguments": {...}}   -> "<result as text>"
+    {"op": "new", "id": k, "path": "module:Class", "kwargs": {...}} -> None
+    {"op": "reset", "id": k, "example": {...}}                      -> "<first user message>"
+    {"op": "step", "id": k, "response": "..."}                      -> [observation, reward, done]
+    {"op": "close", "id": k}                                        -> None
 
-or ``{"error": "<type>: <message>", "where": "<file>:<line>"}`` when the user code raised or returned something else than the
-protocol says (env/protocol.py checks a step's result).
+or the pool's error reply when the user code raised or returned something else than the protocol says
+(env/protocol.py checks a step's result). A tool's result and a step's observation are cut at
+``max_result_bytes`` (env/pool.py: result_byte_limit) here, before they cross the pipe: a tool that returns 20 MB sends
+at most that, and the rollout cuts it again to ``env.max_observation_tokens``, which the policy reads and
+the dump stores.
 """
 
 from __future__ import annotations
 
 import json
-import signal
-import sys
-import traceback
+
+from megatron_gspo.env.pool import MIN_RESULT_BYTES
+
+def cut_text(text: str, max_bytes: int) -> str:
+    """``text``'s first ``max_bytes`` bytes of UTF-8 (a character split by the cut left out)."""
+    raw = text.encode("utf-8", errors="surrogatepass")
+    if len(raw) <= max_bytes:
+        return text
+    return raw[:max_bytes].decode("utf-8", errors="ignore")
 
 
 def _result_text(value) -> str:
@@ -36,10 +43,11 @@ def _result_text(value) -> str:
         return str(value)
 
 
-class Worker:
-    """The objects this process holds: imported tools by path, environments by id."""
+class EnvHandler:
+    """The objects a worker process holds: imported tools by path, environments by id."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_result_bytes: int = MIN_RESULT_BYTES) -> None:
+        self.max_bytes = int(max_result_bytes)
         self.functions: dict = {}
         self.envs: dict = {}
 
@@ -50,7 +58,7 @@ class Worker:
             self.functions[path] = import_object(path, "env.tools")
         return self.functions[path]
 
-    def handle(self, req: dict):
+    def __call__(self, req: dict, note=None):
         from megatron_gspo.env.protocol import check_reset, check_step
         from megatron_gspo.env.tools import bind_arguments, import_object
 
@@ -58,7 +66,7 @@ class Worker:
         if op == "call":
             fn = self._function(req["path"])
             bound = bind_arguments(fn, req["arguments"])
-            return _result_text(fn(*bound.args, **bound.kwargs))
+            return cut_text(_result_text(fn(*bound.args, **bound.kwargs)), self.max_bytes)
         if op == "new":
             cls = import_object(req["path"], "env.name")
             self.envs[req["id"]] = cls(**req["kwargs"])
@@ -66,38 +74,9 @@ class Worker:
         if op == "reset":
             return check_reset(self.envs[req["id"]].reset(req["example"]), req["path"])
         if op == "step":
-            return list(check_step(self.envs[req["id"]].step(req["response"]), req["path"]))
+            obs, reward, done = check_step(self.envs[req["id"]].step(req["response"]), req["path"])
+            return [None if obs is None else cut_text(obs, self.max_bytes), reward, done]
         if op == "close":
             self.envs.pop(req["id"], None)
             return None
         raise ValueError(f"unknown request {op!r}")
-
-
-def _error_reply(e: BaseException) -> dict:
-    """``{"error": "Type: message", "where": file:line}``: where in the user's code it was raised (the last frame
-    outside this package; the model reads the message, the rollout record keeps both)."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if "megatron_gspo/env/" not in f.filename.replace("\\", "/")]
-    return {"error": f"{type(e).__name__}: {e}", "where": f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None}
-
-
-def main() -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
-    worker = Worker()
-    out = sys.stdout
-    sys.stdout = sys.stderr  # a tool that prints must not write into the protocol
-    print(json.dumps({"ready": True}), file=out, flush=True)
-    for line in sys.stdin:
-        try:
-            reply = {"ok": worker.handle(json.loads(line))}
-        except BaseException as e:  # noqa: BLE001 (user code: SystemExit and all, reported to the parent)
-            reply = _error_reply(e)
-        try:
-            text = json.dumps(reply, ensure_ascii=False)
-        except (TypeError, ValueError) as e:
-            text = json.dumps({"error": f"the reply cannot be sent as JSON: {e}"})
-        print(text, file=out, flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -199,7 +199,9 @@ class MultiTurnRollout:
 
     def _observe(self, row: Trajectory, res: dict, last_id: int) -> None:
         """Apply one environment step to ``row``: tool calls, reward, the end, or the observation appended once."""
-        row.tool_calls += [{"turn": row.num_turns, **c} for c in res["tool_calls"]]
+        # a result as the policy reads it (cut to env.max_observation_tokens): what the record and the dump keep
+        row.tool_calls += [{"turn": row.num_turns, **c, **({"result": self._cut(c["result"])} if "result" in c else {})}
+                           for c in res["tool_calls"]]
         row.tool_errors += res["tool_errors"]
         if res["reward"] is not None:
             row.rewards.append(res["reward"])

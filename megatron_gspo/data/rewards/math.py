@@ -60,21 +60,15 @@ def _say_timeout(e, text: str, gold: str) -> None:
     log.warning("math reward: %s (scored 0%s); %s starts %s", e, also, what[0], clip_repr(what[1], 80))
 
 
-def check(checker, sides: tuple[str, str], settings: dict, should_stop: Optional[Callable[[], bool]] = None,
-          bad_references: Optional[set] = None) -> float:
-    """1.0 / 0.0: math-verify's verdict on ``sides`` (math_sides) from ``checker`` (a MathVerifyProcess); 0.0
-    with a warning naming the side past a limit. A reference in ``bad_references`` (one that took a whole
-    limit before) scores 0 without a check; one that times out is added to it."""
+def check(checker, sides: tuple[str, str], settings: dict, should_stop: Optional[Callable[[], bool]] = None) -> float:
+    """1.0 / 0.0: math-verify's verdict on ``sides`` (math_sides) from ``checker`` (a
+    math_verify_worker.MathVerifyPool); 0.0 with a warning naming the side past a limit."""
     from megatron_gspo.data.rewards.math_verify_worker import MathVerifyTimeout
 
     text, gold = sides
-    if bad_references is not None and gold in bad_references:
-        return 0.0
     try:
         return float(checker.equal(text, gold, settings["timeout_s"], settings["wall_timeout_s"], should_stop))
     except MathVerifyTimeout as e:
-        if e.side == "reference" and bad_references is not None:
-            bad_references.add(gold)
         _say_timeout(e, text, gold)
         return 0.0
 
@@ -105,26 +99,36 @@ class MathVerifyReward(BatchReward):
         self.bad_references: set[str] = set()  # references that took a whole limit: said once, not checked again
 
     def score(self, batch: RewardBatch) -> list:
-        rows: list[Any] = []
+        from megatron_gspo.data.rewards.math_verify_worker import MathVerifyTimeout
+
+        out: list[Any] = []
         for _, response, answer in batch.rows():
             try:
-                rows.append(math_sides(response, answer))
+                sides = math_sides(response, answer)
             except ValueError as e:  # no reference answer: the RewardError names the row
-                rows.append(SampleFailed(f"raised ValueError: {e}"))
+                sides = SampleFailed(f"raised ValueError: {e}")
+            out.append(0.0 if sides is None else sides)
+        if batch.should_stop():
+            raise ScoringStopped()
+        todo = [i for i, v in enumerate(out) if isinstance(v, tuple)]
+        pairs = [out[i] for i in todo]
 
-        def one(checker, sides):
-            if batch.should_stop():
-                raise ScoringStopped()
-            if sides is None or isinstance(sides, SampleFailed):
-                return 0.0 if sides is None else sides
-            try:
-                return check(checker, sides, self.settings, batch.should_stop, self.bad_references)
-            except ScoringStopped:
-                raise
-            except Exception as e:  # the checker failed: the RewardError names the row
-                return SampleFailed(f"raised {type(e).__name__}: {e}")
+        def arrived(j: int, verdict) -> None:  # before the next pair is handed out: a bad reference is said once
+            if isinstance(verdict, MathVerifyTimeout):
+                if verdict.side == "reference":
+                    self.bad_references.add(pairs[j][1])
+                _say_timeout(verdict, *pairs[j])
 
-        return self.pool.map(one, rows)
+        verdicts = self.pool.verdicts(pairs, self.settings["timeout_s"], self.settings["wall_timeout_s"],
+                                      batch.should_stop, skip=self.bad_references.__contains__, on_verdict=arrived)
+        for i, verdict in zip(todo, verdicts):
+            if verdict is None or isinstance(verdict, MathVerifyTimeout):  # skipped (a bad reference), or past a limit
+                out[i] = 0.0
+            elif isinstance(verdict, Exception):  # the checker failed: the RewardError names the row
+                out[i] = SampleFailed(f"raised {type(verdict).__name__}: {verdict}")
+            else:
+                out[i] = float(verdict)
+        return out
 
     def close(self) -> None:
         self.pool.close()

@@ -7,57 +7,45 @@ pytest-timeout's), its handler raises an exception into whatever code runs when 
 C-level computation (a huge integer power) is not interrupted at all. The trainer's ranks also own
 their signal handling (runtime.stop.PreemptionFlag: SIGTERM / SIGUSR1 mean "save and stop").
 
-So the checking runs in a child process (``python -m megatron_gspo.data.rewards.math_verify_worker``),
-started on first use and kept until closed, and touches no signal of the trainer. A check has two
-sides, each parsed under its own limit so that a timeout names the side that caused it: the reference
-(parsed once per child and kept: the G responses to a prompt share it) and the response (parsed, then
-compared with the reference). Two limits:
+So the checking runs in worker processes of the job's worker pool (runtime/workers.py, with this
+module's ``math_handler``), started on first use and kept until closed, touching no signal of the trainer.
+A check has two sides, each parsed under its own limit so that a timeout names the side that caused it:
+the reference (parsed once per worker and kept: the G responses to a prompt share it) and the response
+(parsed, then compared with the reference). Two limits:
 
-* ``cpu_timeout_s``: the CPU time each side may use (ITIMER_VIRTUAL in the child, which owns its
+* ``cpu_timeout_s``: the CPU time each side may use (ITIMER_VIRTUAL in the worker, which owns its
   signals). CPU time, not wall time: math-verify's own 5-second wall-clock alarms decided verdicts
   by machine load (on this shared 2-core VM, ``\boxed{(1, 2)}`` vs ``(1,2)`` scored 0 at a load
   average of 110 and 1 when idle); a check's CPU time does not depend on the load. math-verify's own
-  timeouts are off in the child. Past the limit the check scores 0 (math-verify's verdict on its
-  timeouts) and the child goes on.
-* ``wall_timeout_s``: a backstop the parent keeps with ``wait`` (poll) for what no Python-level timer
-  interrupts (a C-level computation): past it the parent kills the child (the next check starts
-  another) and scores 0.
+  timeouts are off in the worker. Past the limit the check scores 0 (math-verify's verdict on its
+  timeouts) and the worker goes on.
+* ``wall_timeout_s``: a backstop the pool keeps for what no Python-level timer interrupts (a C-level
+  computation): past it the pool kills the worker (the next check starts another) and it scores 0.
 
-The child ignores the stop signals and runs in its own session: the parent decides when to stop. While
-it waits for a verdict the parent reads the job's stop flag (``should_stop``) every 0.1 s; when it is set
-the parent kills the child (the next check starts another) and raises batch.ScoringStopped. The child exits
-when the parent's end of the pipe closes, however the parent ends. :class:`MathVerifyPool` keeps
-several children, for checks in parallel (``reward.num_workers``).
+A stop of the job (``should_stop``) kills the workers within 0.1 s and raises batch.ScoringStopped.
+:class:`MathVerifyPool` keeps ``reward.num_workers`` of them, for checks in parallel.
 
-Protocol: one JSON object per line. Request ``{"response": text, "gold": final answer, "cpu_s": limit}``;
-the child answers ``{"reference": true}`` once the reference is parsed, then ``{"equal": bool}`` or
+Requests: ``{"response": text, "gold": final answer, "cpu_s": limit}``; the worker notes
+``{"reference": true}`` once the reference is parsed, then answers ``{"equal": bool}`` or
 ``{"timeout": "response"}``; or at once ``{"timeout": "reference"}`` (the reference took the whole
-limit), ``{"equal": false}`` (math-verify reads nothing in the reference) or ``{"error": "..."}``. Its
-first line is ``{"ready": true}``.
+limit) or ``{"equal": false}`` (math-verify reads nothing in the reference).
 """
 
 from __future__ import annotations
 
 import atexit
-import json
-import os
-import queue
 import signal
-import subprocess
-import sys
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import wait  # poll(2): no FD_SETSIZE limit, unlike select(2)
 from typing import Callable, Optional
 
 from megatron_gspo.data.rewards.batch import ScoringStopped
+from megatron_gspo.runtime.workers import PoolStopped, Reply, Request, WorkerPool, WorkerStartError
 
-# How long a new child may take to import sympy and math-verify before the first check (a loaded CPU
+# How long a new worker may take to import sympy and math-verify before the first check (a loaded CPU
 # is slow: ~2 s on an idle core, tens of seconds under load).
 STARTUP_TIMEOUT_S = 300.0
-POLL_S = 0.1  # how often a waiting parent reads the stop flag
-REFERENCE_CACHE = 4096  # parsed references a child keeps
+REFERENCE_CACHE = 4096  # parsed references a worker keeps
+HANDLER = "megatron_gspo.data.rewards.math_verify_worker:math_handler"
 
 
 class MathVerifyTimeout(Exception):
@@ -69,157 +57,102 @@ class MathVerifyTimeout(Exception):
         self.side = side
 
 
-class MathVerifyProcess:
-    """A math-verify child process: ``equal(response, gold, ...)``; thread-safe; ``close()`` ends it."""
+class MathVerifyPool:
+    """``size`` math-verify worker processes (module doc): ``verdicts`` checks many pairs side by side,
+    ``equal`` one (thread-safe); ``close()`` ends them."""
 
-    def __init__(self) -> None:
-        self._proc: Optional[subprocess.Popen] = None
-        self._pending = b""  # what the child wrote past the last line read
+    def __init__(self, size: int = 1) -> None:
+        self.pool = WorkerPool(max(1, int(size)), HANDLER, name="math-verify", startup_timeout_s=STARTUP_TIMEOUT_S)
         self._lock = threading.Lock()
         self.num_timeouts = 0
-        self.num_starts = 0  # a timeout, a stop or a dead child makes the next check start another
 
-    def _start(self, should_stop: Optional[Callable[[], bool]]) -> subprocess.Popen:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        # unbuffered: wait() sees every byte the child wrote (a buffered reader could hold a second line)
-        proc = subprocess.Popen([sys.executable, "-m", "megatron_gspo.data.rewards.math_verify_worker"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                                bufsize=0, start_new_session=True)
-        self._proc, self._pending = proc, b""  # killable from now on, should the start be stopped
-        reply = self._read(proc, STARTUP_TIMEOUT_S, should_stop)
-        if reply != {"ready": True}:
-            self._kill()
-            raise RuntimeError(f"the math-verify checker process did not start (it answered {reply!r}); is "
-                               "math-verify installed? (pip install math-verify)")
-        return proc
+    @property
+    def num_starts(self) -> int:
+        """Worker processes started (a wall-clock timeout or a stop makes the next check start another)."""
+        return self.pool.num_starts
 
-    def _read(self, proc: subprocess.Popen, timeout_s: float, should_stop: Optional[Callable[[], bool]]):
-        """The child's next line, None past the deadline; ScoringStopped when ``should_stop()`` (the child
-        killed); RuntimeError if the child died."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if b"\n" in self._pending:
-                line, self._pending = self._pending.split(b"\n", 1)
-                return json.loads(line)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            ready = wait([proc.stdout], min(left, POLL_S))
-            if ready:
-                chunk = os.read(proc.stdout.fileno(), 1 << 16)
-                if not chunk:
-                    raise RuntimeError(f"the math-verify checker process exited (status {proc.wait()})")
-                self._pending += chunk
-            elif should_stop is not None and should_stop():
-                self._kill()
-                raise ScoringStopped()
+    @property
+    def pids(self) -> list[int]:
+        return self.pool.pids
 
-    def _kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc = None
+    def _verdict(self, rep: Reply, cpu_timeout_s: float, wall_timeout_s: float):
+        """A reply as True / False, or the exception that says why there is none (MathVerifyTimeout naming the
+        side, RuntimeError), or None (skipped)."""
+        if rep.skipped:
+            return None
+        if rep.timeout:
+            self.num_timeouts += 1
+            side = "response" if rep.notes else "reference"  # the worker notes the reference once it is parsed
+            return MathVerifyTimeout(side, f"math-verify gave no verdict within {wall_timeout_s:g} s on the {side} "
+                                           "(the checker process was killed)")
+        if rep.error is not None:
+            return RuntimeError(f"math-verify failed: {rep.error}")
+        if rep.value.get("timeout"):
+            self.num_timeouts += 1
+            side = rep.value["timeout"]
+            return MathVerifyTimeout(side, f"math-verify used more than {cpu_timeout_s:g} s of CPU time on the {side}")
+        return bool(rep.value["equal"])
+
+    def verdicts(self, pairs: list[tuple[str, str]], cpu_timeout_s: float, wall_timeout_s: float,
+                 should_stop: Optional[Callable[[], bool]] = None, skip: Optional[Callable[[str], bool]] = None,
+                 on_verdict: Optional[Callable[[int, object], None]] = None) -> list:
+        """math-verify's verdict on each ``(response, gold)`` pair, checked side by side: True / False, or the
+        exception that says why there is none (MathVerifyTimeout past ``cpu_timeout_s`` of CPU time on a side or
+        ``wall_timeout_s`` of waiting; RuntimeError), or None for a pair whose ``skip(gold)`` was true when a
+        worker was free for it. ``on_verdict(i, verdict)`` is called as each arrives (before later pairs are
+        handed out). ScoringStopped when ``should_stop()`` becomes true."""
+        out: list = [None] * len(pairs)
+
+        def arrived(i: int, rep: Reply) -> None:
+            out[i] = self._verdict(rep, cpu_timeout_s, wall_timeout_s)
+            if on_verdict is not None and out[i] is not None:
+                on_verdict(i, out[i])
+
+        requests = [Request({"response": r, "gold": g, "cpu_s": cpu_timeout_s},
+                            skip=None if skip is None else (lambda g=g: skip(g))) for r, g in pairs]
+        with self._lock:
+            try:
+                self.pool.run(requests, wall_timeout_s, should_stop, arrived)
+            except PoolStopped:
+                raise ScoringStopped() from None
+            except WorkerStartError as e:
+                raise RuntimeError(f"the math-verify checker process did not start ({e}); is math-verify "
+                                   "installed? (pip install math-verify)") from None
+        return out
 
     def equal(self, response: str, gold: str, cpu_timeout_s: float, wall_timeout_s: float,
               should_stop: Optional[Callable[[], bool]] = None) -> bool:
-        """Whether math-verify finds ``response``'s answer equal to the final answer ``gold``. Raises
-        MathVerifyTimeout (naming the side) past ``cpu_timeout_s`` seconds of the child's CPU time on a side
-        or ``wall_timeout_s`` seconds of waiting (the child is then killed and replaced on the next call);
-        ScoringStopped when ``should_stop()`` becomes true while it waits."""
-        with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                self._start(should_stop)
-                self.num_starts += 1
-            proc, side = self._proc, "reference"
-            request = memoryview((json.dumps({"response": response, "gold": gold, "cpu_s": cpu_timeout_s}) + "\n").encode())
-            while request:  # an unbuffered write may take part of it
-                request = request[proc.stdin.write(request):]
-            deadline = time.monotonic() + wall_timeout_s
-            while True:
-                reply = self._read(proc, deadline - time.monotonic(), should_stop)
-                if reply is None:
-                    self._kill()
-                    self.num_timeouts += 1
-                    raise MathVerifyTimeout(side, f"math-verify gave no verdict within {wall_timeout_s:g} s on the "
-                                                  f"{side} (the checker process was killed)")
-                if "reference" not in reply:
-                    break
-                side = "response"
-        if "error" in reply:
-            raise RuntimeError(f"math-verify failed: {reply['error']}")
-        if reply.get("timeout"):
-            self.num_timeouts += 1
-            raise MathVerifyTimeout(reply["timeout"], f"math-verify used more than {cpu_timeout_s:g} s of CPU "
-                                                      f"time on the {reply['timeout']}")
-        return bool(reply["equal"])
+        """Whether math-verify finds ``response``'s answer equal to the final answer ``gold``; raises what
+        ``verdicts`` gives instead of a verdict."""
+        (verdict,) = self.verdicts([(response, gold)], cpu_timeout_s, wall_timeout_s, should_stop)
+        if isinstance(verdict, Exception):
+            raise verdict
+        return verdict
 
     def close(self) -> None:
-        with self._lock:
-            if self._proc is not None and self._proc.poll() is None:
-                self._proc.stdin.close()  # the child exits at end of input
-                try:
-                    self._proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self._kill()
-            self._proc = None
+        self.pool.close()
 
 
-class MathVerifyPool:
-    """``size`` checker processes: ``map(fn, items)`` runs ``fn(checker, item)`` for every item, each on a
-    free checker (a thread per checker waits on its child: the work is in the children), and returns the
-    results in item order. ``close()`` ends the children."""
-
-    def __init__(self, size: int) -> None:
-        self.checkers = [MathVerifyProcess() for _ in range(max(1, int(size)))]
-
-    def map(self, fn: Callable, items: list) -> list:
-        if len(self.checkers) == 1:
-            return [fn(self.checkers[0], item) for item in items]
-        free: queue.SimpleQueue = queue.SimpleQueue()
-        for c in self.checkers:
-            free.put(c)
-
-        def run(item):
-            checker = free.get()
-            try:
-                return fn(checker, item)
-            finally:
-                free.put(checker)
-
-        with ThreadPoolExecutor(len(self.checkers), thread_name_prefix="math-verify") as pool:
-            futures = [pool.submit(run, item) for item in items]
-            try:
-                return [f.result() for f in futures]
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
-
-    def close(self) -> None:
-        for c in self.checkers:
-            c.close()
-
-
-_process_checker: Optional[MathVerifyProcess] = None
+_process_checker: Optional[MathVerifyPool] = None
 _process_lock = threading.Lock()
 
 
-def process_checker() -> MathVerifyProcess:
+def process_checker() -> MathVerifyPool:
     """This process's shared checker (for math.math_reward), started on first use and closed at exit."""
     global _process_checker
     with _process_lock:
         if _process_checker is None:
-            _process_checker = MathVerifyProcess()
+            _process_checker = MathVerifyPool(1)
             atexit.register(_process_checker.close)
         return _process_checker
 
 
 # ----------------------------------------------------------------------------------------------
-# The child
+# The worker side
 # ----------------------------------------------------------------------------------------------
 
 class _CpuLimit(BaseException):
-    """Raised in the child when a check has used its CPU time (a BaseException: math-verify catches
+    """Raised in the worker when a check has used its CPU time (a BaseException: math-verify catches
     Exception around its parsing and would otherwise go on past the limit)."""
 
 
@@ -275,27 +208,13 @@ def _answer(req: dict, references: dict, say: Callable[[dict], None]) -> dict:
         return {"timeout": "response"}
 
 
-def main() -> None:
-    # stop signals are the parent's business; it closes our input when it is done or gone
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
+def math_handler():
+    """The worker's handler (module doc): math-verify imported before the worker says it is ready (the first
+    check's deadline is for the check), its parsed references kept across checks."""
     import logging
 
     logging.disable(logging.WARNING)  # math-verify warns that its own timeouts are off: they are, on purpose
-    import math_verify  # noqa: F401 (imported before "ready": the first check's deadline is for the check)
+    import math_verify  # noqa: F401
 
-    def say(msg: dict) -> None:
-        print(json.dumps(msg), flush=True)
-
-    say({"ready": True})
     references: dict = {}  # gold text -> math-verify's parse of it
-    for line in sys.stdin:
-        try:
-            out = _answer(json.loads(line), references, say)
-        except Exception as e:  # a bug here must reach the parent as a message, not a hang
-            out = {"error": f"{type(e).__name__}: {e}"}
-        say(out)
-
-
-if __name__ == "__main__":
-    main()
+    return lambda req, note: _answer(req, references, note)
