@@ -337,8 +337,8 @@ def test_a_loss_mask_the_roles_do_not_say_travels_with_its_row_between_dp_ranks(
     assert len(rows) == 16 and all(len(r) == 8 for r in dumps[dp2].values())
     off = [r for r in rows if r["loss_mask"] != _by_role(r)]
     assert len(off) > 4 and all(a <= b for r in rows for a, b in zip(r["loss_mask"], _by_role(r)))
-    # the masks the generating ranks built, and the ones the training ranks got (masks.rank<r>.jsonl)
-    masks = {r: [json.loads(x) for x in open(dp2 / f"masks.rank{r}.jsonl")] for r in (0, 1)}
+    # the masks the generating ranks built, and the ones the training ranks got (masks_rank<r>.jsonl)
+    masks = {r: [json.loads(x) for x in open(dp2 / f"masks_rank{r}.jsonl")] for r in (0, 1)}
     trained = _trained_rows(dp2)
     moved_off = 0
     for step in (1, 2):

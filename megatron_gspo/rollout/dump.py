@@ -53,9 +53,9 @@ def _gather_text(text: str, state) -> list[str]:
     n = comm.max_int(raw.numel(), state.device, state.dp_group, what="rollout dump: the longest part")
     padded = torch.nn.functional.pad(raw, (0, n - raw.numel()))
     dst = comm.first_rank(state.dp_group)
-    sizes = comm.gather(torch.tensor([raw.numel()], dtype=torch.long, device=state.device), dst, state.dp_group,
-                        what="rollout dump: part sizes")
-    parts = comm.gather(padded, dst, state.dp_group, what="rollout dump: the rows of every data-parallel rank")
+    sizes = comm.gather_to(torch.tensor([raw.numel()], dtype=torch.long, device=state.device), dst, state.dp_group,
+                           what="rollout dump: part sizes")
+    parts = comm.gather_to(padded, dst, state.dp_group, what="rollout dump: the rows of every data-parallel rank")
     return [] if parts is None else [bytes(p[:int(s)].cpu().tolist()).decode() for p, s in zip(parts, sizes)]
 
 

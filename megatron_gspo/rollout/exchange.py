@@ -192,7 +192,7 @@ def exchange(pool: RolloutRecord, where: dict[int, int], deal: list[list[int]], 
     slot -> the rank holding it; scores / prompt_ids: every slot's (known on every rank). The rows sent
     to rank d are the slots of ``deal[d]`` held here, in that order, so that both ends know the order and
     every size without asking. The record's tensors on ``device``, its routes on the host. Multi-turn rows
-    (``scores.conversation_bytes``) bring their loss masks and conversations with them (module doc)."""
+    (the scores' ``conversation_bytes``) bring their loss masks and conversations with them (module doc)."""
     spec = RouteSpec.of(pool.routes)
     plen, rlen = scores.prompt_lengths.tolist(), scores.response_lengths.tolist()
     conv = scores.conversation_bytes.tolist() if scores.conversation_bytes is not None else None

@@ -82,7 +82,7 @@ def all_gather(t: torch.Tensor, group=None, *, what: str) -> list[torch.Tensor]:
     return out
 
 
-def gather(t: torch.Tensor, dst: int, group=None, *, what: str) -> Optional[list[torch.Tensor]]:
+def gather_to(t: torch.Tensor, dst: int, group=None, *, what: str) -> Optional[list[torch.Tensor]]:
     """Every rank's ``t`` (same shape everywhere) on global rank ``dst``, in group-rank order; None on the
     other ranks, which receive nothing."""
     if not _active(group):

@@ -9,9 +9,9 @@ run_job.py's job and evidence (metrics, rollouts.dp<r>.jsonl, weights/), with tw
 * every assistant turn after a row's first starts with a *forced* token: sampled, kept in the row, but off the
   loss mask (as a prefilled tag would be). The turns' roles then no longer say the mask: a rank that rebuilt a
   row's mask from its turns would train on those tokens.
-* each rank writes, per step, ``masks.rank<r>.jsonl``: {"step", "held": {slot: mask}, "got": {slot: mask}}, the
+* each rank writes, per step, ``masks_rank<r>.jsonl``: {"step", "held": {slot: mask}, "got": {slot: mask}}, the
   loss masks (over the row's tokens) of the rows it generated and holds before the exchange (the generating
-  rank's own), and of the rows it trains after it; and ``bytes.rank<r>.jsonl``: {"step", "received": {what:
+  rank's own), and of the rows it trains after it; and ``bytes_rank<r>.jsonl``: {"step", "received": {what:
   bytes}}, the bytes it received from the other ranks in each of the global batch's collectives of the step.
 """
 
@@ -91,9 +91,9 @@ def collect(self, step):
     rec = _collect(self, step)
     out, r = self.cfg.train.output_dir, self.state.dp_rank
     if self.state.tp_rank == 0:
-        with open(os.path.join(out, f"bytes.rank{r}.jsonl"), "a") as f:
+        with open(os.path.join(out, f"bytes_rank{r}.jsonl"), "a") as f:
             f.write(json.dumps({"step": step + 1, "received": dict(received)}) + "\n")
-        with open(os.path.join(out, f"masks.rank{r}.jsonl"), "a") as f:
+        with open(os.path.join(out, f"masks_rank{r}.jsonl"), "a") as f:
             f.write(json.dumps({"step": step + 1, **seen}) + "\n")
     return rec
 
