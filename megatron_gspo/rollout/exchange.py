@@ -41,8 +41,8 @@ _ALIGN = 8  # every row starts at a multiple of this many bytes, so its parts ca
 @dataclass
 class Scores:
     """Rows of every rank, by global row: rewards [n] fp32, prompt_lengths / response_lengths [n] int64,
-    stopped [n] bool, on the compute device; conversation_bytes [n] int64: a multi-turn row's conversation
-    on the wire (``conversation_bytes``), None for single-turn rows."""
+    stopped [n] bool, on the compute device; conversation_bytes [n] int64: the size of a multi-turn row's
+    conversation on the wire (the length of ``conversation_bytes(summary)``), None for single-turn rows."""
 
     rewards: torch.Tensor
     prompt_lengths: torch.Tensor
