@@ -10,7 +10,8 @@ import re
 import pytest
 import torch
 
-from megatron_gspo.rollout.exchange import RouteSpec, Scores, exchange, row_bytes
+from megatron_gspo.rollout.exchange import (RouteSpec, Scores, conversation_bytes, exchange, pack_bits, row_bytes,
+                                             unpack_bits)
 from megatron_gspo.rollout.record import RolloutRecord
 from megatron_gspo.rollout.rows import deal_rows, karmarkar_karp, local_rows, token_imbalance
 from megatron_gspo.routing.rollout_routes import RolloutRoutes
@@ -109,7 +110,7 @@ def test_exchanged_rows_come_back_bit_for_bit():
     got = exchange(pool, {i: i for i in range(5)}, deal, [0] * 5, scores, [f"p{i}" for i in range(5)], rank=0,
                    group=None, device=torch.device("cpu"), pad_id=0, decode=lambda ids: "decoded")
     want = pool.select(torch.tensor(deal[0]))
-    for name in ("tokens", "prompt_lengths", "response_lengths", "stopped", "sample_logprobs", "rewards"):
+    for name in ("tokens", "loss_mask", "prompt_lengths", "response_lengths", "stopped", "sample_logprobs", "rewards"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert got.row_ids.tolist() == deal[0] and got.prompt_ids == [f"p{i}" for i in deal[0]]
     assert torch.equal(got.routes.count, want.routes.count)
@@ -119,6 +120,56 @@ def test_exchanged_rows_come_back_bit_for_bit():
     assert got.texts == [f"t{i}" for i in deal[0]]
     # 5 tokens x 4 B + 2 log-probs x 4 B = 28, padded to 32; routes: 4 positions x 48 layers x top-8, 1 B each
     assert row_bytes(3, 2, None) == 32 and row_bytes(3, 2, RouteSpec(48, 8, 128)) == 28 + 4 * 48 * 8 + 4
+
+
+def _multi_turn_pool(rows=5):
+    """``_pool``'s rows as multi-turn rows of 3 + 9 tokens: the prompt, an assistant turn [3, 6), an observation
+    [6, 8), an assistant turn [8, 12) whose first token (8) is forced in the even rows: off the loss mask, although
+    its role says assistant (the mask is not the assistant turns' spans). Their conversations, each its own."""
+    pool, scores = _pool(rows=rows, lengths=(3, 9))
+    pool.loss_mask = torch.zeros_like(pool.tokens, dtype=torch.bool)
+    pool.trajectories = []
+    for i in range(rows):
+        pool.loss_mask[i, 3:6] = pool.loss_mask[i, 9 if i % 2 == 0 else 8:12] = True
+        pool.trajectories.append({
+            "turns": [{"role": "assistant", "start": 3, "end": 6, "text": f"row {i} asks"},
+                      {"role": "tool", "start": 6, "end": 8, "text": "résultat " * i},
+                      {"role": "assistant", "start": 8, "end": 12, "text": f"row {i} answers"}],
+            "tool_calls": [{"turn": 1, "name": "add", "arguments": {"a": i, "b": 2}, "result": str(i + 2)}],
+            "num_turns": 2, "tool_errors": 0, "observation_tokens": 2, "max_turns_reached": False, "env_error": None,
+            "env_reward": None if i == 3 else i / 4, "final_text": f"row {i} answers"})
+    scores.conversation_bytes = torch.tensor([len(conversation_bytes(t)) for t in pool.trajectories])
+    return pool, scores
+
+
+def test_multi_turn_rows_come_back_with_their_loss_mask_and_conversation():
+    """Multi-turn rows through the packed buffer: each row's loss mask bit for bit (the forced tokens off it, as
+    the generating rank built it: a mask rebuilt from the turns' roles would put them on) and its conversation,
+    in the dealt order; on the wire one bit per token and the conversation's JSON after the row's other parts."""
+    pool, scores = _multi_turn_pool()
+    deal = [[4, 1, 3, 0, 2]]
+    got = exchange(pool, {i: i for i in range(5)}, deal, [0] * 5, scores, [""] * 5, rank=0, group=None,
+                   device=torch.device("cpu"), pad_id=0, decode=str)
+    want = pool.select(torch.tensor(deal[0]))
+    for name in ("tokens", "loss_mask", "sample_logprobs", "rewards"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.loss_mask[:, 8].tolist() == [False, True, True, False, False]  # rows 4 1 3 0 2: the even ones forced
+    assert got.trajectories == want.trajectories and got.trajectories is not want.trajectories
+    conv = int(scores.conversation_bytes[0])
+    # 12 tokens x 4 B + 9 log-probs x 4 B + routes 11 x 3 layers x top-2 x 1 B + 2 mask bytes + the JSON, padded to 8
+    assert row_bytes(3, 9, RouteSpec.of(pool.routes), conv) == -(-(48 + 36 + 66 + 2 + conv) // 8) * 8
+    assert row_bytes(3, 9, None) == 88  # single-turn rows: no mask, no conversation
+
+
+def test_loss_mask_bits_by_hand():
+    bits = torch.tensor([1, 0, 1, 1, 0, 0, 0, 0, 1], dtype=torch.bool)
+    raw = pack_bits(bits)
+    assert raw.dtype == torch.uint8 and raw.tolist() == [0b1101, 1]
+    assert torch.equal(unpack_bits(raw, 9), bits)
+    assert pack_bits(torch.zeros(0, dtype=torch.bool)).numel() == 0
+    assert unpack_bits(torch.zeros(0, dtype=torch.uint8), 0).numel() == 0
+    every = torch.rand(1000, generator=torch.Generator().manual_seed(0)) > 0.5
+    assert torch.equal(unpack_bits(pack_bits(every), 1000), every) and pack_bits(every).numel() == 125
 
 
 def test_the_wire_holds_expert_ids_in_the_smallest_type():

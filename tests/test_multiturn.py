@@ -305,6 +305,72 @@ def test_the_multi_turn_job_under_a_layout_or_async_equals_one_rank(dist_runs, l
     assert max((w_got[k] - w_ref[k]).abs().max().item() for k in w_ref) < 5e-5
 
 
+@pytest.fixture(scope="module")
+def forced_token_runs(tmp_path_factory, run_dist):
+    """DIST_JOB at one rank and at DP 2 with a forced first token in every later assistant turn, off the loss mask
+    (tests/dist_scripts/multiturn_mask.py)."""
+    root = tmp_path_factory.mktemp("multiturn_mask")
+    for name, n in (("one", 1), ("dp2", 2)):
+        run_dist("multiturn_mask.py", n, "--out", str(root / name), "--", *DIST_JOB, timeout=600)
+    return root
+
+
+def _by_role(row):
+    """A dumped row's loss mask as its turns' roles would say it: 1 on the assistant turns."""
+    mask = [0] * len(row["token_ids"])
+    for t in row["turns"]:
+        mask[t["start"]:t["end"]] = [int(t["role"] == "assistant")] * (t["end"] - t["start"])
+    return mask
+
+
+def test_a_loss_mask_the_roles_do_not_say_travels_with_its_row_between_dp_ranks(forced_token_runs):
+    """DP 2, rows dealt to the other rank: every row's loss mask on the rank that trains it is bit for bit the one
+    the generating rank built, forced tokens off it although their turn is the assistant's (a mask rebuilt from the
+    roles would train on them), and the run is the one-rank run: each row's tokens, mask, reward and advantage, the
+    dump (rank 0's file: every rank's rows with their conversations), the losses and the final weights."""
+    from megatron_gspo.checkpoint import dist_checkpoint_to_tensors
+
+    one, dp2 = forced_token_runs / "one", forced_token_runs / "dp2"
+    dumps = {d: {step: {r["sample_id"]: r for r in map(json.loads, open(d / "rollouts" / f"step_{step:06d}.jsonl"))}
+                 for step in (1, 2)} for d in (one, dp2)}
+    rows = list(dumps[one][1].values()) + list(dumps[one][2].values())
+    assert len(rows) == 16 and all(len(r) == 8 for r in dumps[dp2].values())
+    off = [r for r in rows if r["loss_mask"] != _by_role(r)]
+    assert len(off) > 4 and all(a <= b for r in rows for a, b in zip(r["loss_mask"], _by_role(r)))
+    # the masks the generating ranks built, and the ones the training ranks got (masks_rank<r>.jsonl)
+    masks = {r: [json.loads(x) for x in open(dp2 / f"masks_rank{r}.jsonl")] for r in (0, 1)}
+    trained = _trained_rows(dp2)
+    moved_off = 0
+    for step in (1, 2):
+        built = {**masks[0][step - 1]["held"], **masks[1][step - 1]["held"]}
+        assert sorted(map(int, built)) == list(range(8))
+        for r in (0, 1):
+            got = masks[r][step - 1]["got"]
+            for slot, mask in got.items():
+                assert mask == built[slot], (step, r, slot)
+                if slot not in masks[r][step - 1]["held"]:  # generated on the other rank
+                    row = dumps[dp2][step][trained[(step, int(slot))]["sample"]]
+                    moved_off += row["loss_mask"] != _by_role(row)
+    assert moved_off > 0  # rows whose mask the roles do not say did move
+    m_ref = [json.loads(x) for x in open(one / "metrics.jsonl")]
+    m_got = [json.loads(x) for x in open(dp2 / "metrics.jsonl")]
+    assert all(m["rollout/dp_moved_rows_frac"] > 0 for m in m_got)
+    ref, got = _trained_rows(one), trained
+    assert len(ref) == 16 and ref.keys() == got.keys()
+    for k in ref:
+        for field in ("tokens", "mask", "reward", "advantage"):
+            assert ref[k][field] == got[k][field], (k, field)
+    assert dumps[one] == dumps[dp2]
+    for a, b in zip(m_ref, m_got):
+        assert a["rollout/reward_mean"] == b["rollout/reward_mean"] and a["loss/num_tokens"] == b["loss/num_tokens"]
+        for key in ("loss/loss", "train/grad_norm", "loss/approx_kl", "loss/entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (a["step"], key)
+    tensors = lambda d: {k: v for k, v in dist_checkpoint_to_tensors(str(d / "weights")).items()  # noqa: E731
+                         if isinstance(v, torch.Tensor)}
+    w_ref, w_got = tensors(one), tensors(dp2)
+    assert max((w_got[k] - w_ref[k]).abs().max().item() for k in w_ref) < 5e-5
+
+
 def test_dynamic_sampling_and_rollout_correction_run_on_multi_turn_rows(tmp_path):
     """Dynamic sampling draws rounds of multi-turn rows (no group is informative here: every row ends unscored by
     Echo, exact_match gives 0) and keeps their conversations with them; rollout correction weighs the sampled

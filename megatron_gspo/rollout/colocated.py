@@ -145,7 +145,8 @@ class ColocatedSource:
         within the step), every rank's scores by row of the round (one all-gather), the round's prompts."""
         st, t = self.state, self.cfg.train
         mine, out, texts, rewards, routes, prompts = self._generate_round(step, rnd, rows, R)
-        scores = gather_scores(rewards, out, R, t.num_minibatches, st.dp, st.dp_group, st.device)
+        scores = gather_scores(rewards, out, R, t.num_minibatches, st.dp, st.dp_group, st.device,
+                               conversations=out.trajectories if self.multiturn is not None else None)
         record = RolloutRecord.from_generation(step, out, [rnd * R + g for g in rows], [p.id for p in mine], texts,
                                                rewards, routes=routes)
         return record, scores, prompts
@@ -216,7 +217,7 @@ class ColocatedSource:
         prompt_ids = [p.prompt.id for p in picks for _ in range(G)]
         if moves:
             local = exchange(pool, where, deal, holder, scores, prompt_ids, rank=st.dp_rank, group=st.dp_group,
-                             device=st.device, pad_id=self.gen_cfg.pad_id, conversations=self.multiturn is not None,
+                             device=st.device, pad_id=self.gen_cfg.pad_id,
                              decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         else:
             idx = [where[s] for s in deal[st.dp_rank]]
@@ -226,11 +227,12 @@ class ColocatedSource:
                                                                     device=local.row_ids.device))
         if st.dp > 1:
             spec, plen = RouteSpec.of(pool.routes), scores.prompt_lengths.tolist()
+            conv = [None] * len(lengths) if scores.conversation_bytes is None else scores.conversation_bytes.tolist()
             stats = {**stats, "rollout/dp_token_imbalance": token_imbalance(lengths, deal, t.num_minibatches),
                      "rollout/dp_token_imbalance_unbalanced": token_imbalance(
                          lengths, deal_rows(lengths, t.num_minibatches, st.dp, balance=False), t.num_minibatches),
                      "rollout/dp_moved_rows_frac": len(moves) / R,
-                     "rollout/dp_exchange_bytes": float(sum(row_bytes(plen[s], lengths[s] - plen[s], spec)
+                     "rollout/dp_exchange_bytes": float(sum(row_bytes(plen[s], lengths[s] - plen[s], spec, conv[s])
                                                             for s in moves))}
         return dataclasses.replace(local, step=pool.step, gen_s=pool.gen_s, gen_tokens=pool.gen_tokens,
                                    decode_row_steps=pool.decode_row_steps, stats=stats, prompt_ids=[

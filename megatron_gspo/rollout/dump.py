@@ -45,16 +45,18 @@ def batch_rows(batch, step: int) -> list[dict]:
 
 
 def _gather_text(text: str, state) -> list[str]:
-    """Every data-parallel rank's ``text`` (a collective over the DP group)."""
+    """Every data-parallel rank's ``text`` on the DP group's first rank, [] on the others (a collective over the
+    DP group: each rank's rows, their conversations with them, go to the one rank that writes them)."""
     if state.dp == 1:
         return [text]
     raw = torch.tensor(list(text.encode()), dtype=torch.uint8, device=state.device)
     n = comm.max_int(raw.numel(), state.device, state.dp_group, what="rollout dump: the longest part")
     padded = torch.nn.functional.pad(raw, (0, n - raw.numel()))
-    sizes = comm.all_gather(torch.tensor([raw.numel()], dtype=torch.long, device=state.device), state.dp_group,
-                            what="rollout dump: part sizes")
-    parts = comm.all_gather(padded, state.dp_group, what="rollout dump: the rows of every data-parallel rank")
-    return [bytes(p[:int(s)].cpu().tolist()).decode() for p, s in zip(parts, sizes)]
+    dst = comm.first_rank(state.dp_group)
+    sizes = comm.gather_to(torch.tensor([raw.numel()], dtype=torch.long, device=state.device), dst, state.dp_group,
+                           what="rollout dump: part sizes")
+    parts = comm.gather_to(padded, dst, state.dp_group, what="rollout dump: the rows of every data-parallel rank")
+    return [] if parts is None else [bytes(p[:int(s)].cpu().tolist()).decode() for p, s in zip(parts, sizes)]
 
 
 class RolloutDump(TrainerHook):

@@ -82,6 +82,19 @@ def all_gather(t: torch.Tensor, group=None, *, what: str) -> list[torch.Tensor]:
     return out
 
 
+def gather_to(t: torch.Tensor, dst: int, group=None, *, what: str) -> Optional[list[torch.Tensor]]:
+    """Every rank's ``t`` (same shape everywhere) on global rank ``dst``, in group-rank order; None on the
+    other ranks, which receive nothing."""
+    if not _active(group):
+        return [t]
+    _check(t, group, what)
+    out = None
+    if _transport.get_rank() == dst:
+        out = [torch.empty_like(t) for _ in range(_transport.get_world_size(group))]
+    _transport.gather(t.contiguous(), gather_list=out, dst=dst, group=group)
+    return out
+
+
 def all_gather_into(t: torch.Tensor, group=None, *, what: str) -> torch.Tensor:
     """Every rank's ``t`` (same shape everywhere) stacked along dim 0 in group-rank order, one tensor
     [n x t.shape[0], ...] (``t`` itself for one rank). No host synchronisation: a CUDA graph can hold it."""
