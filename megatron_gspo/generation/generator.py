@@ -493,7 +493,8 @@ class _LeftPaddedGrid:
         # FP8 GEMMs need rows x tokens divisible by the recipe's alignment (fp8_alignment.py): filler rows,
         # like the EP lockstep's dummy rows, make every decode step (rows x 1) and the prefill divide
         self.align = fp8_alignment.token_alignment(m.config)
-        B, P = self.B, self.P = fp8_alignment.padded_rows(int(shape[0]), self.align), int(shape[1])
+        rows = int(shape[0])  # 0: no rank of the lockstep group has a prompt (generate() then runs nothing)
+        B, P = self.B, self.P = fp8_alignment.padded_rows(rows, self.align) if rows else 0, int(shape[1])
         S = self.S = P + cfg.max_new_tokens
         max_len = getattr(m, "max_sequence_length", None)
         if max_len is not None and S - 1 > max_len:
