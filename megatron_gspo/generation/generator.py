@@ -388,9 +388,8 @@ def generate(
     Args:
         model: this rank's GPTModel shard (DDP/Float16Module wrappers are unwrapped); its training
             mode and sequence-parallel attributes are restored on return.
-        prompts: token-id lists (or 1-D tensors), at least one token each; any lengths.
-            Every rank of a TP group must pass the same prompts; DP ranks pass their own. None at all:
-            an empty output (in a lockstep group, this rank steps with the others on dummy rows).
+        prompts: token-id lists (or 1-D tensors), at least one token each, any lengths; the same on every
+            TP rank, DP ranks' own. None: no rows out (this rank steps with its lockstep group on dummy rows).
         cfg: sampling settings.
         vocab_size: the real vocabulary size (padded embedding columns are never sampled).
         state: ``parallel.ParallelState`` (None: one process, no model parallelism).
@@ -402,14 +401,13 @@ def generate(
         should_stop: read at every check of finished rows (every ``finished_check_interval`` decode
             steps; a flag, no work); once True on any rank of the lockstep group, decoding stops there on
             all of them and the output is ``abandoned``. It rides on the check's "rows still generating"
-            all-reduce (no extra collective); without TP/EP the rank decides alone.
+            all-reduce (no extra collective); without a lockstep group the rank decides alone.
         poll / on_update: weight updates between decode steps (an asynchronous rollout rank): ``poll()``
             -> (an update is pending, stop), read at every check in place of ``should_stop``; when any
             rank of the lockstep group has an update pending, every rank calls ``on_update(step)`` between
             decode forward ``step`` (the last under the old weights) and the next (on the same vote).
-        generator: the ``Generator`` whose lean decoder this call runs (``Generator.generate`` passes
-            itself; None: a throwaway one, for a one-off generation).
-    Collective when ``state`` has TP or EP > 1: every rank of the layout must call it.
+        generator: the ``Generator`` whose lean decoder runs (None: a throwaway one, for a one-off generation).
+    Collective over ``state.lockstep_group``: every rank of it must call it.
     """
     from megatron_gspo.model.gpt import unwrap
 
@@ -422,9 +420,8 @@ def generate(
     device = state.device if state is not None else next(m.parameters()).device
     grid = _LeftPaddedGrid(m, _check_prompts(prompts, vocab_size), cfg, sync, device, row_keys)
     run = _Decoding(grid, cfg, sync, vocab_size, cfg.seed if seed is None else seed, on_forward)
-    if grid.B == 0:  # no rank of the lockstep group has a prompt: no forward anywhere
+    if grid.B == 0:  # no rank of the lockstep group has a prompt: nothing runs
         return run.output(t_start)
-
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
         stack.enter_context(_eval_mode(m))
