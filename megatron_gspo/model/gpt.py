@@ -611,8 +611,8 @@ def wrap_ddp(model, state: ParallelState):
 
 
 def mark_expert_shards(model, state: ParallelState) -> None:
-    """Mark the routed experts' weights as expert-parallel (``allreduce=False``) wherever they are sharded over
-    an expert group that is not the TP group: expert-TP != TP, EP 1.
+    """Mark the routed experts' weights as expert-parallel (``allreduce=False``) where they are sharded over an
+    expert-TP group that is not the TP group: EP 1, expert-TP > 1 and != TP.
 
     DDP and megatron's optimizer read ``param.allreduce``: False puts a weight in the expert buffers (gradients
     reduced over the expert-data-parallel group, the grad norm summed over expert-TP x EP). megatron-core 0.16
@@ -620,8 +620,9 @@ def mark_expert_shards(model, state: ParallelState) -> None:
     TP 1 / EP 1 / expert-TP 2 the two expert-TP shards, which sit on the two DP ranks, were summed as if
     replicas of one weight: each shard's gradient became its own plus the other's (measured: cosine 0.71 and
     norm 1.41x against one rank's). Under EP > 1, or expert-TP = TP (the TP group's ranks are no DP replicas),
-    megatron's marking is already right and nothing changes."""
-    if state.ep > 1 or state.etp == state.tp:
+    megatron's marking is already right and nothing changes; expert-TP 1 (unsharded experts) is left as
+    megatron marks it too."""
+    if state.ep > 1 or state.etp == 1 or state.etp == state.tp:
         return
     for name, param in model.named_parameters():
         if ".experts." in name:  # the routed experts (not mlp.shared_experts: dense, replicated)
