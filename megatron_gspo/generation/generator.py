@@ -469,8 +469,8 @@ class _LeftPaddedGrid:
     """One call's internal [B, S] token grid: prompts left-padded to a common block of P columns (every
     row's last prompt token in column P - 1), then max_new_tokens response columns (S = P +
     max_new_tokens; the KV cache needs S - 1 slots). Rows n_real.. are shape fillers (the lockstep
-    group's batch size, FP8 alignment): one pad token each, never returned; n_real may be 0. key_pad / positions [B, S - 1] per KV slot:
-    True = padding (never attended) / the slot's true position."""
+    group's batch size, FP8 alignment): one pad token each, never returned; n_real may be 0. key_pad /
+    positions [B, S - 1] per KV slot: True = padding (never attended) / the slot's true position."""
 
     def __init__(self, m, ids: list[list[int]], cfg: GenerationConfig, sync: _Lockstep, device,
                  row_keys: Optional[Sequence[int]]) -> None:

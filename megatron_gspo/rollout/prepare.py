@@ -2,7 +2,7 @@
 
     1. advantages over the step's rewards of every row (record.global_rewards, by global row id)
     2. truncation flags (overlong filtering)                                                    algorithms.overlong
-    3. micro-batches of rows of similar length, the same shapes on every EP rank                plan_micro_batches
+    3. micro-batches of rows of similar length, the same shapes over the lockstep group         plan_micro_batches
     4. the rows' behaviour routes (routing.RoutingPolicy.batch_routes: the record's, or the old-log-prob pass's),
        old log-probs (recomputed, or the sampling ones per train.old_logprobs), reference log-probs (KL)
 Both rollout sources (colocated.py, remote.py) return a RolloutRecord; the trainer prepares either alike.
@@ -251,8 +251,8 @@ class BatchPreparer:
         if t.max_tokens_per_micro_batch is not None:
             # a token budget cuts each rank's rows its own way: plan once, on the longest length at
             # each position of the sorted order over the group's ranks, so they all run the same shapes
-            _, plan, widths = plan_micro_batches(agreed_length_profile(seq_lengths, t.num_minibatches, st.device, group),
-                                                 t.num_minibatches, t.micro_batch_size,
+            profile = agreed_length_profile(seq_lengths, t.num_minibatches, st.device, group)
+            _, plan, widths = plan_micro_batches(profile, t.num_minibatches, t.micro_batch_size,
                                                  t.max_tokens_per_micro_batch, multiple)
         else:
             agreed = torch.tensor(widths, dtype=torch.long, device=st.device)
