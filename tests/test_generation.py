@@ -342,6 +342,17 @@ def test_model_state_restored_and_input_errors(tiny):
         generate(model, [[1, 2]], GenerationConfig(max_new_tokens=600), vocab_size=VOCAB, state=st)
 
 
+
+def test_no_prompts_give_an_empty_output_without_a_forward(tiny):
+    """A rank with no rows left (a multi-turn rank whose rows all ended) calls generate with none: alone (or when
+    no rank of its lockstep group has a prompt) nothing runs and the output has no rows; beside ranks with rows it
+    would step on dummy rows (tests/test_multiturn.py's lockstep layouts)."""
+    model, st = tiny
+    out = generate(model, [], GenerationConfig(max_new_tokens=4, n_samples_per_prompt=2), vocab_size=VOCAB, state=st,
+                   row_keys=[])
+    assert out.num_forwards == 0 and out.decode_row_steps == 0
+    assert out.tokens.shape == (0, 0) and out.response_lengths.shape == (0,) and out.responses() == []
+
 # ----------------------------------------------------------------------------------------------
 # TP / EP under torchrun
 # ----------------------------------------------------------------------------------------------

@@ -114,7 +114,9 @@ def test_async_weight_update_poll_rides_on_the_finished_row_vote(tiny_model):
     from megatron_gspo.generation.generator import GenerationConfig, Generator
 
     model, st = tiny_model
-    lockstep = types.SimpleNamespace(tp=1, ep=2, tp_group=None, device=st.device)
+    import torch.distributed as dist
+
+    lockstep = types.SimpleNamespace(tp=1, ep=2, tp_group=None, device=st.device, lockstep_group=dist.group.WORLD)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
     gen = Generator(model, vocab_size=100, state=lockstep)
     counts, forwards, polls = {}, {}, {}

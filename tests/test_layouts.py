@@ -4,7 +4,8 @@ Real trainer runs under torchrun (tests/dist_scripts/run_job.py), compared again
 
 * gradient invariance: the first minibatch's gradient (same rollout: sampling noise is keyed by the
   global row) is the one-rank, one-micro-batch gradient under micro_batch_size 64 / 32 / 16, TP=2,
-  EP=2, DP=2 and a token budget under EP=2 (the ranks agree one plan) -- within float noise for the policy loss; for the MoE load-balancing loss with the
+  EP=2, expert-TP=2 (at TP 1, EP 1: the expert shards on the two DP ranks), DP=2 and a token budget
+  under EP=2 and expert-TP=2 (the lockstep group's ranks agree one plan) -- within float noise for the policy loss; for the MoE load-balancing loss with the
   same weight whatever the split (no factor-of-2 jumps): exact where megatron's statistic spans the
   same tokens (TP; DP with the same micro-batches; global_aux_loss with one micro-batch per rank),
   the per-micro-batch residual measured otherwise;
@@ -51,6 +52,9 @@ def grads(tmp_path_factory, run_dist):
                                   "parallel.tensor_model_parallel_size=2"]),
         "ep2_global": (2, "64", ["model.moe_router_load_balancing_type=global_aux_loss",
                                  "parallel.expert_model_parallel_size=2"]),
+        # expert-TP 2 at TP 1 / EP 1: the expert group is the two DP ranks (ParallelState.lockstep_group)
+        "etp2_global": (2, "64", ["model.moe_router_load_balancing_type=global_aux_loss",
+                                  "parallel.expert_tensor_parallel_size=2"]),
     }
     for name, (n, sizes, extra) in runs.items():
         run_dist("run_job.py", n, "--out", str(root / name), "--grads", sizes, "--", *GRAD_JOB, *extra)
@@ -58,9 +62,10 @@ def grads(tmp_path_factory, run_dist):
     # ragged rows (stop tokens) so that the budget cuts them differently; reference: one rank, same job
     ragged = ["generation.max_new_tokens=12", "generation.stop_token_ids=[3,7,11,1]", "train.max_tokens_per_micro_batch=96"]
     run_dist("run_job.py", 1, "--out", str(root / "one_budget"), "--planned-grad", "--", *GRAD_JOB, *ragged)
-    p = run_dist("run_job.py", 2, "--out", str(root / "ep2_budget"), "--planned-grad", "--", *GRAD_JOB, *ragged,
-                 "parallel.expert_model_parallel_size=2")
-    (root / "ep2_budget" / "plans.txt").write_text(p.stdout)
+    for name, layout in (("ep2_budget", "parallel.expert_model_parallel_size=2"),
+                         ("etp2_budget", "parallel.expert_tensor_parallel_size=2")):
+        p = run_dist("run_job.py", 2, "--out", str(root / name), "--planned-grad", "--", *GRAD_JOB, *ragged, layout)
+        (root / name / "plans.txt").write_text(p.stdout)
     return root
 
 
@@ -69,7 +74,7 @@ def test_policy_gradient_is_independent_of_micro_batch_size_and_layout(grads):
     assert sum(float(v.norm()) for v in ref.values()) > 1e-3  # a real gradient, not zeros
     for where in ("one_aux/grads_policy_mb64", "one_aux/grads_policy_mb32", "one_aux/grads_policy_mb16",
                   "dp2_aux/grads_policy_mb64", "tp2_global/grads_policy_mb128", "ep2_global/grads_policy_mb64",
-                  "one_global/grads_policy_mb128"):
+                  "etp2_global/grads_policy_mb64", "one_global/grads_policy_mb128"):
         err = rel_err(_tensors(grads / where), ref)
         assert err < 1e-5, (where, err)
 
@@ -105,14 +110,16 @@ def test_successor_losses_gradient_is_independent_of_micro_batch_size_and_dp(fam
     assert rel_err(_tensors(family_grads / f"{other}_one" / "grads_policy_mb128"), ref) > 1e-3
 
 
-def test_token_budget_under_expert_parallelism_gives_the_one_rank_gradient(grads):
-    """train.max_tokens_per_micro_batch with EP=2: each rank's own plan of its rows differs in micro-batch
-    count or widths (ragged rows: stop tokens), the agreed plan is the same on both ranks, and the first
-    minibatch's policy gradient is the one-rank gradient of the same job."""
+@pytest.mark.parametrize("layout", ["ep2", "etp2"])
+def test_token_budget_under_expert_parallelism_gives_the_one_rank_gradient(grads, layout):
+    """train.max_tokens_per_micro_batch with EP=2, and with expert-TP=2 at TP 1 / EP 1 (the two DP ranks
+    joined by the experts' token dispatch): each rank's own plan of its rows differs in micro-batch count or
+    widths (ragged rows: stop tokens), the agreed plan is the same on both ranks, and the first minibatch's
+    policy gradient is the one-rank gradient of the same job."""
     import re
 
     plans = re.findall(r"\[rank (\d)\] plan: own (\[.*?\]) widths (\[.*?\]); agreed (\[.*?\]) widths (\[.*?\])",
-                       (grads / "ep2_budget" / "plans.txt").read_text())
+                       (grads / f"{layout}_budget" / "plans.txt").read_text())
     assert len(plans) == 2
     own = {(r[1], r[2]) for r in plans}
     agreed = {(r[3], r[4]) for r in plans}
@@ -120,8 +127,8 @@ def test_token_budget_under_expert_parallelism_gives_the_one_rank_gradient(grads
     assert eval(plans[0][3])[0] > 1  # several micro-batches per minibatch
     ref = _tensors(grads / "one_budget" / "grads_policy_planned")
     assert sum(float(v.norm()) for v in ref.values()) > 1e-3
-    err = rel_err(_tensors(grads / "ep2_budget" / "grads_policy_planned"), ref)
-    assert err < 1e-5, err
+    err = rel_err(_tensors(grads / f"{layout}_budget" / "grads_policy_planned"), ref)
+    assert err < 1e-5, (layout, err)
 
 
 def test_aux_loss_gradient_has_the_same_weight_whatever_the_split(grads):
@@ -142,7 +149,7 @@ def test_aux_loss_gradient_has_the_same_weight_whatever_the_split(grads):
 
 def test_global_aux_loss_is_exact_with_one_micro_batch_per_rank(grads):
     ref = _tensors(grads / "one_global" / "grads_aux_mb128")
-    for where in ("tp2_global/grads_aux_mb128", "ep2_global/grads_aux_mb64"):
+    for where in ("tp2_global/grads_aux_mb128", "ep2_global/grads_aux_mb64", "etp2_global/grads_aux_mb64"):
         err = rel_err(_tensors(grads / where), ref)
         assert err < 1e-5, (where, err)
     # several micro-batches per rank: megatron's running average of the counts leaves a residual

@@ -278,20 +278,25 @@ def test_the_multi_turn_job_under_a_layout_or_async_equals_one_rank(dist_runs, l
     (one trainer + one rollout rank, staleness 0: the record over the wire): every row of every step, its
     tokens, its loss mask, its reward and advantage are the one-rank run's, the turn metrics equal, the losses
     and the final weights equal to float noise."""
+    _equals_one_rank(dist_runs / "one", dist_runs / layout, layout, rows=8)
+
+
+def _equals_one_rank(one, got_dir, layout, rows):
+    """The run in ``got_dir`` (2 steps of ``rows`` rows) equals the one-rank run in ``one`` (see above)."""
     from megatron_gspo.checkpoint import dist_checkpoint_to_tensors
 
-    ref, got = _trained_rows(dist_runs / "one"), _trained_rows(dist_runs / layout)
-    assert len(ref) == 2 * 8 and ref.keys() == got.keys()
+    ref, got = _trained_rows(one), _trained_rows(got_dir)
+    assert len(ref) == 2 * rows and ref.keys() == got.keys()
     for k in ref:
         for field in ("tokens", "mask", "reward", "advantage"):
             assert ref[k][field] == got[k][field], (layout, k, field)
     assert any(0 < sum(r["mask"]) < len(r["mask"]) - 3 for r in ref.values())  # observations in the rows
     for step in (1, 2):  # train.dump_rollouts: every DP rank's rows in rank 0's file, their conversations with them
         dumped = [{d["sample_id"]: d for d in map(json.loads, open(root / "rollouts" / f"step_{step:06d}.jsonl"))}
-                  for root in (dist_runs / "one", dist_runs / layout)]
-        assert len(dumped[0]) == 8 and dumped[0] == dumped[1], (layout, step)
-    m_ref = [json.loads(x) for x in open(dist_runs / "one" / "metrics.jsonl")]
-    m_got = [json.loads(x) for x in open(dist_runs / layout / "metrics.jsonl")]
+                  for root in (one, got_dir)]
+        assert len(dumped[0]) == rows and dumped[0] == dumped[1], (layout, step)
+    m_ref = [json.loads(x) for x in open(one / "metrics.jsonl")]
+    m_got = [json.loads(x) for x in open(got_dir / "metrics.jsonl")]
     assert [r["step"] for r in m_got] == [1, 2] and m_ref[0]["rollout/turns_mean"] > 1.5
     for a, b in zip(m_ref, m_got):
         for key in ("rollout/turns_mean", "rollout/observation_tokens_mean", "rollout/max_turns_reached_frac",
@@ -301,7 +306,7 @@ def test_the_multi_turn_job_under_a_layout_or_async_equals_one_rank(dist_runs, l
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (layout, a["step"], key)
     tensors = lambda d: {k: v for k, v in dist_checkpoint_to_tensors(str(d / "weights")).items()  # noqa: E731
                          if isinstance(v, torch.Tensor)}
-    w_ref, w_got = tensors(dist_runs / "one"), tensors(dist_runs / layout)
+    w_ref, w_got = tensors(one), tensors(got_dir)
     assert max((w_got[k] - w_ref[k]).abs().max().item() for k in w_ref) < 5e-5
 
 
@@ -369,6 +374,46 @@ def test_a_loss_mask_the_roles_do_not_say_travels_with_its_row_between_dp_ranks(
                          if isinstance(v, torch.Tensor)}
     w_ref, w_got = tensors(one), tensors(dp2)
     assert max((w_got[k] - w_ref[k]).abs().max().item() for k in w_ref) < 5e-5
+
+
+# Ranks that step together without EP (runtime/parallel.py, ParallelState.lockstep_group): expert-TP 2 at TP 1
+# joins the two DP ranks through the MoE layers' token dispatch; TP 2 x EP 2 at expert-TP 1 on 2 ranks is one DP
+# rank whose expert group is its TP group. Two prompts per step, so that in step 2 the rows that DP rank 0
+# generates end a turn before rank 1's: rank 0 then runs a turn with no row left (generate's own dummy rows).
+LOCKSTEP_JOB = [a for a in DIST_JOB if not a.startswith("train.prompts_per_step=")] + ["train.prompts_per_step=2"]
+LOCKSTEP_LAYOUTS = {
+    "etp2": (2, ["parallel.expert_tensor_parallel_size=2"]),
+    "tp2ep2etp1": (2, ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2",
+                       "parallel.expert_tensor_parallel_size=1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def lockstep_runs(tmp_path_factory, run_dist):
+    root = tmp_path_factory.mktemp("multiturn_lockstep")
+    run_dist("run_job.py", 1, "--out", str(root / "one"), "--", *LOCKSTEP_JOB, timeout=600)
+    for name, (n, extra) in LOCKSTEP_LAYOUTS.items():
+        run_dist("run_job.py", n, "--out", str(root / name), "--", *LOCKSTEP_JOB, *extra, timeout=600)
+    return root
+
+
+@pytest.mark.parametrize("layout", list(LOCKSTEP_LAYOUTS))
+def test_ranks_joined_by_expert_tensor_parallelism_step_together_and_equal_one_rank(lockstep_runs, layout):
+    """Expert-TP 2 (TP 1, EP 1: the expert group spans both DP ranks, which must run every forward together:
+    generation, the turns, the micro-batch widths of the old-log-prob and training passes) and TP 2 x EP 2 at
+    expert-TP 1: rows of uneven length over turns, one DP rank out of rows a turn before the other; every row,
+    metric and final weight is the one-rank run's (the comparison above)."""
+    from megatron_gspo.rollout.rows import generating_rank
+
+    one = lockstep_runs / "one"
+    ref = _trained_rows(one)
+    dumped = {d["sample_id"]: d for d in map(json.loads, open(one / "rollouts" / "step_000002.jsonl"))}
+    turns = {r["row"]: sum(t["role"] == "assistant" for t in dumped[r["sample"]]["turns"])
+             for (step, _), r in ref.items() if step == 2}
+    by_rank = [max(n for row, n in turns.items() if generating_rank(row, 4, 1, 2) == rank) for rank in (0, 1)]
+    assert by_rank[0] < by_rank[1], turns  # DP rank 0 (of 2) has no row left in step 2's last turn
+    assert len({len(r["tokens"]) for r in ref.values()}) > 2  # ragged rows
+    _equals_one_rank(one, lockstep_runs / layout, layout, rows=4)
 
 
 def test_dynamic_sampling_and_rollout_correction_run_on_multi_turn_rows(tmp_path):

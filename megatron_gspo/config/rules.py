@@ -330,7 +330,7 @@ def allow_config_change_names_keys(job) -> None:
 
 
 def token_budget_holds_a_row(job) -> None:
-    # (under expert parallelism the ranks agree one plan: rollout.agreed_length_profile)
+    # (the ranks of a lockstep group over DP ranks, EP or expert-TP, agree one plan: rollout.agreed_length_profile)
     budget, need = job.train.max_tokens_per_micro_batch, _response_budget(job)
     if budget is not None:
         check(budget >= need, f"train.max_tokens_per_micro_batch={budget} cannot hold one row of up to "

@@ -75,13 +75,16 @@ Expert parallelism / lockstep
     Each MoE forward is a collective over the expert-TP x EP ranks (megatron's dispatchers and the
     lean decoder's all-gather dispatch alike) that needs the same [b, s] on every rank, and under
     EP or expert-TP those ranks are data-parallel ranks with their own prompts. The ranks connected
-    through these groups and the TP groups form the *lockstep group* (groups.lockstep_group: the
-    expert group, the TP group, or the world for layouts whose sizes do not nest). Over it the batch
+    through these groups and the TP groups form the *lockstep group* (``ParallelState.lockstep_group``:
+    the expert group, the TP group, or the world for layouts whose sizes do not nest). Over it the batch
     size and prompt block are all-reduced (MAX) first, short batches get dummy rows (never returned),
     and at every check of the finished rows a "rows still generating" count is all-reduced, so a rank
     whose rows all finished keeps stepping (feeding pad tokens) until the group's last row ends, and
-    the group's ranks compact their batches to the same size. Another lockstep group (a second EP
-    group) is not waited for. On one rank there is no collective at all.
+    the group's ranks compact their batches to the same size. A rank with no prompts at all (a
+    multi-turn rank whose rows have all ended) runs the group's steps on dummy rows alone and gets an
+    empty output: callers never build filler rows of their own (megatron's ``dummy_forward`` idea);
+    when no rank of the group has a prompt, nothing runs. Another lockstep group (a second EP group)
+    is not waited for. On one rank there is no collective at all.
 
 Cost
     Runs under ``torch.no_grad`` (not ``inference_mode``: megatron's global memory buffers created
@@ -139,7 +142,7 @@ from megatron_gspo.runtime import comm
 from megatron_gspo.model import fp8_alignment
 from megatron_gspo.config import GenerationConfig
 from megatron_gspo.generation.decoder import make_backend
-from megatron_gspo.generation.groups import DecodeGroups, lockstep_group
+from megatron_gspo.generation.groups import DecodeGroups
 from megatron_gspo.generation.sampling import counter_uniform, sample_tokens
 
 OnForward = Callable[[int, str, Optional[torch.Tensor]], None]
@@ -272,8 +275,8 @@ class _Lockstep:
         self.tp_src = comm.first_rank(self.tp_group)
         # The MoE layers' collectives run over the expert-TP x EP ranks, which under EP / expert-TP are
         # different DP ranks with different prompts: the ranks connected through them and the TP groups
-        # step together (groups.lockstep_group: the expert group, the TP group, or the world)
-        self.sync_group = lockstep_group(state)
+        # step together (the parallel state's lockstep group: the expert group, the TP group, or the world)
+        self.sync_group = getattr(state, "lockstep_group", None)
         self.sync = self.sync_group is not None
 
     def all_reduce_max(self, t: torch.Tensor, what: str) -> torch.Tensor:
@@ -385,8 +388,8 @@ def generate(
     Args:
         model: this rank's GPTModel shard (DDP/Float16Module wrappers are unwrapped); its training
             mode and sequence-parallel attributes are restored on return.
-        prompts: token-id lists (or 1-D tensors), at least one token each; any lengths.
-            Every rank of a TP group must pass the same prompts; DP ranks pass their own.
+        prompts: token-id lists (or 1-D tensors), at least one token each, any lengths; the same on every
+            TP rank, DP ranks' own. None: no rows out (this rank steps with its lockstep group on dummy rows).
         cfg: sampling settings.
         vocab_size: the real vocabulary size (padded embedding columns are never sampled).
         state: ``parallel.ParallelState`` (None: one process, no model parallelism).
@@ -398,14 +401,13 @@ def generate(
         should_stop: read at every check of finished rows (every ``finished_check_interval`` decode
             steps; a flag, no work); once True on any rank of the lockstep group, decoding stops there on
             all of them and the output is ``abandoned``. It rides on the check's "rows still generating"
-            all-reduce (no extra collective); without TP/EP the rank decides alone.
+            all-reduce (no extra collective); without a lockstep group the rank decides alone.
         poll / on_update: weight updates between decode steps (an asynchronous rollout rank): ``poll()``
             -> (an update is pending, stop), read at every check in place of ``should_stop``; when any
             rank of the lockstep group has an update pending, every rank calls ``on_update(step)`` between
             decode forward ``step`` (the last under the old weights) and the next (on the same vote).
-        generator: the ``Generator`` whose lean decoder this call runs (``Generator.generate`` passes
-            itself; None: a throwaway one, for a one-off generation).
-    Collective when ``state`` has TP or EP > 1: every rank of the layout must call it.
+        generator: the ``Generator`` whose lean decoder runs (None: a throwaway one, for a one-off generation).
+    Collective over ``state.lockstep_group``: every rank of it must call it.
     """
     from megatron_gspo.model.gpt import unwrap
 
@@ -418,7 +420,8 @@ def generate(
     device = state.device if state is not None else next(m.parameters()).device
     grid = _LeftPaddedGrid(m, _check_prompts(prompts, vocab_size), cfg, sync, device, row_keys)
     run = _Decoding(grid, cfg, sync, vocab_size, cfg.seed if seed is None else seed, on_forward)
-
+    if grid.B == 0:  # no rank of the lockstep group has a prompt: nothing runs
+        return run.output(t_start)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
         stack.enter_context(_eval_mode(m))
@@ -452,10 +455,8 @@ def _as_list(p: Union[Sequence[int], torch.Tensor]) -> list[int]:
 
 
 def _check_prompts(prompts: Sequence[Union[Sequence[int], torch.Tensor]], vocab_size: int) -> list[list[int]]:
-    """The prompts as token-id lists: at least one, none empty, every id inside the vocabulary."""
+    """The prompts as token-id lists (maybe none), none empty, every id inside the vocabulary."""
     ids = [_as_list(p) for p in prompts]
-    if not ids:
-        raise ValueError("generate(): no prompts")
     for i, p in enumerate(ids):
         if len(p) == 0:
             raise ValueError(f"generate(): prompt {i} is empty")
@@ -467,9 +468,9 @@ def _check_prompts(prompts: Sequence[Union[Sequence[int], torch.Tensor]], vocab_
 class _LeftPaddedGrid:
     """One call's internal [B, S] token grid: prompts left-padded to a common block of P columns (every
     row's last prompt token in column P - 1), then max_new_tokens response columns (S = P +
-    max_new_tokens; the KV cache needs S - 1 slots). Rows n_real.. are shape fillers (EP lockstep,
-    FP8 alignment): one pad token each, never returned. key_pad / positions [B, S - 1] per KV slot:
-    True = padding (never attended) / the slot's true position."""
+    max_new_tokens; the KV cache needs S - 1 slots). Rows n_real.. are shape fillers (the lockstep
+    group's batch size, FP8 alignment): one pad token each, never returned; n_real may be 0. key_pad /
+    positions [B, S - 1] per KV slot: True = padding (never attended) / the slot's true position."""
 
     def __init__(self, m, ids: list[list[int]], cfg: GenerationConfig, sync: _Lockstep, device,
                  row_keys: Optional[Sequence[int]]) -> None:
@@ -483,12 +484,14 @@ class _LeftPaddedGrid:
             raise ValueError(f"generate(): row_keys needs {n_real} non-negative integers (one per output row), "
                              f"got {tuple(keys.shape)}")
         # every rank of the lockstep group needs the same [batch, prompt block] shapes
-        shape = sync.all_reduce_max(torch.tensor([n_real, int(lens_real.max())], dtype=torch.long, device=device),
+        longest = int(lens_real.max()) if n_real else 1  # no prompt here: dummy rows of one pad token
+        shape = sync.all_reduce_max(torch.tensor([n_real, longest], dtype=torch.long, device=device),
                                     what="generate(): batch and prompt-block shape")
         # FP8 GEMMs need rows x tokens divisible by the recipe's alignment (fp8_alignment.py): filler rows,
         # like the EP lockstep's dummy rows, make every decode step (rows x 1) and the prefill divide
         self.align = fp8_alignment.token_alignment(m.config)
-        B, P = self.B, self.P = fp8_alignment.padded_rows(int(shape[0]), self.align), int(shape[1])
+        rows = int(shape[0])  # 0: no rank of the lockstep group has a prompt (generate() then runs nothing)
+        B, P = self.B, self.P = fp8_alignment.padded_rows(rows, self.align) if rows else 0, int(shape[1])
         S = self.S = P + cfg.max_new_tokens
         max_len = getattr(m, "max_sequence_length", None)
         if max_len is not None and S - 1 > max_len:
@@ -497,7 +500,8 @@ class _LeftPaddedGrid:
         self.lens = torch.ones(B, dtype=torch.long, device=device)  # dummy rows (EP shape padding): one pad token
         self.lens[:n_real] = lens_real
         # dummy rows get keys past every real one (their draws are never returned)
-        self.keys = torch.cat([keys, int(keys.max()) + 1 + torch.arange(B - n_real, dtype=torch.long)]).to(device)
+        first_dummy = int(keys.max()) + 1 if n_real else 0
+        self.keys = torch.cat([keys, first_dummy + torch.arange(B - n_real, dtype=torch.long)]).to(device)
         grid = torch.full((B, S), pad, dtype=torch.long)
         for i, p in enumerate(ids):  # built on the host row by row, moved once
             grid[i * G:(i + 1) * G, P - len(p):P] = torch.tensor(p, dtype=torch.long)
@@ -639,7 +643,7 @@ class _Decoding:
         g, cfg, device, n_real = self.grid, self.cfg, self.grid.device, self.grid.n_real
         lens, resp_len = g.lens[:n_real], self.resp_len[:n_real]
         total = lens + resp_len
-        T = int(total.max())
+        T = int(total.max()) if n_real else 0
         cols = torch.arange(T, device=device)[None, :]
         src = (cols + g.left_pad[:n_real, None]).clamp(max=g.S - 1)
         valid = cols < total[:, None]

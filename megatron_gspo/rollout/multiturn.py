@@ -17,7 +17,8 @@ talking, each row's context its whole stream so far (prefilled again: the KV cac
 turns); rows that finished leave the batch. Between turns every row's environment step runs at once in
 the worker pool (env/pool.py), so a turn waits for its slowest tool call, not for their sum. Every rank
 runs the same number of turns (one all-reduce per turn: rows still talking, the turn's token cap, a stop
-request); under expert parallelism a rank with no row left generates a filler row to keep the lockstep.
+request); where data-parallel ranks step together (``ParallelState.lockstep_over_dp``: EP or expert-TP) a rank
+with no row left still calls generate, which steps with the others on its own dummy rows.
 Under tensor parallelism the environments run on the first rank of the TP group, which broadcasts what
 they said (a tool's timeout must not differ between ranks that sample the same rows).
 
@@ -124,7 +125,7 @@ class MultiTurnRollout:
         self.tp_group = state.tp_group if state is not None and state.tp > 1 else None
         self.tp_src = comm.first_rank(self.tp_group)
         self.runs_env = self.tp_group is None or state.tp_rank == 0
-        self.lockstep = state is not None and state.ep > 1  # generate's MoE lockstep spans the world
+        self.lockstep = state is not None and state.lockstep_over_dp  # ranks with their own rows step together
         self.device = state.device if state is not None else torch.device("cpu")
         self.gen_kw: Optional[dict] = None  # run()'s
 
@@ -169,15 +170,15 @@ class MultiTurnRollout:
 
     def _generate(self, rows: list[Trajectory], keys: list[int], turn: int, cap: int, seed: int, routing,
                   should_stop):
-        """One turn's generate call over ``rows`` (a filler row when there is none: lockstep); (output, routes)."""
-        contexts = [r.tokens for r in rows] or [[self.gen_cfg.pad_id]]
+        """One turn's generate call over ``rows`` (none: this rank steps on generate's dummy rows); (output, routes)."""
+        contexts = [r.tokens for r in rows]
         cfg = dataclasses.replace(self.gen_cfg, max_new_tokens=cap, min_new_tokens=min(self.gen_cfg.min_new_tokens, cap))
-        turn_keys = [k + turn * KEY_STRIDE for k in keys] or [0]
+        turn_keys = [k + turn * KEY_STRIDE for k in keys]
         on_forward = routing.on_generation_forward if routing is not None else None
         with (routing.generating() if routing is not None else _nothing()):
             out = self.generator.generate(contexts, cfg, seed=seed, row_keys=turn_keys, on_forward=on_forward,
                                           **(self.gen_kw or {"should_stop": should_stop}))
-        routes = routing.rollout_routes(out) if routing is not None and on_forward is not None else None
+        routes = routing.rollout_routes(out) if routing is not None and on_forward is not None and rows else None
         return out, routes
 
     def _take(self, row: Trajectory, out, j: int, cap: int, routes) -> list:

@@ -2,7 +2,7 @@
 
     1. advantages over the step's rewards of every row (record.global_rewards, by global row id)
     2. truncation flags (overlong filtering)                                                    algorithms.overlong
-    3. micro-batches of rows of similar length, the same shapes on every EP rank                plan_micro_batches
+    3. micro-batches of rows of similar length, the same shapes over the lockstep group         plan_micro_batches
     4. the rows' behaviour routes (routing.RoutingPolicy.batch_routes: the record's, or the old-log-prob pass's),
        old log-probs (recomputed, or the sampling ones per train.old_logprobs), reference log-probs (KL)
 Both rollout sources (colocated.py, remote.py) return a RolloutRecord; the trainer prepares either alike.
@@ -156,9 +156,9 @@ def plan_micro_batches(seq_lengths: list[int], num_minibatches: int, micro_batch
 
 
 def agreed_length_profile(seq_lengths: list[int], num_minibatches: int, device: torch.device, group=None) -> list[int]:
-    """The micro-batch plan's lengths under expert parallelism, the same on every rank.
+    """The micro-batch plan's lengths of a lockstep group (``ParallelState.lockstep_group``), the same on its ranks.
 
-    Every MoE forward is a collective over the TP x EP ranks and needs the same [rows, width] on each,
+    Every MoE forward is a collective over the expert-TP x EP ranks and needs the same [rows, width] on each,
     but a token budget cuts each rank's rows by their own lengths. Each rank sorts every minibatch's
     rows longest first (as plan_micro_batches does); the profile is, at each position of that order,
     the longest length any rank has there (one MAX all-reduce). Planned on the profile, every rank
@@ -167,7 +167,7 @@ def agreed_length_profile(seq_lengths: list[int], num_minibatches: int, device: 
     per = len(seq_lengths) // num_minibatches
     local = [x for k in range(num_minibatches) for x in sorted(seq_lengths[k * per:(k + 1) * per], reverse=True)]
     t = torch.tensor(local, dtype=torch.long, device=device)
-    return comm.all_reduce(t, "max", group, what="micro-batch plan: sorted lengths (EP lockstep)").tolist()
+    return comm.all_reduce(t, "max", group, what="micro-batch plan: sorted lengths (lockstep group)").tolist()
 
 
 
@@ -201,8 +201,8 @@ class BatchPreparer:
             advantages = global_advantages(rewards, row_ids, R, G, self.advantage_fn, st.dp, t.num_minibatches,
                                            st.dp_group)
         cut = truncated(record.stopped.to(dev), record.response_lengths.to(dev), self.gen_cfg.max_new_tokens)
-        # rows of similar length share a micro-batch as wide as its longest row; under expert
-        # parallelism every MoE forward is a collective: the widths are agreed over all ranks
+        # rows of similar length share a micro-batch as wide as its longest row; where data-parallel ranks
+        # step together (EP, expert-TP) every MoE forward is a collective: the widths are agreed over them
         seq_lengths = record.seq_lengths
         perm, plan, widths = self._plan(seq_lengths.tolist())
         T = max(max(widths), record.tokens.shape[1])
@@ -238,21 +238,25 @@ class BatchPreparer:
         return batch
 
     def _plan(self, seq_lengths: list[int]) -> tuple[list[int], list[list[slice]], list[int]]:
-        """plan_micro_batches on this rank's lengths; under expert parallelism the shapes agreed by every rank."""
+        """plan_micro_batches on this rank's lengths; the shapes agreed by every rank of the lockstep group where it
+        joins data-parallel ranks (``ParallelState.lockstep_over_dp``: EP or expert-TP)."""
         st, t = self.state, self.cfg.train
         # widths: the sequence-parallel split of the input, and FP8's token alignment (fp8_alignment.py)
         multiple = forward_width_multiple(self.model, st)
         perm, plan, widths = plan_micro_batches(seq_lengths, t.num_minibatches, t.micro_batch_size,
                                                 t.max_tokens_per_micro_batch, multiple)
-        if st.ep > 1 and t.max_tokens_per_micro_batch is not None:
+        if not st.lockstep_over_dp:
+            return perm, plan, widths
+        group = st.lockstep_group
+        if t.max_tokens_per_micro_batch is not None:
             # a token budget cuts each rank's rows its own way: plan once, on the longest length at
-            # each rank of the sorted order over every rank, so all ranks run the same shapes
-            _, plan, widths = plan_micro_batches(agreed_length_profile(seq_lengths, t.num_minibatches, st.device),
-                                                 t.num_minibatches, t.micro_batch_size,
+            # each position of the sorted order over the group's ranks, so they all run the same shapes
+            profile = agreed_length_profile(seq_lengths, t.num_minibatches, st.device, group)
+            _, plan, widths = plan_micro_batches(profile, t.num_minibatches, t.micro_batch_size,
                                                  t.max_tokens_per_micro_batch, multiple)
-        elif st.ep > 1:
+        else:
             agreed = torch.tensor(widths, dtype=torch.long, device=st.device)
-            widths = comm.all_reduce(agreed, "max", None, what="micro-batch widths (EP lockstep)").tolist()
+            widths = comm.all_reduce(agreed, "max", group, what="micro-batch widths (lockstep group)").tolist()
         return perm, plan, widths
 
     @torch.no_grad()

@@ -17,8 +17,8 @@ Staleness is counted from the version a row *started* with: a row of step s bega
 version >= s - max_staleness, and the trainer, which trains step s with version s, checks it.
 
 Never blocking in a collective the trainer did not announce: a rank with permission to generate goes
-on generating (a push reaches it between decode steps); ranks in generation lockstep (TP, or the whole
-rollout world under EP) agree on "apply the push now" in the vote generate() already takes on the
+on generating (a push reaches it between decode steps); ranks in generation lockstep (the rollout side's
+ParallelState.lockstep_group: TP, or the expert group under EP / expert-TP) agree on "apply the push now" in the vote generate() already takes on the
 finished rows every generation.finished_check_interval tokens (no collective, no host sync of its own);
 waits poll the control plane (side.Control) and check the trainer's heartbeat.
 """

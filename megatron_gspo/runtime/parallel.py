@@ -5,7 +5,7 @@ megatron-core keeps its process groups in module globals; we initialize them onc
 the rest of the package an explicit ``ParallelState`` (sizes, ranks and the
 ``ProcessGroupCollection``) so no other module reaches into ``parallel_state`` itself.
 
-The parallel state also owns the two decisions every other module must agree on:
+The parallel state also owns the three decisions every other module must agree on:
 
 * ``device``: where every tensor that meets the model or a collective is created (the local CUDA
   device with NCCL, the CPU with gloo). See comm.py for the check at every collective.
@@ -14,6 +14,9 @@ The parallel state also owns the two decisions every other module must agree on:
   a DDP told "distributed" (reduce-scatter: each rank holds correct gradients for its shard only)
   next to a replicated optimizer (which steps every parameter with those gradients) trains replicas
   that drift apart.
+* ``lockstep_group``: the ranks that must run every model forward together, with the same shapes
+  (``lockstep_group_of`` below). Generation, the multi-turn loop, evaluation and the micro-batch
+  plan all read this one field.
 """
 
 from __future__ import annotations
@@ -69,6 +72,39 @@ def validate_layout(model: ModelConfig, par: ParallelConfig, world_size: int) ->
     return world_size // (tp * pp)
 
 
+def lockstep_group_of(tp: int, n_expert: int, pg):
+    """The group whose ranks must run every forward together, or None (no collective in a forward).
+
+    Two kinds of collectives run inside a forward of a sharded model: the dense tensor-parallel
+    group's (``pg.tp``: TP ranks holding the same rows) and the MoE layers' token dispatch over the
+    expert group (``pg.tp_ep``: expert-TP x EP = ``n_expert`` ranks, megatron's token dispatchers'
+    domain), whose ranks hold *different* rows under EP or expert-TP (they are data-parallel ranks
+    of the dense layers). A collective needs every rank of its group at the same call with the same
+    shapes, so the ranks connected through either kind of group must run the same forwards on
+    batches of one shape: the smallest set of ranks closed under both. megatron lays both groups out
+    as aligned blocks of consecutive ranks (tensor-parallel ranks fastest, in the dense and in the
+    expert rank order), so that set is the TP group when the expert group's size divides TP, the
+    expert group when TP divides its size, and otherwise (sizes that do not divide: a layout megatron
+    allows but nobody runs) the whole world, which is always a superset. The choice depends on the
+    sizes only, so every rank makes the same one; each rank checks its own groups against it. Under
+    expert-TP alone (TP 1, EP 1, expert-TP 2) the expert group is two data-parallel ranks: they step
+    together although no EP is set."""
+    if n_expert == 1:
+        return pg.tp if tp > 1 else None
+    if n_expert % tp == 0:
+        group, inner = pg.tp_ep, pg.tp
+    elif tp % n_expert == 0:
+        group, inner = pg.tp, pg.tp_ep
+    else:
+        return dist.group.WORLD
+    ranks = lambda g: dist.get_process_group_ranks(g)  # noqa: E731
+    if not set(ranks(inner)) <= set(ranks(group)):
+        raise RuntimeError(f"parallel: this rank's groups are not nested as megatron lays them out (TP ranks "
+                           f"{ranks(pg.tp)}, expert-TP x EP ranks {ranks(pg.tp_ep)}); the ranks that must "
+                           f"run every forward together cannot be chosen")
+    return group
+
+
 @dataclass
 class ParallelState:
     """Explicit handle to the parallel layout of this process."""
@@ -88,6 +124,15 @@ class ParallelState:
     # answers of one-off collective probes of megatron's behaviour, keyed per group (model.py); they
     # live and die with this state's groups
     probes: dict = field(default_factory=dict)
+    # the ranks that run every forward together (lockstep_group_of; None: no collective in a forward)
+    lockstep_group: Optional[object] = None
+
+    @property
+    def lockstep_over_dp(self) -> bool:
+        """Whether the lockstep group holds ranks with rows of their own (data-parallel ranks joined by the
+        expert group: EP or expert-TP), not only TP ranks holding the same rows. Such ranks agree on every
+        shape they run (micro-batch plans, generation batches) and a rank without rows still steps."""
+        return self.lockstep_group is not None and dist.get_world_size(self.lockstep_group) > self.tp
 
     @property
     def tp_group(self):
@@ -246,6 +291,7 @@ def initialize(model: ModelConfig, par: ParallelConfig, side=None) -> ParallelSt
         pg=ProcessGroupCollection.use_mpu_process_groups(), device=device,
         use_distributed_optimizer=use_distributed_optimizer,
     )
+    state.lockstep_group = lockstep_group_of(state.tp, state.ep * state.etp, state.pg)
     set_seed(par.seed, state)
     return state
 

@@ -48,7 +48,6 @@ from megatron_gspo.checkpoint import load_model, save_model  # noqa: E402
 from megatron_gspo.config import ParallelConfig, model_config_from_preset  # noqa: E402
 from megatron_gspo.generation import lean_decoder  # noqa: E402
 from megatron_gspo.generation.generator import GenerationConfig, Generator  # noqa: E402
-from megatron_gspo.generation.groups import lockstep_group  # noqa: E402
 from megatron_gspo.model.gpt import build_model, forward_logits  # noqa: E402
 from megatron_gspo.routing.rollout_routes import RolloutRecorder  # noqa: E402
 from megatron_gspo.runtime import parallel  # noqa: E402
@@ -170,7 +169,7 @@ def check(cfg, ckpt, ref, tag):
     if err > 1e-5:
         fail(f"{tag}: the loaded weights do not reproduce the reference logits ({err})")
     rows = my_rows(st)
-    lockstep = lockstep_group(st)
+    lockstep = st.lockstep_group
     # generation.decode_impl=auto takes the lean decoder at this layout (run() fails otherwise)
     auto = dataclasses.replace(gen_configs(ref["stops"])["greedy"], decode_impl="auto")
     worst = compare(f"{tag} auto", run(model, st, prompts("uniform"), auto, rows), ref["uniform", "greedy"], rows, 1)
