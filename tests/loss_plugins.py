@@ -3,8 +3,7 @@ takes, one decorated function whose spec carries its defaults, units, ratio kind
 
 import torch
 
-from megatron_gspo.algorithms.loss_spec import CONFIGURABLE, RATIO, TOKEN, LossSpec
-from megatron_gspo.algorithms.losses import PolicyTerms, policy_loss
+from megatron_gspo.algorithms.losses import CONFIGURABLE, RATIO, TOKEN, LossSpec, PolicyTerms, policy_loss
 from megatron_gspo.runtime.metrics import Metric
 
 
@@ -33,3 +32,4 @@ def spo_loss(b, s, is_weights):
         "clip_frac_high": Metric.mean(high.to(torch.float64), m),
         "token_ratio/max": Metric.max(r_val, m),
     })
+

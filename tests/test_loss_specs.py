@@ -22,7 +22,7 @@ FP32, BF16 = torch.finfo(torch.float32), torch.finfo(torch.bfloat16)
 
 
 def test_a_plug_in_loss_is_checked_by_key_from_its_spec():
-    from megatron_gspo.algorithms.loss_spec import clip_range, describe_loss
+    from megatron_gspo.config.losses import clip_range, describe_loss
 
     loss = load_job_config(None, [SPO]).loss
     assert clip_range(loss) == (0.2, 0.2) and describe_loss(loss) == "clip 0.2 / 0.2"  # its spec's defaults
@@ -70,8 +70,8 @@ def test_every_built_in_loss_is_one_spec_beside_its_function():
     SAPO_TAUS) is each loss's spec; the function's defaults are the config's, its keywords the spec's."""
     import inspect
 
-    from megatron_gspo.algorithms.loss_spec import (CONFIGURABLE, TOKEN, config_values, describe_loss, loss_spec,
-                                                    losses_where)
+    from megatron_gspo.config.loss_spec import CONFIGURABLE, TOKEN
+    from megatron_gspo.config.losses import config_values, describe_loss, loss_spec, losses_where
     from megatron_gspo.algorithms.losses import POLICY_LOSSES, LossConfig, gspo_loss
 
     assert list(POLICY_LOSSES) == ["gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo", "luspo"]
@@ -187,7 +187,7 @@ def test_sapo_refuses_a_temperature_its_inputs_cannot_hold():
     """In the precision of its inputs: 1e39 is inf in fp32 (every update NaN), 1e-12 leaves fp32's rounding of
     2 A / tau above the policy term; both are fine in float64, where the gradient at 1e-12 is the unclipped
     policy gradient's (the gate's weight sech^2 is 1 to 1e-24) and the value within the documented rounding."""
-    from megatron_gspo.algorithms.loss_spec import VALUE_ROUNDING
+    from megatron_gspo.config.loss_spec import VALUE_ROUNDING
     from megatron_gspo.algorithms.losses import sapo_loss
 
     logp, old, adv, mask = _sapo_case(torch.float32)
