@@ -9,7 +9,7 @@ module) declares the ratio it uses, its clip range's defaults and units, its agg
 with their bounds, which the config checks by key when a job is loaded. The shared plumbing is written once, in
 ``policy_loss``: the public function every caller sees, ``fn(logp, old_logp, advantages, mask, *, ref_logp,
 entropy, global_batch_normalizer, is_weights, **settings)``, checks the settings (in the precision of its inputs),
-prepares the batch, runs the formula, adds the KL and entropy terms aggregated like the
+prepares the batch, runs the formula, checks what it returned, adds the KL and entropy terms aggregated like the
 policy term, and normalizes. A job resolves its loss once (``resolve_loss`` -> ``ResolvedLoss``: the settings
 checked and frozen) and calls it on every micro-batch without checking them again. A loss of your own:
 ``@policy_loss(LossSpec(...))`` in a module of yours, run with ``loss.name=package.module:function`` or
@@ -320,16 +320,52 @@ def _signature(spec: LossSpec) -> inspect.Signature:
     return inspect.Signature(params)
 
 
+def _what(x) -> str:
+    """What a formula handed back, in a few words (for the line refusing it)."""
+    if isinstance(x, Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    text = repr(x)
+    return f"a {type(x).__name__} ({text if len(text) <= 60 else text[:57] + '...'})"
+
+
+def _check_terms(out, b: LossBatch, who: str) -> None:
+    """A formula's return value, before the plumbing reads it: a PolicyTerms whose terms (and constant) are per
+    sequence, [B], or per token, [B, T] with ``per_token``, and whose metrics are Metrics holding the clip
+    fractions every loss reports (the trainer's on-policy check reads them). A plug-in's mistake is refused in
+    one line naming the loss, not as a size mismatch or a KeyError in the plumbing. Shapes and keys only: no
+    host sync, cheap on every call."""
+    if not isinstance(out, PolicyTerms):
+        raise ConfigError(f"{who}: its formula returned {_what(out)}, not a losses.PolicyTerms(terms, per_token, "
+                          "metrics, constant)")
+    shape = tuple(b.mask.shape) if out.per_token else tuple(b.mask.shape[:1])
+    want = f"{'[B, T]' if out.per_token else '[B]'} = {shape} (per_token={out.per_token})"
+    for name, t in (("terms", out.terms), ("constant", out.constant)):
+        if (t is not None or name == "terms") and not (isinstance(t, Tensor) and tuple(t.shape) == shape):
+            raise ConfigError(f"{who}: its formula returned {name} as {_what(t)} for a batch of [B, T] = "
+                              f"{tuple(b.mask.shape)}; they must be {want}")
+    metrics = out.metrics if isinstance(out.metrics, dict) else {}
+    missing = [k for k in ("clip_frac_low", "clip_frac_high") if k not in metrics]
+    if missing:
+        raise ConfigError(f"{who}: its formula's metrics lack {' and '.join(missing)} (got "
+                          f"{sorted(metrics) if isinstance(out.metrics, dict) else _what(out.metrics)}): every loss "
+                          "reports the share its clip or gate cut, 0 where it has none")
+    for k, v in metrics.items():
+        if not isinstance(v, Metric):
+            raise ConfigError(f"{who}: its formula's metric {k!r} is {_what(v)}, not a runtime.metrics.Metric "
+                              "(Metric.mean(values, mask), Metric.sum(...), ...)")
+
+
 def _evaluate(formula: LossFormula, who: str, values, mode: str, logp: Tensor, old_logp: Tensor,
               advantages: Tensor, mask: Tensor, ref_logp: Optional[Tensor], entropy: Optional[Tensor],
               global_batch_normalizer: Normalizer, is_weights: Optional[Tensor]) -> tuple[Tensor, Metrics]:
     """A loss on one batch with settings already checked (``values``: its keywords; ``mode``: its aggregation):
-    prepare the batch, run the formula, aggregate, add the KL and entropy terms and normalize. ``who`` names the
-    loss in messages."""
+    prepare the batch, run the formula, check what it returned, aggregate, add the KL and entropy terms and
+    normalize. ``who`` names the loss in the line refusing a formula's return value."""
     s = SimpleNamespace(**values)
     _validate_inputs(s, ref_logp, entropy, global_batch_normalizer)
     b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
     out = formula(b, s, is_weights)
+    _check_terms(out, b, who)
     metrics = _batch_metrics(b, _seq_ratio_value(b, s.log_ratio_bound))
     metrics.update(out.metrics)
     return _finish(out, b, s, mode, ref_logp, entropy, global_batch_normalizer, metrics)
