@@ -180,7 +180,7 @@ python -m megatron_gspo.train job.yaml --train.num_steps 10 --loss.name=gspo_tok
 
 Checks across sections (`config/rules.py`, run in order by `JobConfig.__post_init__`), before anything is built:
 
-* first, the `loss` section against its loss's spec (`algorithms/loss_spec.py`), by key: `loss.name`
+* first, the `loss` section against its loss's spec (`config/losses.py`), by key: `loss.name`
   names a loss, `loss.clip_ratio_*` do not apply to `loss.name=sapo` (a gate, no clip range),
   `loss.sapo_tau_*` apply to it only, `loss.loss_agg_mode` to `grpo` and `cispo` only, every value within
   its bounds (those that overflow in the training precision after the two checks below);
@@ -353,10 +353,9 @@ def section_table(name: str, cls: type, instance) -> tuple[str, list[str]]:
     comments = field_comments(cls)
     choices = field_choices(cls)
     if name == "loss":  # the registry's, not a knob's: a plug-in names itself (package.module:function)
-        from megatron_gspo.algorithms.loss_spec import POLICY_LOSSES, find_loss
+        from megatron_gspo.config.losses import LOSS_SPECS
 
-        find_loss("gspo")  # the built-in losses registered
-        choices["name"] = [*POLICY_LOSSES, "package.module:function"]
+        choices["name"] = [*LOSS_SPECS, "package.module:function"]
     rows = ["| Key | Type | Default | Allowed | Resume | Description |", "|---|---|---|---|---|---|"]
     missing = []
     for f in dataclasses.fields(cls):
@@ -403,8 +402,9 @@ def presets_table() -> str:
 
 
 def losses_table() -> str:
-    """Each registered loss's spec (algorithms/loss_spec.py): what it reads of the loss section."""
-    from megatron_gspo.algorithms.loss_spec import CONFIGURABLE, losses_where, loss_spec
+    """Each built-in loss's spec (config/losses.py): what it reads of the loss section."""
+    from megatron_gspo.config.loss_spec import CONFIGURABLE
+    from megatron_gspo.config.losses import loss_spec, losses_where
 
     rows = ["| `loss.name` | Ratio | Clip range (default, units) | Aggregation | Its own keys |", "|---|---|---|---|---|"]
     for name in losses_where(lambda spec: True):
@@ -414,9 +414,9 @@ def losses_table() -> str:
         own = ", ".join(f"`loss.{s.key}`" for s in spec.settings)
         rows.append(f"| `{name}` | {spec.ratio} | {clip} | {agg} | {own} |")
     text = ["## Losses", "",
-            "What each loss reads of the `loss` section, from its spec (megatron_gspo/algorithms/loss_spec.py, beside "
-            "its function in algorithms/losses.py; [algorithms](algorithms.md#a-loss-is-one-spec) says how to add "
-            "one). Every loss takes `loss.log_ratio_bound`, `loss.kl_coef` and `loss.entropy_coef`; a key a loss does "
+            "What each loss reads of the `loss` section, from its spec (megatron_gspo/config/losses.py; its formula "
+            "is the function of the same name in algorithms/losses.py; [algorithms](algorithms.md#a-loss-is-one-spec) "
+            "says how to add one). Every loss takes `loss.log_ratio_bound`, `loss.kl_coef` and `loss.entropy_coef`; a key a loss does "
             "not read is refused by name. Per-token ratios are the ones `train.routing_replay` applies to. The "
             "bounds that depend on the training precision (`model.precision`) are checked when the job is loaded: "
             "a token's largest gradient weight, e^`log_ratio_bound` x max(1, `kl_coef`) / `loss_agg_norm_constant`, "

@@ -167,6 +167,50 @@ def test_the_package_import_graph_has_no_cycle():
     assert not found, "import cycles (function-level imports counted):\n" + "\n".join(" -> ".join(c) for c in found)
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph collapsed to the package's top-level parts (``megatron_gspo.config``, ``megatron_gspo.train``,
+    ``megatron_gspo`` for the root's own __init__): an edge wherever one of a part's modules imports another's."""
+    out: dict[str, set[str]] = {_part(m): set() for m in graph}
+    for m, deps in graph.items():
+        out[_part(m)].update(_part(d) for d in deps if _part(d) != _part(m))
+    return out
+
+
+def _part(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_the_package_graph_counts_an_import_inside_a_function(tmp_path):
+    """Two subpackages whose modules do not form a cycle, but whose packages do (a.x -> b.y, b.z -> a.w, the
+    second inside a function)."""
+    pkg = tmp_path / "cyc"
+    for sub in ("a", "b"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "x.py").write_text("from cyc.b import y\n")
+    (pkg / "a" / "w.py").write_text("W = 1\n")
+    (pkg / "b" / "y.py").write_text("Y = 1\n")
+    (pkg / "b" / "z.py").write_text("def f():\n    from cyc.a.w import W\n")
+    g = import_graph(str(tmp_path), "cyc")
+    assert cycles(g) == []
+    assert cycles(package_graph(g)) == [["cyc.a", "cyc.b", "cyc.a"]]
+
+
+def test_the_packages_import_each_other_without_a_cycle():
+    """config below algorithms (the loss specs the job's rules read live in config), runtime below trainer and
+    rollout (the hook interface the rollout sources take: runtime/hooks.py): docs/architecture.md's layering."""
+    graph = import_graph()
+    found = cycles(package_graph(graph))
+
+    def via(a: str, b: str) -> str:  # the module imports that make the edge a -> b
+        return ", ".join(sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                                if _part(m) == a and _part(d) == b)[:3])
+
+    assert not found, "package cycles (function-level imports counted):\n" + "\n".join(
+        " -> ".join(c) + "".join(f"\n  {a} -> {b}: {via(a, b)}" for a, b in zip(c, c[1:])) for c in found)
+
+
 def test_only_the_entry_point_imports_the_test_fault_injection():
     """testing/ is the tests' code: the entry point adds it when MEGATRON_GSPO_FAULTS is set, nothing of the
     runtime, the trainer or the rollout ranks imports it (so no production path loads it)."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_gspo.config import LossConfig
-from megatron_gspo.algorithms.loss_spec import clip_range
+from megatron_gspo.config.losses import clip_range
 from megatron_gspo.algorithms.losses import (
     SAPO_GATED_WEIGHT,
     batch_normalizer,

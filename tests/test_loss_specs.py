@@ -4,6 +4,7 @@ SAPO's loss is computed stably."""
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ FP32, BF16 = torch.finfo(torch.float32), torch.finfo(torch.bfloat16)
 
 
 def test_a_plug_in_loss_is_checked_by_key_from_its_spec():
-    from megatron_gspo.algorithms.loss_spec import clip_range, describe_loss
+    from megatron_gspo.config.losses import clip_range, describe_loss
 
     loss = load_job_config(None, [SPO]).loss
     assert clip_range(loss) == (0.2, 0.2) and describe_loss(loss) == "clip 0.2 / 0.2"  # its spec's defaults
@@ -70,8 +71,8 @@ def test_every_built_in_loss_is_one_spec_beside_its_function():
     SAPO_TAUS) is each loss's spec; the function's defaults are the config's, its keywords the spec's."""
     import inspect
 
-    from megatron_gspo.algorithms.loss_spec import (CONFIGURABLE, TOKEN, config_values, describe_loss, loss_spec,
-                                                    losses_where)
+    from megatron_gspo.config.loss_spec import CONFIGURABLE, TOKEN
+    from megatron_gspo.config.losses import config_values, describe_loss, loss_spec, losses_where
     from megatron_gspo.algorithms.losses import POLICY_LOSSES, LossConfig, gspo_loss
 
     assert list(POLICY_LOSSES) == ["gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo", "luspo"]
@@ -110,6 +111,53 @@ def test_a_plug_in_loss_runs_a_real_rl_step(tmp_path):
     for key in ("loss/loss", "loss/pg_loss", "train/grad_norm", "loss/num_tokens", "loss/clip_frac"):
         assert spo[key] == grpo[key], key
     assert spo["loss/loss"] != 0 and spo["train/grad_norm"] > 0
+
+
+# what each bad plug-in returns, as the line refusing it says
+BAD_RETURNS = [
+    ("float_loss", r"its formula returned a float \(0\.5\), not a losses\.PolicyTerms"),
+    ("reduced_loss", r"its formula returned terms as a tensor of shape \(\) for a batch of \[B, T\] = \(\d+, \d+\); "
+                     r"they must be \[B, T\] = \(\d+, \d+\) \(per_token=True\)"),
+    ("row_short_loss", r"its formula returned terms as a tensor of shape \(\d+,\) for a batch of \[B, T\] = "
+                       r"\(\d+, \d+\); they must be \[B\] = \(\d+,\) \(per_token=False\)"),
+    ("no_metrics_loss", r"its formula's metrics lack clip_frac_low and clip_frac_high \(got \[\]\)"),
+    ("float_metrics_loss", r"its formula's metric 'clip_frac_low' is a float \(0\.0\), not a runtime\.metrics\.Metric"),
+]
+
+
+@pytest.mark.parametrize("fn, says", BAD_RETURNS)
+def test_a_plug_in_that_returns_the_wrong_thing_is_named_in_one_line(fn, says):
+    """A formula's return value is checked on every call (shapes and keys, no host sync) before the plumbing reads
+    it: a float, terms of the wrong shape, missing or non-Metric clip fractions are a ConfigError naming
+    loss.name, not 'float' object has no attribute 'metrics' / a size mismatch / KeyError: 'clip_frac_low'."""
+    from megatron_gspo.algorithms.losses import compute_policy_loss
+
+    name = f"{HERE}/loss_plugins.py:{fn}"
+    cfg = load_job_config(None, [f"loss.name={name}"]).loss
+    logp = torch.zeros(3, 4, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    with pytest.raises(ConfigError, match=rf"^loss\.name='{re.escape(name)}': " + says):
+        compute_policy_loss(cfg, logp, torch.zeros(3, 4), torch.tensor([1.0, -1.0, 0.5]), mask)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn, says", [BAD_RETURNS[i] for i in (0, 2, 3)])  # a float, a wrong shape, no metrics
+def test_a_job_whose_plug_in_loss_returns_the_wrong_thing_exits_2_with_one_line(tmp_path, fn, says):
+    """The trainer's command line: the first micro-batch refuses the plug-in's return value, the job ends with one
+    'error: ' line naming the plug-in and what it returned, exit 2 (USER_ERRORS), no traceback."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(HERE)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "WORLD_SIZE", "RANK")}
+    env.update(PYTHONPATH=root, OMP_NUM_THREADS="1")
+    name = f"tests/loss_plugins.py:{fn}"
+    p = subprocess.run([sys.executable, "-m", "megatron_gspo.train", *STEP, f"loss.name={name}",
+                        f"train.output_dir={tmp_path}"], capture_output=True, text=True, cwd=root, env=env, timeout=600)
+    out = p.stdout + p.stderr
+    errors = [ln for ln in out.splitlines() if re.match(r"(\d\d:\d\d:\d\d )?error: ", ln) or "Traceback" in ln]
+    assert p.returncode == 2 and len(errors) == 1, out[-3000:]
+    assert re.search(rf"error: loss\.name='{re.escape(name)}': " + says, errors[0]), errors[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,7 +235,7 @@ def test_sapo_refuses_a_temperature_its_inputs_cannot_hold():
     """In the precision of its inputs: 1e39 is inf in fp32 (every update NaN), 1e-12 leaves fp32's rounding of
     2 A / tau above the policy term; both are fine in float64, where the gradient at 1e-12 is the unclipped
     policy gradient's (the gate's weight sech^2 is 1 to 1e-24) and the value within the documented rounding."""
-    from megatron_gspo.algorithms.loss_spec import VALUE_ROUNDING
+    from megatron_gspo.config.loss_spec import VALUE_ROUNDING
     from megatron_gspo.algorithms.losses import sapo_loss
 
     logp, old, adv, mask = _sapo_case(torch.float32)

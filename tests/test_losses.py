@@ -15,7 +15,7 @@ from megatron_gspo.algorithms.losses import (
     gspo_loss,
     gspo_token_loss,
 )
-from megatron_gspo.algorithms.loss_spec import check_loss_config, clip_range
+from megatron_gspo.config.losses import check_loss_config, clip_range
 from megatron_gspo.config import JobConfig
 from megatron_gspo.runtime.metrics import reduce_metrics
 

@@ -40,7 +40,7 @@ WORKER = ["-m", "experiments.compare", "_worker"]
 def run_comparison(args, overrides: list[str]) -> dict:
     """Run every variant of ``args`` (cli.parse_args) with the job ``overrides``; -> the metadata
     also written to ``OUT/compare.json``."""
-    from megatron_gspo.algorithms.loss_spec import describe_loss
+    from megatron_gspo.config.losses import describe_loss
     from megatron_gspo.config import load_job_config
 
     out = os.path.abspath(args.out)

@@ -2,15 +2,18 @@
 successors SAPO (soft gate), CISPO (clipped importance weights), GMPO (geometric mean) and LUSPO
 (length-unbiased GSPO).
 
-A loss is one spec and one function (verl's ``register_policy_loss``): ``@register_policy_loss(name, LossSpec(...))``
-on a function ``(b: LossBatch, s: settings, is_weights) -> PolicyTerms`` that states its paper's formula; the spec
-(loss_spec.py) declares the ratio it uses, its clip range's defaults and units, its aggregation and its own
-settings with their bounds, which the config checks by key when a job is loaded. The shared plumbing is written
-once, in ``policy_loss``: the public function every caller sees, ``fn(logp, old_logp, advantages, mask, *,
-ref_logp, entropy, global_batch_normalizer, is_weights, **settings)``, checks the settings (in the precision of its
-inputs), prepares the batch, runs the formula, adds the KL and entropy terms aggregated like the policy term, and
-normalizes. A loss of your own: ``@policy_loss(LossSpec(...))`` in a module of yours, run with
-``loss.name=package.module:function`` or ``loss.name=path/to/file.py:function`` (docs/algorithms.md).
+A loss is one spec and one function (verl's ``register_policy_loss``): ``@register_policy_loss(name, spec)`` on a
+function ``(b: LossBatch, s: settings, is_weights) -> PolicyTerms`` that states its paper's formula; the spec
+(config/loss_spec.py; the built-ins' in config/losses.py, which the job's rules read without importing this
+module) declares the ratio it uses, its clip range's defaults and units, its aggregation and its own settings
+with their bounds, which the config checks by key when a job is loaded. The shared plumbing is written once, in
+``policy_loss``: the public function every caller sees, ``fn(logp, old_logp, advantages, mask, *, ref_logp,
+entropy, global_batch_normalizer, is_weights, **settings)``, checks the settings (in the precision of its inputs),
+prepares the batch, runs the formula, checks what it returned, adds the KL and entropy terms aggregated like the
+policy term, and normalizes. A job resolves its loss once (``resolve_loss`` -> ``ResolvedLoss``: the settings
+checked and frozen) and calls it on every micro-batch without checking them again. A loss of your own:
+``@policy_loss(LossSpec(...))`` in a module of yours, run with ``loss.name=package.module:function`` or
+``loss.name=path/to/file.py:function`` (docs/algorithms.md).
 
 Token grid
     Every per-token input is a [B, T] tensor on the *response-aligned token grid*: row i is one
@@ -66,26 +69,23 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from megatron_gspo.algorithms.loss_spec import (
+from megatron_gspo.config import LossConfig
+from megatron_gspo.config.loss_spec import (  # the spec's vocabulary, for a loss of one's own
     CONFIGURABLE,
+    FP32_INPUTS,
     LOG_RATIO,
-    POLICY_LOSSES,
+    RATIO,
     SEQUENCE,
     TOKEN,
-    VALUE_ROUNDING,
     WEIGHT,
     LossSpec,
+    Numerics,
     Setting,
-    check_loss_config,
-    config_values,
-    get_policy_loss,
-    loss_spec,
     numerics_of_format,
-    register,
     resolve_settings,
 )
-from megatron_gspo.config import LossConfig
-from megatron_gspo.config.checks import check, finite
+from megatron_gspo.config.losses import LOSS_SPECS, LossSettings, loss_settings, plugin, register_spec
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.runtime.metrics import Metric
 
 Tensor = torch.Tensor
@@ -93,10 +93,10 @@ Metrics = dict[str, Metric]
 Normalizer = Optional[Union[float, Tensor]]
 
 __all__ = [
-    "POLICY_LOSSES", "SAPO_GATED_WEIGHT", "LossBatch", "LossConfig", "LossSpec", "Metrics", "PolicyTerms",
-    "batch_normalizer", "cispo_loss", "compute_policy_loss", "get_policy_loss", "gmpo_loss", "grpo_loss",
-    "gspo_loss", "gspo_token_loss", "loss_kwargs", "luspo_loss", "on_policy_metrics", "policy_loss",
-    "register_policy_loss", "sapo_loss",
+    "CONFIGURABLE", "LOG_RATIO", "POLICY_LOSSES", "RATIO", "SAPO_GATED_WEIGHT", "SEQUENCE", "TOKEN", "WEIGHT",
+    "LossBatch", "LossConfig", "LossSpec", "Metrics", "PolicyTerms", "ResolvedLoss", "Setting", "batch_normalizer",
+    "cispo_loss", "compute_policy_loss", "get_policy_loss", "gmpo_loss", "grpo_loss", "gspo_loss", "gspo_token_loss",
+    "luspo_loss", "on_policy_metrics", "policy_loss", "register_policy_loss", "resolve_loss", "sapo_loss",
 ]
 
 
@@ -304,7 +304,7 @@ def _seq_ratio_value(b: LossBatch, bound: float) -> Tensor:
     return b.seq_log_ratio().detach().clamp(-bound, bound).exp()
 
 
-def _numerics(dtype: torch.dtype):
+def _numerics(dtype: torch.dtype) -> Numerics:
     info = torch.finfo(dtype)
     return numerics_of_format({torch.float32: "fp32", torch.float64: "float64"}.get(dtype, str(dtype)),
                               info.max, info.eps / 2)
@@ -320,6 +320,57 @@ def _signature(spec: LossSpec) -> inspect.Signature:
     return inspect.Signature(params)
 
 
+def _what(x) -> str:
+    """What a formula handed back, in a few words (for the line refusing it)."""
+    if isinstance(x, Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    text = repr(x)
+    return f"a {type(x).__name__} ({text if len(text) <= 60 else text[:57] + '...'})"
+
+
+def _check_terms(out, b: LossBatch, who: str) -> None:
+    """A formula's return value, before the plumbing reads it: a PolicyTerms whose terms (and constant) are per
+    sequence, [B], or per token, [B, T] with ``per_token``, and whose metrics are Metrics holding the clip
+    fractions every loss reports (the trainer's on-policy check reads them). A plug-in's mistake is refused in
+    one line naming the loss, not as a size mismatch or a KeyError in the plumbing. Shapes and keys only: no
+    host sync, cheap on every call."""
+    if not isinstance(out, PolicyTerms):
+        raise ConfigError(f"{who}: its formula returned {_what(out)}, not a losses.PolicyTerms(terms, per_token, "
+                          "metrics, constant)")
+    shape = tuple(b.mask.shape) if out.per_token else tuple(b.mask.shape[:1])
+    want = f"{'[B, T]' if out.per_token else '[B]'} = {shape} (per_token={out.per_token})"
+    for name, t in (("terms", out.terms), ("constant", out.constant)):
+        if (t is not None or name == "terms") and not (isinstance(t, Tensor) and tuple(t.shape) == shape):
+            raise ConfigError(f"{who}: its formula returned {name} as {_what(t)} for a batch of [B, T] = "
+                              f"{tuple(b.mask.shape)}; they must be {want}")
+    metrics = out.metrics if isinstance(out.metrics, dict) else {}
+    missing = [k for k in ("clip_frac_low", "clip_frac_high") if k not in metrics]
+    if missing:
+        raise ConfigError(f"{who}: its formula's metrics lack {' and '.join(missing)} (got "
+                          f"{sorted(metrics) if isinstance(out.metrics, dict) else _what(out.metrics)}): every loss "
+                          "reports the share its clip or gate cut, 0 where it has none")
+    for k, v in metrics.items():
+        if not isinstance(v, Metric):
+            raise ConfigError(f"{who}: its formula's metric {k!r} is {_what(v)}, not a runtime.metrics.Metric "
+                              "(Metric.mean(values, mask), Metric.sum(...), ...)")
+
+
+def _evaluate(formula: LossFormula, who: str, values, mode: str, logp: Tensor, old_logp: Tensor,
+              advantages: Tensor, mask: Tensor, ref_logp: Optional[Tensor], entropy: Optional[Tensor],
+              global_batch_normalizer: Normalizer, is_weights: Optional[Tensor]) -> tuple[Tensor, Metrics]:
+    """A loss on one batch with settings already checked (``values``: its keywords; ``mode``: its aggregation):
+    prepare the batch, run the formula, check what it returned, aggregate, add the KL and entropy terms and
+    normalize. ``who`` names the loss in the line refusing a formula's return value."""
+    s = SimpleNamespace(**values)
+    _validate_inputs(s, ref_logp, entropy, global_batch_normalizer)
+    b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
+    out = formula(b, s, is_weights)
+    _check_terms(out, b, who)
+    metrics = _batch_metrics(b, _seq_ratio_value(b, s.log_ratio_bound))
+    metrics.update(out.metrics)
+    return _finish(out, b, s, mode, ref_logp, entropy, global_batch_normalizer, metrics)
+
+
 def policy_loss(spec: LossSpec) -> Callable[[LossFormula], PolicyLoss]:
     """Decorator: the loss function of a formula ``formula(b, s, is_weights) -> PolicyTerms`` and its spec.
 
@@ -327,7 +378,8 @@ def policy_loss(spec: LossSpec) -> Callable[[LossFormula], PolicyLoss]:
     entropy=None, global_batch_normalizer=None, is_weights=None, **settings) -> (loss, metrics)`` (the module
     doc): it checks ``settings`` against the spec in the precision of its inputs (defaults filled in; ``s`` holds
     them by keyword), prepares the batch, reports the metrics every loss reports, runs the formula, aggregates
-    its terms, adds the KL and entropy terms and normalizes. ``fn.spec`` is the spec. Registered with
+    its terms, adds the KL and entropy terms and normalizes. ``fn.spec`` is the spec; ``fn.evaluate`` the same
+    without the check of the settings (a job's loss, resolved once: ResolvedLoss). Registered with
     register_policy_loss, or named by ``loss.name=module:function`` as a plug-in."""
     def make(formula: LossFormula) -> PolicyLoss:
         named = spec if spec.name else dataclasses.replace(spec, name=formula.__name__)
@@ -338,30 +390,43 @@ def policy_loss(spec: LossSpec) -> Callable[[LossFormula], PolicyLoss]:
                  is_weights: Optional[Tensor] = None, **settings) -> tuple[Tensor, Metrics]:
             dtype = torch.promote_types(logp.dtype, torch.float32)
             values = resolve_settings(named, settings, _numerics(dtype), formula.__name__)
-            s = SimpleNamespace(**values)
-            _validate_inputs(s, ref_logp, entropy, global_batch_normalizer)
-            b = _prepare(logp, old_logp, advantages, mask, ref_logp, entropy)
-            out = formula(b, s, is_weights)
-            metrics = _batch_metrics(b, _seq_ratio_value(b, s.log_ratio_bound))
-            metrics.update(out.metrics)
-            return _finish(out, b, s, named.mode(values), ref_logp, entropy, global_batch_normalizer, metrics)
+            return _evaluate(formula, f"policy loss {named.name!r}", values, named.mode(values), logp, old_logp,
+                             advantages, mask, ref_logp, entropy, global_batch_normalizer, is_weights)
 
         del loss.__wrapped__  # help() shows the public signature, not the formula's
         loss.__signature__ = _signature(named)
         loss.spec = named
+        loss.evaluate = functools.partial(_evaluate, formula)
         return loss
     return make
 
 
+# name -> loss function, in registration order (the built-ins below, then any registered in code)
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
 def register_policy_loss(name: str, spec: Optional[LossSpec] = None) -> Callable[[Callable], PolicyLoss]:
     """Decorator (verl's ``register_policy_loss``): register a loss under ``name``, the value of ``loss.name``.
-    With a spec it decorates a formula (policy_loss); without one it registers a ready loss function as it is
-    (which a job cannot use: the config checks a loss's settings against its spec)."""
+    With a spec it decorates a formula (policy_loss) and the config learns the spec (config/losses.py: the
+    built-ins' are declared there); without one it registers a ready loss function as it is (which a job cannot
+    use: the config checks a loss's settings against its spec)."""
     def reg(fn: Callable) -> PolicyLoss:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered twice ({POLICY_LOSSES[name].__qualname__} and "
+                             f"{fn.__qualname__})")
         if spec is not None:
-            fn = policy_loss(dataclasses.replace(spec, name=name))(fn)
-        return register(name, fn)
+            fn = policy_loss(register_spec(name, spec))(fn)
+        POLICY_LOSSES[name] = fn
+        return fn
     return reg
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The loss registered under ``name``, or the plug-in it names (``module:function``, loaded on first use)."""
+    fn = POLICY_LOSSES.get(name) or plugin(name)
+    if fn is None:
+        raise ValueError(f"unknown policy loss {name!r}; valid names: {list(POLICY_LOSSES)}")
+    return fn
 
 
 def on_policy_metrics(logp: Tensor, old_logp: Tensor, mask: Tensor, loss_metrics: Metrics) -> Metrics:
@@ -444,7 +509,7 @@ def _gspo_sequence_objective(b: LossBatch, s: SimpleNamespace, is_weights: Optio
     return obj, _seq_clip_metrics(clip_low, clip_high, ratio.detach(), b, low, high)
 
 
-@register_policy_loss("gspo", LossSpec(ratio=SEQUENCE, aggregation="seq-mean-token-mean", clip=(3e-4, 4e-4)))
+@register_policy_loss("gspo", LOSS_SPECS["gspo"])
 def gspo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -> PolicyTerms:
     """GSPO: one importance ratio and one clip per sequence.
 
@@ -463,7 +528,7 @@ def gspo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) ->
     return PolicyTerms(torch.where(b.active, -obj, 0.0), metrics=metrics)  # [B]
 
 
-@register_policy_loss("gspo_token", LossSpec(ratio=SEQUENCE, aggregation="seq-mean-token-mean", clip=(3e-4, 4e-4)))
+@register_policy_loss("gspo_token", LOSS_SPECS["gspo_token"])
 def gspo_token_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -> PolicyTerms:
     """GSPO-token: GSPO's sequence ratio with a per-token advantage.
 
@@ -497,12 +562,7 @@ def gspo_token_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tenso
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_dual_clip(v, values, numerics, label, where):
-    check(v is None or finite(v) and v > 1, f"{label} must be a finite number > 1 or null, got {v}")
-
-
-@register_policy_loss("grpo", LossSpec(ratio=TOKEN, aggregation=CONFIGURABLE, clip=(0.2, 0.2),
-                                       settings=(Setting("dual_clip_c", "dual_clip_c", _check_dual_clip),)))
+@register_policy_loss("grpo", LOSS_SPECS["grpo"])
 def grpo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -> PolicyTerms:
     """GRPO: PPO-clip on per-token importance ratios.
 
@@ -560,28 +620,7 @@ def _token_ratio_metrics(r_val: Tensor, b: LossBatch) -> Metrics:
             "token_ratio/max": Metric.max(r_val, b.mask)}
 
 
-def _check_gate_temperature(v, values, numerics, label, where):
-    """SAPO's tau: finite and > 0; in the loss's own arithmetic (numerics.loss, fp32 in every precision) at most
-    the square root of its range (tau (r - 1) and 4 / tau stay inside it), and at least where the value's
-    constant part, 2 A / tau, carries at most VALUE_ROUNDING of a unit advantage in rounding."""
-    check(finite(v) and v > 0, f"{label} must be a finite number > 0, got {v}")
-    if numerics is None:
-        return
-    top, floor = numerics.loss_largest ** 0.5, 2 * numerics.loss_roundoff / VALUE_ROUNDING
-    check(v <= top, f"{label}={v!r} exceeds {top:.3g}, the largest SAPO's gate takes in {numerics.loss} (the loss's "
-                    f"arithmetic): tau (r - 1) and 4 / tau must stay inside {numerics.loss}, or every update is "
-                    "non-finite")
-    check(v >= floor, f"{label}={v!r} is below {floor:.3g}, the smallest SAPO's loss resolves in {numerics.loss}: its "
-                      f"value holds 2 A / tau, whose rounding (2 / tau x {numerics.loss_roundoff:.2g} per unit "
-                      "advantage) then outweighs the policy term; at a tau this small the gate is open everywhere "
-                      "(the unclipped policy gradient: loss.name=grpo with a wide clip range gives it)")
-
-
-@register_policy_loss("sapo", LossSpec(
-    ratio=TOKEN, aggregation="seq-mean-token-mean", describe="gate tau {tau_pos:g} / {tau_neg:g}",
-    note="SAPO has no clip range, its soft gate is set by loss.sapo_tau_pos / loss.sapo_tau_neg",
-    settings=(Setting("tau_pos", "sapo_tau_pos", _check_gate_temperature),
-              Setting("tau_neg", "sapo_tau_neg", _check_gate_temperature))))
+@register_policy_loss("sapo", LOSS_SPECS["sapo"])
 def sapo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -> PolicyTerms:
     """SAPO: a smooth, temperature-controlled gate on each token's ratio instead of a hard clip.
 
@@ -626,7 +665,7 @@ def sapo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) ->
     return PolicyTerms(-obj, per_token=True, metrics=metrics, constant=-constant.expand_as(m))
 
 
-@register_policy_loss("cispo", LossSpec(ratio=TOKEN, aggregation=CONFIGURABLE, clip=(1.0, 4.0), units=WEIGHT))
+@register_policy_loss("cispo", LOSS_SPECS["cispo"])
 def cispo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -> PolicyTerms:
     """CISPO: clip the importance-sampling weight, not the update; every token keeps a gradient.
 
@@ -661,8 +700,7 @@ def cispo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -
     })
 
 
-@register_policy_loss("gmpo", LossSpec(ratio=TOKEN, aggregation="seq-mean-token-mean", clip=(0.4, 0.4),
-                                       units=LOG_RATIO))
+@register_policy_loss("gmpo", LOSS_SPECS["gmpo"])
 def gmpo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -> PolicyTerms:
     """GMPO: the geometric mean of token ratios, each clipped in log space before the mean.
 
@@ -710,7 +748,7 @@ def gmpo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) ->
     })
 
 
-@register_policy_loss("luspo", LossSpec(ratio=SEQUENCE, aggregation="seq-mean-token-sum", clip=(2e-3, 2.5e-3)))
+@register_policy_loss("luspo", LOSS_SPECS["luspo"])
 def luspo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -> PolicyTerms:
     """LUSPO: GSPO with each sequence's objective scaled by its length (GSPO's length bias removed).
 
@@ -733,21 +771,47 @@ def luspo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -
 # ----------------------------------------------------------------------------------------------
 
 
-def loss_kwargs(cfg: LossConfig) -> dict:
-    """The settings of ``cfg.name``'s loss function, as keyword arguments, from the config (its spec says which),
-    the config checked by key first: a key the loss does not read is refused, not dropped."""
-    check_loss_config(cfg)
-    return config_values(cfg)
+@dataclass(frozen=True)
+class ResolvedLoss:
+    """A job's loss: its settings resolved and checked once (resolve_loss; algorithms/objective.py does it when
+    the job's objective is built) and its function, called on every micro-batch without checking them again."""
+
+    settings: LossSettings
+    evaluate: Callable = field(repr=False)  # the loss function's evaluate (policy_loss)
+
+    def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
+                 ref_logp: Optional[Tensor] = None, entropy: Optional[Tensor] = None,
+                 global_batch_normalizer: Normalizer = None, is_weights: Optional[Tensor] = None
+                 ) -> tuple[Tensor, Metrics]:
+        """(loss, metrics) of one batch: the loss function's, with the resolved settings (the module doc's shapes)."""
+        return self.evaluate(f"loss.name={self.settings.name!r}", self.settings.values, self.settings.mode, logp,
+                             old_logp, advantages, mask, ref_logp, entropy, global_batch_normalizer, is_weights)
+
+    def units(self, mask: Tensor) -> Tensor:
+        """The local unit count the loss divides by (mask [B, T]): response tokens for a "token-mean" loss,
+        sequences with >= 1 response token otherwise. Sum it over micro-batches and all-reduce it over the DP
+        group to get ``global_batch_normalizer``. A float32 scalar on mask's device."""
+        m = mask if mask.dtype == torch.bool else mask != 0
+        if self.settings.unit == "token":
+            return m.sum().to(torch.float32)
+        return (m.sum(dim=-1) > 0).sum().to(torch.float32)
+
+
+def resolve_loss(cfg: LossConfig, numerics: Numerics = FP32_INPUTS) -> ResolvedLoss:
+    """A loss section checked by key against its loss's spec (config/losses.py: a key the loss does not read is
+    refused, not dropped; the bounds in ``numerics``, the loss inputs' format: fp32 in the trainer) and resolved
+    into the frozen settings its function reads."""
+    settings = loss_settings(cfg, numerics)
+    evaluate = getattr(get_policy_loss(cfg.name), "evaluate", None)
+    if evaluate is None:
+        raise ConfigError(f"loss.name={cfg.name!r} is registered without a spec (register_policy_loss(name, "
+                          "LossSpec(...))): its settings cannot be checked")
+    return ResolvedLoss(settings, evaluate)
 
 
 def batch_normalizer(cfg: LossConfig, mask: Tensor) -> Tensor:
-    """The local unit count the loss divides by (its spec's unit): response tokens for a "token-mean" loss,
-    sequences with >= 1 response token otherwise. Sum it over micro-batches and all-reduce it over
-    the DP group to get ``global_batch_normalizer``. Returns a float32 scalar on mask's device."""
-    m = mask if mask.dtype == torch.bool else mask != 0
-    if loss_spec(cfg.name).unit(config_values(cfg)) == "token":
-        return m.sum().to(torch.float32)
-    return (m.sum(dim=-1) > 0).sum().to(torch.float32)
+    """ResolvedLoss.units of ``cfg``'s loss (the config resolved on the call)."""
+    return resolve_loss(cfg).units(mask)
 
 
 def compute_policy_loss(
@@ -755,9 +819,9 @@ def compute_policy_loss(
     ref_logp: Optional[Tensor] = None, entropy: Optional[Tensor] = None,
     global_batch_normalizer: Normalizer = None, is_weights: Optional[Tensor] = None,
 ) -> tuple[Tensor, Metrics]:
-    """Dispatch to the loss named by ``cfg.name`` with the config's settings (is_weights: the
-    rollout-correction weights, rollout_correction.correction_weights); the config is checked by key first."""
-    settings = loss_kwargs(cfg)
-    return get_policy_loss(cfg.name)(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=entropy,
-                                     global_batch_normalizer=global_batch_normalizer, is_weights=is_weights,
-                                     **settings)
+    """The loss named by ``cfg.name`` with the config's settings, resolved and checked on this call in the precision
+    of the inputs (is_weights: the rollout-correction weights, rollout_correction.correction_weights). One call's
+    convenience: a job resolves its loss once (resolve_loss, algorithms/objective.py)."""
+    loss = resolve_loss(cfg, _numerics(torch.promote_types(logp.dtype, torch.float32)))
+    return loss(logp, old_logp, advantages, mask, ref_logp=ref_logp, entropy=entropy,
+                global_batch_normalizer=global_batch_normalizer, is_weights=is_weights)

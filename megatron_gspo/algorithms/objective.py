@@ -7,8 +7,9 @@ forward's log-probs and the scalar it differentiates is here, in the order it is
                          train.overlong_filtering (overlong.loss_mask; DAPO §3.4)
     correction weights   pi_old / pi_rollout, truncated (TIS) or masked (MIS), or none
                          (rollout_correction.correction_weights)
-    policy loss          the registered loss named by loss.name (losses.compute_policy_loss), divided by
-                         the minibatch's unit count over every DP rank (``normalizer``)
+    policy loss          the loss named by loss.name, its settings resolved once (ObjectiveConfig.policy:
+                         losses.resolve_loss), divided by the minibatch's unit count over every DP rank
+                         (``normalizer``)
     first minibatch      trained on the weights that sampled it: the rollout mismatch
                          (rollout_correction.mismatch_metrics) and how far it is from ratio 1
                          (losses.on_policy_metrics; GSPO §4.1)
@@ -20,12 +21,12 @@ rows and w token columns; ``micro.mask`` marks the response tokens among the tar
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import torch
 
-from megatron_gspo.algorithms.losses import Metrics, batch_normalizer, compute_policy_loss, on_policy_metrics
+from megatron_gspo.algorithms.losses import Metrics, ResolvedLoss, on_policy_metrics, resolve_loss
 from megatron_gspo.algorithms.overlong import loss_mask as overlong_loss_mask
 from megatron_gspo.algorithms.rollout_correction import correction_weights, mismatch_metrics
 from megatron_gspo.config import ON_POLICY_RATIO_TOLERANCE, LossConfig, RolloutCorrectionConfig
@@ -36,11 +37,17 @@ log = logging.getLogger("megatron_gspo")
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
-    """The part of a job the objective reads: the loss, the rollout correction, overlong filtering."""
+    """The part of a job the objective reads: the loss, the rollout correction, overlong filtering. ``policy``: the
+    loss section resolved and checked once, here (losses.resolve_loss), into the frozen settings the loss reads
+    on every micro-batch."""
 
     loss: LossConfig
     correction: RolloutCorrectionConfig
     overlong_filtering: bool = False
+    policy: ResolvedLoss = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", resolve_loss(self.loss))
 
     @classmethod
     def of(cls, job) -> "ObjectiveConfig":
@@ -69,7 +76,7 @@ def loss_units(cfg: ObjectiveConfig, micro: MicroBatch) -> Tensor:
     """0-dim fp32: the micro-batch's share of the loss normalizer (response tokens for a "token-mean"
     loss, else responses with >= 1 token in the loss mask). The trainer sums it over the minibatch's
     micro-batches, all-reduces it over DP and clamps it to >= 1: the ``normalizer`` of ``objective``."""
-    return batch_normalizer(cfg.loss, loss_mask(cfg, micro))
+    return cfg.policy.units(loss_mask(cfg, micro))
 
 
 def objective(cfg: ObjectiveConfig, micro: MicroBatch, logp: Tensor, entropy: Optional[Tensor], normalizer: Tensor,
@@ -90,9 +97,8 @@ def objective(cfg: ObjectiveConfig, micro: MicroBatch, logp: Tensor, entropy: Op
     # pi_old / pi_rollout weights: None when off, all 1.0 when the old log-probs are the rollout's
     weights, rc_metrics = correction_weights(micro.old_logprobs, micro.sample_logprobs, mask, rc.mode, rc.level,
                                              *rc.bounds)
-    loss, metrics = compute_policy_loss(cfg.loss, logp, micro.old_logprobs, micro.advantages, mask,
-                                        ref_logp=micro.ref_logprobs, entropy=entropy,
-                                        global_batch_normalizer=normalizer, is_weights=weights)
+    loss, metrics = cfg.policy(logp, micro.old_logprobs, micro.advantages, mask, ref_logp=micro.ref_logprobs,
+                               entropy=entropy, global_batch_normalizer=normalizer, is_weights=weights)
     metrics.update(rc_metrics)
     if on_sampling_weights:  # generation ran on these weights: float noise, or a real mismatch
         metrics.update(mismatch_metrics(logp, micro.sample_logprobs, micro.mask, *rc.bounds))

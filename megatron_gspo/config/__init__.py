@@ -7,9 +7,10 @@ where one exists (``tensor_model_parallel_size``, ``num_query_groups``, ``moe_ro
 
 This package is a leaf: it imports nothing of megatron_gspo but the leaves ``errors`` and ``textfile``
 (UTF-8 files read with a bad byte's file and line); every subsystem imports
-its section from here (tests/test_imports.py imports each module alone in a fresh interpreter). One reading
-goes the other way, at validation, not at import: the loss section checks its keys against the loss's spec
-(algorithms/loss_spec.py), which sits beside the loss's function, so that a loss, a plug-in's too, is one piece.
+its section from here (tests/test_imports.py imports each module alone in a fresh interpreter, and checks that
+no two packages import each other). The loss section is checked against its loss's spec, which is declared here
+(loss_spec.py: what a loss declares; losses.py: the built-in losses' specs, the names a job can give, a plug-in
+loaded by its name): algorithms/losses.py holds the formulas, registered under the same names.
 
     model.py     ModelConfig, the presets, a Hugging Face config.json -> ModelConfig
     sections.py  parallel, loss, generation, optimizer, data, tokenizer, reward, train, checkpoint,
@@ -19,6 +20,10 @@ goes the other way, at validation, not at import: the loss section checks its ke
     job.py       JobConfig (the sections) and load_job_config
     rules.py     the checks across sections (run in order by JobConfig), the lean decoder's limits,
                  where the old policy's log-probs come from (old_logprob_source)
+    loss_spec.py what a policy loss declares (LossSpec: ratio kind, clip range and units, aggregation,
+                 settings and their bounds) and the check of its settings
+    losses.py    the losses a job can name (the built-ins' specs, plug-ins) and a loss section resolved
+                 through its spec (loss_settings: checked once, frozen)
     fields.py    knob(): a field's constraints and resume policy; validate(): the one validator
     loader.py    YAML / CLI plumbing: from_dict, overrides, coercion to the annotated types
     checks.py    the validation helpers shared with the loss specs

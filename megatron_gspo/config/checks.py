@@ -1,6 +1,6 @@
 """Validation helpers of the config sections and the loss specs (every failure is a ConfigError naming the
 field); a single field's type and bounds are declared with it instead (config/fields.py), a loss's settings with
-the loss (algorithms/loss_spec.py)."""
+the loss's spec (config/loss_spec.py)."""
 
 from __future__ import annotations
 

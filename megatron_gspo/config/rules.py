@@ -2,8 +2,8 @@
 order (``RULES``) by ``JobConfig.__post_init__``, so a job that cannot work is refused by key before
 anything is built (TRL-style). A single field's type and range are declared with the field
 (config/fields.py); a rule within one section stays with that section's ``__post_init__``. The loss
-section's check against its loss's spec (algorithms/loss_spec.py) is the first rule here instead: the
-sections stay plain data that import no subsystem.
+section's check against its loss's spec (config/losses.py) is the first rule here instead: the sections stay
+plain data.
 
 Also here, because they are pure functions of the job:
 
@@ -25,6 +25,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
 
 from megatron_gspo.config.checks import check
+from megatron_gspo.config.loss_spec import TOKEN, numerics_of
+from megatron_gspo.config.losses import check_loss_config, loss_spec, losses_where
 from megatron_gspo.config.model import resolve_precision
 from megatron_gspo.config.sections import MIN_SAMPLING_TEMPERATURE
 from megatron_gspo.errors import ConfigError
@@ -40,10 +42,8 @@ def _response_budget(job) -> int:
 
 
 def loss_takes_its_settings(job) -> None:
-    """The loss section against its loss's spec, by key (algorithms/loss_spec.py): the name names a loss, every
-    key given is one it reads, every value within its precision-free bounds. First: the LossConfig is plain data."""
-    from megatron_gspo.algorithms.loss_spec import check_loss_config
-
+    """The loss section against its loss's spec, by key (config/losses.py): the name names a loss, every key given
+    is one it reads, every value within its precision-free bounds. First: the LossConfig is plain data."""
     check_loss_config(job.loss)
 
 
@@ -59,8 +59,6 @@ def routing_replay_needs_token_ratios(job) -> None:
     # routing noise enters each token's ratio; GSPO's sequence ratio averages it out (the loss's spec says which)
     t = job.train
     if t.routing_replay != "off":
-        from megatron_gspo.algorithms.loss_spec import TOKEN, loss_spec, losses_where
-
         check(loss_spec(job.loss.name).ratio == TOKEN,
               f"train.routing_replay={t.routing_replay!r} is for the losses with per-token ratios "
               f"({', '.join(losses_where(lambda s: s.ratio == TOKEN))}); loss.name={job.loss.name!r} uses GSPO's "
@@ -68,9 +66,7 @@ def routing_replay_needs_token_ratios(job) -> None:
 
 
 def loss_fits_the_precision(job) -> None:
-    """The loss's settings in the training precision (algorithms/loss_spec.py: what would overflow there), by key."""
-    from megatron_gspo.algorithms.loss_spec import check_loss_config, numerics_of
-
+    """The loss's settings in the training precision (config/loss_spec.py: what would overflow there), by key."""
     check_loss_config(job.loss, numerics_of(job.model.precision))
 
 

@@ -75,9 +75,9 @@ class ParallelConfig:
 @dataclass
 class LossConfig:
     """The ``loss`` section of a job: which policy loss, and its settings. Which keys a loss reads, their defaults
-    and bounds are its spec's (algorithms/loss_spec.py; the table of losses below): a key it does not read is
+    and bounds are its spec's (config/losses.py; the table of losses below): a key it does not read is
     refused by name, as is a value out of bounds, in the training precision for those that overflow (checked
-    when the job is loaded, config/rules.py, and by compute_policy_loss).
+    when the job is loaded, config/rules.py, and once more when the job's objective resolves its loss).
 
     name: a registered loss, "gspo" | "gspo_token" | "grpo" | "sapo" | "cispo" | "gmpo" | "luspo", or your own as
         "package.module:function" / "path/to/file.py:function" (a function made by losses.policy_loss).

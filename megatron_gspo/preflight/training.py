@@ -11,7 +11,7 @@ import math
 import torch
 
 from megatron_gspo.model.flops import flops_per_token, mfu, peak_flops
-from megatron_gspo.trainer.hooks import TrainerHook
+from megatron_gspo.runtime.hooks import TrainerHook
 from megatron_gspo.preflight.context import Context, need_bf16, need_fp8
 from megatron_gspo.preflight.runner import Skip
 

@@ -21,7 +21,7 @@ import os
 import torch
 
 from megatron_gspo.runtime import comm
-from megatron_gspo.trainer.hooks import TrainerHook
+from megatron_gspo.runtime.hooks import TrainerHook
 
 
 def batch_rows(batch, step: int) -> list[dict]:

@@ -28,7 +28,7 @@ import torch
 
 from megatron_gspo.runtime import comm
 from megatron_gspo.runtime.exit_status import StopReason, StoppedFor
-from megatron_gspo.trainer.hooks import TrainerHook
+from megatron_gspo.runtime.hooks import TrainerHook
 from megatron_gspo.rollout.record import (HEADER, RolloutRecord, WireFormatError, check_header, concat,
                                           empty_payload, pack, unpack)
 from megatron_gspo.rollout.rows import local_rows

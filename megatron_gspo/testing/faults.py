@@ -20,7 +20,7 @@ import os
 import signal
 from typing import Optional
 
-from megatron_gspo.trainer.hooks import TrainerHook
+from megatron_gspo.runtime.hooks import TrainerHook
 
 FAULTS_ENV = "MEGATRON_GSPO_FAULTS"
 _KINDS = ("nan_logprob", "raise", "kill", "sigterm", "kill_in_save")

@@ -43,7 +43,7 @@ from megatron_gspo.trainer.evaluation import EvaluationAbandoned
 from megatron_gspo.runtime.exit_status import StopReason
 from megatron_gspo.runtime.stop import PreemptionFlag, StepAbandoned
 from megatron_gspo.trainer.stopping import StopControl, TrainingStopped  # noqa: F401 (TrainingStopped: re-exported)
-from megatron_gspo.trainer.hooks import Hooks, TrainerHook
+from megatron_gspo.runtime.hooks import Hooks, TrainerHook
 from megatron_gspo.runtime.logger import MetricsLogger, Timer, data_metrics, perf_metrics, progress_line
 from megatron_gspo.runtime.metrics import MetricAccumulator
 from megatron_gspo.model.oom import explain_oom, model_shapes

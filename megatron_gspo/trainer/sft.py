@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_gspo.runtime import comm
 from megatron_gspo.data.prompts import PromptDataset, PromptSampler
 from megatron_gspo.errors import DataError, EnvError, TokenizerError
-from megatron_gspo.trainer.hooks import TrainerHook
+from megatron_gspo.runtime.hooks import TrainerHook
 from megatron_gspo.model.gpt import (
     aux_loss_scales,
     finalize_grads,

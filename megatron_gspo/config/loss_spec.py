@@ -1,18 +1,10 @@
-"""What a policy loss declares beside its function, and the one check of its settings.
+"""What a policy loss declares beside its function: the vocabulary of a loss's spec and the check of its settings.
 
-A loss is one spec and one function (losses.py: ``@register_policy_loss(name, LossSpec(...))``; a plug-in:
-``@losses.policy_loss(LossSpec(...))`` in a module of its own, named by ``loss.name=package.module:function`` or
-``path/to/file.py:function``). The spec says which importance ratio the loss uses (per sequence or per token: routing
-replay applies to the second), its clip range's default and units, how it aggregates (fixed by its paper, or
-``loss.loss_agg_mode``), its own settings and their bounds. Everything that depends on which loss runs reads it:
-
-    the config     the job's rules (config/rules.py) check every loss.* key against the spec when the job is
-                   loaded, by key, then the bounds that depend on the training precision (check_loss_config),
-                   and routing replay against the ratio kind; the LossConfig itself is plain data
-    the function   the same checks of its keyword arguments, in the precision of its inputs (resolve_settings)
-    the objective  the config checked by key (losses.loss_kwargs), the unit the loss divides by (tokens or
-                   sequences: LossSpec.unit), the settings it is handed
-    the logs       describe_loss; clip_range, the clip range a LossConfig resolves to
+A spec (``LossSpec``) says which importance ratio the loss uses (per sequence or per token: routing replay applies to
+the second), its clip range's default and units, how it aggregates (fixed by its paper, or ``loss.loss_agg_mode``),
+and its own settings with their bounds. The built-in losses' specs, the registry of the names a job can give and the
+loss section read through its spec are config/losses.py; the formulas are algorithms/losses.py. It sits in config/
+so that the job's rules check a loss section by key without importing the losses (config is below algorithms).
 
 Bounds in the training precision. A token's gradient is at most its ratio, e^log_ratio_bound, times its advantage
 (the KL term's, kl_coef times as much), divided by loss_agg_norm_constant under "seq-mean-token-sum-norm"; Adam's
@@ -20,26 +12,18 @@ second moment and the gradient norm square it, so that weight must stay below th
 number of the training precision's format (fp32 and bf16 alike: 1.84e19). SAPO's arithmetic is the loss's own
 (fp32 in every precision): its temperature must keep the gate's product chain (tau (r - 1), 4 / tau) inside
 fp32, and its loss value holds 2 A / tau, whose fp32 rounding must not outweigh the policy term.
-
-Nothing here imports torch (the config reads it); the built-in losses register when losses.py is imported, which
-``loss_function`` does on first use.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import math
-import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from megatron_gspo.config.checks import check as _check
 from megatron_gspo.config.checks import finite as _finite
 from megatron_gspo.config.sections import LOSS_AGG_MODES, LossConfig
-from megatron_gspo.errors import ConfigError
 
 SEQUENCE, TOKEN = "sequence", "token"  # LossSpec.ratio
 CONFIGURABLE = "loss.loss_agg_mode"  # LossSpec.aggregation of a loss that aggregates as the config says
@@ -85,6 +69,11 @@ def numerics_of(precision: str) -> Numerics:
 def numerics_of_format(name: str, largest: float, roundoff: float) -> Numerics:
     """The Numerics of a loss function's inputs: their compute format is both (losses.py: torch.finfo)."""
     return Numerics(name, largest, name, largest, roundoff)
+
+
+# The trainer's loss inputs (its log-probs are fp32 in every precision): what a job's loss is resolved in once
+# (algorithms/objective.py), as the loss function checks its keywords in its inputs' format on a call.
+FP32_INPUTS = numerics_of_format("fp32", *FORMATS["fp32"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,165 +294,3 @@ def resolve_settings(spec: LossSpec, given: dict, numerics: Numerics, fn_name: s
     values = {**spec.defaults(), **given}
     spec.check(values, numerics, "")
     return values
-
-
-# ----------------------------------------------------------------------------------------------
-# The registry: built-in losses by name, plug-ins by package.module:function / file.py:function
-# ----------------------------------------------------------------------------------------------
-
-PolicyLoss = Callable[..., Any]
-# name -> loss function, in registration order (losses.py's, then any registered in code)
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
-_PLUGINS: dict[str, PolicyLoss] = {}  # loss.name -> the plug-in it names, loaded once per process
-
-
-def register(name: str, fn: PolicyLoss) -> PolicyLoss:
-    """Register ``fn`` under ``name`` (losses.register_policy_loss)."""
-    if name in POLICY_LOSSES:
-        raise ValueError(f"policy loss {name!r} is registered twice ({POLICY_LOSSES[name].__qualname__} and "
-                         f"{fn.__qualname__})")
-    POLICY_LOSSES[name] = fn
-    return fn
-
-
-def _builtins() -> dict[str, PolicyLoss]:
-    importlib.import_module("megatron_gspo.algorithms.losses")  # registers the built-in losses
-    return POLICY_LOSSES
-
-
-def _load_plugin(name: str) -> PolicyLoss:
-    where = f"loss.name={name!r}"
-    module_name, _, attr = name.rpartition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"{where}: expected 'package.module:function' or 'path/to/file.py:function'")
-    try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise ConfigError(f"{where}: file {module_name} not found")
-            spec = importlib.util.spec_from_file_location(
-                "_loss_plugin_" + re.sub(r"\W", "_", os.path.abspath(module_name)), module_name)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ConfigError:
-        raise
-    except (Exception, SystemExit) as e:  # the plug-in's own code failed (an import, a syntax error, an exit)
-        raise ConfigError(f"{where}: loading {module_name} failed: {type(e).__name__}: {e}") from e
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ConfigError(f"{where}: {module_name} has no attribute {attr!r}")
-    if not isinstance(getattr(fn, "spec", None), LossSpec):
-        raise ConfigError(f"{where}: {module_name}:{attr} is not a policy loss: make it with "
-                          "@megatron_gspo.algorithms.losses.policy_loss(LossSpec(...)) (docs/algorithms.md)")
-    return fn
-
-
-def find_loss(name: str) -> Optional[PolicyLoss]:
-    """The loss ``name`` names: a registered one, or the plug-in ``module:function`` (loaded on first use);
-    None for an unknown name without ':'."""
-    if name in _builtins():
-        return POLICY_LOSSES[name]
-    if ":" not in name:
-        return None
-    if name not in _PLUGINS:
-        _PLUGINS[name] = _load_plugin(name)
-    return _PLUGINS[name]
-
-
-def get_policy_loss(name: str) -> PolicyLoss:
-    """The loss registered under ``name``, or the plug-in it names."""
-    fn = find_loss(name)
-    if fn is None:
-        raise ValueError(f"unknown policy loss {name!r}; valid names: {list(POLICY_LOSSES)}")
-    return fn
-
-
-def loss_spec(name: str) -> LossSpec:
-    """The spec of the loss ``name`` names (ConfigError by key for a name that names none, or a loss without one)."""
-    fn = find_loss(name)
-    if fn is None:
-        raise ConfigError(f"loss.name={name!r} is not one of {list(POLICY_LOSSES)}; or name your own loss as "
-                          "'package.module:function' or 'path/to/file.py:function'")
-    spec = getattr(fn, "spec", None)
-    if not isinstance(spec, LossSpec):
-        raise ConfigError(f"loss.name={name!r} is registered without a spec (register_policy_loss(name, LossSpec(...)))"
-                          ": its settings cannot be checked")
-    return spec
-
-
-def losses_where(predicate: Callable[[LossSpec], bool]) -> list[str]:
-    """The registered losses whose spec satisfies ``predicate`` (for messages: "applies to loss.name in [...]")."""
-    return [n for n, fn in _builtins().items() if isinstance(getattr(fn, "spec", None), LossSpec)
-            and predicate(fn.spec)]
-
-
-# ----------------------------------------------------------------------------------------------
-# A LossConfig read through its loss's spec: its settings, their check, its clip range, its description
-# ----------------------------------------------------------------------------------------------
-
-
-def config_values(cfg) -> Values:
-    """The settings of ``cfg.name``'s loss from a LossConfig, as its function's keywords (the clip range resolved
-    to the loss's default where null)."""
-    spec = loss_spec(cfg.name)
-    values = {s.arg: getattr(cfg, s.key) for s in spec.all_settings}
-    if spec.clip is not None:
-        for key, default in zip(("clip_ratio_low", "clip_ratio_high"), spec.clip):
-            values[key] = default if values[key] is None else values[key]
-    return values
-
-
-def _who(names: list[str]) -> str:
-    return f"loss.name={names[0]!r}" if len(names) == 1 else f"loss.name in {names}"
-
-
-def _refuse_what_it_does_not_take(cfg, spec: LossSpec, given: dict) -> None:
-    """A key given (not at its default) that the loss does not read is a mistake: refused, by kind."""
-    name = cfg.name
-    for key in ("clip_ratio_low", "clip_ratio_high"):
-        _check(spec.clip is not None or key not in given,
-               f"loss.{key}={given.get(key)} does not apply to loss.name={name!r}" + (f": {spec.note}" if spec.note else ""))
-    if spec.aggregation != CONFIGURABLE:
-        _check("loss_agg_mode" not in given,
-               f"loss.loss_agg_mode={cfg.loss_agg_mode!r} applies to "
-               f"{_who(losses_where(lambda s: s.aggregation == CONFIGURABLE))} only; {name} always aggregates as its "
-               "paper does (leave loss_agg_mode at 'token-mean')")
-    _check(cfg.loss_agg_norm_constant is None or cfg.loss_agg_mode == "seq-mean-token-sum-norm",
-           "loss.loss_agg_norm_constant is only used with loss.loss_agg_mode='seq-mean-token-sum-norm', "
-           f"got loss_agg_mode={cfg.loss_agg_mode!r}")
-    own = {s.key for s in spec.settings}
-    owners: dict[str, list[str]] = {}  # another loss's own key -> the losses that take it
-    for other in losses_where(lambda s: True):
-        for s in loss_spec(other).settings:
-            if s.key not in own:
-                owners.setdefault(s.key, []).append(other)
-    for key in [k for k in owners if k in given]:
-        keys = [k for k in owners if owners[k] == owners[key]]
-        shown = (f"loss.{key} applies" if len(keys) == 1 else
-                 f"{' / '.join('loss.' + k for k in keys)} ({' / '.join(str(getattr(cfg, k)) for k in keys)}) apply")
-        raise ConfigError(f"{shown} to {_who(owners[key])} only, got name={name!r}")
-
-
-def check_loss_config(cfg, numerics: Optional[Numerics] = None) -> None:
-    """Check a LossConfig against its loss's spec, by key: the name names a loss, every key given is one the loss
-    reads, every value is within its bounds (in ``numerics``, the training precision's, where given: rules.py)."""
-    spec = loss_spec(cfg.name)
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    given = {k: getattr(cfg, k) for k in defaults if k != "name" and getattr(cfg, k) != defaults[k]}
-    _refuse_what_it_does_not_take(cfg, spec, given)
-    spec.check(config_values(cfg), numerics, "loss.")
-
-
-def clip_range(cfg) -> Optional[tuple[float, float]]:
-    """A LossConfig's (clip_ratio_low, clip_ratio_high), None resolved to its loss's default; None for a loss
-    without a clip range (sapo)."""
-    if loss_spec(cfg.name).clip is None:
-        return None
-    values = config_values(cfg)
-    return values["clip_ratio_low"], values["clip_ratio_high"]
-
-
-def describe_loss(cfg) -> str:
-    """A LossConfig's settings in one phrase, for logs: "clip 0.0003 / 0.0004", "gate tau 1 / 1.05"."""
-    return loss_spec(cfg.name).describe_values(config_values(cfg))
