@@ -90,7 +90,7 @@ class CheckpointManager:
         self.skipped: list[tuple[str, str]] = []  # (rank 0) damaged checkpoints newer than resume_dir
         self.lock: Optional[SaveLock] = None  # (rank 0) checkpoint.save's, while this job may write there
         if cfg.save:  # a root another job is training into is refused before minutes of verifying it
-            self._agree(lock_refusal(cfg.save) if state.is_main else None, "checkpoint.save is in use")
+            self._agree(lock_refusal(cfg.save, cfg.force_unlock) if state.is_main else None, "checkpoint.save is in use")
         # resume = continue the newest complete checkpoint under save (or load); with no checkpoint there
         # yet, a resume request is a fresh start (initial weights from checkpoint.load, if given)
         root = (cfg.save or cfg.load) if cfg.resume else None
@@ -116,7 +116,7 @@ class CheckpointManager:
         refusal = None
         if self.state.is_main:
             try:
-                self.lock = SaveLock(self.cfg.save).acquire()
+                self.lock = SaveLock(self.cfg.save, force=self.cfg.force_unlock).acquire()
             except CheckpointError as e:
                 refusal = str(e)
             else:  # no other job writes here now: a dead one's partial saves only take space
