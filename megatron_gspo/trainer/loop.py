@@ -109,7 +109,9 @@ class Trainer:
         # the stop story: votes, what a stop saves, the stop line (trainer/stopping.py)
         self.stopping = StopControl(cfg, st, self.preempt, self.source, self.checkpoints, self.ddp, self.sampler,
                                     during_save=functools.partial(self.hooks.during_save, self))
-        self.logger = MetricsLogger(cfg.train.output_dir, enabled=st.is_main, tensorboard=cfg.train.tensorboard)
+        # a run continuing a checkpoint continues its log; any other keeps an earlier run's logs aside
+        self.logger = MetricsLogger(cfg.train.output_dir, enabled=st.is_main, tensorboard=cfg.train.tensorboard,
+                                    resumed=self.checkpoints.resume_dir is not None)
         self.skips = SkipCount()  # the NaN guard's count: part of the training state (trainer/skips.py)
         self.step_start = StepStart(self.ddp, self.sampler, self.skips)  # what a stop for too many skips goes back to
         self.warned_empty = False  # overlong filtering emptied a minibatch (said once)
