@@ -9,9 +9,11 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 import zlib
 
 import pytest
@@ -184,6 +186,70 @@ def describe(rec):
     from megatron_gspo.runtime.owner import describe as owner_describe
 
     return owner_describe(rec)
+
+
+def test_a_lock_from_another_host_is_held_while_its_lease_runs_and_taken_over_after(tmp_path):
+    """A job on another host (a new sbatch after a node failure, another node) renews its lock's lease: a
+    lock renewed within LEASE_S is refused, one not renewed for longer is taken over naming its holder; a
+    lock written before leases, from another host, is still held however old."""
+    from megatron_gspo.checkpoint.lock import LEASE_S, LOCK, SaveLock, read_lock
+
+    root = str(tmp_path / "ckpt")
+    path = os.path.join(root, LOCK)
+    live = write_lock(root, host="node-b", pid=4242, slurm_job="78", lease_s=LEASE_S)  # renewed just now
+    with pytest.raises(CheckpointError) as e:
+        SaveLock(root).acquire()
+    assert str(e.value).startswith(f"checkpoint.save={root} is in use by SLURM job 78 (host node-b, pid 4242, ")
+    assert str(e.value).endswith(f"taken over {LEASE_S:.0f} s after its last renewal; if you know that job is gone, "
+                                 "set checkpoint.force_unlock=true to take it now)")
+    assert read_lock(path) == live
+    old = time.time() - LEASE_S - 60
+    os.utime(path, (old, old))  # its job stopped renewing it 11 minutes ago
+    with LogLines(logging.WARNING) as said:
+        lock = SaveLock(root).acquire()
+    assert len(said.lines) == 1 and re.fullmatch(
+        re.escape(f"checkpoint.save={root}: taking over the lock of {describe(live)}: its lease expired: not renewed "
+                  "for ") + r"6[67]\d" + re.escape(f" s (a running job renews it every 60 s; lease {LEASE_S:.0f} s)"),
+        said.lines[0]), said.lines
+    assert read_lock(path)["token"] == lock.record["token"] and read_lock(path)["lease_s"] == LEASE_S
+    lock.release()
+    write_lock(root, host="node-b", pid=4242, slurm_job="78")  # no lease: cannot be told from a live one
+    os.utime(path, (old, old))
+    with pytest.raises(CheckpointError, match=r"in use by SLURM job 78 .* set checkpoint.force_unlock=true, or delete"):
+        SaveLock(root).acquire()
+
+
+def test_a_held_lock_is_renewed_and_force_unlock_takes_a_live_one(tmp_path, sleeper):
+    from megatron_gspo.checkpoint.lock import LOCK, SaveLock, read_lock
+
+    root = str(tmp_path / "ckpt")
+    path = os.path.join(root, LOCK)
+    lock = SaveLock(root, renew_s=0.05).acquire()
+    os.utime(path, (1.0, 1.0))
+    deadline = time.time() + 10
+    while os.stat(path).st_mtime < time.time() - 5 and time.time() < deadline:
+        time.sleep(0.05)
+    assert os.stat(path).st_mtime > time.time() - 5  # renewed while held
+    lock.release()
+    assert not os.path.exists(path) and lock._renewer is None  # the renewing thread is gone too
+    for holder in ({"host": "node-b", "pid": 4242, "slurm_job": "78", "lease_s": 600.0},  # within its lease
+                   {"pid": sleeper.pid, "pid_start": start_ticks(sleeper.pid)}):  # a live process of this host
+        rec = write_lock(root, **holder)
+        with LogLines(logging.WARNING) as said:
+            lock = SaveLock(root, force=True).acquire()
+        assert said.lines == [f"checkpoint.save={root}: taking over the lock of {describe(rec)}: checkpoint.force_unlock="
+                              "true (it may still be running: two jobs saving here overwrite each other)"]
+        assert read_lock(path)["token"] == lock.record["token"]
+        lock.release()
+    # through the command line: refused, then taken with checkpoint.force_unlock=true
+    rec = write_lock(root, host="node-b", pid=4242, slurm_job="78", lease_s=600.0)
+    code, errors, _ = run_main(job(tmp_path, "out", f"checkpoint.save={root}", steps=1))
+    assert code == 2 and errors[0].startswith(f"error: checkpoint.save={root} is in use by SLURM job 78"), errors
+    code, errors, lines = run_main(job(tmp_path, "out", f"checkpoint.save={root}", "checkpoint.force_unlock=true",
+                                       steps=1))
+    assert code == 0, lines[-10:]
+    assert any(f"taking over the lock of {describe(rec)}: checkpoint.force_unlock=true" in ln for ln in lines)
+    assert latest_complete(root) == 1 and not os.path.exists(path)
 
 
 def test_jobs_starting_together_get_the_lock_once(tmp_path):

@@ -142,7 +142,7 @@ def test_sigterm_checkpoints_and_resumes(tmp_path, straight):
 
 def test_nan_skipped_on_every_rank_and_k_in_a_row_stop(tmp_path):
     """Rank 1 alone sees non-finite log-probs at step 2; both ranks skip. Steps 2-4 poisoned on
-    rank 1 with K=3: the run stops with EXIT_TOO_MANY_SKIPS and a checkpoint of the last good state."""
+    rank 1 with K=3: the run stops with EXIT_TOO_MANY_SKIPS and the checkpoint of the last completed step."""
     rc, out = train(tmp_path, "e", "train.max_consecutive_skips=3", "train.num_minibatches=1",
                     faults="nan_logprob@2:1,nan_logprob@3:1,nan_logprob@4:1", steps=5, nproc=2)
     assert rc != 0
@@ -153,9 +153,49 @@ def test_nan_skipped_on_every_rank_and_k_in_a_row_stop(tmp_path):
     assert "stopping: 3 consecutive updates had non-finite loss or gradients" in out
     assert f"exitcode  : {EXIT_TOO_MANY_SKIPS}" in out
     root = f"{tmp_path}/e/ckpt"
-    assert latest_complete(root) == 3  # saved when the 3rd skip happened (step 4 in progress)
+    assert latest_complete(root) == 3  # the last completed step (its periodic save) when step 4's skip stopped the run
+    assert read_common(iter_dir(root, 3))["extra"]["skips"] == {"consecutive": 2, "total": 2}  # a resume counts on
     rows = [json.loads(x) for x in open(f"{tmp_path}/e/metrics.jsonl")]
     assert [r["train/skipped_updates"] for r in rows] == [0, 1, 1]
+
+
+def saved_state(root, step):
+    """What a resume reads of iter_<step>: every tensor (weights and optimizer), the schedule, the data
+    position and the skip count."""
+    common = read_common(iter_dir(root, step))
+    extra = common.get("extra") or {}
+    return (dist_checkpoint_to_tensors(iter_dir(root, step)),
+            {"scheduler": common.get("scheduler"), "data": extra.get("data"), "skips": extra.get("skips")})
+
+
+# 4 minibatches per step, a stop after 3 skips in a row: a step whose first update was applied can end the run
+SKIP_STOP = ["train.num_minibatches=4", "train.micro_batch_size=4", "train.max_consecutive_skips=3"]
+
+
+@pytest.fixture(scope="module")
+def stopped_clean_at_2(tmp_path_factory):
+    """A SIGTERM as step 3 begins: the checkpoint a clean stop after step 2 leaves (none periodic before it)."""
+    tmp = tmp_path_factory.mktemp("clean")
+    rc, out = train(tmp, "a", *SKIP_STOP, "checkpoint.save_interval=100", faults="sigterm@3")
+    assert rc == EXIT_PREEMPTED, out[-3000:]
+    return saved_state(f"{tmp}/a/ckpt", 2)
+
+
+@pytest.mark.parametrize("interval", [100, 1], ids=["step-2-unsaved", "step-2-saved"])
+def test_stop_for_skips_inside_a_step_leaves_the_last_completed_step(tmp_path, stopped_clean_at_2, interval):
+    """Step 3's first minibatch is applied, its 2nd-4th are non-finite: the third skip stops the run inside
+    step 3. What it leaves is the clean stop's checkpoint of step 2 (weights, Adam states, schedule, data
+    position), written now (step 2 unsaved: its state as it was before step 3's update) or the periodic
+    save of step 2 left as it is; the skips are counted in it."""
+    rc, out = train(tmp_path, "k", *SKIP_STOP, f"checkpoint.save_interval={interval}", faults="nan_logprob_late@3")
+    assert rc == EXIT_TOO_MANY_SKIPS, out[-3000:]
+    assert "stopping: 3 consecutive updates had non-finite loss or gradients" in out
+    root = f"{tmp_path}/k/ckpt"
+    assert latest_complete(root) == 2 and not os.path.exists(iter_dir(root, 3))
+    tensors, common = saved_state(root, 2)
+    want_tensors, want_common = stopped_clean_at_2
+    assert_same(want_tensors, tensors)
+    assert common == want_common and common["skips"] == {"consecutive": 0, "total": 0}  # step 3's skips are not in it
 
 
 def test_one_rank_raises_both_exit_quickly(tmp_path):

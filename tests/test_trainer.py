@@ -252,7 +252,7 @@ def test_metrics_restart_at_the_resumed_step(tmp_path):
     while int(time.time()) == start:
         time.sleep(0.05)
     with LogLines(logging.WARNING) as warnings:
-        second = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True)
+        second = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True, resumed=True)
         for step in (4, 5, 6):
             second.log(step, {"x": 10.0 * step})
         second.close()
@@ -266,6 +266,29 @@ def test_metrics_restart_at_the_resumed_step(tmp_path):
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("x")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0),
                                                             (6, 60.0)]
+
+
+def test_a_new_run_keeps_an_earlier_runs_logs(tmp_path):
+    """A run that continues no checkpoint, into the output directory of a finished earlier run: the earlier
+    run's metrics.jsonl and TensorBoard events are kept whole, renamed aside (said in a warning), and the new
+    run writes its own from step 1 (a resumed run's truncation is test_metrics_restart_at_the_resumed_step's)."""
+    from jobs_in_process import TINY_JOB, run_main
+
+    out = tmp_path / "out"
+    job = TINY_JOB + [f"train.output_dir={out}", "train.tensorboard=true"]
+    code, _, lines = run_main(job + ["train.num_steps=2"])
+    assert code == 0, lines[-10:]
+    earlier = (out / "metrics.jsonl").read_text()
+    events = sorted(os.listdir(out / "tensorboard"))
+    code, _, lines = run_main(job + ["train.num_steps=1"])
+    assert code == 0, lines[-10:]
+    assert (out / "metrics.1.jsonl").read_text() == earlier and [json.loads(r)["step"] for r in earlier.splitlines()] == [1, 2]
+    assert sorted(os.listdir(out / "tensorboard.1")) == events
+    assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert f"train.output_dir={out} holds the logs of an earlier run and this run continues no checkpoint of it: kept " \
+           "as metrics.1.jsonl and tensorboard.1; this run writes a new metrics.jsonl and tensorboard (resume with " \
+           "checkpoint.resume=true to continue a run's log instead)" in lines, lines
+    assert not any("went past its last checkpoint" in ln for ln in lines)
 
 
 def test_resume_reads_each_file_once_and_rotation_reads_none(tmp_path, monkeypatch):

@@ -83,6 +83,35 @@ def test_the_trainer_refuses_an_unwritable_checkpoint_save_or_output_dir_at_star
         assert not any(ln.startswith(("numerics:", "model:")) for ln in lines)  # before anything was built
 
 
+def bad_paths(tmp_path) -> list[tuple[str, str]]:
+    """(a path, the cause the refusal names): a symbolic link loop on the way, a link that is itself a loop,
+    a component over 255 bytes, a path over 4,096 bytes."""
+    os.symlink("loop", tmp_path / "loop")  # a link to itself
+    long_name, deep = "n" * 300, "/".join(["d" * 200] * 22)
+    return [(f"{tmp_path}/loop/ckpt", f"{tmp_path}/loop is a symbolic link loop (too many levels of symbolic links)"),
+            (f"{tmp_path}/loop", f"{tmp_path}/loop is a symbolic link loop (too many levels of symbolic links), not a "
+                                 "directory"),
+            (f"{tmp_path}/{long_name}/ckpt", f"the name {long_name[:16]}... is 300 bytes, over the file system's limit "
+                                             "of 255 bytes per name"),
+            (f"{tmp_path}/{deep}", f"the path is {len(str(tmp_path)) + 1 + len(deep)} bytes, over the limit of 4096 "
+                                   "bytes per path")]
+
+
+def test_a_link_loop_or_a_name_too_long_is_named_with_its_key(tmp_path):
+    """On the command line: one line naming the key and the real cause, exit 2, no traceback (was an
+    OSError's traceback, Errno 40 / 36; a loop was "a symbolic link to a missing path")."""
+    for n, (path, cause) in enumerate(bad_paths(tmp_path)):
+        key = ("checkpoint.save", "train.output_dir")[n % 2]
+        out = f"{tmp_path}/out" if key == "checkpoint.save" else None
+        args = TINY_JOB + ["train.num_steps=1", f"{key}={path}"] + ([f"train.output_dir={out}"] if out else [])
+        p = subprocess.run([sys.executable, "-m", "megatron_gspo.train", *args], capture_output=True, text=True,
+                           cwd=REPO, timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+        said = [ln for ln in p.stdout.splitlines() if ln.strip()]  # (stderr: torch's import-time notices)
+        assert p.returncode == 2, (said + p.stderr.splitlines())[-10:]
+        assert said[-1].split(" ", 1)[1] == f"error: {key}={path}: cannot write there: {cause}", said[-5:]
+        assert "Traceback" not in p.stdout + p.stderr
+
+
 def test_preflight_json_on_a_read_only_file_system_names_it(read_only):
     from jobs_in_process import run_preflight
 

@@ -90,7 +90,7 @@ class CheckpointManager:
         self.skipped: list[tuple[str, str]] = []  # (rank 0) damaged checkpoints newer than resume_dir
         self.lock: Optional[SaveLock] = None  # (rank 0) checkpoint.save's, while this job may write there
         if cfg.save:  # a root another job is training into is refused before minutes of verifying it
-            self._agree(lock_refusal(cfg.save) if state.is_main else None, "checkpoint.save is in use")
+            self._agree(lock_refusal(cfg.save, cfg.force_unlock) if state.is_main else None, "checkpoint.save is in use")
         # resume = continue the newest complete checkpoint under save (or load); with no checkpoint there
         # yet, a resume request is a fresh start (initial weights from checkpoint.load, if given)
         root = (cfg.save or cfg.load) if cfg.resume else None
@@ -116,7 +116,7 @@ class CheckpointManager:
         refusal = None
         if self.state.is_main:
             try:
-                self.lock = SaveLock(self.cfg.save).acquire()
+                self.lock = SaveLock(self.cfg.save, force=self.cfg.force_unlock).acquire()
             except CheckpointError as e:
                 refusal = str(e)
             else:  # no other job writes here now: a dead one's partial saves only take space
@@ -252,13 +252,14 @@ class CheckpointManager:
         return bool(self.cfg.save and self.cfg.save_interval and step % self.cfg.save_interval == 0)
 
     def track(self, model, optimizer, scheduler, *, job, data, extra_models: dict,
-              during_save: Optional[Callable[[str], None]] = None) -> None:
+              during_save: Optional[Callable[[str], None]] = None, skips=None) -> None:
         """The training state every later ``save_step`` writes, handed over once (trainer.optim.setup_optimizer,
         beside the restore of the same state): the policy ``model`` (DDP), its ``optimizer`` and
         ``scheduler``, the ``extra_models`` by name, and, read when a save runs, the position of ``data``
-        (its ``state_dict()``) and the ``job`` config (the resume compares it, config_change.py)."""
+        (its ``state_dict()``), the count of skipped updates ``skips`` (its ``state_dict()``; None: not
+        written) and the ``job`` config (the resume compares it, config_change.py)."""
         self._tracked = dict(model=model, optimizer=optimizer, scheduler=scheduler, job=job, data=data,
-                             extra_models=extra_models, during_save=during_save)
+                             extra_models=extra_models, during_save=during_save, skips=skips)
 
     def save_step(self, step: int) -> Optional[str]:
         """Collective: the tracked state after ``step`` completed steps, now (a periodic save, the end of the
@@ -266,9 +267,11 @@ class CheckpointManager:
         if self._tracked is None:
             raise RuntimeError("CheckpointManager.save_step before track(): nothing to save")
         t = self._tracked
+        extra = {"data": t["data"].state_dict(), "config": to_dict(t["job"])}
+        if t["skips"] is not None:
+            extra["skips"] = t["skips"].state_dict()
         return self.save(step, t["model"], t["optimizer"], t["scheduler"], extra_models=t["extra_models"],
-                         extra={"data": t["data"].state_dict(), "config": to_dict(t["job"])},
-                         during_save=t["during_save"])
+                         extra=extra, during_save=t["during_save"])
 
     def save_if_due(self, step: int) -> None:
         """At the end of step ``step``: the periodic save, when ``due``."""

@@ -425,6 +425,11 @@ class CheckpointConfig:
     # is refused by name unless listed here. checkpoint.load (initial weights) compares the model keys
     # its weights are bound to (vocabulary, positions, rotary base, ...) the same way.
     allow_config_change: list[str] = knob(default_factory=list, resume=Resume.MAY_CHANGE)
+    # Take checkpoint.save's lock (save.lock) even from a job that may still be running (another host's,
+    # within its 10-minute lease): for a person who knows that job is gone (its node failed) and will not
+    # wait for its lease to run out. A warning names the holder; two live jobs saving into one root
+    # overwrite each other's checkpoints.
+    force_unlock: bool = knob(False, resume=Resume.MAY_CHANGE)
 
     def __post_init__(self) -> None:
         validate(self, "checkpoint")

@@ -87,7 +87,7 @@ MEANING = {
     0: "finished",
     EXIT_USER_ERROR: "user error: fix the config, layout, file or checkpoint it names",
     EXIT_PREEMPTED: "preempted: a checkpoint was written, resume with checkpoint.resume=true",
-    EXIT_TOO_MANY_SKIPS: "too many consecutive non-finite updates: the last good state was saved",
+    EXIT_TOO_MANY_SKIPS: "too many consecutive non-finite updates: the last completed step was saved",
     EXIT_CHECKPOINT_WRITE_FAILED: "a checkpoint could not be written (no space left, or the disk failed): make room "
                                   "and resume from the last complete one it names",
     EXIT_PREEMPTED_NOTHING_SAVED: "preempted before a step completed: nothing new to save, the newest checkpoint "

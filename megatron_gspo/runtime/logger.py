@@ -47,24 +47,32 @@ class MetricsLogger:
     A write that fails (a full disk, a quota, a file system gone away) is said in one line when it
     happens and training goes on: the metrics are a log, the checkpoint is the run's state (a checkpoint
     the disk refuses stops the run, exit 74). Each later step tries again; a line says when rows are
-    written again and which steps have none. TensorBoard that fails is off for the rest of the run."""
+    written again and which steps have none. TensorBoard that fails is off for the rest of the run.
 
-    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool = True) -> None:
+    ``resumed``: this run continues a checkpoint (checkpoint.resume found one). Its rows from the resumed
+    step on are an earlier attempt's, which went past that checkpoint: dropped, the steps logged again. A
+    run that continues nothing never touches an earlier run's logs: they are moved aside
+    (``keep_earlier_logs``) and this run writes a new metrics.jsonl."""
+
+    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool = True, resumed: bool = False) -> None:
         self.enabled = enabled
         self.output_dir = output_dir
+        self.resumed = resumed
         self.use_tb = tensorboard
         self.tb = None
         self.fd: Optional[int] = None  # metrics.jsonl, opened for appending at the first row
         self.lost: list[int] = []  # steps whose row could not be written since the last one that was
 
     def _open(self, first_step: int) -> None:
-        # Opened at the first log line, so a run refused at start-up writes nothing. That first
-        # step is where this run's history starts: rows at or after it were written by a run that
-        # went on past its last checkpoint (killed, then resumed from that checkpoint) or by an
-        # earlier run in the same directory, and would give every re-run step two rows. They are
-        # dropped, with a warning; TensorBoard hides its own events from that step on (purge_step).
+        # Opened at the first log line, so a run refused at start-up writes nothing. For a resumed run
+        # that first step is where its history starts: rows at or after it were written by the run that
+        # went on past its last checkpoint (killed, then resumed from that checkpoint) and would give every
+        # re-run step two rows. They are dropped, with a warning; TensorBoard hides its own events from
+        # that step on (purge_step). A new run's predecessor in the directory is kept whole, aside.
         os.makedirs(self.output_dir, exist_ok=True)
         path = os.path.join(self.output_dir, "metrics.jsonl")
+        if not self.resumed:
+            keep_earlier_logs(self.output_dir)
         dropped = truncate_jsonl(path, first_step)
         if dropped:
             log.warning("%s: dropped %d row(s) of steps >= %d written by an earlier run that went past its last "
@@ -151,6 +159,39 @@ class MetricsLogger:
             log.warning("train.output_dir=%s: metrics.jsonl could not be written to the end: %s", self.output_dir,
                         self._missing())
             self.lost = []
+
+
+LOGS = ("metrics.jsonl", "tensorboard")  # what MetricsLogger writes in train.output_dir
+
+
+def keep_earlier_logs(output_dir: str) -> Optional[int]:
+    """A run that continues no checkpoint, in a directory holding an earlier run's logs: they are renamed
+    to metrics.N.jsonl and tensorboard.N/ (N: the first number neither name has), with a warning saying
+    so, and this run starts new ones. Returns N, or None when there was nothing to keep (no file, or
+    empty ones)."""
+    found = [name for name in LOGS if _has_content(os.path.join(output_dir, name))]
+    if not found:
+        return None
+    n = 1
+    while any(os.path.lexists(os.path.join(output_dir, _numbered(name, n))) for name in LOGS):
+        n += 1
+    for name in found:
+        os.replace(os.path.join(output_dir, name), os.path.join(output_dir, _numbered(name, n)))
+    log.warning("train.output_dir=%s holds the logs of an earlier run and this run continues no checkpoint of it: "
+                "kept as %s; this run writes a new %s (resume with checkpoint.resume=true to continue a run's log "
+                "instead)", output_dir, " and ".join(_numbered(name, n) for name in found), " and ".join(found))
+    return n
+
+
+def _numbered(name: str, n: int) -> str:
+    stem, ext = os.path.splitext(name)
+    return f"{stem}.{n}{ext}"
+
+
+def _has_content(path: str) -> bool:
+    if os.path.isdir(path):
+        return bool(os.listdir(path))
+    return os.path.isfile(path) and os.path.getsize(path) > 0
 
 
 def truncate_jsonl(path: str, first_step: int) -> int:

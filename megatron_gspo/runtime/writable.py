@@ -68,11 +68,49 @@ def describe_os_error(e: OSError, where: str) -> str:
     return f"{cause} ({where})"
 
 
+_LOOP = "a symbolic link loop (too many levels of symbolic links)"
+
+
 def _kind(path: str) -> str:
     mode = os.lstat(path).st_mode
     if stat.S_ISLNK(mode):
-        return "a symbolic link to a missing path" if not os.path.exists(path) else "a symbolic link to a file"
+        try:
+            os.stat(path)
+        except OSError as e:  # a link that leads back to itself is no link to a missing path
+            return _LOOP if e.errno == errno.ELOOP else "a symbolic link to a missing path"
+        return "a symbolic link to a file"
     return "a regular file" if stat.S_ISREG(mode) else "not a regular file or directory"
+
+
+def _limit(name: str, default: int) -> int:
+    try:
+        return int(os.pathconf("/", name))
+    except (OSError, ValueError):
+        return default
+
+
+def _unreachable(path: str, e: OSError) -> Optional[str]:
+    """Why ``path`` cannot even be looked up (Errno 40 / 36), naming the link or the name at fault; None for any
+    other error."""
+    if e.errno == errno.ELOOP:  # the first prefix that cannot be resolved is the loop
+        parts = path.split(os.sep)
+        for i in range(2, len(parts) + 1):
+            prefix = os.sep.join(parts[:i])
+            try:
+                os.stat(prefix)
+            except OSError as err:
+                if err.errno == errno.ELOOP:
+                    return f"{prefix} is {_LOOP}"
+                break
+        return f"too many levels of symbolic links on the way to {path}"
+    if e.errno == errno.ENAMETOOLONG:
+        name_max, path_max = _limit("PC_NAME_MAX", 255), _limit("PC_PATH_MAX", 4096)
+        for part in path.split(os.sep):
+            if len(os.fsencode(part)) > name_max:
+                return (f"the name {part[:16]}... is {len(os.fsencode(part))} bytes, over the file system's limit of "
+                        f"{name_max} bytes per name")
+        return f"the path is {len(os.fsencode(path))} bytes, over the limit of {path_max} bytes per path"
+    return None
 
 
 def _nearest_existing(path: str) -> str:
@@ -115,6 +153,11 @@ def unwritable(path: str, directory: bool = True) -> Optional[str]:
         existing = _nearest_existing(path)
     except PermissionError as e:  # a folder on the way that this user cannot enter
         return f"permission denied ({os.path.dirname(e.filename or path)} cannot be entered by user {_user()})"
+    except OSError as e:  # a symbolic link loop on the way, a name or path too long
+        cause = _unreachable(path, e)
+        if cause is None:
+            raise
+        return cause
     if existing != path or directory:
         if not os.path.isdir(existing):
             return f"{existing} is {_kind(existing)}, not a directory"

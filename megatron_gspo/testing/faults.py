@@ -6,6 +6,8 @@ a production run never loads it. A test that builds a Trainer itself passes ``Fa
 its hooks. Kinds:
   nan_logprob  make rank's old log-probs of the first micro-batch of every minibatch non-finite
                in that step (the loss and gradients follow: the NaN guard must catch it)
+  nan_logprob_late  the same from the second minibatch of that step on: the first minibatch's update
+               is applied, the later ones are skipped (a stop for too many skips inside a step)
   raise        raise RuntimeError at the start of that step
   kill         SIGKILL this process at the start of that step
   sigterm      send this process SIGTERM at the start of that step (a preempted rank)
@@ -23,7 +25,7 @@ from typing import Optional
 from megatron_gspo.runtime.hooks import TrainerHook
 
 FAULTS_ENV = "MEGATRON_GSPO_FAULTS"
-_KINDS = ("nan_logprob", "raise", "kill", "sigterm", "kill_in_save")
+_KINDS = ("nan_logprob", "nan_logprob_late", "raise", "kill", "sigterm", "kill_in_save")
 
 
 class Faults:
@@ -87,9 +89,13 @@ class FaultInjection(TrainerHook):
         self.step_starts(trainer.step + 1)
 
     def after_rollout(self, trainer, batch) -> None:
-        if not self.faults.active("nan_logprob", trainer.step + 1):
+        if self.faults.active("nan_logprob", trainer.step + 1):
+            poisoned = batch.minibatches
+        elif self.faults.active("nan_logprob_late", trainer.step + 1):
+            poisoned = batch.minibatches[1:]
+        else:
             return
-        for mini in batch.minibatches:
+        for mini in poisoned:
             rows = batch.micro[mini[0]]
             batch.old_logprobs[rows] = batch.old_logprobs[rows].masked_fill(batch.mask[rows], float("nan"))
 

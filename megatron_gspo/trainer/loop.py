@@ -55,6 +55,7 @@ from megatron_gspo.rollout.dump import RolloutDump
 from megatron_gspo.rollout.remote import RolloutRanksLost
 from megatron_gspo.rollout.source import build_source, join_side
 from megatron_gspo.trainer.sft import SFTWarmStart
+from megatron_gspo.trainer.skips import SkipCount, StepStart
 
 log = logging.getLogger("megatron_gspo")
 
@@ -108,9 +109,11 @@ class Trainer:
         # the stop story: votes, what a stop saves, the stop line (trainer/stopping.py)
         self.stopping = StopControl(cfg, st, self.preempt, self.source, self.checkpoints, self.ddp, self.sampler,
                                     during_save=functools.partial(self.hooks.during_save, self))
-        self.logger = MetricsLogger(cfg.train.output_dir, enabled=st.is_main, tensorboard=cfg.train.tensorboard)
-        self.consecutive_skips = 0
-        self.skipped_total = 0
+        # a run continuing a checkpoint continues its log; any other keeps an earlier run's logs aside
+        self.logger = MetricsLogger(cfg.train.output_dir, enabled=st.is_main, tensorboard=cfg.train.tensorboard,
+                                    resumed=self.checkpoints.resume_dir is not None)
+        self.skips = SkipCount()  # the NaN guard's count: part of the training state (trainer/skips.py)
+        self.step_start = StepStart(self.ddp, self.sampler, self.skips)  # what a stop for too many skips goes back to
         self.warned_empty = False  # overlong filtering emptied a minibatch (said once)
         self.step = 0
         self._warned_off_policy = False
@@ -136,8 +139,11 @@ class Trainer:
         # then handed to self.checkpoints, which every later save writes
         self.optimizer, self.scheduler, self.step = setup_optimizer(
             self.cfg, self.state, self.ddp, self.checkpoints, self.sampler, self.ref_model, self.step,
-            during_save=functools.partial(self.hooks.during_save, self))
+            during_save=functools.partial(self.hooks.during_save, self), skips=self.skips)
         self.stopping.first_step = self.step  # the RL loop starts: a stop before a step completes saves no new one
+        # the skip stop can come after some of a step's updates only when a step has more minibatches than the
+        # skips it takes (trainer/skips.py)
+        may_stop_inside = t.num_minibatches > t.max_consecutive_skips
         history = []
         while self.step < t.num_steps:
             self.stopping.check(self.step)  # a collective vote; saves and raises TrainingStopped on a stop signal
@@ -146,6 +152,8 @@ class Trainer:
             parallel.set_seed(t.seed + self.step, self.state)  # every draw of a step depends on (seed, step)
             clear_aux_losses_tracker()  # megatron's per-step aux-loss log (nobody reads it; it must not grow)
             data_before, data_state = self.sampler.counters(), self.sampler.state_dict()
+            self.step_start.begin(data_state, may_stop_inside and self.stopping.writes_state(self.step), self.optimizer,
+                                  self.scheduler)
             try:
                 batch = self.prepare(self.source.collect(self.step))
                 # a signal during the rollout's scoring or its old / reference log-prob passes: leave the step
@@ -216,13 +224,14 @@ class Trainer:
                 self._skip_update(bad_sample_ids(bad_rows))
                 skipped += 1
                 continue
+            self.step_start.before_update()
             with explain_oom("optimizer", self.cfg, st, model_shapes(self.cfg)):  # Adam's states, at the first step
                 ok, gnorm = optimizer_step(self.optimizer, st.device)
             if not ok or not math.isfinite(gnorm):  # megatron's own overflow check (bf16/fp16)
                 self._skip_update([])
                 skipped += 1
                 continue
-            self.consecutive_skips = 0
+            self.skips.applied()
             self.scheduler.step(increment=1)
             grad_norms.append(gnorm)
             self.hooks.after_update(self, k)
@@ -296,19 +305,17 @@ class Trainer:
         return out
 
     def _skip_update(self, bad_rows: list[str]) -> None:
-        self.consecutive_skips += 1
-        self.skipped_total += 1
+        """Every rank together: count a skipped update; too many in a row stop the run, saving the last completed
+        step (never the state inside this one: trainer/skips.py, StopControl.too_many_skips)."""
+        self.skips.skipped()
         log.warning("step %d: non-finite loss/gradients, update skipped on every rank (%d in a row, %d total)%s",
-                    self.step + 1, self.consecutive_skips, self.skipped_total,
+                    self.step + 1, self.skips.consecutive, self.skips.total,
                     f"; sequences with non-finite log-probs on rank {self.state.rank}: {bad_rows[:8]}" if bad_rows else "")
-        if self.consecutive_skips >= self.cfg.train.max_consecutive_skips:
-            self.save()  # nothing was applied since the last good update: this is the last good state
-            raise TrainingStopped(
-                f"stopping: {self.consecutive_skips} consecutive updates had non-finite loss or gradients "
-                f"(train.max_consecutive_skips={self.cfg.train.max_consecutive_skips}) at step {self.step + 1}; "
-                + (f"the last good state was saved to {self.cfg.checkpoint.save}" if self.cfg.checkpoint.save
-                   else "the last good state was not saved (checkpoint.save is not set)"),
-                StopReason.TOO_MANY_SKIPS)
+        if self.skips.consecutive >= self.cfg.train.max_consecutive_skips:
+            why = (f"stopping: {self.skips.consecutive} consecutive updates had non-finite loss or gradients "
+                   f"(train.max_consecutive_skips={self.cfg.train.max_consecutive_skips}) at step {self.step + 1}")
+            self.step_start.rewind()
+            self.stopping.too_many_skips(self.step, why)
 
     # ------------------------------------------------------------------------------------------
     def stop_requested(self, what: str) -> bool:

@@ -76,10 +76,12 @@ def extra_checkpoint_models(ref_model) -> dict:
     return {"ref_model": ref_model} if ref_model is not None else {}
 
 
-def setup_optimizer(cfg: JobConfig, state, ddp, checkpoints, sampler, ref_model, step: int, during_save=None):
+def setup_optimizer(cfg: JobConfig, state, ddp, checkpoints, sampler, ref_model, step: int, during_save=None,
+                    skips=None):
     """The RL optimizer and LR schedule of ``ddp``, built after the SFT warm start; when ``checkpoints`` is
     resuming a training checkpoint, restored with everything it holds (weights, Adam states, schedule, the
-    KL reference ``ref_model`` if any, the ``sampler``'s data position); then the same state is handed to
+    KL reference ``ref_model`` if any, the ``sampler``'s data position, the count of skipped updates
+    ``skips``: trainer.skips.SkipCount, or None); then the same state is handed to
     ``checkpoints`` for every later save (CheckpointManager.track; ``during_save(tmp_dir)`` runs inside
     each), so what a checkpoint restores and what it saves are named in one place. Returns (optimizer,
     scheduler, the step to continue after: ``step`` unless restored)."""
@@ -92,9 +94,11 @@ def setup_optimizer(cfg: JobConfig, state, ddp, checkpoints, sampler, ref_model,
                                        extra_models=extra_checkpoint_models(ref_model))
         step = info["step"]
         sampler.load_state_dict(info["extra"]["data"], accept=checkpoints.change_allowed)
+        if skips is not None:
+            skips.load_state_dict(info["extra"].get("skips"))
         skipped = "; ".join(os.path.basename(p) for p, _ in checkpoints.skipped)
         log.info("resumed from %s at step %d%s", info["path"], step,
                  f" (newer, damaged: {skipped}; the steps after {step} are trained again)" if skipped else "")
     checkpoints.track(ddp, optimizer, scheduler, job=cfg, data=sampler, extra_models=extra_checkpoint_models(ref_model),
-                      during_save=during_save)
+                      during_save=during_save, skips=skips)
     return optimizer, scheduler, step

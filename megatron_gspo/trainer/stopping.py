@@ -14,10 +14,12 @@ the entry point turns its reason into the exit code (runtime/exit_status.py):
     nothing                                  nothing (the newest checkpoint is       79
                                              still the state to resume from)
     rollout ranks lost (async)               the state after the last trained step  75, or 1 when one raised
+    too many skipped updates in a row        as for a stop signal as the step began   76
+    (train.max_consecutive_skips)            (trainer/skips.py: the step's own updates, if any, undone)
 
 ``StopControl`` is the trainer's only contact with all this: ``requested`` (a collective vote),
-``check`` (at a step boundary, in the warm start, or for a step a signal cut short), ``without_rollouts``
-and ``finished`` (the note for a signal that came too late to cut anything short).
+``check`` (at a step boundary, in the warm start, or for a step a signal cut short), ``without_rollouts``,
+``too_many_skips`` (with ``writes_state``: whether it would write the state in memory) and ``finished`` (the note for a signal that came too late to cut anything short).
 """
 
 from __future__ import annotations
@@ -142,6 +144,31 @@ class StopControl:
         saved = self._save_last_completed_step(step)
         raise TrainingStopped(f"stopping before step {step + 1}: {e}; {saved} (resume with "
                               "checkpoint.resume=true: the rollouts in flight are generated again)", e.reason)
+
+    def writes_state(self, step: int) -> bool:
+        """Whether a stop with ``step`` RL steps completed writes the training state in memory (not: nothing,
+        or the periodic save of that step, already on disk): what a stop inside the next step must go back to."""
+        if not self.cfg.checkpoint.save:
+            return False
+        if step == self.first_step:  # no RL step of this run: the warm start, if it progressed, or nothing
+            return self.warm_start is not None and self.warm_start.progressed
+        return not self.checkpoints.due(step)
+
+    def too_many_skips(self, step: int, why: str) -> NoReturn:
+        """Every rank together (the skip is a collective vote), inside step ``step + 1`` with the state in memory
+        back at the end of step ``step`` (trainer/skips.py): save what a stop signal at this step's start would
+        have, and stop with TOO_MANY_SKIPS."""
+        ws, ck = self.warm_start, self.cfg.checkpoint
+        if step == self.first_step and not (ws is not None and ws.progressed):
+            saved = (f"nothing saved: no step of this run completed ({self.checkpoints.resume_dir} is still the state "
+                     "to resume from)" if self.checkpoints.resume_dir is not None
+                     else "nothing saved: no step of this run completed")
+        elif step == self.first_step:
+            saved = self.save_warm_start() + f" (SFT step {ws.done} of {ws.steps})"
+        else:
+            saved = f"{self._save_last_completed_step(step)} (step {step}, the last completed one)"
+        raise TrainingStopped(f"{why}; {saved}" + (f"; resume with checkpoint.resume=true from {ck.save}"
+                                                   if ck.save else ""), StopReason.TOO_MANY_SKIPS)
 
     def finished(self, step: int) -> None:
         """The run completed: a stop signal that came during the last step or after it cut nothing short."""
