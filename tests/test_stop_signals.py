@@ -516,12 +516,13 @@ def test_too_many_skips_without_checkpoint_save_says_nothing_was_saved(tmp_path,
     """Issue 47: the stop line said "the last good state was saved to (checkpoint.save not set)"."""
     from jobs_in_process import TINY_JOB, run_main
 
-    monkeypatch.setenv("MEGATRON_GSPO_FAULTS", "nan_logprob@1")
-    code, errors, lines = run_main(TINY_JOB + ["train.num_steps=2", "train.num_minibatches=1",
+    monkeypatch.setenv("MEGATRON_GSPO_FAULTS", "nan_logprob@2")
+    code, errors, lines = run_main(TINY_JOB + ["train.num_steps=3", "train.num_minibatches=1",
                                                "train.max_consecutive_skips=1", f"train.output_dir={tmp_path}"])
     assert code == exit_status.EXIT_TOO_MANY_SKIPS, lines[-10:]
     said = [ln for ln in lines if "consecutive updates had non-finite loss or gradients" in ln]
-    assert said and said[-1].endswith("at step 1; the last good state was not saved (checkpoint.save is not set)"), said
+    assert said and said[-1].endswith(
+        "at step 2; NO checkpoint written (checkpoint.save is not set) (step 1, the last completed one)"), said
 
 
 # ----------------------------------------------------------------------------------------------
