@@ -98,6 +98,63 @@ def test_malformed_tool_calls_are_errors_not_exceptions():
     assert parse_tool_calls("no call here", "qwen3") == []
 
 
+# The pieces sampled text is made of in the fuzz below: tags (whole and cut), JSON's punctuation and words, digits,
+# whitespace, escapes (a lone surrogate among them), characters outside ASCII.
+_FUZZ_PIECES = ["<tool_call>", "</tool_call>", "<call>", "</call>", "<tool_", "call>", "{", "}", "[", "]", '"', ":", ",",
+                '"name"', '"arguments"', '"calculator"', '"add"', "calculator ", "add ", "nap ", "true", "null", "NaN",
+                "-", "1e999", "9" * 50, "0.5", " ", "\n", "\\", "\\ud800", "\\u00e9", "é", "\u2028", "\x00", "\ud83d"]
+
+
+def _adversarial_texts():
+    """Texts a policy may sample that once broke the parser or what comes after it (issue 47, row B)."""
+    deep = "[" * 3000
+    return [f"<call>calculator {'9' * 5000}</call>", f"<call>add {{\"a\": {'9' * 5000}}}</call>",
+            f"<tool_call>{{\"name\": \"add\", \"arguments\": {{\"a\": {'9' * 5000}}}}}</tool_call>",
+            f"<call>calculator {deep}</call>", f"<call>add {deep}</call>", f"<tool_call>{deep}</tool_call>",
+            f"<tool_call>{{\"name\": \"add\", \"arguments\": {{\"a\": {'[' * 200}{']' * 200}}}}}</tool_call>",
+            '<tool_call>{"name": "add", "arguments": {"a": "\\ud800"}}</tool_call>',
+            '<tool_call>{"name": "\\udfff", "arguments": {}}</tool_call>', "<call>add\ud800 1</call>",
+            '<tool_call>{"name": "add", "arguments": "' + "[" * 3000 + '"}</tool_call>',
+            "<tool_call>" * 1000, "</call><call>" * 1000, "<call>" + "x" * 100_000 + "</call>"]
+
+
+def test_no_sampled_text_makes_the_tool_call_parser_raise():
+    """A fuzz (a seeded generator: the same 4,000 texts each run) of random and adversarial sampled text, both
+    formats: parse_tool_calls never raises, and what it returns crosses the worker pipe and the dump (JSON in UTF-8,
+    no deeper than MAX_DEPTH)."""
+    import random
+
+    from megatron_gspo.env import calls as parser
+
+    rng = random.Random(47)
+    texts = _adversarial_texts() + ["".join(rng.choice(_FUZZ_PIECES) for _ in range(rng.randint(1, 60)))
+                                    for _ in range(4000)]
+    single = {"calculator": ("expression", "string"), "add": None, "nap": ("seconds", "number")}
+    n_errors = n_calls = 0
+    for text in texts:
+        for fmt in ("qwen3", "plain"):
+            for call in parse_tool_calls(text, fmt, single):
+                n_calls += 1
+                assert call.error is not None or (isinstance(call.name, str) and isinstance(call.arguments, dict))
+                n_errors += call.error is not None
+                json.dumps({"name": call.name, "arguments": call.arguments, "error": call.error},
+                           ensure_ascii=False).encode("utf-8")
+                assert not parser._depth_over(call.arguments, parser.MAX_DEPTH)
+    assert n_calls > 4000 and 0 < n_errors < n_calls  # the fuzz reaches both outcomes
+    # each adversarial text is a malformed call, or a call whose argument is its text as it is (one parameter)
+    (big,) = parse_tool_calls(texts[0], "plain", single)
+    assert big.arguments == {"expression": "9" * 5000} and big.error is None  # the calculator answers it: an error
+    for text, fmt, says in ((texts[1], "plain", "not valid JSON (Exceeds the limit (4300 digits)"),
+                            (texts[2], "qwen3", "not valid JSON (Exceeds the limit (4300 digits)"),
+                            (texts[4], "plain", "not valid JSON (nested too deep to read)"),
+                            (texts[5], "qwen3", "not valid JSON (nested too deep to read)"),
+                            (texts[6], "qwen3", f"JSON nested deeper than {parser.MAX_DEPTH} levels"),
+                            (texts[7], "qwen3", "cannot be sent as UTF-8"), (texts[8], "qwen3", "cannot be sent as UTF-8"),
+                            (texts[9], "plain", "cannot be sent as UTF-8")):
+        (call,) = parse_tool_calls(text, fmt, single)
+        assert says in call.error, (text[:60], call.error)
+
+
 def test_the_plain_format_writes_a_one_parameter_tool_bare():
     text = format_call("calculator", {"expression": "6*7"}, "plain", single="expression")
     assert text == "<call>calculator 6*7</call>"

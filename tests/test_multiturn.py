@@ -334,3 +334,39 @@ def test_evaluation_talks_each_held_out_prompt_to_its_end(tmp_path):
     assert m["eval/num_prompts"] == 4.0 and m["eval/turns_mean"] > 1.5 and m["eval/tool_calls_mean"] == 0.0
     assert m["eval/greedy_accuracy"] == 0.0  # Echo never rewards, exact_match on a word of the untrained model
     assert m["eval/response_length_mean"] <= 3 * 4  # sampled tokens only: at most 3 turns of 4
+
+
+# Sampled text that once raised in the trainer (issue 47, row B): an integer past Python's int-string limit, JSON
+# nested past its recursion limit; each a tool call of the calculator (one parameter: the bare value is read too).
+_BREAKERS = [f"<call>calculator {'9' * 5000}</call>", "<call>calculator {\"expression\": " + "9" * 5000 + "}</call>",
+             "<call>calculator " + "[" * 3000 + "</call>", "<call>calculator {\"expression\": " + "[" * 3000 + "}</call>"]
+
+
+def test_sampled_text_that_broke_the_parser_is_a_counted_tool_error_in_a_training_job(tmp_path, monkeypatch):
+    """A training job whose policy "samples" those texts at its first turn (the text the environment reads is
+    replaced where the rollout decodes it): each is answered with an error observation and counted; the job trains."""
+    from megatron_gspo.config import load_job_config
+    from megatron_gspo.rollout import multiturn
+
+    given = []
+    take = multiturn.MultiTurnRollout._take
+
+    def sampled(self, row, out, j, cap, routes):
+        ids = take(self, row, out, j, cap, routes)
+        if row.num_turns == 1 and not row.ended:  # the rows whose first turn goes to the environment
+            row.final_text = _BREAKERS[len(given) % len(_BREAKERS)]
+            given.append(row.final_text)
+        return ids
+
+    monkeypatch.setattr(multiturn.MultiTurnRollout, "_take", sampled)
+    out = tmp_path / "b"
+    rows = run_job_rows(load_job_config(None, BASE + [
+        f"train.output_dir={out}", "env.name=tools", "env.tools=[calculator]", "env.max_turns=2",
+        "train.dump_rollouts=true"]))
+    assert len(given) >= 4 and rows[0]["step"] == 1 and math.isfinite(rows[0]["loss/loss"])
+    assert rows[0]["rollout/tool_errors"] == len(given)  # one failed call per row that said one
+    dumped = [json.loads(x) for x in open(out / "rollouts" / "step_000001.jsonl")]
+    calls = [c for d in dumped for c in d["tool_calls"]]
+    assert len(calls) == len(given) and all("error" in c and "result" not in c for c in calls)
+    tool_turns = [s for d in dumped for s in d["turns"] if s["role"] == "tool"]
+    assert len(tool_turns) == len(given) and all(s["text"].startswith("error: ") for s in tool_turns)

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 from megatron_gspo.env.calls import parse_tool_calls
 from megatron_gspo.env.pool import Reply, Request, WorkerPool
 from megatron_gspo.env.tools import Tool
-from megatron_gspo.errors import EnvError
+from megatron_gspo.errors import EnvError, clip_repr
 
 
 def check_reset(value, path: str) -> str:
@@ -137,7 +137,7 @@ class ToolRunner:
         for c, call in enumerate(calls):
             entry = {"name": call.name, "arguments": call.arguments}
             if call.name is not None and call.name not in self.tools:
-                entry["error"] = f"there is no tool {call.name!r}; the tools are {', '.join(self.tools)}"
+                entry["error"] = f"there is no tool {clip_repr(call.name, 80)}; the tools are {', '.join(self.tools)}"
             elif call.error is not None:
                 entry["error"] = call.error
             elif not replies[c].ok:
