@@ -522,3 +522,18 @@ def test_a_string_that_yaml_read_as_a_mapping_says_what_happened_and_what_to_wri
     section, key = override.split("=")[0].split(".")
     if override.endswith(":"):
         assert getattr(getattr(config.load_job_config(None, [quoted]), section), key) == override.split("=", 1)[1]
+
+
+def test_the_micro_batch_token_budget_counts_a_multi_turn_rows_whole_conversation():
+    """A multi-turn row holds its prompt and every turn and observation (env.max_response_tokens), not one
+    generation.max_new_tokens: 16 + 64 = 80 tokens do not fit 25 (issue 47, row J)."""
+    from megatron_gspo.config import load_job_config
+
+    job = ["env.tools=[calculator]", "env.max_response_tokens=64", "data.max_prompt_length=16", "generation.max_new_tokens=8"]
+    with pytest.raises(ConfigError, match=r"train\.max_tokens_per_micro_batch=25 cannot hold one row of up to "
+                                          r"data\.max_prompt_length \+ env\.max_response_tokens = 80 tokens"):
+        load_job_config(None, job + ["train.max_tokens_per_micro_batch=25"])
+    assert load_job_config(None, job + ["train.max_tokens_per_micro_batch=80"]).train.max_tokens_per_micro_batch == 80
+    with pytest.raises(ConfigError, match=r"data\.max_prompt_length \+ env\.max_response_tokens = 100064 exceeds "
+                                          r"model\.max_position_embeddings=512"):
+        load_job_config(None, ["env.tools=[calculator]", "env.max_response_tokens=100000"])
