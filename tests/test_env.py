@@ -47,7 +47,7 @@ def test_a_tool_schema_comes_from_its_signature_and_docstring():
 def test_bad_tool_names_are_refused_by_name():
     with pytest.raises(EnvError, match="neither a built-in tool"):
         load_tool("no_colon")
-    with pytest.raises(EnvError, match="no module named 'nowhere_at_all'"):
+    with pytest.raises(EnvError, match="No module named 'nowhere_at_all'"):
         load_tool("nowhere_at_all:f")
     with pytest.raises(EnvError, match="has no 'missing'"):
         load_tool("multiturn_envs:missing")
@@ -271,6 +271,65 @@ def test_env_kwargs_that_do_not_fit_the_class_are_refused_at_start_up():
                             "argument 'discont'")
     runner = build_runner(EnvConfig(name=name, kwargs={"discount": 0.25}), "plain")
     runner.pool.close()
+
+
+_FILE_ENV = '''
+from dataclasses import dataclass
+
+
+@dataclass
+class Said:
+    observation: object
+    reward: object
+    done: bool
+
+
+class Env:
+    def reset(self, example):
+        return "go " + str(example["prompt"])
+
+    def step(self, response):
+        return Said(None, float(len(response)), True)
+
+
+def shout(text: str) -> str:
+    """Shout.
+
+    Args:
+        text: what to shout
+    """
+    return text.upper()
+'''
+
+
+def test_an_environment_or_a_tool_in_a_file_is_imported_as_a_reward_plug_in(tmp_path, pool):
+    """env.name / env.tools take ``path/to/file.py:Name`` (in the trainer and in the workers); a module that raises,
+    has a syntax error or calls sys.exit while it is imported is one EnvError naming it (issue 47, rows D and E)."""
+    from megatron_gspo.config import EnvConfig
+    from megatron_gspo.env.protocol import build_runner
+
+    (tmp_path / "file_env.py").write_text(_FILE_ENV)
+    runner = build_runner(EnvConfig(name=f"{tmp_path}/file_env.py:Env", num_workers=2), "plain")
+    try:
+        assert runner.reset([{"id": "a", "prompt": "p", "answer": None}]) == ["go p"]
+        (r,) = runner.step(["abc"], [0])
+        assert (r.observation, r.reward, r.done, r.error) == (None, 3.0, True, None)
+    finally:
+        runner.pool.close()
+    tools = ToolRunner(load_tools([f"{tmp_path}/file_env.py:shout"]), pool, "plain", timeout_s=10)
+    (r,) = tools.step(["<call>shout hi</call>"], [0])
+    assert r.observation == [{"role": "tool", "content": "HI"}]
+    for n, (body, says) in enumerate([("class Env(:\n    pass\n", "SyntaxError: "),
+                                      ("raise RuntimeError('broken at import')\n", "RuntimeError: broken at import"),
+                                      ("import sys\nsys.exit(0)\n", "SystemExit: 0"),
+                                      ("import sys\nsys.exit(3)\n", "SystemExit: 3")]):
+        path = tmp_path / f"broken_{n}.py"
+        path.write_text(body)
+        for key, cfg in (("env.name", dict(name=f"{path}:Env")), ("env.tools", dict(tools=[f"{path}:f"]))):
+            with pytest.raises(EnvError) as e:
+                build_runner(EnvConfig(**cfg), "plain")
+            assert str(e.value).startswith(f"{key}: '{path}:") and f"loading {path} failed: {says}" in str(e.value)
+            assert "\n" not in str(e.value)
 
 
 def test_the_guessing_game_answers_higher_lower_and_ends_on_the_number():

@@ -20,11 +20,12 @@ class EnvConfig:
     response per prompt (docs/agents.md)."""
 
     # The environment: null (none: single-turn rollouts), "tools" (the tool environment: the calls it finds in
-    # a response run, their results are the next turn; set by env.tools alone too) or "package.module:Class"
-    # (reset(example) -> first message, step(response) -> (observation, reward, done); built with env.kwargs).
+    # a response run, their results are the next turn; set by env.tools alone too) or "package.module:Class" /
+    # "path/to/file.py:Class" (reset(example) -> first message, step(response) -> (observation, reward, done);
+    # built with env.kwargs).
     name: Optional[str] = knob(None, resume=Resume.REFUSED)
-    # Tools of the tool environment: built-in names (calculator) or "package.module:function"; each one's
-    # JSON schema comes from its signature and docstring (env/tools.py).
+    # Tools of the tool environment: built-in names (calculator), "package.module:function" or
+    # "path/to/file.py:function"; each one's JSON schema comes from its signature and docstring (env/tools.py).
     tools: list[str] = knob(default_factory=list, resume=Resume.REFUSED)
     # Keyword arguments of env.name's class (one object per row).
     kwargs: dict = knob(default_factory=dict, resume=Resume.REFUSED)
@@ -57,7 +58,7 @@ class EnvConfig:
         if self.tools and self.name is None:
             self.name = TOOLS_ENV
         check(self.name is None or self.name == TOOLS_ENV or ":" in self.name,
-              f"env.name={self.name!r} is neither 'tools' nor 'package.module:Class'")
+              f"env.name={self.name!r} is neither 'tools' nor 'package.module:Class' or 'path/to/file.py:Class'")
         check(self.name != TOOLS_ENV or bool(self.tools),
               "env.name=tools needs env.tools: the tools the policy may call (e.g. [calculator])")
         check(not (self.tools and self.name != TOOLS_ENV),
