@@ -246,7 +246,8 @@ def test_a_broken_environment_ends_its_row_or_is_refused_at_reset(pool):
     runner = ClassRunner("multiturn_envs:Raising", {}, pool, timeout_s=10)
     runner.reset([{"id": "a", "prompt": "p", "answer": None}])
     (r,) = runner.step(["x"], [0])
-    assert r.done and r.error == "multiturn_envs:Raising.step() failed: RuntimeError: the environment broke"
+    assert r.done and r.error == ("multiturn_envs:Raising.step() of row 0 failed: RuntimeError: the environment broke "
+                                  f"(at {HERE}/multiturn_envs.py:{_line_of('the environment broke')})")
     bad = ClassRunner("multiturn_envs:BadStep", {}, pool, timeout_s=10)
     bad.reset([{"id": "a", "prompt": "p", "answer": None}])
     (r,) = bad.step(["x"], [0])
@@ -254,8 +255,36 @@ def test_a_broken_environment_ends_its_row_or_is_refused_at_reset(pool):
     with pytest.raises(EnvError, match=r"multiturn_envs:Countdown\(\*\*env.kwargs\) failed: TypeError"):
         ClassRunner("multiturn_envs:Countdown", {"nope": 1}, pool, timeout_s=10).reset(
             [{"id": "a", "prompt": "p", "answer": None}])
-    with pytest.raises(TypeError, match="reward must be a finite number"):
+    with pytest.raises(ValueError, match="E.step\(\) returned reward nan, not a finite number"):
         check_step(("x", float("nan"), False), "E")
+
+
+def test_an_async_step_is_awaited_and_a_bad_reward_is_its_row_s_error_naming_the_value(pool):
+    """``async def`` reset / step run to their result; one that raises is its row's error with the traceback's last
+    line and where (row F). A reward is a number as reward functions return one (numpy scalars too), finite and
+    within float32's range; else its row's error names the environment, the row and the value (row C)."""
+    runner = ClassRunner("multiturn_envs:AsyncCountdown", {"turns": 1}, pool, timeout_s=10)
+    assert runner.reset([{"id": "a", "prompt": "p0", "answer": None}]) == ["p0"]
+    (r,) = runner.step(["x"], [0])
+    assert (r.reward, r.done, r.error) == (1.0, True, None)
+    runner = ClassRunner("multiturn_envs:AsyncRaising", {}, pool, timeout_s=10)
+    runner.reset([{"id": "a", "prompt": "p", "answer": None}] * 2)
+    _, r = runner.step(["x", "y"], [0, 1])
+    assert r.error == ("multiturn_envs:AsyncRaising.step() of row 1 failed: RuntimeError: the async environment broke "
+                       f"(at {HERE}/multiturn_envs.py:{_line_of('the async environment broke')})")
+    assert r.done and r.error_kind == "RuntimeError"
+    said = {}
+    for value in ("1e300", "nan", "inf", "np32", "np_nan", "npbool", "text"):
+        runner = ClassRunner("multiturn_envs:Rewarding", {"value": value}, pool, timeout_s=10)
+        runner.reset([{"id": "a", "prompt": "p", "answer": None}] * 3)
+        (r,) = runner.step(["x"], [2])
+        said[value] = r.reward if r.error is None else r.error
+    prefix = "multiturn_envs:Rewarding.step() of row 2 failed: ValueError: multiturn_envs:Rewarding.step() returned reward "
+    assert said == {"1e300": prefix + "1e+300, beyond float32's range (magnitude at most 3.4e+38): the rewards are "
+                                      "float32, where it would be inf",
+                    "nan": prefix + "nan, not a finite number", "inf": prefix + "inf, not a finite number",
+                    "np32": 0.5, "np_nan": prefix + "nan, not a finite number", "npbool": 1.0,
+                    "text": prefix + "str '1.0', not a number"}
 
 
 def test_env_kwargs_that_do_not_fit_the_class_are_refused_at_start_up():

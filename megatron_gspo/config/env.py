@@ -43,6 +43,10 @@ class EnvConfig:
     # A tool call that raises, times out or cannot be read: "observation" (the model reads the error message as
     # the tool's result and goes on) or "end" (the row ends there). Counted either way (rollout/tool_errors).
     on_tool_error: str = knob("observation", resume=Resume.REFUSED, choices=TOOL_ERROR_POLICIES)
+    # The share of a step's rows that may end on an environment error (its step raised, timed out, returned a bad
+    # reward, or said what the tokenizer cannot encode) before the job stops (EnvError, exit 2): each error ends its
+    # row (rollout/env_error_frac, the first of each kind in the log), but most rows failing is a broken environment.
+    max_error_frac: float = knob(0.5, resume=Resume.MAY_CHANGE, ge=0, le=1)
     # Worker processes that run the tool calls and environments of a rank's rows side by side.
     num_workers: int = knob(4, resume=Resume.MAY_CHANGE, ge=1)
     # How the policy writes a tool call: "qwen3" (<tool_call>{"name": ..., "arguments": {...}}</tool_call>),
