@@ -392,6 +392,10 @@ def env_budget_fits(job) -> None:
           "must hold at least one whole turn")
     check(not g.ignore_eos, "generation.ignore_eos=true with env.name: a turn ends at a stop token, without one "
                             "every row would end after its first turn, cut at generation.max_new_tokens")
+    check(not (job.env.tool_format == "qwen3" and not job.data.apply_chat_template),
+          "env.tool_format=qwen3 is the chat template's format (Qwen3's template shows the tools and reads "
+          "<tool_call> blocks); without data.apply_chat_template (the built-in tokenizer has no template) the model is "
+          "never shown it: use env.tool_format=plain (or auto)")
 
 
 # In this order (the first broken rule is the one reported).
