@@ -146,3 +146,12 @@ class Accented:
 
     def step(self, response):
         return "café", None, False
+
+
+class LongFirst(Echo):
+    """Opens with a first message of 400 characters for the prompts of an odd length (a deterministic share of the
+    rows): over data.max_prompt_length (issue 47)."""
+
+    def reset(self, example):
+        prompt = super().reset(example)
+        return prompt + "x" * 400 if len(prompt) % 2 else prompt

@@ -440,3 +440,26 @@ def test_an_observation_the_tokenizer_cannot_encode_ends_its_row_not_the_job(tmp
     for d in talked:
         assert "the observation after turn 1 of row " in d["env_error"] and "cannot be tokenized: " in d["env_error"]
         assert "'é'" in d["env_error"] and [s["role"] for s in d["turns"]] == ["assistant"]
+
+
+def test_an_over_long_first_message_is_dropped_under_the_default_policy(tmp_path):
+    """(issue 47) LongFirst opens some rows with 400 tokens > data.max_prompt_length=64: under the default policy
+    (drop) each such row ends before its first turn, nothing of it trained (loss mask all 0), counted as an
+    environment error; the others talk and the job trains. Under "error" the job stops, as before."""
+    from megatron_gspo.config import load_job_config
+    from megatron_gspo.errors import DataError
+
+    rows = run_job_rows(load_job_config(None, _env_job(tmp_path, "drop", "env.name=multiturn_envs:LongFirst",
+                                                       "env.max_error_frac=1")))
+    dumped = _dumped(tmp_path, "drop")
+    dropped = [d for d in dumped if d["env_error"] is not None]
+    assert 0 < len(dropped) < 8 and rows[0]["rollout/env_error_frac"] == len(dropped) / 8
+    for d in dropped:
+        assert "renders to " in d["env_error"] and d["env_error"].endswith(
+            "> data.max_prompt_length=64: dropped (data.overlong_prompt_policy=drop)")
+        assert sum(d["loss_mask"]) == 0 and d["turns"] == [] and len(d["token_ids"]) == 64
+    assert all(sum(d["loss_mask"]) > 0 for d in dumped if d["env_error"] is None)
+    assert math.isfinite(rows[0]["loss/loss"])
+    with pytest.raises(DataError, match="renders to 4.. tokens > data.max_prompt_length=64; raise"):
+        run_job_rows(load_job_config(None, _env_job(tmp_path, "error", "env.name=multiturn_envs:LongFirst",
+                                                    "data.overlong_prompt_policy=error")))

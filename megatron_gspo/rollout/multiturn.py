@@ -252,16 +252,32 @@ class MultiTurnRollout:
         return text if len(ids) <= limit else self.tokenizer.decode(ids[:limit])
 
     def _start(self, prompts: list, should_stop) -> list[Trajectory]:
+        """Every row's prompt: the environment's first message rendered. One over data.max_prompt_length is handled
+        by data.overlong_prompt_policy, as the data's prompts are: "error" stops the job, "truncate_left" keeps its
+        last tokens, "drop" (the default) ends the row before its first turn, no token sampled (the loss mask all
+        0: nothing of it is trained), on an environment error that says so (counted: rollout/env_error_frac)."""
         tools = self.runner.schemas() if self.runner is not None else None
+        limit, policy = self.cfg.data.max_prompt_length, self.cfg.data.overlong_prompt_policy
         rows = []
         for p, message in zip(prompts, self._reset(prompts, should_stop)):
             ids = self.fmt.prompt_ids(message, tools)
-            limit = self.cfg.data.max_prompt_length
-            if len(ids) > limit:
-                raise DataError(f"prompt {p.id}: the environment's first message {message[:60]!r} renders to {len(ids)} "
-                                f"tokens{' with the tools in the system prompt' if tools else ''} > "
-                                f"data.max_prompt_length={limit}; raise data.max_prompt_length")
-            rows.append(Trajectory(ids, len(ids), prompt_id=p.id))
+            if len(ids) <= limit:
+                rows.append(Trajectory(ids, len(ids), prompt_id=p.id))
+                continue
+            said = (f"prompt {p.id}: the environment's first message {message[:60]!r} renders to {len(ids)} tokens"
+                    f"{' with the tools in the system prompt' if tools else ''} > data.max_prompt_length={limit}")
+            if policy == "error":
+                raise DataError(f"{said}; raise data.max_prompt_length or set data.overlong_prompt_policy to 'drop' "
+                                "or 'truncate_left'")
+            if policy == "truncate_left":
+                rows.append(Trajectory(ids[-limit:], limit, prompt_id=p.id))
+                continue
+            row = Trajectory(ids[:limit], limit, prompt_id=p.id)
+            self._env_error(row, f"{said}: dropped (data.overlong_prompt_policy=drop)", "over-long first message")
+            rows.append(row)
+        if rows and all(r.env_error is not None for r in rows):
+            raise DataError(f"every prompt of the batch is over-long, e.g. {rows[0].env_error}; raise "
+                            "data.max_prompt_length")
         return rows
 
     def run(self, prompts: list, keys: list[int], seed: int, routing=None,
@@ -329,8 +345,10 @@ class MultiTurnRollout:
         if routing is not None and routing.on_generation_forward is not None and not abandoned:
             from megatron_gspo.routing.rollout_routes import RolloutRoutes
 
-            L, _, k = rows[0].routes.shape
-            routes = RolloutRoutes.from_rows([r.routes for r in rows], L, k, routing.recorder.num_experts)
+            L, _, k = next(r.routes for r in rows if r.routes is not None).shape
+            # a row dropped before its first turn has no route: the training forward's filler routes (its mask is 0)
+            routes = RolloutRoutes.from_rows([r.routes if r.routes is not None else torch.zeros(L, 0, k, dtype=torch.long)
+                                              for r in rows], L, k, routing.recorder.num_experts)
         return MultiTurnOutput(
             tokens=tokens.to(dev), prompt_lengths=plen.to(dev), response_lengths=(total - plen).to(dev),
             response_mask=mask.to(dev), logprobs=lp.to(dev),
