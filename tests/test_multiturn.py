@@ -463,3 +463,12 @@ def test_an_over_long_first_message_is_dropped_under_the_default_policy(tmp_path
     with pytest.raises(DataError, match="renders to 4.. tokens > data.max_prompt_length=64; raise"):
         run_job_rows(load_job_config(None, _env_job(tmp_path, "error", "env.name=multiturn_envs:LongFirst",
                                                     "data.overlong_prompt_policy=error")))
+
+
+def test_an_async_multi_turn_job_reports_its_environment_time(tmp_path, run_dist):
+    """perf/env_s of rollout.mode=async (issue 47): the rollout ranks' environment seconds travel with the record, as
+    a colocated job times its own (the slowest leader's)."""
+    run_dist("run_job.py", 2, "--out", str(tmp_path), "--", *DIST_JOB, "train.num_steps=1",
+             *DIST_LAYOUTS["async"][1], timeout=600)
+    (m,) = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert 0 < m["perf/env_s"] < m["perf/generate_s"], m.get("perf/env_s")
