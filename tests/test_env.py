@@ -431,6 +431,30 @@ def test_qwen3_observations_are_the_template_s_tool_turn_appended_once(tmp_path)
     assert tok.decode(no_think).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
+def test_the_tokens_the_tools_schemas_add_to_every_prompt_are_said_at_start_up(tmp_path):
+    """(issue 47) Qwen3's template lists the tools in its system prompt: hundreds of tokens of every prompt, said
+    with what data.max_prompt_length leaves; nothing for the plain format, which shows no schema."""
+    import logging
+
+    from megatron_gspo.rollout.multiturn import tools_prompt_note
+
+    tok = _qwen3_tokenizer(tmp_path)
+    fmt = TemplateFormat(tok)
+    tools = [load_tool("calculator").schema()]
+    shown, bare = len(fmt.prompt_ids("?", tools)), len(fmt.prompt_ids("?"))
+    assert shown - bare > 100
+    level, said = tools_prompt_note(fmt, tools, 1024)
+    assert level == logging.INFO and said == (
+        f"env.tools: the chat template shows the tools' schemas in every prompt: {shown - bare} tokens (a 1-character "
+        f"message renders to {shown}); data.max_prompt_length=1024 leaves {1024 - shown + 1} tokens for the message itself")
+    level, said = tools_prompt_note(fmt, tools, 64)
+    assert level == logging.WARNING and said.endswith("leaves 0 tokens for the message itself: every prompt is over it; "
+                                                      "raise data.max_prompt_length")
+    from megatron_gspo.data.tokenizer import CharTokenizer
+
+    assert tools_prompt_note(PlainFormat(CharTokenizer()), tools, 64) is None and tools_prompt_note(fmt, [], 64) is None
+
+
 def test_qwen3_the_stream_is_the_sampled_tokens_and_rerendering_would_rewrite_think(tmp_path):
     """The row a multi-turn rollout trains on is prompt + the sampled ids + the observation ids. Rendering the
     whole conversation again with the template (what re-tokenizing frameworks do) rewrites history: Qwen3's

@@ -378,6 +378,9 @@ def build_multiturn(cfg, state, generator, tokenizer, gen_cfg) -> Optional[Multi
 
     fmt = build_format(tokenizer, cfg.data, cfg.env.tool_format)
     runner = build_runner(cfg.env, fmt.tool_format)
+    note = tools_prompt_note(fmt, runner.schemas(), cfg.data.max_prompt_length)
+    if note is not None and (state is None or state.is_main):
+        log.log(note[0], "%s", note[1])
     row_cfg = dataclasses.replace(gen_cfg, n_samples_per_prompt=1)
     return MultiTurnRollout(cfg, state, generator, tokenizer, runner, fmt, row_cfg, env_response_budget(cfg))
 
@@ -398,6 +401,24 @@ def check_env_error_frac(trajectories: list, env_cfg, state, step: int) -> None:
         first = f"; the first on this rank: {errors[0]['env_error']}" if errors else ""
         raise EnvError(f"{n_errors} of step {step}'s {n_rows} rows ended on an environment error, more than "
                        f"env.max_error_frac={env_cfg.max_error_frac:g} of them{first}")
+
+
+def tools_prompt_note(fmt, tools: list, max_prompt_length: int) -> Optional[tuple[int, str]]:
+    """(log level, what to say at start-up) of the tokens the tools' schemas add to every prompt (a chat template
+    lists them in its system prompt: Qwen3's makes a 4-character message some 980 tokens), or None when the format
+    shows none (the plain one)."""
+    if not tools:
+        return None
+    shown, bare = len(fmt.prompt_ids("?", tools)), len(fmt.prompt_ids("?", None))
+    if shown == bare:
+        return None
+    left = max_prompt_length - (shown - 1)
+    said = (f"env.tools: the chat template shows the tools' schemas in every prompt: {shown - bare} tokens (a "
+            f"1-character message renders to {shown}); data.max_prompt_length={max_prompt_length} leaves {max(left, 0)} "
+            "tokens for the message itself")
+    if left <= 0:
+        return logging.WARNING, said + ": every prompt is over it; raise data.max_prompt_length"
+    return logging.INFO, said
 
 
 def multiturn_rewards(out: MultiTurnOutput, prompts: list, reward_fn, cfg, device, penalty: bool = True,
