@@ -154,3 +154,60 @@ def spawn_and_hang(marker: str) -> str:
     with open(marker, "w") as f:
         f.write(" ".join(map(str, pids)))
     time.sleep(3600)
+
+
+class AsyncRaising:
+    """An ``async def step`` that raises (issue 47, row F)."""
+
+    def reset(self, example):
+        return str(example["prompt"])
+
+    async def step(self, response):
+        raise RuntimeError("the async environment broke")
+
+
+class AsyncCountdown(Countdown):
+    """Countdown with ``async def`` reset and step."""
+
+    async def reset(self, example):
+        return super().reset(example)
+
+    async def step(self, response):
+        return super().step(response)
+
+
+class Rewarding:
+    """Ends at once with the reward ``value`` names: "1e300", "nan", "inf", "np32" (numpy float32 0.5), "np_nan",
+    "npbool" (numpy True), "text" (issue 47, row C)."""
+
+    def __init__(self, value: str = "1e300") -> None:
+        self.value = value
+
+    def reset(self, example):
+        return str(example["prompt"])
+
+    def step(self, response):
+        import numpy as np
+
+        value = {"1e300": 1e300, "nan": float("nan"), "inf": float("inf"), "np32": np.float32(0.5),
+                 "np_nan": np.float64("nan"), "npbool": np.bool_(True), "text": "1.0", "2e38": 2e38}[self.value]
+        return None, value, False if self.value == "2e38" else True
+
+
+class Accented:
+    """Answers every turn with a word the built-in character tokenizer cannot encode (issue 47, row I)."""
+
+    def reset(self, example):
+        return str(example["prompt"])
+
+    def step(self, response):
+        return "café", None, False
+
+
+class LongFirst(Echo):
+    """Opens with a first message of 400 characters for the prompts of an odd length (a deterministic share of the
+    rows): over data.max_prompt_length (issue 47)."""
+
+    def reset(self, example):
+        prompt = super().reset(example)
+        return prompt + "x" * 400 if len(prompt) % 2 else prompt

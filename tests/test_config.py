@@ -541,3 +541,50 @@ def test_a_string_that_yaml_read_as_a_mapping_says_what_happened_and_what_to_wri
     section, key = override.split("=")[0].split(".")
     if override.endswith(":"):
         assert getattr(getattr(config.load_job_config(None, [quoted]), section), key) == override.split("=", 1)[1]
+
+
+def test_the_micro_batch_token_budget_counts_a_multi_turn_rows_whole_conversation():
+    """A multi-turn row holds its prompt and every turn and observation (env.max_response_tokens), not one
+    generation.max_new_tokens: 16 + 64 = 80 tokens do not fit 25 (issue 47, row J)."""
+    from megatron_gspo.config import load_job_config
+
+    job = ["env.tools=[calculator]", "env.max_response_tokens=64", "data.max_prompt_length=16", "generation.max_new_tokens=8"]
+    with pytest.raises(ConfigError, match=r"train\.max_tokens_per_micro_batch=25 cannot hold one row of up to "
+                                          r"data\.max_prompt_length \+ env\.max_response_tokens = 80 tokens"):
+        load_job_config(None, job + ["train.max_tokens_per_micro_batch=25"])
+    assert load_job_config(None, job + ["train.max_tokens_per_micro_batch=80"]).train.max_tokens_per_micro_batch == 80
+    with pytest.raises(ConfigError, match=r"data\.max_prompt_length \+ env\.max_response_tokens = 100064 exceeds "
+                                          r"model\.max_position_embeddings=512"):
+        load_job_config(None, ["env.tools=[calculator]", "env.max_response_tokens=100000"])
+
+
+def test_a_yaml_s_relative_env_sft_source_is_read_from_the_yaml_s_directory(tmp_path, monkeypatch):
+    """examples/tools/gspo_calculator_tiny.yaml runs from any working directory: its demonstrations file is found next
+    to it (issue 47); a path given on the command line stays relative to the working directory."""
+    import os
+
+    from megatron_gspo.config import load_job_config
+
+    ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    example = os.path.join(ROOT, "examples", "tools", "gspo_calculator_tiny.yaml")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_job_config(example)
+    assert cfg.env.sft_source == os.path.join(ROOT, "examples", "tools", "calculator_demonstrations.jsonl")
+    assert os.path.isfile(cfg.env.sft_source)
+    assert load_job_config(example, ["env.sft_source=mine.jsonl"]).env.sft_source == "mine.jsonl"
+
+
+def test_tool_environment_settings_are_refused_where_they_would_do_nothing():
+    """env.tool_format / env.on_tool_error with an environment class, and the qwen3 format without a chat template,
+    are refused by key (issue 47): accepted, they did nothing."""
+    from megatron_gspo.config import load_job_config
+
+    game = "env.name=megatron_gspo.env.games:GuessWithFeedback"
+    for setting in ("env.tool_format=plain", "env.on_tool_error=end"):
+        key = setting.split("=")[0]
+        with pytest.raises(ConfigError, match=rf"^{key}='\w+' is a setting of the tool environment"):
+            load_job_config(None, [game, setting])
+    with pytest.raises(ConfigError, match=r"^env\.tool_format=qwen3 is the chat template's format"):
+        load_job_config(None, ["env.tools=[calculator]", "env.tool_format=qwen3"])
+    assert load_job_config(None, ["env.tools=[calculator]", "env.tool_format=plain",
+                                  "env.on_tool_error=end"]).env.on_tool_error == "end"

@@ -47,7 +47,7 @@ def test_a_tool_schema_comes_from_its_signature_and_docstring():
 def test_bad_tool_names_are_refused_by_name():
     with pytest.raises(EnvError, match="neither a built-in tool"):
         load_tool("no_colon")
-    with pytest.raises(EnvError, match="no module named 'nowhere_at_all'"):
+    with pytest.raises(EnvError, match="No module named 'nowhere_at_all'"):
         load_tool("nowhere_at_all:f")
     with pytest.raises(EnvError, match="has no 'missing'"):
         load_tool("multiturn_envs:missing")
@@ -96,6 +96,63 @@ def test_malformed_tool_calls_are_errors_not_exceptions():
     assert "not a JSON object" in err('<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>')
     assert "names no tool" in err("<call> </call>", "plain")
     assert parse_tool_calls("no call here", "qwen3") == []
+
+
+# The pieces sampled text is made of in the fuzz below: tags (whole and cut), JSON's punctuation and words, digits,
+# whitespace, escapes (a lone surrogate among them), characters outside ASCII.
+_FUZZ_PIECES = ["<tool_call>", "</tool_call>", "<call>", "</call>", "<tool_", "call>", "{", "}", "[", "]", '"', ":", ",",
+                '"name"', '"arguments"', '"calculator"', '"add"', "calculator ", "add ", "nap ", "true", "null", "NaN",
+                "-", "1e999", "9" * 50, "0.5", " ", "\n", "\\", "\\ud800", "\\u00e9", "é", "\u2028", "\x00", "\ud83d"]
+
+
+def _adversarial_texts():
+    """Texts a policy may sample that once broke the parser or what comes after it (issue 47, row B)."""
+    deep = "[" * 3000
+    return [f"<call>calculator {'9' * 5000}</call>", f"<call>add {{\"a\": {'9' * 5000}}}</call>",
+            f"<tool_call>{{\"name\": \"add\", \"arguments\": {{\"a\": {'9' * 5000}}}}}</tool_call>",
+            f"<call>calculator {deep}</call>", f"<call>add {deep}</call>", f"<tool_call>{deep}</tool_call>",
+            f"<tool_call>{{\"name\": \"add\", \"arguments\": {{\"a\": {'[' * 200}{']' * 200}}}}}</tool_call>",
+            '<tool_call>{"name": "add", "arguments": {"a": "\\ud800"}}</tool_call>',
+            '<tool_call>{"name": "\\udfff", "arguments": {}}</tool_call>', "<call>add\ud800 1</call>",
+            '<tool_call>{"name": "add", "arguments": "' + "[" * 3000 + '"}</tool_call>',
+            "<tool_call>" * 1000, "</call><call>" * 1000, "<call>" + "x" * 100_000 + "</call>"]
+
+
+def test_no_sampled_text_makes_the_tool_call_parser_raise():
+    """A fuzz (a seeded generator: the same 4,000 texts each run) of random and adversarial sampled text, both
+    formats: parse_tool_calls never raises, and what it returns crosses the worker pipe and the dump (JSON in UTF-8,
+    no deeper than MAX_DEPTH)."""
+    import random
+
+    from megatron_gspo.env import calls as parser
+
+    rng = random.Random(47)
+    texts = _adversarial_texts() + ["".join(rng.choice(_FUZZ_PIECES) for _ in range(rng.randint(1, 60)))
+                                    for _ in range(4000)]
+    single = {"calculator": ("expression", "string"), "add": None, "nap": ("seconds", "number")}
+    n_errors = n_calls = 0
+    for text in texts:
+        for fmt in ("qwen3", "plain"):
+            for call in parse_tool_calls(text, fmt, single):
+                n_calls += 1
+                assert call.error is not None or (isinstance(call.name, str) and isinstance(call.arguments, dict))
+                n_errors += call.error is not None
+                json.dumps({"name": call.name, "arguments": call.arguments, "error": call.error},
+                           ensure_ascii=False).encode("utf-8")
+                assert not parser._depth_over(call.arguments, parser.MAX_DEPTH)
+    assert n_calls > 4000 and 0 < n_errors < n_calls  # the fuzz reaches both outcomes
+    # each adversarial text is a malformed call, or a call whose argument is its text as it is (one parameter)
+    (big,) = parse_tool_calls(texts[0], "plain", single)
+    assert big.arguments == {"expression": "9" * 5000} and big.error is None  # the calculator answers it: an error
+    for text, fmt, says in ((texts[1], "plain", "not valid JSON (Exceeds the limit (4300 digits)"),
+                            (texts[2], "qwen3", "not valid JSON (Exceeds the limit (4300 digits)"),
+                            (texts[4], "plain", "not valid JSON (nested too deep to read)"),
+                            (texts[5], "qwen3", "not valid JSON (nested too deep to read)"),
+                            (texts[6], "qwen3", f"JSON nested deeper than {parser.MAX_DEPTH} levels"),
+                            (texts[7], "qwen3", "cannot be sent as UTF-8"), (texts[8], "qwen3", "cannot be sent as UTF-8"),
+                            (texts[9], "plain", "cannot be sent as UTF-8")):
+        (call,) = parse_tool_calls(text, fmt, single)
+        assert says in call.error, (text[:60], call.error)
 
 
 def test_the_plain_format_writes_a_one_parameter_tool_bare():
@@ -189,7 +246,8 @@ def test_a_broken_environment_ends_its_row_or_is_refused_at_reset(pool):
     runner = ClassRunner("multiturn_envs:Raising", {}, pool, timeout_s=10)
     runner.reset([{"id": "a", "prompt": "p", "answer": None}])
     (r,) = runner.step(["x"], [0])
-    assert r.done and r.error == "multiturn_envs:Raising.step() failed: RuntimeError: the environment broke"
+    assert r.done and r.error == ("multiturn_envs:Raising.step() of row 0 failed: RuntimeError: the environment broke "
+                                  f"(at {HERE}/multiturn_envs.py:{_line_of('the environment broke')})")
     bad = ClassRunner("multiturn_envs:BadStep", {}, pool, timeout_s=10)
     bad.reset([{"id": "a", "prompt": "p", "answer": None}])
     (r,) = bad.step(["x"], [0])
@@ -197,8 +255,36 @@ def test_a_broken_environment_ends_its_row_or_is_refused_at_reset(pool):
     with pytest.raises(EnvError, match=r"multiturn_envs:Countdown\(\*\*env.kwargs\) failed: TypeError"):
         ClassRunner("multiturn_envs:Countdown", {"nope": 1}, pool, timeout_s=10).reset(
             [{"id": "a", "prompt": "p", "answer": None}])
-    with pytest.raises(TypeError, match="reward must be a finite number"):
+    with pytest.raises(ValueError, match="E.step\(\) returned reward nan, not a finite number"):
         check_step(("x", float("nan"), False), "E")
+
+
+def test_an_async_step_is_awaited_and_a_bad_reward_is_its_row_s_error_naming_the_value(pool):
+    """``async def`` reset / step run to their result; one that raises is its row's error with the traceback's last
+    line and where (row F). A reward is a number as reward functions return one (numpy scalars too), finite and
+    within float32's range; else its row's error names the environment, the row and the value (row C)."""
+    runner = ClassRunner("multiturn_envs:AsyncCountdown", {"turns": 1}, pool, timeout_s=10)
+    assert runner.reset([{"id": "a", "prompt": "p0", "answer": None}]) == ["p0"]
+    (r,) = runner.step(["x"], [0])
+    assert (r.reward, r.done, r.error) == (1.0, True, None)
+    runner = ClassRunner("multiturn_envs:AsyncRaising", {}, pool, timeout_s=10)
+    runner.reset([{"id": "a", "prompt": "p", "answer": None}] * 2)
+    _, r = runner.step(["x", "y"], [0, 1])
+    assert r.error == ("multiturn_envs:AsyncRaising.step() of row 1 failed: RuntimeError: the async environment broke "
+                       f"(at {HERE}/multiturn_envs.py:{_line_of('the async environment broke')})")
+    assert r.done and r.error_kind == "RuntimeError"
+    said = {}
+    for value in ("1e300", "nan", "inf", "np32", "np_nan", "npbool", "text"):
+        runner = ClassRunner("multiturn_envs:Rewarding", {"value": value}, pool, timeout_s=10)
+        runner.reset([{"id": "a", "prompt": "p", "answer": None}] * 3)
+        (r,) = runner.step(["x"], [2])
+        said[value] = r.reward if r.error is None else r.error
+    prefix = "multiturn_envs:Rewarding.step() of row 2 failed: ValueError: multiturn_envs:Rewarding.step() returned reward "
+    assert said == {"1e300": prefix + "1e+300, beyond float32's range (magnitude at most 3.4e+38): the rewards are "
+                                      "float32, where it would be inf",
+                    "nan": prefix + "nan, not a finite number", "inf": prefix + "inf, not a finite number",
+                    "np32": 0.5, "np_nan": prefix + "nan, not a finite number", "npbool": 1.0,
+                    "text": prefix + "str '1.0', not a number"}
 
 
 def test_env_kwargs_that_do_not_fit_the_class_are_refused_at_start_up():
@@ -214,6 +300,65 @@ def test_env_kwargs_that_do_not_fit_the_class_are_refused_at_start_up():
                             "argument 'discont'")
     runner = build_runner(EnvConfig(name=name, kwargs={"discount": 0.25}), "plain")
     runner.pool.close()
+
+
+_FILE_ENV = '''
+from dataclasses import dataclass
+
+
+@dataclass
+class Said:
+    observation: object
+    reward: object
+    done: bool
+
+
+class Env:
+    def reset(self, example):
+        return "go " + str(example["prompt"])
+
+    def step(self, response):
+        return Said(None, float(len(response)), True)
+
+
+def shout(text: str) -> str:
+    """Shout.
+
+    Args:
+        text: what to shout
+    """
+    return text.upper()
+'''
+
+
+def test_an_environment_or_a_tool_in_a_file_is_imported_as_a_reward_plug_in(tmp_path, pool):
+    """env.name / env.tools take ``path/to/file.py:Name`` (in the trainer and in the workers); a module that raises,
+    has a syntax error or calls sys.exit while it is imported is one EnvError naming it (issue 47, rows D and E)."""
+    from megatron_gspo.config import EnvConfig
+    from megatron_gspo.env.protocol import build_runner
+
+    (tmp_path / "file_env.py").write_text(_FILE_ENV)
+    runner = build_runner(EnvConfig(name=f"{tmp_path}/file_env.py:Env", num_workers=2), "plain")
+    try:
+        assert runner.reset([{"id": "a", "prompt": "p", "answer": None}]) == ["go p"]
+        (r,) = runner.step(["abc"], [0])
+        assert (r.observation, r.reward, r.done, r.error) == (None, 3.0, True, None)
+    finally:
+        runner.pool.close()
+    tools = ToolRunner(load_tools([f"{tmp_path}/file_env.py:shout"]), pool, "plain", timeout_s=10)
+    (r,) = tools.step(["<call>shout hi</call>"], [0])
+    assert r.observation == [{"role": "tool", "content": "HI"}]
+    for n, (body, says) in enumerate([("class Env(:\n    pass\n", "SyntaxError: "),
+                                      ("raise RuntimeError('broken at import')\n", "RuntimeError: broken at import"),
+                                      ("import sys\nsys.exit(0)\n", "SystemExit: 0"),
+                                      ("import sys\nsys.exit(3)\n", "SystemExit: 3")]):
+        path = tmp_path / f"broken_{n}.py"
+        path.write_text(body)
+        for key, cfg in (("env.name", dict(name=f"{path}:Env")), ("env.tools", dict(tools=[f"{path}:f"]))):
+            with pytest.raises(EnvError) as e:
+                build_runner(EnvConfig(**cfg), "plain")
+            assert str(e.value).startswith(f"{key}: '{path}:") and f"loading {path} failed: {says}" in str(e.value)
+            assert "\n" not in str(e.value)
 
 
 def test_the_guessing_game_answers_higher_lower_and_ends_on_the_number():
@@ -284,6 +429,30 @@ def test_qwen3_observations_are_the_template_s_tool_turn_appended_once(tmp_path)
     assert tok.decode(feedback) == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
     no_think = TemplateFormat(tok, {"enable_thinking": False}).observation_ids([{"role": "tool", "content": "36"}], im_end)
     assert tok.decode(no_think).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_the_tokens_the_tools_schemas_add_to_every_prompt_are_said_at_start_up(tmp_path):
+    """(issue 47) Qwen3's template lists the tools in its system prompt: hundreds of tokens of every prompt, said
+    with what data.max_prompt_length leaves; nothing for the plain format, which shows no schema."""
+    import logging
+
+    from megatron_gspo.rollout.multiturn import tools_prompt_note
+
+    tok = _qwen3_tokenizer(tmp_path)
+    fmt = TemplateFormat(tok)
+    tools = [load_tool("calculator").schema()]
+    shown, bare = len(fmt.prompt_ids("?", tools)), len(fmt.prompt_ids("?"))
+    assert shown - bare > 100
+    level, said = tools_prompt_note(fmt, tools, 1024)
+    assert level == logging.INFO and said == (
+        f"env.tools: the chat template shows the tools' schemas in every prompt: {shown - bare} tokens (a 1-character "
+        f"message renders to {shown}); data.max_prompt_length=1024 leaves {1024 - shown + 1} tokens for the message itself")
+    level, said = tools_prompt_note(fmt, tools, 64)
+    assert level == logging.WARNING and said.endswith("leaves 0 tokens for the message itself: every prompt is over it; "
+                                                      "raise data.max_prompt_length")
+    from megatron_gspo.data.tokenizer import CharTokenizer
+
+    assert tools_prompt_note(PlainFormat(CharTokenizer()), tools, 64) is None and tools_prompt_note(fmt, [], 64) is None
 
 
 def test_qwen3_the_stream_is_the_sampled_tokens_and_rerendering_would_rewrite_think(tmp_path):

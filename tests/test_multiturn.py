@@ -491,3 +491,141 @@ def test_the_record_keeps_a_tool_result_as_the_policy_read_it():
     mt._observe(row, res, tok.eos_id)
     assert row.turns[-1]["text"] == "01234567" and row.tool_calls == [
         {"turn": 1, "name": "huge", "arguments": {"megabytes": 1}, "result": "01234567"}]
+
+
+# Sampled text that once raised in the trainer (issue 47, row B): an integer past Python's int-string limit, JSON
+# nested past its recursion limit; each a tool call of the calculator (one parameter: the bare value is read too).
+_BREAKERS = [f"<call>calculator {'9' * 5000}</call>", "<call>calculator {\"expression\": " + "9" * 5000 + "}</call>",
+             "<call>calculator " + "[" * 3000 + "</call>", "<call>calculator {\"expression\": " + "[" * 3000 + "}</call>"]
+
+
+def test_sampled_text_that_broke_the_parser_is_a_counted_tool_error_in_a_training_job(tmp_path, monkeypatch):
+    """A training job whose policy "samples" those texts at its first turn (the text the environment reads is
+    replaced where the rollout decodes it): each is answered with an error observation and counted; the job trains."""
+    from megatron_gspo.config import load_job_config
+    from megatron_gspo.rollout import multiturn
+
+    given = []
+    take = multiturn.MultiTurnRollout._take
+
+    def sampled(self, row, out, j, cap, routes):
+        ids = take(self, row, out, j, cap, routes)
+        if row.num_turns == 1 and not row.ended:  # the rows whose first turn goes to the environment
+            row.final_text = _BREAKERS[len(given) % len(_BREAKERS)]
+            given.append(row.final_text)
+        return ids
+
+    monkeypatch.setattr(multiturn.MultiTurnRollout, "_take", sampled)
+    out = tmp_path / "b"
+    rows = run_job_rows(load_job_config(None, BASE + [
+        f"train.output_dir={out}", "env.name=tools", "env.tools=[calculator]", "env.max_turns=2",
+        "train.dump_rollouts=true"]))
+    assert len(given) >= 4 and rows[0]["step"] == 1 and math.isfinite(rows[0]["loss/loss"])
+    assert rows[0]["rollout/tool_errors"] == len(given)  # one failed call per row that said one
+    dumped = [json.loads(x) for x in open(out / "rollouts" / "step_000001.jsonl")]
+    calls = [c for d in dumped for c in d["tool_calls"]]
+    assert len(calls) == len(given) and all("error" in c and "result" not in c for c in calls)
+    tool_turns = [s for d in dumped for s in d["turns"] if s["role"] == "tool"]
+    assert len(tool_turns) == len(given) and all(s["text"].startswith("error: ") for s in tool_turns)
+
+
+def _env_job(tmp_path, name: str, *extra: str) -> list:
+    from megatron_gspo.config import load_job_config
+
+    return BASE + [f"train.output_dir={tmp_path / name}", "train.dump_rollouts=true", *extra]
+
+
+def _dumped(tmp_path, name: str, step: int = 1) -> list:
+    return [json.loads(x) for x in open(tmp_path / name / "rollouts" / f"step_{step:06d}.jsonl")]
+
+
+def test_an_environment_whose_step_raises_is_said_dumped_and_stops_the_job_past_env_max_error_frac(tmp_path):
+    """(issue 47, row F) Every row's step raises (an ``async def step``): under env.max_error_frac=1 the job trains,
+    the log says the first error of its kind once, with the traceback's last line and where, and each dumped row
+    keeps its error; under the default (0.5) the job stops after the step's dump, naming the count and the error."""
+    import logging
+
+    from log_capture import LogLines
+    from megatron_gspo.config import load_job_config
+    from megatron_gspo.errors import EnvError
+
+    where = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiturn_envs.py")
+    with LogLines(logging.WARNING) as said:
+        rows = run_job_rows(load_job_config(None, _env_job(tmp_path, "on", "env.name=multiturn_envs:AsyncRaising",
+                                                           "env.max_error_frac=1", "train.num_steps=2")))
+    dumped = _dumped(tmp_path, "on")
+    failed = [d for d in dumped if d["env_error"] is not None]  # every row but one cut at its first turn's cap
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["rollout/env_error_frac"] == len(failed) / 8 >= 0.75
+    told = [line for line in said.lines if line.startswith("environment error")]
+    assert len(told) == 1, said.lines  # the first of its kind only, over two steps of 8 rows
+    assert "(the first RuntimeError;" in told[0] and "env.max_error_frac=1" in told[0]
+    assert "step() of row 0 failed: RuntimeError: the async environment broke (at " + where in told[0]
+    assert all("RuntimeError: the async environment broke" in d["env_error"] for d in failed)
+    with pytest.raises(EnvError, match=rf"^{len(failed)} of step 1's 8 rows ended on an environment error, more than "
+                                       r"env\.max_error_frac=0\.5 of them; the first on this rank: multiturn_envs:"
+                                       r"AsyncRaising\.step\(\) of row \d+ failed: RuntimeError"):
+        run_job_rows(load_job_config(None, _env_job(tmp_path, "off", "env.name=multiturn_envs:AsyncRaising")))
+    assert len(_dumped(tmp_path, "off")) == 8  # the step that stopped it is dumped first
+    assert not os.path.exists(tmp_path / "off" / "metrics.jsonl") or not open(tmp_path / "off" / "metrics.jsonl").read()
+
+
+def test_a_reward_float32_cannot_hold_is_its_row_s_environment_error_not_a_crash(tmp_path):
+    """(issue 47, row C) Rewarding(1e300): each row ends on an environment error naming the environment, the row and
+    the value; the job trains (env.max_error_frac=1), the rows scored by reward.name as rows without a reward."""
+    from megatron_gspo.config import load_job_config
+
+    rows = run_job_rows(load_job_config(None, _env_job(tmp_path, "c", "env.name=multiturn_envs:Rewarding",
+                                                       "env.max_error_frac=1")))
+    failed = [d for d in _dumped(tmp_path, "c") if d["env_error"] is not None]
+    assert rows[0]["rollout/env_error_frac"] == len(failed) / 8 >= 0.75 and math.isfinite(rows[0]["loss/loss"])
+    for d in failed:
+        assert "multiturn_envs:Rewarding.step() of row " in d["env_error"]
+        assert "returned reward 1e+300, beyond float32's range" in d["env_error"] and d["reward"] == 0.0
+
+
+def test_an_observation_the_tokenizer_cannot_encode_ends_its_row_not_the_job(tmp_path):
+    """(issue 47, row I) Accented answers "café": the built-in character tokenizer has no "é"; each row ends on an
+    environment error saying so after its first turn, and the job trains (env.max_error_frac=1)."""
+    from megatron_gspo.config import load_job_config
+
+    rows = run_job_rows(load_job_config(None, _env_job(tmp_path, "i", "env.name=multiturn_envs:Accented",
+                                                       "env.max_error_frac=1")))
+    assert rows[0]["step"] == 1 and math.isfinite(rows[0]["loss/loss"])
+    dumped = _dumped(tmp_path, "i")
+    talked = [d for d in dumped if d["env_error"] is not None]
+    assert talked and rows[0]["rollout/env_error_frac"] == len(talked) / 8
+    for d in talked:
+        assert "the observation after turn 1 of row " in d["env_error"] and "cannot be tokenized: " in d["env_error"]
+        assert "'é'" in d["env_error"] and [s["role"] for s in d["turns"]] == ["assistant"]
+
+
+def test_an_over_long_first_message_is_dropped_under_the_default_policy(tmp_path):
+    """(issue 47) LongFirst opens some rows with 400 tokens > data.max_prompt_length=64: under the default policy
+    (drop) each such row ends before its first turn, nothing of it trained (loss mask all 0), counted as an
+    environment error; the others talk and the job trains. Under "error" the job stops, as before."""
+    from megatron_gspo.config import load_job_config
+    from megatron_gspo.errors import DataError
+
+    rows = run_job_rows(load_job_config(None, _env_job(tmp_path, "drop", "env.name=multiturn_envs:LongFirst",
+                                                       "env.max_error_frac=1")))
+    dumped = _dumped(tmp_path, "drop")
+    dropped = [d for d in dumped if d["env_error"] is not None]
+    assert 0 < len(dropped) < 8 and rows[0]["rollout/env_error_frac"] == len(dropped) / 8
+    for d in dropped:
+        assert "renders to " in d["env_error"] and d["env_error"].endswith(
+            "> data.max_prompt_length=64: dropped (data.overlong_prompt_policy=drop)")
+        assert sum(d["loss_mask"]) == 0 and d["turns"] == [] and len(d["token_ids"]) == 64
+    assert all(sum(d["loss_mask"]) > 0 for d in dumped if d["env_error"] is None)
+    assert math.isfinite(rows[0]["loss/loss"])
+    with pytest.raises(DataError, match="renders to 4.. tokens > data.max_prompt_length=64; raise"):
+        run_job_rows(load_job_config(None, _env_job(tmp_path, "error", "env.name=multiturn_envs:LongFirst",
+                                                    "data.overlong_prompt_policy=error")))
+
+
+def test_an_async_multi_turn_job_reports_its_environment_time(tmp_path, run_dist):
+    """perf/env_s of rollout.mode=async (issue 47): the rollout ranks' environment seconds travel with the record, as
+    a colocated job times its own (the slowest leader's)."""
+    run_dist("run_job.py", 2, "--out", str(tmp_path), "--", *DIST_JOB, "train.num_steps=1",
+             *DIST_LAYOUTS["async"][1], timeout=600)
+    (m,) = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert 0 < m["perf/env_s"] < m["perf/generate_s"], m.get("perf/env_s")

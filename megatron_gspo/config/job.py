@@ -82,6 +82,21 @@ def split_job_args(argv: list[str]) -> tuple[str, list[str]]:
     return (path or DEMO_CONFIG), argv
 
 
+# Files a YAML names next to itself (its data), read relative to the YAML's directory so that the job runs from any
+# working directory; on the command line they stay relative to the working directory.
+YAML_RELATIVE_KEYS = (("env", "sft_source"),)
+
+
+def _resolve_against(data: dict, path: Optional[str]) -> None:
+    """Make the YAML's relative YAML_RELATIVE_KEYS paths absolute, against the YAML file's directory (in place)."""
+    if not path:
+        return
+    for section, key in YAML_RELATIVE_KEYS:
+        value = (data.get(section) or {}).get(key) if isinstance(data.get(section), dict) else None
+        if isinstance(value, str) and value and not os.path.isabs(value):
+            data[section][key] = os.path.join(os.path.dirname(os.path.abspath(path)), value)
+
+
 def load_job_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> JobConfig:
     """YAML (optional) + ``section.key=value`` overrides -> validated JobConfig."""
     if path and not os.path.isfile(path) and looks_like_a_key(os.path.basename(path)):
@@ -90,5 +105,6 @@ def load_job_config(path: Optional[str] = None, overrides: Optional[list[str]] =
         if section in {f.name for f in fields(JobConfig)}:
             raise ConfigError(no_value_message(os.path.basename(path)))
     data = load_yaml(path) if path else {}
+    _resolve_against(data, path)
     data = apply_overrides(data, parse_overrides(list(overrides or [])))
     return from_dict(JobConfig, data)

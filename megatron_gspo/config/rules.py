@@ -33,7 +33,13 @@ from megatron_gspo.errors import ConfigError
 
 
 def _response_budget(job) -> int:
-    return job.data.max_prompt_length + job.generation.max_new_tokens
+    """Tokens a row may hold: its prompt and one response, or with an environment the whole conversation after the
+    prompt (env.max_response_tokens: every turn and observation)."""
+    return job.data.max_prompt_length + (env_response_budget(job) if job.env.enabled else job.generation.max_new_tokens)
+
+
+def _response_budget_names(job) -> str:
+    return "data.max_prompt_length + " + ("env.max_response_tokens" if job.env.enabled else "generation.max_new_tokens")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,7 +108,7 @@ def no_pipeline_parallelism(job) -> None:
 def prompt_and_response_fit_the_positions(job) -> None:
     need = _response_budget(job)
     check(need <= job.model.max_position_embeddings,
-          f"data.max_prompt_length + generation.max_new_tokens = {need} exceeds "
+          f"{_response_budget_names(job)} = {need} exceeds "
           f"model.max_position_embeddings={job.model.max_position_embeddings}")
 
 
@@ -330,7 +336,7 @@ def token_budget_holds_a_row(job) -> None:
     budget, need = job.train.max_tokens_per_micro_batch, _response_budget(job)
     if budget is not None:
         check(budget >= need, f"train.max_tokens_per_micro_batch={budget} cannot hold one row of up to "
-                              f"data.max_prompt_length + generation.max_new_tokens = {need} tokens")
+                              f"{_response_budget_names(job)} = {need} tokens")
 
 
 def old_logprobs_under_async(job) -> None:
@@ -377,14 +383,15 @@ def env_budget_fits(job) -> None:
     if not job.env.enabled:
         return
     budget, g = env_response_budget(job), job.generation
-    check(job.data.max_prompt_length + budget <= job.model.max_position_embeddings,
-          f"data.max_prompt_length + env.max_response_tokens = {job.data.max_prompt_length + budget} exceeds "
-          f"model.max_position_embeddings={job.model.max_position_embeddings}")
     check(budget >= g.max_new_tokens,
           f"env.max_response_tokens={budget} is below generation.max_new_tokens={g.max_new_tokens}: a row's budget "
           "must hold at least one whole turn")
     check(not g.ignore_eos, "generation.ignore_eos=true with env.name: a turn ends at a stop token, without one "
                             "every row would end after its first turn, cut at generation.max_new_tokens")
+    check(not (job.env.tool_format == "qwen3" and not job.data.apply_chat_template),
+          "env.tool_format=qwen3 is the chat template's format (Qwen3's template shows the tools and reads "
+          "<tool_call> blocks); without data.apply_chat_template (the built-in tokenizer has no template) the model is "
+          "never shown it: use env.tool_format=plain (or auto)")
 
 
 # In this order (the first broken rule is the one reported).

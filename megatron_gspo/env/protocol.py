@@ -25,19 +25,55 @@ talking, so the calls of all rows run side by side.
 from __future__ import annotations
 
 import inspect
-
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from megatron_gspo.env.calls import parse_tool_calls
 from megatron_gspo.env.pool import Reply, Request, WorkerPool, result_byte_limit
 from megatron_gspo.env.tools import Tool
-from megatron_gspo.errors import EnvError
+from megatron_gspo.errors import EnvError, clip_repr
+
+
+# A reward float32 can hold (the rewards are float32 tensors; a larger one would be inf there), as for reward.name
+FP32_MAX = 3.4028234663852886e38
+
+
+def _settled(value):
+    """``value``, or what it resolves to when it is awaitable (an ``async def`` reset / step): run to its end here."""
+    if inspect.isawaitable(value):
+        import asyncio
+
+        async def result():
+            return await value
+
+        return asyncio.run(result())
+    return value
+
+
+def reward_value(raw) -> tuple[Optional[float], Optional[str]]:
+    """(a step's reward as a float or None, None) or (None, what is wrong with it): a number as reward functions
+    return one (bool, int, float, a numpy scalar or one-element array), finite and within float32's range."""
+    if raw is None:
+        return None, None
+    if isinstance(raw, numbers.Real):
+        value = float(raw)
+    elif hasattr(raw, "item") and getattr(raw, "size", None) == 1 and isinstance(raw.item(), numbers.Real):
+        value = float(raw.item())
+    else:
+        return None, f"returned reward {type(raw).__name__} {clip_repr(raw, 60)}, not a number"
+    if not math.isfinite(value):
+        return None, f"returned reward {value}, not a finite number"
+    if abs(value) > FP32_MAX:
+        return None, (f"returned reward {value:g}, beyond float32's range (magnitude at most {FP32_MAX:.3g}): the "
+                      "rewards are float32, where it would be inf")
+    return value, None
 
 
 def check_reset(value, path: str) -> str:
-    """``reset``'s return value, checked: a non-empty string."""
+    """``reset``'s return value (awaited when it is a coroutine), checked: a non-empty string."""
+    value = _settled(value)
     if not isinstance(value, str) or not value:
         raise TypeError(f"{path}.reset() returned {type(value).__name__} {str(value)[:60]!r}; it must return the "
                         "first user message as a non-empty string")
@@ -45,7 +81,9 @@ def check_reset(value, path: str) -> str:
 
 
 def check_step(value, path: str) -> tuple[Optional[str], Optional[float], bool]:
-    """``step``'s return value as (observation, reward, done): a 3-tuple or an object with those attributes."""
+    """``step``'s return value (awaited when it is a coroutine) as (observation, reward, done): a 3-tuple or an
+    object with those attributes; the reward a finite float32 number or None (reward_value)."""
+    value = _settled(value)
     if isinstance(value, (tuple, list)) and len(value) == 3:
         obs, reward, done = value
     elif all(hasattr(value, a) for a in ("observation", "reward", "done")):
@@ -55,12 +93,12 @@ def check_step(value, path: str) -> tuple[Optional[str], Optional[float], bool]:
                         "or an object with those attributes")
     if obs is not None and not isinstance(obs, str):
         raise TypeError(f"{path}.step(): observation must be a string or None, got {type(obs).__name__}")
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
-                               or not math.isfinite(reward)):
-        raise TypeError(f"{path}.step(): reward must be a finite number or None, got {reward!r}")
-    if not isinstance(done, bool):
+    reward, problem = reward_value(reward)
+    if problem is not None:
+        raise ValueError(f"{path}.step() {problem}")
+    if not isinstance(done, bool) and type(done).__name__ != "bool_":  # numpy's bool too
         raise TypeError(f"{path}.step(): done must be True or False, got {done!r}")
-    return obs, None if reward is None else float(reward), done
+    return obs, reward, bool(done)
 
 
 @dataclass
@@ -68,7 +106,8 @@ class StepResult:
     """What one row's environment said after a turn. ``observation``: the messages to append ([{"role",
     "content"}]) or None; ``tool_calls``: [{"name", "arguments", "result" | "error"}] of the turn;
     ``tool_errors``: how many of them failed (raised, timed out, malformed, unknown); ``error``: the
-    environment itself failed (its row ends)."""
+    environment itself failed (its row ends), ``error_kind`` what failed (the exception's type, "timeout",
+    "lost"): the log says the first error of each kind."""
 
     observation: Optional[list] = None
     reward: Optional[float] = None
@@ -76,6 +115,7 @@ class StepResult:
     tool_calls: list = field(default_factory=list)
     tool_errors: int = 0
     error: Optional[str] = None
+    error_kind: Optional[str] = None
 
 
 def first_message(example: dict) -> str:
@@ -137,7 +177,7 @@ class ToolRunner:
         for c, call in enumerate(calls):
             entry = {"name": call.name, "arguments": call.arguments}
             if call.name is not None and call.name not in self.tools:
-                entry["error"] = f"there is no tool {call.name!r}; the tools are {', '.join(self.tools)}"
+                entry["error"] = f"there is no tool {clip_repr(call.name, 80)}; the tools are {', '.join(self.tools)}"
             elif call.error is not None:
                 entry["error"] = call.error
             elif not replies[c].ok:
@@ -193,9 +233,12 @@ class ClassRunner:
                                          self.generations.get(r, -1)) for text, r in zip(responses, rows)],
                                 self.timeout_s, should_stop)
         out = []
-        for rep in replies:
+        for r, rep in zip(rows, replies):
             if not rep.ok:
-                out.append(StepResult(done=True, error=_failure(rep, f"{self.path}.step()", self.timeout_s)))
+                kind = "timeout" if rep.timeout else "lost" if rep.lost else str(rep.error).partition(":")[0]
+                where = f" (at {rep.where})" if rep.where else ""
+                out.append(StepResult(done=True, error=_failure(rep, f"{self.path}.step() of row {r}", self.timeout_s)
+                                      + where, error_kind=kind))
                 continue
             obs, reward, done = rep.value
             out.append(StepResult(observation=None if obs is None else [{"role": "user", "content": obs}],

@@ -27,7 +27,6 @@ that hangs is killed at ``env.tool_timeout_s``, one that raises becomes an error
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import re
 import typing
@@ -59,27 +58,26 @@ class Tool:
 
 
 def resolve_path(spec: str, key: str = "env.tools") -> str:
-    """``module:function`` of ``spec``: a built-in tool's name (BUILTIN_TOOLS) or a ``module:function``."""
+    """``module:function`` of ``spec``: a built-in tool's name (BUILTIN_TOOLS), a ``module:function`` or a
+    ``path/to/file.py:function``."""
     if spec in BUILTIN_TOOLS:
         return BUILTIN_TOOLS[spec]
-    module, _, attr = spec.partition(":")
+    module, _, attr = spec.rpartition(":")
     if not module or not attr:
         raise EnvError(f"{key}: {spec!r} is neither a built-in tool ({', '.join(sorted(BUILTIN_TOOLS))}) nor "
-                       "'package.module:function'")
+                       "'package.module:function' or 'path/to/file.py:function'")
     return spec
 
 
 def import_object(path: str, key: str) -> Any:
-    """The object ``module:attr`` names; an EnvError naming ``key`` when the module or the name is missing
-    (an error raised while the module imports is the module's, reported with its own message)."""
-    module, _, attr = path.partition(":")
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and module.startswith(e.name):
-            raise EnvError(f"{key}: cannot import {module!r} (for {path!r}): no module named {e.name!r}") from None
-        raise
-    obj = mod
+    """The object ``module:attr`` (or ``path/to/file.py:attr``) names; an EnvError naming ``key`` and the module when
+    the module or the name is missing, or when the module's import fails (it raises, has a syntax error, calls
+    sys.exit): the reward plug-ins' import (data/rewards/registry.py), in the trainer at start-up and in the
+    worker processes."""
+    from megatron_gspo.data.rewards.registry import load_plugin_module
+
+    module, _, attr = path.rpartition(":")
+    obj = load_plugin_module(module, f"{key}: {path!r}", EnvError)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise EnvError(f"{key}: module {module!r} has no {attr!r} (for {path!r})")

@@ -7,7 +7,8 @@ One JSON object per row (rank 0 writes the rows of every data-parallel rank, aft
      "loss_mask": [0, 0, ..., 1, 1, ...],    same length: 1 on the tokens the policy sampled
      "turns": [{"role": "assistant" | "tool" | "user", "start": 7, "end": 38, "text": "..."}, ...],
      "tool_calls": [{"turn": 1, "name": ..., "arguments": {...}, "result": "..." | "error": "..."}],
-     "reward": 1.0, "advantage": 0.93}
+     "reward": 1.0, "advantage": 0.93,
+     "env_error": null}                      multi-turn rows: the environment's error that ended the row, or null
 
 ``turns`` are spans over ``token_ids`` (``token_ids[start:end]``); a single-turn job's row has one
 assistant turn and no tool calls. The spans and the mask say exactly what the loss trained on.
@@ -32,15 +33,17 @@ def batch_rows(batch, step: int) -> list[dict]:
     for i, n in enumerate(lengths):
         loss_mask = [0] + mask[i, :n - 1].long().tolist()
         traj = batch.trajectories[i] if batch.trajectories else None
+        extra = {}
         if traj is not None:
             turns, calls = traj["turns"], traj["tool_calls"]
+            extra = {"env_error": traj["env_error"]}  # why the row ended early, or None
         else:
             start = loss_mask.index(1) if 1 in loss_mask else n
             turns = [{"role": "assistant", "start": start, "end": n, "text": batch.response_texts[i]}]
             calls = []
         rows.append({"step": step, "sample_id": batch.sample_ids[i], "token_ids": tokens[i, :n].tolist(),
                      "loss_mask": loss_mask, "turns": turns, "tool_calls": calls,
-                     "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i])})
+                     "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i]), **extra})
     return rows
 
 

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -44,11 +46,14 @@ from typing import Callable, Optional
 import torch
 
 from megatron_gspo.env.pool import PoolStopped
-from megatron_gspo.errors import DataError
+from megatron_gspo.env.protocol import FP32_MAX
+from megatron_gspo.errors import DataError, EnvError, TokenizerError
 from megatron_gspo.generation.generator import GenerationOutput
 from megatron_gspo.runtime import comm
 
 KEY_STRIDE = 1 << 40  # row keys of turn t: key + t * KEY_STRIDE (global row keys stay far below it)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,6 +78,7 @@ class Trajectory:
     max_turns_reached: bool = False
     env_error: Optional[str] = None
     final_text: str = ""
+    prompt_id: object = None  # the data prompt's id: what the log names a row by
 
     def __post_init__(self) -> None:
         self.mask = [0] * len(self.tokens)
@@ -128,6 +134,7 @@ class MultiTurnRollout:
         self.lockstep = state is not None and state.lockstep_over_dp  # ranks with their own rows step together
         self.device = state.device if state is not None else torch.device("cpu")
         self.gen_kw: Optional[dict] = None  # run()'s
+        self.error_kinds: set = set()  # the environment errors the log said already (the first of each kind)
 
     def close(self) -> None:
         """End the worker processes."""
@@ -206,15 +213,24 @@ class MultiTurnRollout:
         row.tool_errors += res["tool_errors"]
         if res["reward"] is not None:
             row.rewards.append(res["reward"])
+            if abs(sum(row.rewards)) > FP32_MAX:  # each one within float32's range, their sum not
+                res = {**res, "error": f"{self.env.name}: the rewards of row {row.prompt_id!r} sum to "
+                                      f"{sum(row.rewards):g}, beyond float32's range", "error_kind": "reward sum"}
+                row.rewards.pop()
         if res["error"] is not None:
-            row.ended, row.env_error = True, res["error"]
+            self._env_error(row, res["error"], res.get("error_kind") or "error")
         elif res["done"]:
             row.ended = True
         elif row.num_turns >= self.env.max_turns:
             row.ended, row.max_turns_reached = True, True
         else:
-            messages = [{**m, "content": self._cut(m["content"])} for m in (res["observation"] or [])]
-            ids = self.fmt.observation_ids(messages, last_id)
+            try:
+                messages = [{**m, "content": self._cut(m["content"])} for m in (res["observation"] or [])]
+                ids = self.fmt.observation_ids(messages, last_id)
+            except TokenizerError as e:  # a character the tokenizer has no token for: the row's end, not the job's
+                self._env_error(row, f"{self.env.name}: the observation after turn {row.num_turns} of row "
+                                     f"{row.prompt_id!r} cannot be tokenized: {e}", "TokenizerError")
+                return
             if row.used + len(ids) + 1 > self.budget:  # no room left for another turn
                 row.ended = True
                 return
@@ -223,22 +239,48 @@ class MultiTurnRollout:
             role = messages[0]["role"] if messages else "user"
             row.turns.append({"role": role, "start": start, "end": end, "text": "\n".join(m["content"] for m in messages)})
 
+    def _env_error(self, row: Trajectory, error: str, kind: str) -> None:
+        """End ``row`` on the environment's ``error``; the first error of each ``kind`` is said in the log (the
+        rest are counted: rollout/env_error_frac, and the dump keeps each row's)."""
+        row.ended, row.env_error = True, error
+        if kind not in self.error_kinds and self.runs_env:
+            self.error_kinds.add(kind)
+            log.warning("environment error on row %r (the first %s; later ones are counted in rollout/env_error_frac, "
+                        "the job stops past env.max_error_frac=%g of a step's rows): %s", row.prompt_id, kind,
+                        self.env.max_error_frac, error)
+
     def _cut(self, text: str) -> str:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         limit = self.env.max_observation_tokens
         return text if len(ids) <= limit else self.tokenizer.decode(ids[:limit])
 
     def _start(self, prompts: list, should_stop) -> list[Trajectory]:
+        """Every row's prompt: the environment's first message rendered. One over data.max_prompt_length is handled
+        by data.overlong_prompt_policy, as the data's prompts are: "error" stops the job, "truncate_left" keeps its
+        last tokens, "drop" (the default) ends the row before its first turn, no token sampled (the loss mask all
+        0: nothing of it is trained), on an environment error that says so (counted: rollout/env_error_frac)."""
         tools = self.runner.schemas() if self.runner is not None else None
+        limit, policy = self.cfg.data.max_prompt_length, self.cfg.data.overlong_prompt_policy
         rows = []
         for p, message in zip(prompts, self._reset(prompts, should_stop)):
             ids = self.fmt.prompt_ids(message, tools)
-            limit = self.cfg.data.max_prompt_length
-            if len(ids) > limit:
-                raise DataError(f"prompt {p.id}: the environment's first message {message[:60]!r} renders to {len(ids)} "
-                                f"tokens{' with the tools in the system prompt' if tools else ''} > "
-                                f"data.max_prompt_length={limit}; raise data.max_prompt_length")
-            rows.append(Trajectory(ids, len(ids)))
+            if len(ids) <= limit:
+                rows.append(Trajectory(ids, len(ids), prompt_id=p.id))
+                continue
+            said = (f"prompt {p.id}: the environment's first message {message[:60]!r} renders to {len(ids)} tokens"
+                    f"{' with the tools in the system prompt' if tools else ''} > data.max_prompt_length={limit}")
+            if policy == "error":
+                raise DataError(f"{said}; raise data.max_prompt_length or set data.overlong_prompt_policy to 'drop' "
+                                "or 'truncate_left'")
+            if policy == "truncate_left":
+                rows.append(Trajectory(ids[-limit:], limit, prompt_id=p.id))
+                continue
+            row = Trajectory(ids[:limit], limit, prompt_id=p.id)
+            self._env_error(row, f"{said}: dropped (data.overlong_prompt_policy=drop)", "over-long first message")
+            rows.append(row)
+        if rows and all(r.env_error is not None for r in rows):
+            raise DataError(f"every prompt of the batch is over-long, e.g. {rows[0].env_error}; raise "
+                            "data.max_prompt_length")
         return rows
 
     def run(self, prompts: list, keys: list[int], seed: int, routing=None,
@@ -306,8 +348,10 @@ class MultiTurnRollout:
         if routing is not None and routing.on_generation_forward is not None and not abandoned:
             from megatron_gspo.routing.rollout_routes import RolloutRoutes
 
-            L, _, k = rows[0].routes.shape
-            routes = RolloutRoutes.from_rows([r.routes for r in rows], L, k, routing.recorder.num_experts)
+            L, _, k = next(r.routes for r in rows if r.routes is not None).shape
+            # a row dropped before its first turn has no route: the training forward's filler routes (its mask is 0)
+            routes = RolloutRoutes.from_rows([r.routes if r.routes is not None else torch.zeros(L, 0, k, dtype=torch.long)
+                                              for r in rows], L, k, routing.recorder.num_experts)
         return MultiTurnOutput(
             tokens=tokens.to(dev), prompt_lengths=plen.to(dev), response_lengths=(total - plen).to(dev),
             response_mask=mask.to(dev), logprobs=lp.to(dev),
@@ -337,8 +381,47 @@ def build_multiturn(cfg, state, generator, tokenizer, gen_cfg) -> Optional[Multi
 
     fmt = build_format(tokenizer, cfg.data, cfg.env.tool_format)
     runner = build_runner(cfg.env, fmt.tool_format)
+    note = tools_prompt_note(fmt, runner.schemas(), cfg.data.max_prompt_length)
+    if note is not None and (state is None or state.is_main):
+        log.log(note[0], "%s", note[1])
     row_cfg = dataclasses.replace(gen_cfg, n_samples_per_prompt=1)
     return MultiTurnRollout(cfg, state, generator, tokenizer, runner, fmt, row_cfg, env_response_budget(cfg))
+
+
+def check_env_error_frac(trajectories: list, env_cfg, state, step: int) -> None:
+    """Stop the job (EnvError) when more than env.max_error_frac of step ``step``'s rows (over the data-parallel
+    ranks: every rank decides alike) ended on an environment error: the environment is broken, not a row. Called
+    after the step's rollout is dumped (train.dump_rollouts keeps the rows and their errors), before its update."""
+    if not trajectories:
+        return
+    errors = [t for t in trajectories if t["env_error"] is not None]
+    dev = state.device if state is not None else torch.device("cpu")
+    counts = torch.tensor([len(errors), len(trajectories)], dtype=torch.float64, device=dev)
+    if state is not None and state.dp > 1:
+        comm.all_reduce(counts, "sum", state.dp_group, what="multi-turn: rows that ended on an environment error")
+    n_errors, n_rows = (int(x) for x in counts.tolist())
+    if n_errors > env_cfg.max_error_frac * n_rows:
+        first = f"; the first on this rank: {errors[0]['env_error']}" if errors else ""
+        raise EnvError(f"{n_errors} of step {step}'s {n_rows} rows ended on an environment error, more than "
+                       f"env.max_error_frac={env_cfg.max_error_frac:g} of them{first}")
+
+
+def tools_prompt_note(fmt, tools: list, max_prompt_length: int) -> Optional[tuple[int, str]]:
+    """(log level, what to say at start-up) of the tokens the tools' schemas add to every prompt (a chat template
+    lists them in its system prompt: Qwen3's makes a 4-character message some 980 tokens), or None when the format
+    shows none (the plain one)."""
+    if not tools:
+        return None
+    shown, bare = len(fmt.prompt_ids("?", tools)), len(fmt.prompt_ids("?", None))
+    if shown == bare:
+        return None
+    left = max_prompt_length - (shown - 1)
+    said = (f"env.tools: the chat template shows the tools' schemas in every prompt: {shown - bare} tokens (a "
+            f"1-character message renders to {shown}); data.max_prompt_length={max_prompt_length} leaves {max(left, 0)} "
+            "tokens for the message itself")
+    if left <= 0:
+        return logging.WARNING, said + ": every prompt is over it; raise data.max_prompt_length"
+    return logging.INFO, said
 
 
 def multiturn_rewards(out: MultiTurnOutput, prompts: list, reward_fn, cfg, device, penalty: bool = True,

@@ -302,7 +302,8 @@ def rollout_metrics(batch: TrainBatch, state) -> dict:
 
 def trajectory_metrics(trajectories: list, device) -> dict:
     """rollout/* of multi-turn rows (rollout/multiturn.py's summaries), as Metrics that reduce over DP: assistant
-    turns, tool calls and observation tokens per row, failed tool calls (a count), the share of rows that
+    turns, tool calls and observation tokens per row (every token appended between turns: the environment's text
+    and the template's tokens around it), failed tool calls (a count), the share of rows that
     reached env.max_turns still talking, and the share that ended on an environment's own error."""
     col = lambda key: torch.tensor([float(t[key]) for t in trajectories], dtype=torch.float64, device=device)  # noqa: E731
     calls = torch.tensor([float(len(t["tool_calls"])) for t in trajectories], dtype=torch.float64, device=device)

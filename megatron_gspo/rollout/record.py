@@ -250,7 +250,7 @@ def _mean(values: list) -> float:
 
 # How concat combines the parts' raw stats (the rollout leaders' counters): the slowest leader's times, the
 # sums of row counts, the mean of idle fractions; ``idle_frac`` is each part's idle_s / wall_s.
-STAT_MERGE = {"idle_frac": _mean, "sync_s": max, "partial_finished": sum, "dropped": sum, "updates": max}
+STAT_MERGE = {"idle_frac": _mean, "sync_s": max, "partial_finished": sum, "dropped": sum, "updates": max, "env_s": max}
 
 
 def concat(parts: list[RolloutRecord], pad_id: int) -> RolloutRecord:

@@ -105,6 +105,8 @@ class RemoteSource:
         where[row_ids] = torch.arange(full.num_rows, device=dev)
         mine = full.select(where[torch.tensor(rows, dtype=torch.long, device=dev)])
         self.timer.record("generate", full.gen_s)  # the rollout ranks' generation seconds (perf/gen_tokens_per_s)
+        if full.trajectories:  # perf/env_s: the part of it in environment steps (the slowest leader's), as colocated
+            self.timer.record("env", full.stats["env_s"])
         raw, hist = full.stats, staleness.double()
         stats = {
             "async/staleness_mean": float(hist.mean()), "async/staleness_max": float(hist.max()),

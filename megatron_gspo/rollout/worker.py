@@ -274,7 +274,8 @@ class RolloutWorker:
             gen_tokens=out.num_generated_tokens, decode_row_steps=out.decode_row_steps, data_state=data_state,
             trajectories=list(getattr(out, "trajectories", [])),
             stats={"idle_s": clock["idle"], "sync_s": clock["sync"], "wall_s": wall,
-                   "partial_finished": gen.finished_partial, "dropped": gen.dropped_rows, "updates": gen.updates})
+                   "partial_finished": gen.finished_partial, "dropped": gen.dropped_rows, "updates": gen.updates,
+                   "env_s": float(getattr(out, "stats", {}).get("rollout/env_s", 0.0))})  # multi-turn: tool calls
         header, ints, floats, metab = pack(record)
         # "ready" first: with NCCL the first send creates the pair's communicator, which waits for the receiver
         self.control.mark_ready(step, self.state.dp_rank)

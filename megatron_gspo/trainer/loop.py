@@ -52,6 +52,7 @@ from megatron_gspo.trainer.optim import nonfinite_grads, optimizer_step, setup_o
 from megatron_gspo.data.rewards import build_reward
 from megatron_gspo.rollout.prepare import BatchPreparer, TrainBatch, rollout_metrics
 from megatron_gspo.rollout.dump import RolloutDump
+from megatron_gspo.rollout.multiturn import check_env_error_frac
 from megatron_gspo.rollout.remote import RolloutRanksLost
 from megatron_gspo.rollout.source import build_source, join_side
 from megatron_gspo.trainer.sft import SFTWarmStart
@@ -167,6 +168,7 @@ class Trainer:
                 self.sampler.load_state_dict(data_state)  # its prompts are drawn again after a resume
                 self.stopping.check(self.step, abandoned=e)
             self.hooks.after_rollout(self, batch)
+            check_env_error_frac(batch.trajectories, self.cfg.env, self.state, self.step + 1)  # after the dump
             with self.timer("train"):
                 metrics = self.train_on(batch)
             metrics.update(rollout_metrics(batch, self.state))

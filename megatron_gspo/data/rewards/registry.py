@@ -25,6 +25,7 @@ import importlib.util
 import inspect
 import os
 import re
+import sys
 from typing import Any, Callable, Optional
 
 from megatron_gspo.errors import ConfigError, a_or_an
@@ -126,7 +127,7 @@ def resolve_reward(name_or_path: str) -> RewardSpec:
         missing = "the function after ':'" if module_name else "the module before ':'"
         raise ConfigError(f"{where}: expected 'package.module:function' (or 'path/to/file.py:function'); "
                           f"{missing} is missing")
-    module = _load_plugin_module(module_name, where)
+    module = load_plugin_module(module_name, where)
     target = getattr(module, fn_name, None)
     if target is None:
         raise ConfigError(f"{where}: module {module_name!r} has no attribute {fn_name!r}")
@@ -138,30 +139,44 @@ def resolve_reward(name_or_path: str) -> RewardSpec:
     return spec
 
 
-def _load_plugin_module(module_name: str, where: str):
-    """Import a plug-in's module (a dotted name or a .py file). Whatever its import raises, SystemExit
-    included (a module that calls sys.exit), is a ConfigError naming it; only Ctrl-C goes through."""
+def load_plugin_module(module_name: str, where: str, error: type[Exception] = ConfigError):
+    """Import a plug-in's module (a dotted name or a .py file): the one way the package imports user code (rewards;
+    environments and tools, env/tools.py). Whatever its import raises, SystemExit included (a module that calls
+    sys.exit), is an ``error`` (ConfigError, or the caller's: EnvError) naming ``where`` and the module; only Ctrl-C
+    goes through. A .py file is imported once per process, under a name made of its absolute path."""
     try:
         if module_name.endswith(".py"):
             if not os.path.isfile(module_name):
-                raise ConfigError(f"{where}: file {module_name} not found")
-            plugin_name = "_reward_plugin_" + re.sub(r"\W", "_", os.path.abspath(module_name))
+                raise error(f"{where}: file {module_name} not found")
+            plugin_name = "_plugin_" + re.sub(r"\W", "_", os.path.abspath(module_name))
+            if plugin_name in sys.modules:
+                return sys.modules[plugin_name]
             spec = importlib.util.spec_from_file_location(plugin_name, module_name)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            sys.modules[plugin_name] = module  # as an import does: a dataclass or a pickle looks its module up there
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[plugin_name]
+                raise
             return module
         try:
             return importlib.import_module(module_name)
         except ImportError as e:
             missing = getattr(e, "name", None) or ""
             if missing and (module_name == missing or module_name.startswith(missing + ".")):  # it does not exist
-                raise ConfigError(f"{where}: cannot import module {module_name!r}: {e}") from None
+                raise error(f"{where}: cannot import module {module_name!r}: {e}") from None
             raise
-    except (ConfigError, KeyboardInterrupt):
+    except (ConfigError, error, KeyboardInterrupt):
         raise
     except BaseException as e:  # the plug-in's own code failed while loading (syntax, imports, sys.exit, ...)
-        raise ConfigError(f"{where}: loading {module_name} failed: {type(e).__name__}: {e}") from e
+        raise error(f"{where}: loading {module_name} failed: {type(e).__name__}: {_one_line(e)}") from e
+
+
+def _one_line(e: BaseException) -> str:
+    """An import error's message on one line (a SyntaxError's str() is its message and (file, line))."""
+    return " ".join(str(e).split())
 
 
 def check_signature(spec: RewardSpec, settings: dict) -> None:
