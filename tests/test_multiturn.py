@@ -530,7 +530,6 @@ def test_sampled_text_that_broke_the_parser_is_a_counted_tool_error_in_a_trainin
 
 
 def _env_job(tmp_path, name: str, *extra: str) -> list:
-    from megatron_gspo.config import load_job_config
 
     return BASE + [f"train.output_dir={tmp_path / name}", "train.dump_rollouts=true", *extra]
 

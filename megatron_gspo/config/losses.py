@@ -17,10 +17,6 @@ What reads a loss section through its spec:
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
-import os
-import re
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
@@ -39,6 +35,7 @@ from megatron_gspo.config.loss_spec import (
     Values,
 )
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.plugins import load_plugin_module
 
 # ----------------------------------------------------------------------------------------------
 # The built-in losses' specs (their formulas: algorithms/losses.py, registered under these names)
@@ -108,20 +105,7 @@ def _load_plugin(name: str) -> Callable:
     module_name, _, attr = name.rpartition(":")
     if not module_name or not attr:
         raise ConfigError(f"{where}: expected 'package.module:function' or 'path/to/file.py:function'")
-    try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise ConfigError(f"{where}: file {module_name} not found")
-            spec = importlib.util.spec_from_file_location(
-                "_loss_plugin_" + re.sub(r"\W", "_", os.path.abspath(module_name)), module_name)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ConfigError:
-        raise
-    except (Exception, SystemExit) as e:  # the plug-in's own code failed (an import, a syntax error, an exit)
-        raise ConfigError(f"{where}: loading {module_name} failed: {type(e).__name__}: {e}") from e
+    module = load_plugin_module(module_name, where)
     fn = getattr(module, attr, None)
     if fn is None:
         raise ConfigError(f"{where}: {module_name} has no attribute {attr!r}")

@@ -74,7 +74,7 @@ def import_object(path: str, key: str) -> Any:
     the module or the name is missing, or when the module's import fails (it raises, has a syntax error, calls
     sys.exit): the reward plug-ins' import (data/rewards/registry.py), in the trainer at start-up and in the
     worker processes."""
-    from megatron_gspo.data.rewards.registry import load_plugin_module
+    from megatron_gspo.plugins import load_plugin_module
 
     module, _, attr = path.rpartition(":")
     obj = load_plugin_module(module, f"{key}: {path!r}", EnvError)

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 import inspect
-import os
-import re
-import sys
 from typing import Any, Callable, Optional
 
 from megatron_gspo.errors import ConfigError, a_or_an
+from megatron_gspo.plugins import load_plugin_module
 
 KINDS = ("sample", "batch", "class")
 # The modules of the built-in rewards: each registers its reward when imported (on the first lookup).
@@ -137,46 +134,6 @@ def resolve_reward(name_or_path: str) -> RewardSpec:
     if spec.kind == "class" and not callable(getattr(target, "score", None)):
         raise ConfigError(f"{where}: class {fn_name} has no score(batch) method (a reward class scores a batch)")
     return spec
-
-
-def load_plugin_module(module_name: str, where: str, error: type[Exception] = ConfigError):
-    """Import a plug-in's module (a dotted name or a .py file): the one way the package imports user code (rewards;
-    environments and tools, env/tools.py). Whatever its import raises, SystemExit included (a module that calls
-    sys.exit), is an ``error`` (ConfigError, or the caller's: EnvError) naming ``where`` and the module; only Ctrl-C
-    goes through. A .py file is imported once per process, under a name made of its absolute path."""
-    try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise error(f"{where}: file {module_name} not found")
-            plugin_name = "_plugin_" + re.sub(r"\W", "_", os.path.abspath(module_name))
-            if plugin_name in sys.modules:
-                return sys.modules[plugin_name]
-            spec = importlib.util.spec_from_file_location(plugin_name, module_name)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[plugin_name] = module  # as an import does: a dataclass or a pickle looks its module up there
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[plugin_name]
-                raise
-            return module
-        try:
-            return importlib.import_module(module_name)
-        except ImportError as e:
-            missing = getattr(e, "name", None) or ""
-            if missing and (module_name == missing or module_name.startswith(missing + ".")):  # it does not exist
-                raise error(f"{where}: cannot import module {module_name!r}: {e}") from None
-            raise
-    except (ConfigError, error, KeyboardInterrupt):
-        raise
-    except BaseException as e:  # the plug-in's own code failed while loading (syntax, imports, sys.exit, ...)
-        raise error(f"{where}: loading {module_name} failed: {type(e).__name__}: {_one_line(e)}") from e
-
-
-def _one_line(e: BaseException) -> str:
-    """An import error's message on one line (a SyntaxError's str() is its message and (file, line))."""
-    return " ".join(str(e).split())
 
 
 def check_signature(spec: RewardSpec, settings: dict) -> None:
