@@ -40,7 +40,6 @@ from megatron_gspo.algorithms.objective import (ObjectiveConfig, bad_sample_ids,
 from megatron_gspo.algorithms.overlong import empty_minibatch
 from megatron_gspo.config import JobConfig, old_logprob_source
 from megatron_gspo.trainer.evaluation import EvaluationAbandoned
-from megatron_gspo.runtime.exit_status import StopReason
 from megatron_gspo.runtime.stop import PreemptionFlag, StepAbandoned
 from megatron_gspo.trainer.stopping import StopControl, TrainingStopped  # noqa: F401 (TrainingStopped: re-exported)
 from megatron_gspo.runtime.hooks import Hooks, TrainerHook
@@ -155,18 +154,7 @@ class Trainer:
             data_before, data_state = self.sampler.counters(), self.sampler.state_dict()
             self.step_start.begin(data_state, may_stop_inside and self.stopping.writes_state(self.step), self.optimizer,
                                   self.scheduler)
-            try:
-                batch = self.prepare(self.source.collect(self.step))
-                # a signal during the rollout's scoring or its old / reference log-prob passes: leave the step
-                # before the update, which once begun runs to its end (a half-applied step cannot be saved)
-                if self.stopping.requested("preemption vote before the update"):
-                    raise StepAbandoned(self.step + 1, "before its update (rollout done)")
-            except RolloutRanksLost as e:  # rollout.mode=async: checkpoint and stop, never hang
-                self.stopping.without_rollouts(self.step, e)
-            except StepAbandoned as e:  # a stop signal during generation: nothing of this step was applied
-                e.elapsed_s = time.perf_counter() - t0
-                self.sampler.load_state_dict(data_state)  # its prompts are drawn again after a resume
-                self.stopping.check(self.step, abandoned=e)
+            batch = self._rollout(t0, data_state)
             self.hooks.after_rollout(self, batch)
             check_env_error_frac(batch.trajectories, self.cfg.env, self.state, self.step + 1)  # after the dump
             with self.timer("train"):
@@ -189,6 +177,23 @@ class Trainer:
         self.stopping.finished(self.step)  # says so when a stop signal came too late to cut anything short
         self.logger.close()
         return {"history": history}
+
+    def _rollout(self, t0: float, data_state: dict):
+        """This step's batch; a stop signal before its update, or lost rollout ranks, stop the run here (the
+        stopping calls raise), with the step's prompts drawn again after a resume."""
+        try:
+            batch = self.prepare(self.source.collect(self.step))
+            # a signal during the rollout's scoring or its old / reference log-prob passes: leave the step
+            # before the update, which once begun runs to its end (a half-applied step cannot be saved)
+            if self.stopping.requested("preemption vote before the update"):
+                raise StepAbandoned(self.step + 1, "before its update (rollout done)")
+            return batch
+        except RolloutRanksLost as e:  # rollout.mode=async: checkpoint and stop, never hang
+            self.stopping.without_rollouts(self.step, e)
+        except StepAbandoned as e:  # a stop signal during generation: nothing of this step was applied
+            e.elapsed_s = time.perf_counter() - t0
+            self.sampler.load_state_dict(data_state)  # its prompts are drawn again after a resume
+            self.stopping.check(self.step, abandoned=e)
 
     def _evaluate(self) -> dict:
         """The evaluation after step ``self.step``: eval/* and perf/eval_s, or nothing when a stop signal cut
