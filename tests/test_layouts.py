@@ -153,10 +153,11 @@ def test_global_aux_loss_is_exact_with_one_micro_batch_per_rank(grads):
 # trajectory parity and replicas
 # ----------------------------------------------------------------------------------------------
 
-# The demo job, short: 5 SFT + 5 GSPO steps. One micro-batch per rank per step (128 rows) with the
-# global aux statistic, so the MoE aux loss is exact across layouts too (see above).
-TRAJ_JOB = ["train.num_steps=5", "train.sft_steps=5", "train.micro_batch_size=128",
-            "model.moe_router_load_balancing_type=global_aux_loss"]
+# The demo job, short: 5 SFT + 5 GSPO steps, with the default MoE load-balancing loss (per sequence:
+# model/load_balancing.py). One micro-batch of 128 rows per step on one rank and of 64 rows on each of
+# two DP ranks, so the rows of a micro-batch differ between the layouts: a loss whose value depends on
+# which rows share a micro-batch (megatron's aux_loss) parts the trajectories at the first step.
+TRAJ_JOB = ["train.num_steps=5", "train.sft_steps=5", "train.micro_batch_size=128"]
 LAYOUTS = {  # name: (ranks, overrides); every layout but tp2 has DP = 2 replicas of the dense weights
     "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),
     "ep2": (2, ["parallel.expert_model_parallel_size=2"]),
@@ -167,11 +168,19 @@ LAYOUTS = {  # name: (ranks, overrides); every layout but tp2 has DP = 2 replica
 
 @pytest.fixture(scope="module")
 def trajectories(tmp_path_factory, run_dist):
+    """layout name (or "one") -> the directory of its run, each run once, when a test first asks for it."""
     root = tmp_path_factory.mktemp("traj")
-    run_dist("run_job.py", 1, "--out", str(root / "one"), "--", *TRAJ_JOB)
-    for name, (n, extra) in LAYOUTS.items():
-        run_dist("run_job.py", n, "--out", str(root / name), "--check-replicas", "--", *TRAJ_JOB, *extra)
-    return root
+    done = set()
+
+    def run(name):
+        if name not in done:
+            n, extra = (1, []) if name == "one" else LAYOUTS[name]
+            run_dist("run_job.py", n, "--out", str(root / name), *(["--check-replicas"] if n > 1 else []), "--",
+                     *TRAJ_JOB, *extra, timeout=900)
+            done.add(name)
+        return root / name
+
+    return run
 
 
 def _rollouts(d):
@@ -185,7 +194,7 @@ def _rollouts(d):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_trajectory_matches_one_rank(trajectories, layout):
-    ref_dir, got_dir = trajectories / "one", trajectories / layout
+    ref_dir, got_dir = trajectories("one"), trajectories(layout)
     ref, got = _rollouts(ref_dir), _rollouts(got_dir)
     assert len(ref) == 5 * 256 and ref.keys() == got.keys()  # every sample of every step, once
     differ = [k for k in ref if ref[k]["tokens"] != got[k]["tokens"]]
