@@ -76,8 +76,7 @@ SUPPLEMENT: dict[str, str] = {
                               "of every minibatch; P itself need not divide by it), and under `rollout.mode=async` "
                               "by the rollout ranks' data-parallel size.",
     "data.chat_template_kwargs": "Variables for the chat template (Qwen3: `{enable_thinking: false}`).",
-    "model.moe_aux_loss_coeff": "Coefficient of megatron-core's MoE load-balancing (aux) loss.",
-    "model.moe_router_load_balancing_type": "megatron-core's load-balancing loss type.",
+    "model.moe_aux_loss_coeff": "Coefficient of the MoE load-balancing (aux) loss, per MoE layer (as megatron-core's).",
     "model.moe_router_fusion": "TE's fused router top-k. Needs Transformer Engine, and is refused together "
                                "with routing replay (the fused path skips megatron's RouterReplay).",
     "parallel.pipeline_model_parallel_size": "Validated and passed to megatron-core, but the trainer has no "

@@ -208,6 +208,8 @@ def test_rollout_helpers_make_their_tensors_on_the_state_device(nccl):
         assert pad.device.type == "cuda" and pad.sum(1).tolist() == [3, 1, 2, 4]
         scales = aux_loss_scales([pad[:2], pad[2:]], state, "aux_loss", 1e-3)
         assert len(scales) == 2 and all(s > 0 for s in scales)
+        # the default, per sequence: coeff / the step's sequences (4 rows, each with a token), counted on the device
+        assert aux_loss_scales([pad[:2], pad[2:]], state, "seq_aux_loss", 1e-3) == [1e-3 / 4] * 2
         batch = TrainBatch(tokens=torch.zeros(4, 6, dtype=torch.long, device=cuda), mask=~pad, seq_lengths=lengths,
                              row_ids=ids, rewards=rewards, advantages=adv, sample_logprobs=torch.zeros(4, 5, device=cuda))
         assert batch.rows(slice(1, 3)).input_padding_mask().device.type == "cuda"

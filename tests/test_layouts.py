@@ -5,10 +5,10 @@ Real trainer runs under torchrun (tests/dist_scripts/run_job.py), compared again
 * gradient invariance: the first minibatch's gradient (same rollout: sampling noise is keyed by the
   global row) is the one-rank, one-micro-batch gradient under micro_batch_size 64 / 32 / 16, TP=2,
   EP=2, expert-TP=2 (at TP 1, EP 1: the expert shards on the two DP ranks), DP=2 and a token budget
-  under EP=2 and expert-TP=2 (the lockstep group's ranks agree one plan) -- within float noise for the policy loss; for the MoE load-balancing loss with the
-  same weight whatever the split (no factor-of-2 jumps): exact where megatron's statistic spans the
-  same tokens (TP; DP with the same micro-batches; global_aux_loss with one micro-batch per rank),
-  the per-micro-batch residual measured otherwise;
+  under EP=2 and expert-TP=2 (the lockstep group's ranks agree one plan) -- within float noise, for the
+  policy loss and for the default MoE load-balancing loss (per sequence); megatron's own aux statistics
+  (aux_loss, global_aux_loss) get the same weight whatever the split but a residual that depends on
+  which rows share a micro-batch (measured), exact for global_aux_loss with one micro-batch per rank;
 * trajectory parity: the demo job (SFT warm start + GSPO steps) under 1 rank, TP=2, EP=2, DP=2 and
   TP=2 x EP=2 samples the same responses, logs the same rewards / losses / grad norms and ends with
   the same weights; every DP replica's parameters and Adam moments are bit-identical at the end.
@@ -44,17 +44,17 @@ def rel_err(got, ref):
 def grads(tmp_path_factory, run_dist):
     """layout -> directory with grads_{policy,aux}_mb<N> (see run_job.save_gradients)."""
     root = tmp_path_factory.mktemp("grads")
+    megatron = "model.moe_router_load_balancing_type="  # megatron's own statistics; the default is per sequence
     runs = {
-        "one_aux": (1, "128,64,32,16", ["model.moe_router_load_balancing_type=aux_loss"]),
-        "one_global": (1, "128,64", ["model.moe_router_load_balancing_type=global_aux_loss"]),
-        "dp2_aux": (2, "64", ["model.moe_router_load_balancing_type=aux_loss"]),
-        "tp2_global": (2, "128", ["model.moe_router_load_balancing_type=global_aux_loss",
-                                  "parallel.tensor_model_parallel_size=2"]),
-        "ep2_global": (2, "64", ["model.moe_router_load_balancing_type=global_aux_loss",
-                                 "parallel.expert_model_parallel_size=2"]),
+        "one": (1, "128,64,32,16", []),
+        "dp2": (2, "64,16", []),
+        "tp2": (2, "128", ["parallel.tensor_model_parallel_size=2"]),
+        "ep2": (2, "64", ["parallel.expert_model_parallel_size=2"]),
         # expert-TP 2 at TP 1 / EP 1: the expert group is the two DP ranks (ParallelState.lockstep_group)
-        "etp2_global": (2, "64", ["model.moe_router_load_balancing_type=global_aux_loss",
-                                  "parallel.expert_tensor_parallel_size=2"]),
+        "etp2": (2, "64", ["parallel.expert_tensor_parallel_size=2"]),
+        "one_aux": (1, "128,64,16", [megatron + "aux_loss"]),
+        "one_global": (1, "128,64", [megatron + "global_aux_loss"]),
+        "ep2_global": (2, "64", [megatron + "global_aux_loss", "parallel.expert_model_parallel_size=2"]),
     }
     for name, (n, sizes, extra) in runs.items():
         run_dist("run_job.py", n, "--out", str(root / name), "--grads", sizes, "--", *GRAD_JOB, *extra)
@@ -70,11 +70,11 @@ def grads(tmp_path_factory, run_dist):
 
 
 def test_policy_gradient_is_independent_of_micro_batch_size_and_layout(grads):
-    ref = _tensors(grads / "one_aux" / "grads_policy_mb128")
+    ref = _tensors(grads / "one" / "grads_policy_mb128")
     assert sum(float(v.norm()) for v in ref.values()) > 1e-3  # a real gradient, not zeros
-    for where in ("one_aux/grads_policy_mb64", "one_aux/grads_policy_mb32", "one_aux/grads_policy_mb16",
-                  "dp2_aux/grads_policy_mb64", "tp2_global/grads_policy_mb128", "ep2_global/grads_policy_mb64",
-                  "etp2_global/grads_policy_mb64", "one_global/grads_policy_mb128"):
+    for where in ("one/grads_policy_mb64", "one/grads_policy_mb32", "one/grads_policy_mb16", "dp2/grads_policy_mb64",
+                  "dp2/grads_policy_mb16", "tp2/grads_policy_mb128", "ep2/grads_policy_mb64", "etp2/grads_policy_mb64",
+                  "one_global/grads_policy_mb128"):
         err = rel_err(_tensors(grads / where), ref)
         assert err < 1e-5, (where, err)
 
@@ -88,7 +88,7 @@ def family_grads(tmp_path_factory, run_dist):
     (64 rows per rank), the first minibatch's policy gradient of each loss."""
     root = tmp_path_factory.mktemp("family_grads")
     for loss in FAMILY:
-        job = [*GRAD_JOB, f"loss.name={loss}", "model.moe_router_load_balancing_type=aux_loss"]
+        job = [*GRAD_JOB, f"loss.name={loss}"]
         run_dist("run_job.py", 1, "--out", str(root / f"{loss}_one"), "--grads", "128,32", "--", *job)
         run_dist("run_job.py", 2, "--out", str(root / f"{loss}_dp2"), "--grads", "64", "--", *job)
     return root
@@ -131,27 +131,36 @@ def test_token_budget_under_expert_parallelism_gives_the_one_rank_gradient(grads
     assert err < 1e-5, (layout, err)
 
 
-def test_aux_loss_gradient_has_the_same_weight_whatever_the_split(grads):
+def test_default_aux_loss_gradient_is_independent_of_micro_batch_size_and_layout(grads):
+    """The default load-balancing loss (per sequence, averaged over the step's sequences): the same gradient
+    whatever micro-batch and DP / TP / EP rank a row is dealt to."""
+    ref = _tensors(grads / "one" / "grads_aux_mb128")
+    ref_norm = math.sqrt(sum(float((v.double() ** 2).sum()) for v in ref.values()))
+    assert ref_norm > 1e-5
+    for where in ("one/grads_aux_mb64", "one/grads_aux_mb32", "one/grads_aux_mb16", "dp2/grads_aux_mb64",
+                  "dp2/grads_aux_mb16", "tp2/grads_aux_mb128", "ep2/grads_aux_mb64", "etp2/grads_aux_mb64"):
+        err = rel_err(_tensors(grads / where), ref)
+        assert err < 1e-5, (where, err)
+
+
+def test_megatron_aux_loss_has_the_same_weight_but_depends_on_the_split(grads):
+    """megatron's aux_loss (per micro-batch statistics): the coefficient's weight whatever the split
+    (model.aux_loss_scales: no factor-of-2 jumps), but a residual that grows as micro-batches shrink
+    (measured on this job: 6.2% at 64 rows, 32% at 16; the old scale gave 2x per halving)."""
     ref = _tensors(grads / "one_aux" / "grads_aux_mb128")
     ref_norm = math.sqrt(sum(float((v.double() ** 2).sum()) for v in ref.values()))
     assert ref_norm > 1e-5
-    # exact where megatron's statistic spans the same tokens: TP (the TP group sees the whole
-    # micro-batch), and DP=2 against one rank split into the same 64-row micro-batches
-    assert rel_err(_tensors(grads / "dp2_aux" / "grads_aux_mb64"), _tensors(grads / "one_aux" / "grads_aux_mb64")) < 1e-5
-    # per-micro-batch statistics: a residual that grows as micro-batches shrink, never a factor 2
-    # (measured on this job: 6.2% at 64 rows, 32% at 16; the old scale gave 2x per halving)
-    for mbs, bound in ((64, 0.12), (32, 0.3), (16, 0.5)):
+    for mbs, bound in ((64, 0.12), (16, 0.5)):
         got = _tensors(grads / "one_aux" / f"grads_aux_mb{mbs}")
         norm = math.sqrt(sum(float((v.double() ** 2).sum()) for v in got.values()))
         assert abs(norm / ref_norm - 1) < 0.1, (mbs, norm, ref_norm)
-        assert rel_err(got, ref) < bound, (mbs, rel_err(got, ref))
+        assert 1e-3 < rel_err(got, ref) < bound, (mbs, rel_err(got, ref))
 
 
 def test_global_aux_loss_is_exact_with_one_micro_batch_per_rank(grads):
     ref = _tensors(grads / "one_global" / "grads_aux_mb128")
-    for where in ("tp2_global/grads_aux_mb128", "ep2_global/grads_aux_mb64", "etp2_global/grads_aux_mb64"):
-        err = rel_err(_tensors(grads / where), ref)
-        assert err < 1e-5, (where, err)
+    err = rel_err(_tensors(grads / "ep2_global" / "grads_aux_mb64"), ref)
+    assert err < 1e-5, err
     # several micro-batches per rank: megatron's running average of the counts leaves a residual
     assert 1e-3 < rel_err(_tensors(grads / "one_global" / "grads_aux_mb64"), ref) < 0.5
 
@@ -160,10 +169,11 @@ def test_global_aux_loss_is_exact_with_one_micro_batch_per_rank(grads):
 # trajectory parity and replicas
 # ----------------------------------------------------------------------------------------------
 
-# The demo job, short: 5 SFT + 5 GSPO steps. One micro-batch per rank per step (128 rows) with the
-# global aux statistic, so the MoE aux loss is exact across layouts too (see above).
-TRAJ_JOB = ["train.num_steps=5", "train.sft_steps=5", "train.micro_batch_size=128",
-            "model.moe_router_load_balancing_type=global_aux_loss"]
+# The demo job, short: 5 SFT + 5 GSPO steps, with the default MoE load-balancing loss (per sequence:
+# model/load_balancing.py). One micro-batch of 128 rows per step on one rank and of 64 rows on each of
+# two DP ranks, so the rows of a micro-batch differ between the layouts: a loss whose value depends on
+# which rows share a micro-batch (megatron's aux_loss) parts the trajectories at the first step.
+TRAJ_JOB = ["train.num_steps=5", "train.sft_steps=5", "train.micro_batch_size=128"]
 LAYOUTS = {  # name: (ranks, overrides); every layout but tp2 has DP = 2 replicas of the dense weights
     "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),
     "ep2": (2, ["parallel.expert_model_parallel_size=2"]),
@@ -174,11 +184,19 @@ LAYOUTS = {  # name: (ranks, overrides); every layout but tp2 has DP = 2 replica
 
 @pytest.fixture(scope="module")
 def trajectories(tmp_path_factory, run_dist):
+    """layout name (or "one") -> the directory of its run, each run once, when a test first asks for it."""
     root = tmp_path_factory.mktemp("traj")
-    run_dist("run_job.py", 1, "--out", str(root / "one"), "--", *TRAJ_JOB)
-    for name, (n, extra) in LAYOUTS.items():
-        run_dist("run_job.py", n, "--out", str(root / name), "--check-replicas", "--", *TRAJ_JOB, *extra)
-    return root
+    done = set()
+
+    def run(name):
+        if name not in done:
+            n, extra = (1, []) if name == "one" else LAYOUTS[name]
+            run_dist("run_job.py", n, "--out", str(root / name), *(["--check-replicas"] if n > 1 else []), "--",
+                     *TRAJ_JOB, *extra, timeout=900)
+            done.add(name)
+        return root / name
+
+    return run
 
 
 def _rollouts(d):
@@ -192,7 +210,7 @@ def _rollouts(d):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_trajectory_matches_one_rank(trajectories, layout):
-    ref_dir, got_dir = trajectories / "one", trajectories / layout
+    ref_dir, got_dir = trajectories("one"), trajectories(layout)
     ref, got = _rollouts(ref_dir), _rollouts(got_dir)
     assert len(ref) == 5 * 256 and ref.keys() == got.keys()  # every sample of every step, once
     differ = [k for k in ref if ref[k]["tokens"] != got[k]["tokens"]]

@@ -242,7 +242,7 @@ def test_a_stop_signal_during_a_tool_call_ends_the_job_within_seconds(tmp_path):
 # rarely says a number, so most rows are told "a number, please" and talk until env.max_turns.
 DIST_JOB = [a for a in BASE if not a.startswith(("env.name=", "parallel.device=", "train.num_steps="))] + [
     "env.name=megatron_gspo.env.games:GuessWithFeedback", "train.num_steps=2", "train.old_logprobs=recompute",
-    "model.moe_router_load_balancing_type=global_aux_loss", "train.dump_rollouts=true"]
+    "train.dump_rollouts=true"]
 DIST_LAYOUTS = {  # name: (ranks, overrides)
     "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),
     "ep2": (2, ["parallel.expert_model_parallel_size=2"]),

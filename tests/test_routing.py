@@ -297,7 +297,7 @@ def test_monitor_without_replay_matches_megatron_aux_loss(single_rank):
 
     from megatron_gspo.model.gpt import build_model, forward_logits
 
-    cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=1e-2)
+    cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss")
     st = single_rank(cfg, ParallelConfig(device="cpu", seed=9))
     model = build_model(cfg, ParallelConfig(device="cpu", seed=9), st, routing_replay=False)
     with pytest.raises(RoutingReplayError, match="routing_replay=True"):

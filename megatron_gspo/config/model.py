@@ -64,7 +64,11 @@ class ModelConfig:
     # RL peers found bf16 router logits make log-probs drift between passes: route in fp32.
     moe_router_dtype: Optional[str] = knob("fp32", resume=Resume.REFUSED, choices=(None, "fp32", "fp64"))
     moe_aux_loss_coeff: float = knob(1e-3, resume=Resume.REFUSED)
-    moe_router_load_balancing_type: str = knob("aux_loss", resume=Resume.REFUSED,
+    # The load-balancing loss. seq_aux_loss: the project's, one Switch loss per sequence averaged over the
+    # optimizer step's sequences, the same under any layout and micro-batch split (model/load_balancing.py).
+    # aux_loss / global_aux_loss: megatron-core's, over a micro-batch (and the DP group), so they depend on
+    # how rows are dealt to ranks and micro-batches (docs/layouts.md). none: off.
+    moe_router_load_balancing_type: str = knob("seq_aux_loss", resume=Resume.REFUSED,
                                                choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
     # "auto": alltoall on GPU, allgather on CPU (alltoall creates CUDA streams).
     moe_token_dispatcher_type: str = knob("auto", resume=Resume.MAY_CHANGE,

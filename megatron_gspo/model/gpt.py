@@ -224,8 +224,10 @@ def _moe_kwargs(cfg: ModelConfig, device: torch.device, cuda: bool, impl: str, e
         moe_ffn_hidden_size=cfg.moe_ffn_hidden_size,
         moe_router_pre_softmax=cfg.moe_router_pre_softmax,
         moe_router_dtype=cfg.moe_router_dtype,
-        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-        moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
+        # seq_aux_loss is the project's (model/load_balancing.py, hooks on the routers): megatron's own is off
+        moe_aux_loss_coeff=0.0 if cfg.moe_router_load_balancing_type == "seq_aux_loss" else cfg.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=("none" if cfg.moe_router_load_balancing_type == "seq_aux_loss"
+                                        else cfg.moe_router_load_balancing_type),
         moe_token_dispatcher_type=resolve_dispatcher(cfg, device),
         moe_grouped_gemm=expert_impl == "te_grouped",
         moe_permute_fusion=cuda and impl == "transformer_engine",
@@ -359,6 +361,11 @@ def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, rou
     model.construct_only = construct_only
     if construct_only:
         _refuse_forward(model)
+    elif cfg.moe_router_load_balancing_type == "seq_aux_loss":
+        from megatron_gspo.model.load_balancing import SequenceAuxLoss
+
+        # its gradient scale is set per micro-batch (aux_loss_scales): 0 while the coefficient is 0
+        model.seq_aux_loss = SequenceAuxLoss(model, state.pg.tp_cp)
     return model
 
 
@@ -481,9 +488,12 @@ def input_padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
 # with N the valid tokens of the whole optimizer step over every DP rank. The weights w_m sum to 1,
 # so the aux loss enters with exactly its coefficient however the step is split over micro-batches,
 # TP, EP and DP ranks (a constant scale made it grow with the tokens per micro-batch and shrink 1/TP).
-# What remains split-dependent is megatron's statistic itself: "aux_loss"/"seq_aux_loss" count expert
-# loads per micro-batch (over the TP group), "global_aux_loss" over the DP group too, as a running
-# average across the step's micro-batches (exact when each rank runs one micro-batch per step).
+# What remains split-dependent is megatron's statistic itself: "aux_loss" counts expert loads per
+# micro-batch (over the TP group), "global_aux_loss" over the DP group too, as a running average across
+# the step's micro-batches (exact when each rank runs one micro-batch per step).
+# "seq_aux_loss" (the default) is the project's own (model/load_balancing.py): one Switch loss per
+# sequence, on that sequence's tokens alone, summed over the step's sequences and divided by their
+# number R over every DP rank: scale_j = coeff / R for every micro-batch, and nothing depends on the split.
 
 
 def aux_loss_scales(padding_masks: list[torch.Tensor], state: ParallelState, load_balancing_type: str,
@@ -498,6 +508,10 @@ def aux_loss_scales(padding_masks: list[torch.Tensor], state: ParallelState, loa
     if coeff == 0 or load_balancing_type == "none" or not padding_masks:
         return [0.0] * len(padding_masks)
     valid = [~m for m in padding_masks]
+    if load_balancing_type == "seq_aux_loss":
+        rows = sum(v.any(1).sum() for v in valid).to(torch.float64).reshape(1)  # sequences with a token
+        rows = comm.all_reduce(rows, "sum", state.dp_group, what="seq_aux_loss weight: sequences of the step")
+        return [coeff / float(rows) if float(rows) > 0 else 0.0] * len(padding_masks)
     counts = torch.stack([v.sum() for v in valid]).to(torch.float64)  # [M] valid tokens per micro-batch
     dp_counts = comm.all_reduce(counts.clone(), "sum", state.dp_group, what="aux-loss weights: valid tokens per micro-batch")
     total = float(dp_counts.sum())

@@ -17,7 +17,8 @@ from megatron_gspo.runtime import parallel
 from megatron_gspo.checkpoint import load_model, save_model
 from megatron_gspo.config import ParallelConfig, model_config_from_preset
 from megatron_gspo.model.logprobs import vocab_parallel_logprobs
-from megatron_gspo.model.gpt import build_model, finalize_grads, forward_logits, forward_logprobs, wrap_ddp
+from megatron_gspo.model.gpt import (aux_loss_scales, build_model, finalize_grads, forward_logits, forward_logprobs,
+                                    set_aux_loss_scale, wrap_ddp)
 
 
 def batch(vocab):
@@ -48,8 +49,9 @@ def main():
     ap.add_argument("--logprobs", choices=["logits", "fused"], default="logits")
     a = ap.parse_args()
 
-    # the aux loss depends on how tokens are grouped per rank; parity is about the policy math
-    cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=0.0, vocab_size=100)
+    # the default MoE load-balancing loss (per sequence), with a coefficient large enough for its gradient
+    # to weigh in the comparison: it does not depend on how rows and tokens are split over ranks either
+    cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=1.0, vocab_size=100)
     par = ParallelConfig(tensor_model_parallel_size=a.tp, expert_model_parallel_size=a.ep,
                          expert_tensor_parallel_size=a.etp, seed=11,
                          use_distributed_optimizer=False)  # gradients read whole from the DDP buffers
@@ -71,12 +73,18 @@ def main():
     sl = slice(st.dp_rank * per, (st.dp_rank + 1) * per)
     tok = tokens[sl]
     ddp.zero_grad_buffer()
+    # the aux loss's weight: coeff / the sequences of the global batch. The last token predicts nothing: not
+    # an input of the fused path, padding for the logits path (as in the trainer), so both count 23 tokens
+    pad = torch.zeros_like(tok, dtype=torch.bool)
+    pad[:, -1] = True
+    set_aux_loss_scale(aux_loss_scales([pad], st, cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff)[0],
+                       st.device)
     if a.logprobs == "fused":  # 23 input tokens: odd, so sequence parallel (TP=2) pads them too
-        lp, ent = forward_logprobs(ddp, tok[:, :-1], tok[:, 1:], cfg.vocab_size)
+        lp, ent = forward_logprobs(ddp, tok[:, :-1], tok[:, 1:], cfg.vocab_size, padding_mask=pad[:, :-1])
         with torch.no_grad():
             logits = forward_logits(ddp, tok)
     else:
-        logits = forward_logits(ddp, tok)
+        logits = forward_logits(ddp, tok, padding_mask=pad)
         lp, ent = vocab_parallel_logprobs(logits[:, :-1], tok[:, 1:], cfg.vocab_size, st.tp_group, chunk_tokens=16)
     # a global-sum loss: DDP sums gradients over DP ranks (calculate_per_token_loss)
     loss = (lp * w_lp[sl]).sum() + (ent * w_h[sl]).sum()
