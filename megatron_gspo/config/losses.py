@@ -35,7 +35,6 @@ from megatron_gspo.config.loss_spec import (
     Values,
 )
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.plugins import load_plugin_module
 
 # ----------------------------------------------------------------------------------------------
 # The built-in losses' specs (their formulas: algorithms/losses.py, registered under these names)
@@ -105,6 +104,8 @@ def _load_plugin(name: str) -> Callable:
     module_name, _, attr = name.rpartition(":")
     if not module_name or not attr:
         raise ConfigError(f"{where}: expected 'package.module:function' or 'path/to/file.py:function'")
+    from megatron_gspo.plugins import load_plugin_module  # only when a job names a plug-in: config stays a leaf
+
     module = load_plugin_module(module_name, where)
     fn = getattr(module, attr, None)
     if fn is None:

@@ -321,9 +321,8 @@ def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, rou
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    # RouterReplay keeps a class-level list of instances, one per MoE layer, in build order; a
-    # rebuilt replay model must start from an empty list or replay data goes to stale routers.
-    # (Models without replay create no instances and leave the list alone.)
+    # RouterReplay keeps a class-level list of instances, one per MoE layer, in build order; a rebuilt
+    # replay model must start from an empty list or replay data goes to stale routers
     if routing_replay:
         RouterReplay.clear_global_router_replay_instances()
     tcfg = build_transformer_config(cfg, par, state.device, routing_replay=routing_replay,
@@ -342,17 +341,15 @@ def build_model(cfg: ModelConfig, par: ParallelConfig, state: ParallelState, rou
             share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
             position_embedding_type="rope",
             rotary_base=int(cfg.rotary_base),
-            pg_collection=state.pg,
-        )
+            pg_collection=state.pg)
     if model.post_process:
         from megatron_gspo.model.output_layer import use_batch_first_output
 
         use_batch_first_output(model)  # logits [b, s, V] without megatron's transpose copy
     if state.device.type == "cuda":  # a CPU job initialized on the CPU (use_cpu_initialization)
         model = model.to(state.device)
-    # megatron's own init draws from each rank's RNG stream (layout dependent): re-draw every weight
-    # from the seed alone. (megatron's pass cannot be skipped: perform_initialization=False also skips
-    # setting the tensor-parallel attributes that grad-norm and finalize_model_grads rely on.)
+    # megatron's own init draws from each rank's RNG stream (layout dependent): re-draw every weight from the
+    # seed alone (its pass stays: perform_initialization=False also skips the TP attributes grad-norm reads)
     if init_from_seed:
         from megatron_gspo.model.init_weights import init_weights
 

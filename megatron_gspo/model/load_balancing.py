@@ -54,10 +54,10 @@ class SequenceAuxLoss:
     training forwards with gradients on; ``close()`` removes the hooks."""
 
     def __init__(self, model, tp_cp_group):
-        from megatron_gspo.routing.common import find_routers
+        from megatron.core.transformer.moe.router import Router
 
         self.group = tp_cp_group if tp_cp_group is not None and tp_cp_group.size() > 1 else None
-        self._hooks = [r.register_forward_hook(self._hook, with_kwargs=True) for r in find_routers(model)]
+        self._hooks = [r.register_forward_hook(self._hook, with_kwargs=True) for r in model.modules() if isinstance(r, Router)]
 
     def close(self) -> None:
         for h in self._hooks:
