@@ -207,16 +207,19 @@ def save_gradients(trainer, out_dir, micro_batch_sizes):
 
 
 def save_planned_gradient(trainer, out_dir):
-    """grads_policy_planned: the first minibatch's policy gradient (aux loss off) with the micro-batch
-    plan the rollout made itself (train.micro_batch_size / max_tokens_per_micro_batch, agreed over the
-    ranks under EP). Prints this rank's own plan next to the agreed one."""
-    from megatron_gspo.model.gpt import unwrap
-    from megatron_gspo.trainer.optim import setup_optimizer
+    """grads_policy_planned: the first minibatch's policy gradient (the aux loss's gradient scaled by 0) with
+    the micro-batch plan the rollout made itself (train.micro_batch_size / max_tokens_per_micro_batch, agreed
+    over the ranks that must run the same micro-batches). Prints this rank's own plan next to the agreed one."""
+    from megatron_gspo.model.gpt import set_aux_loss_scale
     from megatron_gspo.rollout.prepare import plan_micro_batches
+    from megatron_gspo.trainer import loop
+    from megatron_gspo.trainer.optim import setup_optimizer
 
     trainer.optimizer, trainer.scheduler, trainer.step = setup_optimizer(  # the RL optimizer (and a resume's state)
         trainer.cfg, trainer.state, trainer.ddp, trainer.checkpoints, trainer.sampler, trainer.ref_model, trainer.step)
-    unwrap(trainer.ddp).config.moe_aux_loss_coeff = trainer.cfg.model.moe_aux_loss_coeff = 0.0
+    # the load-balancing loss runs as configured (the plan it needs, its collectives in aux_loss_scales and in
+    # megatron's routers) but its gradient is scaled by 0: the saved gradient is the policy's alone
+    loop.set_aux_loss_scale = lambda scale, device: set_aux_loss_scale(0.0, device)
     t = trainer.cfg.train
     batch = trainer.prepare(trainer.source.collect(trainer.step))
     own = plan_micro_batches(batch.seq_lengths.tolist(), t.num_minibatches, t.micro_batch_size,
