@@ -69,8 +69,12 @@ def grads(tmp_path_factory, run_dist):
                          ("etp2_budget", "parallel.expert_tensor_parallel_size=2"),
                          # plain DP 2 (no lockstep group): megatron's statistics need one plan over DP
                          ("dp2_budget_aux", megatron + "aux_loss"), ("dp2_budget_global", megatron + "global_aux_loss")):
-        p = run_dist("run_job.py", 2, "--out", str(root / name), "--planned-grad", "--", *GRAD_JOB, *ragged, layout)
+        aux = ["--planned-aux"] if "aux_loss" in layout else []  # megatron's statistics: their gradient too
+        p = run_dist("run_job.py", 2, "--out", str(root / name), "--planned-grad", *aux, "--", *GRAD_JOB, *ragged, layout)
         (root / name / "plans.txt").write_text(p.stdout)
+    for kind in ("aux", "global"):  # one rank: the reference of the DP 2 runs' aux gradient
+        run_dist("run_job.py", 1, "--out", str(root / f"one_budget_{kind}"), "--planned-grad", "--planned-aux", "--",
+                 *GRAD_JOB, *ragged, megatron + ("aux_loss" if kind == "aux" else "global_aux_loss"))
     return root
 
 
@@ -148,7 +152,8 @@ def test_token_budget_under_data_parallelism_with_megatron_aux_loss_gives_the_on
     weights all-reduce a count per micro-batch over DP (model.aux_loss_scales), so the two ranks, whose own
     plans of the first minibatch have 8 and 9 micro-batches, run one plan agreed over DP
     (BatchPreparer.plan_group; before, the collective mismatched and the job died). The aux loss runs as
-    configured, its gradient scaled by 0: the first minibatch's policy gradient is the one-rank gradient."""
+    configured, its gradient scaled by 0: the first minibatch's policy gradient is the one-rank gradient;
+    its own gradient has the one-rank gradient's weight."""
     plans = _plans(grads / f"dp2_budget_{kind}" / "plans.txt")
     assert len(plans) == 2
     assert {eval(r[1])[0] for r in plans} == {8, 9}, plans  # the ranks' own first-minibatch micro-batch counts
@@ -157,6 +162,15 @@ def test_token_budget_under_data_parallelism_with_megatron_aux_loss_gives_the_on
     assert sum(float(v.norm()) for v in ref.values()) > 1e-3
     err = rel_err(_tensors(grads / f"dp2_budget_{kind}" / "grads_policy_planned"), ref)
     assert err < 1e-5, (kind, err)
+    # the load-balancing gradient alone (a greedy rollout): its coefficient's weight (norm within 10% of one
+    # rank's), with the residual of a statistic that depends on which rows share a micro-batch (measured: 26%
+    # for aux_loss, 15% for global_aux_loss; the rows of a micro-batch differ from one rank's)
+    ref = _tensors(grads / f"one_budget_{kind}" / "grads_aux_planned")
+    got = _tensors(grads / f"dp2_budget_{kind}" / "grads_aux_planned")
+    norm = lambda g: math.sqrt(sum(float((v.double() ** 2).sum()) for v in g.values()))  # noqa: E731
+    assert norm(ref) > 1e-5
+    assert abs(norm(got) / norm(ref) - 1) < 0.1, (kind, norm(got), norm(ref))
+    assert rel_err(got, ref) < 0.5, (kind, rel_err(got, ref))
 
 
 def test_default_aux_loss_gradient_is_independent_of_micro_batch_size_and_layout(grads):
