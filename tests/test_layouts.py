@@ -5,7 +5,8 @@ Real trainer runs under torchrun (tests/dist_scripts/run_job.py), compared again
 * gradient invariance: the first minibatch's gradient (same rollout: sampling noise is keyed by the
   global row) is the one-rank, one-micro-batch gradient under micro_batch_size 64 / 32 / 16, TP=2,
   EP=2, expert-TP=2 (at TP 1, EP 1: the expert shards on the two DP ranks), DP=2 and a token budget
-  under EP=2 and expert-TP=2 (the lockstep group's ranks agree one plan) -- within float noise, for the
+  under EP=2 and expert-TP=2 (the lockstep group's ranks agree one plan) and under DP=2 with megatron's
+  aux statistics (the DP ranks agree one plan) -- within float noise, for the
   policy loss and for the default MoE load-balancing loss (per sequence); megatron's own aux statistics
   (aux_loss, global_aux_loss) get the same weight whatever the split but a residual that depends on
   which rows share a micro-batch (measured), exact for global_aux_loss with one micro-batch per rank;
@@ -59,13 +60,21 @@ def grads(tmp_path_factory, run_dist):
     for name, (n, sizes, extra) in runs.items():
         run_dist("run_job.py", n, "--out", str(root / name), "--grads", sizes, "--", *GRAD_JOB, *extra)
     # a token budget under EP=2: the ranks' own plans differ, the agreed one runs (rollout.agreed_length_profile);
-    # ragged rows (stop tokens) so that the budget cuts them differently; reference: one rank, same job
-    ragged = ["generation.max_new_tokens=12", "generation.stop_token_ids=[3,7,11,1]", "train.max_tokens_per_micro_batch=96"]
+    # ragged rows (stop tokens) so that the budget cuts them differently (the two DP ranks' own plans of the
+    # first minibatch: 8 and 9 micro-batches); reference: one rank, same job
+    ragged = ["generation.max_new_tokens=12", "generation.stop_token_ids=[3,7,11,1,5]",
+              "train.max_tokens_per_micro_batch=130"]
     run_dist("run_job.py", 1, "--out", str(root / "one_budget"), "--planned-grad", "--", *GRAD_JOB, *ragged)
     for name, layout in (("ep2_budget", "parallel.expert_model_parallel_size=2"),
-                         ("etp2_budget", "parallel.expert_tensor_parallel_size=2")):
-        p = run_dist("run_job.py", 2, "--out", str(root / name), "--planned-grad", "--", *GRAD_JOB, *ragged, layout)
+                         ("etp2_budget", "parallel.expert_tensor_parallel_size=2"),
+                         # plain DP 2 (no lockstep group): megatron's statistics need one plan over DP
+                         ("dp2_budget_aux", megatron + "aux_loss"), ("dp2_budget_global", megatron + "global_aux_loss")):
+        aux = ["--planned-aux"] if "aux_loss" in layout else []  # megatron's statistics: their gradient too
+        p = run_dist("run_job.py", 2, "--out", str(root / name), "--planned-grad", *aux, "--", *GRAD_JOB, *ragged, layout)
         (root / name / "plans.txt").write_text(p.stdout)
+    for kind in ("aux", "global"):  # one rank: the reference of the DP 2 runs' aux gradient
+        run_dist("run_job.py", 1, "--out", str(root / f"one_budget_{kind}"), "--planned-grad", "--planned-aux", "--",
+                 *GRAD_JOB, *ragged, megatron + ("aux_loss" if kind == "aux" else "global_aux_loss"))
     return root
 
 
@@ -110,16 +119,22 @@ def test_successor_losses_gradient_is_independent_of_micro_batch_size_and_dp(fam
     assert rel_err(_tensors(family_grads / f"{other}_one" / "grads_policy_mb128"), ref) > 1e-3
 
 
+def _plans(path):
+    """Each rank's printed plan (run_job.save_planned_gradient): (rank, own counts, own widths, agreed counts,
+    agreed widths) as strings."""
+    import re
+
+    return re.findall(r"\[rank (\d)\] plan: own (\[.*?\]) widths (\[.*?\]); agreed (\[.*?\]) widths (\[.*?\])",
+                      path.read_text())
+
+
 @pytest.mark.parametrize("layout", ["ep2", "etp2"])
 def test_token_budget_under_expert_parallelism_gives_the_one_rank_gradient(grads, layout):
     """train.max_tokens_per_micro_batch with EP=2, and with expert-TP=2 at TP 1 / EP 1 (the two DP ranks
     joined by the experts' token dispatch): each rank's own plan of its rows differs in micro-batch count or
     widths (ragged rows: stop tokens), the agreed plan is the same on both ranks, and the first minibatch's
     policy gradient is the one-rank gradient of the same job."""
-    import re
-
-    plans = re.findall(r"\[rank (\d)\] plan: own (\[.*?\]) widths (\[.*?\]); agreed (\[.*?\]) widths (\[.*?\])",
-                       (grads / f"{layout}_budget" / "plans.txt").read_text())
+    plans = _plans(grads / f"{layout}_budget" / "plans.txt")
     assert len(plans) == 2
     own = {(r[1], r[2]) for r in plans}
     agreed = {(r[3], r[4]) for r in plans}
@@ -129,6 +144,33 @@ def test_token_budget_under_expert_parallelism_gives_the_one_rank_gradient(grads
     assert sum(float(v.norm()) for v in ref.values()) > 1e-3
     err = rel_err(_tensors(grads / f"{layout}_budget" / "grads_policy_planned"), ref)
     assert err < 1e-5, (layout, err)
+
+
+@pytest.mark.parametrize("kind", ["aux", "global"])
+def test_token_budget_under_data_parallelism_with_megatron_aux_loss_gives_the_one_rank_gradient(grads, kind):
+    """Plain DP 2 (no lockstep group) with a token budget and megatron's aux_loss / global_aux_loss: their
+    weights all-reduce a count per micro-batch over DP (model.aux_loss_scales), so the two ranks, whose own
+    plans of the first minibatch have 8 and 9 micro-batches, run one plan agreed over DP
+    (BatchPreparer.plan_group; before, the collective mismatched and the job died). The aux loss runs as
+    configured, its gradient scaled by 0: the first minibatch's policy gradient is the one-rank gradient;
+    its own gradient has the one-rank gradient's weight."""
+    plans = _plans(grads / f"dp2_budget_{kind}" / "plans.txt")
+    assert len(plans) == 2
+    assert {eval(r[1])[0] for r in plans} == {8, 9}, plans  # the ranks' own first-minibatch micro-batch counts
+    assert len({(r[3], r[4]) for r in plans}) == 1, plans  # one agreed plan
+    ref = _tensors(grads / "one_budget" / "grads_policy_planned")
+    assert sum(float(v.norm()) for v in ref.values()) > 1e-3
+    err = rel_err(_tensors(grads / f"dp2_budget_{kind}" / "grads_policy_planned"), ref)
+    assert err < 1e-5, (kind, err)
+    # the load-balancing gradient alone (a greedy rollout): its coefficient's weight (norm within 10% of one
+    # rank's), with the residual of a statistic that depends on which rows share a micro-batch (measured: 26%
+    # for aux_loss, 15% for global_aux_loss; the rows of a micro-batch differ from one rank's)
+    ref = _tensors(grads / f"one_budget_{kind}" / "grads_aux_planned")
+    got = _tensors(grads / f"dp2_budget_{kind}" / "grads_aux_planned")
+    norm = lambda g: math.sqrt(sum(float((v.double() ** 2).sum()) for v in g.values()))  # noqa: E731
+    assert norm(ref) > 1e-5
+    assert abs(norm(got) / norm(ref) - 1) < 0.1, (kind, norm(got), norm(ref))
+    assert rel_err(got, ref) < 0.5, (kind, rel_err(got, ref))
 
 
 def test_default_aux_loss_gradient_is_independent_of_micro_batch_size_and_layout(grads):

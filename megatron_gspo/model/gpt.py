@@ -531,6 +531,15 @@ def aux_loss_scales(padding_masks: list[torch.Tensor], state: ParallelState, loa
     return scales
 
 
+def aux_loss_needs_one_plan_over_dp(load_balancing_type: str, coeff: float) -> bool:
+    """Whether every data-parallel rank must run the same micro-batches (their number and widths) for the
+    load-balancing statistic. megatron's aux_loss and global_aux_loss weigh each micro-batch by its tokens
+    over DP (aux_loss_scales all-reduces a count per micro-batch), and global_aux_loss also reduces its expert
+    counts over TP x DP inside every training forward: ranks with different micro-batch counts would meet in
+    mismatched collectives. seq_aux_loss needs one all-reduce per step whatever the split."""
+    return coeff != 0 and load_balancing_type in ("aux_loss", "global_aux_loss")
+
+
 def _aux_count_is_group_total(group, state: ParallelState) -> bool:
     """Which token count megatron multiplies a rank's aux-loss share by.
 

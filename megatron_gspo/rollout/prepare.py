@@ -2,7 +2,7 @@
 
     1. advantages over the step's rewards of every row (record.global_rewards, by global row id)
     2. truncation flags (overlong filtering)                                                    algorithms.overlong
-    3. micro-batches of rows of similar length, the same shapes over the lockstep group         plan_micro_batches
+    3. micro-batches of rows of similar length, the same shapes where ranks must agree           plan_micro_batches
     4. the rows' behaviour routes (routing.RoutingPolicy.batch_routes: the record's, or the old-log-prob pass's),
        old log-probs (recomputed, or the sampling ones per train.old_logprobs), reference log-probs (KL)
 Both rollout sources (colocated.py, remote.py) return a RolloutRecord; the trainer prepares either alike.
@@ -31,7 +31,7 @@ from megatron_gspo.runtime import comm
 from megatron_gspo.model import fp8_alignment
 from megatron_gspo.algorithms.overlong import truncated
 from megatron_gspo.runtime.metrics import Metric, MetricAccumulator
-from megatron_gspo.model.gpt import forward_logprobs, input_padding_mask, unwrap
+from megatron_gspo.model.gpt import aux_loss_needs_one_plan_over_dp, forward_logprobs, input_padding_mask, unwrap
 from megatron_gspo.model.oom import explain_oom
 from megatron_gspo.rollout.record import RolloutRecord
 from megatron_gspo.rollout.rows import local_rows, pad_columns
@@ -156,10 +156,12 @@ def plan_micro_batches(seq_lengths: list[int], num_minibatches: int, micro_batch
 
 
 def agreed_length_profile(seq_lengths: list[int], num_minibatches: int, device: torch.device, group=None) -> list[int]:
-    """The micro-batch plan's lengths of a lockstep group (``ParallelState.lockstep_group``), the same on its ranks.
+    """The micro-batch plan's lengths of a group of ranks that must run one plan (``BatchPreparer.plan_group``:
+    a lockstep group, ``ParallelState.lockstep_group``, or the DP group), the same on its ranks.
 
-    Every MoE forward is a collective over the expert-TP x EP ranks and needs the same [rows, width] on each,
-    but a token budget cuts each rank's rows by their own lengths. Each rank sorts every minibatch's
+    Every MoE forward is a collective over the expert-TP x EP ranks and needs the same [rows, width] on each
+    (megatron's aux statistics need as many micro-batches on every DP rank), but a token budget cuts each
+    rank's rows by their own lengths. Each rank sorts every minibatch's
     rows longest first (as plan_micro_batches does); the profile is, at each position of that order,
     the longest length any rank has there (one MAX all-reduce). Planned on the profile, every rank
     gets the same micro-batches of the same widths, its own row at each position fits (it is no
@@ -167,7 +169,7 @@ def agreed_length_profile(seq_lengths: list[int], num_minibatches: int, device: 
     per = len(seq_lengths) // num_minibatches
     local = [x for k in range(num_minibatches) for x in sorted(seq_lengths[k * per:(k + 1) * per], reverse=True)]
     t = torch.tensor(local, dtype=torch.long, device=device)
-    return comm.all_reduce(t, "max", group, what="micro-batch plan: sorted lengths (lockstep group)").tolist()
+    return comm.all_reduce(t, "max", group, what="micro-batch plan: sorted lengths (plan group)").tolist()
 
 
 
@@ -202,7 +204,7 @@ class BatchPreparer:
                                            st.dp_group)
         cut = truncated(record.stopped.to(dev), record.response_lengths.to(dev), self.gen_cfg.max_new_tokens)
         # rows of similar length share a micro-batch as wide as its longest row; where data-parallel ranks
-        # step together (EP, expert-TP) every MoE forward is a collective: the widths are agreed over them
+        # step together (EP, expert-TP, megatron's aux statistics) the shapes are agreed over them (plan_group)
         seq_lengths = record.seq_lengths
         perm, plan, widths = self._plan(seq_lengths.tolist())
         T = max(max(widths), record.tokens.shape[1])
@@ -238,16 +240,16 @@ class BatchPreparer:
         return batch
 
     def _plan(self, seq_lengths: list[int]) -> tuple[list[int], list[list[slice]], list[int]]:
-        """plan_micro_batches on this rank's lengths; the shapes agreed by every rank of the lockstep group where it
-        joins data-parallel ranks (``ParallelState.lockstep_over_dp``: EP or expert-TP)."""
+        """plan_micro_batches on this rank's lengths; the shapes agreed by every rank of ``plan_group`` where
+        ranks with rows of their own must run the same micro-batches."""
         st, t = self.state, self.cfg.train
         # widths: the sequence-parallel split of the input, and FP8's token alignment (fp8_alignment.py)
         multiple = forward_width_multiple(self.model, st)
         perm, plan, widths = plan_micro_batches(seq_lengths, t.num_minibatches, t.micro_batch_size,
                                                 t.max_tokens_per_micro_batch, multiple)
-        if not st.lockstep_over_dp:
+        group = self.plan_group()
+        if group is None:
             return perm, plan, widths
-        group = st.lockstep_group
         if t.max_tokens_per_micro_batch is not None:
             # a token budget cuts each rank's rows its own way: plan once, on the longest length at
             # each position of the sorted order over the group's ranks, so they all run the same shapes
@@ -256,8 +258,24 @@ class BatchPreparer:
                                                  t.max_tokens_per_micro_batch, multiple)
         else:
             agreed = torch.tensor(widths, dtype=torch.long, device=st.device)
-            widths = comm.all_reduce(agreed, "max", group, what="micro-batch widths (lockstep group)").tolist()
+            widths = comm.all_reduce(agreed, "max", group, what="micro-batch widths (plan group)").tolist()
         return perm, plan, widths
+
+    def plan_group(self):
+        """The ranks whose micro-batch plans must be one (the same micro-batches, rows and widths), or None.
+
+        * the data-parallel group, where the load-balancing statistic needs every DP rank to run as many
+          micro-batches (megatron's aux_loss / global_aux_loss: gpt.aux_loss_needs_one_plan_over_dp). It
+          holds every lockstep group's rows too: a lockstep group's ranks are DP ranks (EP, expert-TP) or TP
+          ranks, which hold the same rows as their DP peers of another TP rank, so the plan agreed over each
+          DP group is the same on every rank of the world (within a pipeline stage);
+        * else the lockstep group where it joins data-parallel ranks (``ParallelState.lockstep_over_dp``:
+          every MoE forward is a collective over them);
+        * else None: each rank plans its own rows (plain DP with seq_aux_loss: one all-reduce per step)."""
+        st, m = self.state, self.cfg.model
+        if st.dp > 1 and aux_loss_needs_one_plan_over_dp(m.moe_router_load_balancing_type, m.moe_aux_loss_coeff):
+            return st.dp_group
+        return st.lockstep_group if st.lockstep_over_dp else None
 
     @torch.no_grad()
     def logprobs(self, model, batch: TrainBatch, pads: list[torch.Tensor], routing=None) -> torch.Tensor:

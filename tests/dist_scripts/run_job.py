@@ -7,6 +7,7 @@ Writes to DIR (rank 0 unless said otherwise):
   rollouts.dp<r>.jsonl       every step's sampled rows of DP rank r (TP rank 0): global row id, sample id, tokens
   weights/                   final weights, torch_dist (global keys: comparable across layouts)
   grads_<kind>_mb<N>/        (--grads N,M,..) gradients of a first minibatch instead of training (save_gradients)
+  grads_<kind>_planned/      (--planned-grad [--planned-aux]) the same on the rollout's own micro-batch plan
   replicas.json              (--check-replicas) the largest difference of any replicated parameter and of
                              its optimizer state across data-parallel replicas (0.0 = bit-identical)
 
@@ -206,17 +207,22 @@ def save_gradients(trainer, out_dir, micro_batch_sizes):
                 p.data.copy_(w)
 
 
-def save_planned_gradient(trainer, out_dir):
-    """grads_policy_planned: the first minibatch's policy gradient (aux loss off) with the micro-batch
-    plan the rollout made itself (train.micro_batch_size / max_tokens_per_micro_batch, agreed over the
-    ranks under EP). Prints this rank's own plan next to the agreed one."""
-    from megatron_gspo.model.gpt import unwrap
-    from megatron_gspo.trainer.optim import setup_optimizer
+def save_planned_gradient(trainer, out_dir, aux=False):
+    """grads_policy_planned: the first minibatch's policy gradient (the aux loss's gradient scaled by 0) with
+    the micro-batch plan the rollout made itself (train.micro_batch_size / max_tokens_per_micro_batch, agreed
+    over the ranks that must run the same micro-batches). Prints this rank's own plan next to the agreed one.
+    ``aux``: then grads_aux_planned, a greedy rollout's (every advantage 0) first minibatch gradient with the
+    aux loss as configured, on its own plan: the load-balancing gradient alone."""
+    from megatron_gspo.model.gpt import set_aux_loss_scale
     from megatron_gspo.rollout.prepare import plan_micro_batches
+    from megatron_gspo.trainer import loop
+    from megatron_gspo.trainer.optim import setup_optimizer
 
     trainer.optimizer, trainer.scheduler, trainer.step = setup_optimizer(  # the RL optimizer (and a resume's state)
         trainer.cfg, trainer.state, trainer.ddp, trainer.checkpoints, trainer.sampler, trainer.ref_model, trainer.step)
-    unwrap(trainer.ddp).config.moe_aux_loss_coeff = trainer.cfg.model.moe_aux_loss_coeff = 0.0
+    # the load-balancing loss runs as configured (the plan it needs, its collectives in aux_loss_scales and in
+    # megatron's routers) but its gradient is scaled by 0: the saved gradient is the policy's alone
+    loop.set_aux_loss_scale = lambda scale, device: set_aux_loss_scale(0.0, device)
     t = trainer.cfg.train
     batch = trainer.prepare(trainer.source.collect(trainer.step))
     own = plan_micro_batches(batch.seq_lengths.tolist(), t.num_minibatches, t.micro_batch_size,
@@ -225,9 +231,24 @@ def save_planned_gradient(trainer, out_dir):
           f"agreed {[len(m) for m in batch.minibatches]} widths {batch.widths}", flush=True)
     trainer.accumulate_gradients(batch, batch.minibatches[0], MetricAccumulator())
     model = trainer.model
+    weights = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
         p.data.copy_(p.main_grad)
     save_model(model, os.path.join(out_dir, "grads_policy_planned"))
+    if not aux:
+        return
+    for p, w in zip(model.parameters(), weights):
+        p.data.copy_(w)
+    loop.set_aux_loss_scale = set_aux_loss_scale
+    source = trainer.source
+    source.row_gen_cfg = dataclasses.replace(source.row_gen_cfg, temperature=0.0)
+    trainer.prepare.temperature = 1.0
+    trainer.step += 1
+    batch = trainer.prepare(source.collect(trainer.step))
+    trainer.accumulate_gradients(batch, batch.minibatches[0], MetricAccumulator())
+    for p in model.parameters():
+        p.data.copy_(p.main_grad)
+    save_model(model, os.path.join(out_dir, "grads_aux_planned"))
 
 
 def main():
@@ -238,6 +259,7 @@ def main():
     ap.add_argument("--check-replicas", action="store_true")
     ap.add_argument("--grads", default="", help="comma-separated micro-batch sizes: save gradients instead of training")
     ap.add_argument("--planned-grad", action="store_true", help="save the first minibatch's gradient on the rollout's own plan")
+    ap.add_argument("--planned-aux", action="store_true", help="with --planned-grad: the aux loss's gradient too")
     ap.add_argument("--kill-in-push", default="", help="V:R: global rank R dies in the weight push of version V")
     ap.add_argument("--silence-trainer-at", type=int, default=0, help="the trainer's heartbeat stops at this step")
     ap.add_argument("--sigterm-rollout-at", default="", help="S:R: global rank R gets SIGTERM as it begins step S")
@@ -268,7 +290,7 @@ def main():
             save_gradients(trainer, a.out, [int(x) for x in a.grads.split(",")])
             return
         if a.planned_grad:
-            save_planned_gradient(trainer, a.out)
+            save_planned_gradient(trainer, a.out, aux=a.planned_aux)
             return
         try:
             trainer.run()
