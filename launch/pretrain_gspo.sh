@@ -37,7 +37,8 @@
 # --dry-run (or DRY_RUN=1) prints the environment it sets and the exact torchrun (or srun) command
 # line, one shell-quoted line, and exits 0 without starting anything (the config is not read). A real
 # launch reads the config first, as the ranks will (layout, batch and rule checks for nodes x NPROC
-# ranks, no torch, about a second): a mistake is `error: <what is wrong>` and exit 2 before torchrun.
+# ranks, no torch, about a second): a mistake is `error: <what is wrong>`, then the closing line
+# `pretrain_gspo.sh: exit 2 (user error: ...): before launch: <what is wrong>`, and exit 2 before torchrun.
 # Under torchrun (way 1), or as `WORLD_SIZE=16 python launch/pretrain_gspo.sh --dry-run job.yaml`,
 # the flag makes every rank load and validate the config and the parallel layout and exit 0, or
 # print `error: <what is wrong>` and exit 2.
@@ -295,7 +296,14 @@ def _check_before_launch(argv: list) -> int:
         import megatron_gspo.config  # noqa: F401
     except ImportError:
         return 0
-    return 2 if isinstance(_check_config(argv, int(os.environ["WORLD_SIZE"])), str) else 0
+    refused = _check_config(argv, int(os.environ["WORLD_SIZE"]))
+    if not isinstance(refused, str):
+        return 0
+    from megatron_gspo.runtime.exit_status import EXIT_USER_ERROR, describe
+
+    # the same closing line as when a rank refuses the job (launch/supervisor.py), so a log reads alike either way
+    print(f"pretrain_gspo.sh: {describe(EXIT_USER_ERROR)}: before launch: {refused}", file=sys.stderr, flush=True)
+    return EXIT_USER_ERROR
 
 
 def _run(argv: list) -> int:

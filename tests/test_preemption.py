@@ -290,7 +290,7 @@ def test_sigkill_of_a_single_process_trainer_leaves_no_process(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, faults, code, message", [
-    (["train.num_steps=abc"], "", 2, "rank 0: train.num_steps must be an integer, got 'abc'"),
+    (["train.num_steps=abc"], "", 2, "before launch: train.num_steps must be an integer, got 'abc'"),
     (["reward.name=nope"], "", 2, "rank 0: unknown reward 'nope' (reward.name)"),
     (["train.max_consecutive_skips=2", "train.num_minibatches=1"], "nan_logprob@2,nan_logprob@3", EXIT_TOO_MANY_SKIPS,
      "rank 0: stopping: 2 consecutive updates had non-finite loss or gradients"),
