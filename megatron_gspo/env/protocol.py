@@ -25,11 +25,10 @@ talking, so the calls of all rows run side by side.
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from megatron_gspo.data.rewards.batch import reward_number
 from megatron_gspo.env.calls import parse_tool_calls
 from megatron_gspo.env.pool import Reply, Request, WorkerPool, result_byte_limit
 from megatron_gspo.env.tools import Tool
@@ -37,9 +36,6 @@ from megatron_gspo.errors import EnvError, clip_repr
 
 
 # A reward float32 can hold (the rewards are float32 tensors; a larger one would be inf there), as for reward.name
-FP32_MAX = 3.4028234663852886e38
-
-
 def _settled(value):
     """``value``, or what it resolves to when it is awaitable (an ``async def`` reset / step): run to its end here."""
     if inspect.isawaitable(value):
@@ -53,22 +49,12 @@ def _settled(value):
 
 
 def reward_value(raw) -> tuple[Optional[float], Optional[str]]:
-    """(a step's reward as a float or None, None) or (None, what is wrong with it): a number as reward functions
-    return one (bool, int, float, a numpy scalar or one-element array), finite and within float32's range."""
+    """(a step's reward as a float or None, None) or (None, what is wrong with it): None (no reward this step), or
+    a number by the rule reward functions follow (data/rewards/batch.py ``reward_number``)."""
     if raw is None:
         return None, None
-    if isinstance(raw, numbers.Real):
-        value = float(raw)
-    elif hasattr(raw, "item") and getattr(raw, "size", None) == 1 and isinstance(raw.item(), numbers.Real):
-        value = float(raw.item())
-    else:
-        return None, f"returned reward {type(raw).__name__} {clip_repr(raw, 60)}, not a number"
-    if not math.isfinite(value):
-        return None, f"returned reward {value}, not a finite number"
-    if abs(value) > FP32_MAX:
-        return None, (f"returned reward {value:g}, beyond float32's range (magnitude at most {FP32_MAX:.3g}): the "
-                      "rewards are float32, where it would be inf")
-    return value, None
+    value, problem = reward_number(raw)
+    return value, None if problem is None else f"returned reward {problem}"
 
 
 def check_reset(value, path: str) -> str:

@@ -38,15 +38,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
+from megatron_gspo.data.rewards.batch import FP32_MAX
 from megatron_gspo.env.pool import PoolStopped
-from megatron_gspo.env.protocol import FP32_MAX
 from megatron_gspo.errors import DataError, EnvError, TokenizerError
 from megatron_gspo.generation.generator import GenerationOutput
 from megatron_gspo.runtime import comm

@@ -16,6 +16,7 @@ use it (a reward returning a tensor is read through ``as_float`` where torch is 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import sys
 from typing import Any, Callable, Optional, Sequence
@@ -87,6 +88,25 @@ def as_float(value: Any) -> Optional[float]:
         item = value.item()
         return float(item) if isinstance(item, numbers.Real) else None
     return None
+
+
+# float32's largest finite value (torch.finfo(torch.float32).max): rewards are float32 tensors, where a larger
+# number is inf. A literal, so that the environment workers need not import torch.
+FP32_MAX = 3.4028234663852886e38
+
+
+def reward_number(raw: Any) -> tuple[Optional[float], Optional[str]]:
+    """The one rule for a reward value, for reward functions and environments alike: (the value as a float, None),
+    or (None, what is wrong with it, to follow "returned"): one number (``as_float``), finite, within float32."""
+    value = as_float(raw)
+    if value is None:
+        return None, f"{type(raw).__name__} {clip_repr(raw, 60)}, not a number"
+    if not math.isfinite(value):
+        return None, f"{value}, not a finite number"
+    if abs(value) > FP32_MAX:
+        return None, (f"{value:g}, beyond float32's range (magnitude at most {FP32_MAX:.3g}): the rewards are "
+                      "float32, where it would be inf")
+    return value, None
 
 
 def score_one(fn: Callable, settings: dict, prompt: str, response: str, answer: Optional[str]) -> Any:

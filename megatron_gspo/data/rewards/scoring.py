@@ -12,36 +12,26 @@ order is the one named, however many worker processes scored the batch.
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from megatron_gspo.config import RewardConfig
 from megatron_gspo.data.rewards.batch import (BatchFunctionReward, BatchReward, RewardBatch, SampleFailed,
-                                              ScoringStopped, as_float)
+                                              ScoringStopped, as_float, reward_number)
 from megatron_gspo.data.rewards.per_sample import PerSampleReward
 from megatron_gspo.data.rewards.registry import (RewardSpec, check_signature, registered_rewards, registered_spec,
                                                  resolve_reward, spec_of)
 from megatron_gspo.data.rewards.settings import NUM_WORKERS, check_settings
 from megatron_gspo.errors import ConfigError, RewardError, clip_repr
 
-FP32_MAX = float(torch.finfo(torch.float32).max)
-
 
 def _number_problem(raw: Any) -> tuple[Optional[float], Optional[str]]:
     """(the reward as a float, None) or (None, what is wrong with it)."""
     if isinstance(raw, SampleFailed):
         return None, raw.problem
-    value = as_float(raw)
-    if value is None:
-        return None, f"returned {type(raw).__name__} {clip_repr(raw, 60)}, not a number"
-    if not math.isfinite(value):
-        return None, f"returned {value}, not a finite number"
-    if abs(value) > FP32_MAX:
-        return None, (f"returned {value:g}, beyond float32's range (magnitude at most {FP32_MAX:.3g}): the rewards "
-                      "are float32, where it would be inf")
-    return value, None
+    value, problem = reward_number(raw)
+    return value, None if problem is None else f"returned {problem}"
 
 
 class Reward:
