@@ -251,13 +251,17 @@ DIST_LAYOUTS = {  # name: (ranks, overrides)
 }
 
 
+def run_layouts(root, run_dist, job, layouts):
+    """``job`` on one rank (``root/one``) and under each of ``layouts`` (name: (ranks, overrides)): ``root``."""
+    run_dist("run_job.py", 1, "--out", str(root / "one"), "--", *job, timeout=600)
+    for name, (n, extra) in layouts.items():
+        run_dist("run_job.py", n, "--out", str(root / name), "--", *job, *extra, timeout=600)
+    return root
+
+
 @pytest.fixture(scope="module")
 def dist_runs(tmp_path_factory, run_dist):
-    root = tmp_path_factory.mktemp("multiturn_layouts")
-    run_dist("run_job.py", 1, "--out", str(root / "one"), "--", *DIST_JOB, timeout=600)
-    for name, (n, extra) in DIST_LAYOUTS.items():
-        run_dist("run_job.py", n, "--out", str(root / name), "--", *DIST_JOB, *extra, timeout=600)
-    return root
+    return run_layouts(tmp_path_factory.mktemp("multiturn_layouts"), run_dist, DIST_JOB, DIST_LAYOUTS)
 
 
 def _trained_rows(d):
@@ -390,11 +394,7 @@ LOCKSTEP_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def lockstep_runs(tmp_path_factory, run_dist):
-    root = tmp_path_factory.mktemp("multiturn_lockstep")
-    run_dist("run_job.py", 1, "--out", str(root / "one"), "--", *LOCKSTEP_JOB, timeout=600)
-    for name, (n, extra) in LOCKSTEP_LAYOUTS.items():
-        run_dist("run_job.py", n, "--out", str(root / name), "--", *LOCKSTEP_JOB, *extra, timeout=600)
-    return root
+    return run_layouts(tmp_path_factory.mktemp("multiturn_lockstep"), run_dist, LOCKSTEP_JOB, LOCKSTEP_LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", list(LOCKSTEP_LAYOUTS))
