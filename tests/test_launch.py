@@ -231,7 +231,10 @@ def test_a_config_the_ranks_would_refuse_is_refused_before_torchrun(tmp_path, np
     p = subprocess.run([BASH, str(LAUNCHER), *args], env=clean_env(NPROC=nproc, TORCHRUN=f"{torchrun}/torchrun"),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stdout + p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1 and said in p.stderr, p.stderr
+    # the error, then the closing line the supervisor gives a rank's refusal: `pretrain_gspo.sh: exit 2 (...)`
+    error, closing = p.stderr.strip().splitlines()
+    assert error.startswith(said) and closing.startswith("pretrain_gspo.sh: exit 2 (user error:"), p.stderr
+    assert closing.endswith("before launch: " + error[len("error: "):]), p.stderr
     assert not (tmp_path / "torchrun-ran").exists()
     # a config that is fine goes on to torchrun
     p = subprocess.run([BASH, str(LAUNCHER), "train.num_minibatches=2"],
