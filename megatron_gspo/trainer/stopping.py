@@ -17,9 +17,16 @@ the entry point turns its reason into the exit code (runtime/exit_status.py):
     too many skipped updates in a row        as for a stop signal as the step began   76
     (train.max_consecutive_skips)            (trainer/skips.py: the step's own updates, if any, undone)
 
+Work a stop signal cuts short raises runtime/stop.py's ``Cancelled`` where it reads the flag (the decode loop,
+the dynamic-sampling rounds, scoring, the worker pool, the making of examples, an evaluation), on every rank at
+once where ranks must agree; it is handled here: a step's by ``check`` (nothing of the step applied: the last
+completed state saved), an evaluation's by ``evaluation_cut_short`` (the step stands; the next boundary stops),
+start-up's by ``start_up_cut_short`` (exit 79).
+
 ``StopControl`` is the trainer's only contact with all this: ``requested`` (a collective vote),
-``check`` (at a step boundary, in the warm start, or for a step a signal cut short), ``without_rollouts``,
-``too_many_skips`` (with ``writes_state``: whether it would write the state in memory) and ``finished`` (the note for a signal that came too late to cut anything short).
+``check`` (at a step boundary, in the warm start, or for a step a signal cut short), ``evaluation_cut_short``,
+``without_rollouts``, ``too_many_skips`` (with ``writes_state``: whether it would write the state in memory) and
+``finished`` (the note for a signal that came too late to cut anything short).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from megatron_gspo.runtime import comm
 from megatron_gspo.checkpoint.directory import has_manifest, iter_dir
 from megatron_gspo.config import JobConfig, to_dict
 from megatron_gspo.runtime.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, StopReason, StoppedFor
-from megatron_gspo.runtime.stop import PreemptionFlag, StepAbandoned
+from megatron_gspo.runtime.stop import Cancelled, PreemptionFlag
 from megatron_gspo.rollout.remote import RolloutRanksLost
 
 log = logging.getLogger("megatron_gspo")
@@ -79,11 +86,11 @@ class StopControl:
         return self.flag.name
 
     # ------------------------------------------------------------------------------------------
-    def check(self, step: int, abandoned: Optional[StepAbandoned] = None, agreed: bool = False) -> None:
+    def check(self, step: int, abandoned: Optional[Cancelled] = None, agreed: bool = False) -> None:
         """If any rank got a stop signal: all save what this run completed (``step`` RL steps so far, or the
         SFT warm start as far as it went) and raise TrainingStopped (module doc). Called at a step boundary
-        (a collective vote), or with ``abandoned`` / ``agreed`` when every rank already agreed (a step left
-        in flight, the warm start's own vote). In the RL loop, a rollout rank found gone (async: torchrun stops
+        (a collective vote), or with ``abandoned`` / ``agreed`` when every rank already agreed (the Cancelled
+        of a step left in flight, the warm start's own vote). In the RL loop, a rollout rank found gone (async: torchrun stops
         every rank when one dies, and its signal may come first) makes it the stop for lost rollout ranks."""
         if abandoned is None and not agreed and not self.requested("preemption vote"):
             return
@@ -136,6 +143,13 @@ class StopControl:
             f"{saved} (SFT step {ws.done} of {ws.steps}); exiting with {EXIT_PREEMPTED} (resume with "
             f"checkpoint.resume=true: {then}); {self.flag.timing()}, {when}, save {time.perf_counter() - t_stop:.1f} s",
             StopReason.PREEMPTED)
+
+    def evaluation_cut_short(self, step: int, e: Cancelled) -> None:
+        """Every rank together (the evaluation's vote raised ``e``): the evaluation after ``step`` is dropped, the
+        step stands (saved and stopped at the next boundary, whose vote the signal carries)."""
+        if self.state.is_main:
+            log.warning("%s: evaluation after step %d abandoned %s after %.1f s; step %d stands, without eval/* metrics",
+                        self.flag.name, step, e.where, e.elapsed_s, step)
 
     def without_rollouts(self, step: int, e: RolloutRanksLost) -> NoReturn:
         """Every trainer rank together (RemoteSource raises RolloutRanksLost on all of them): save the state
@@ -198,3 +212,12 @@ class StopControl:
         if not comm.all_ranks(just_saved, self.state.device, what="preemption: step already saved"):
             self.checkpoints.save_step(step)
         return f"checkpoint saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
+
+
+def start_up_cut_short(flag: PreemptionFlag, e: Cancelled) -> StoppedFor:
+    """The stop for a signal that cut start-up's work short (``e``: the making of a task's examples, before the
+    Trainer and its StopControl exist): nothing to save yet, exit 79; every rank decides alone (no collective
+    runs while examples are made, and every rank makes them)."""
+    return StoppedFor(f"preempted by signal {flag.name} during start-up: nothing to save yet (no step of this run "
+                      f"completed); exiting with {EXIT_PREEMPTED_NOTHING_SAVED}; {flag.timing()}, {e.where}",
+                      StopReason.PREEMPTED_NOTHING_SAVED)
