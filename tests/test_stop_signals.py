@@ -37,7 +37,7 @@ from megatron_gspo.runtime.stop import PreemptionFlag
 from megatron_gspo.generation.generator import GenerationConfig, generate
 from megatron_gspo.trainer.hooks import TrainerHook
 from megatron_gspo.model.gpt import build_model
-from megatron_gspo.trainer.loop import TrainingStopped
+from megatron_gspo.runtime.exit_status import StoppedFor
 from megatron_gspo.train import run_history, summarize
 from test_reliability import ENV, JOB, assert_same, final_weights
 
@@ -184,7 +184,7 @@ def test_a_signal_in_a_long_generation_abandons_the_step_and_the_resume_is_exact
     run_job(tmp_path, "straight", job)
     gen_s = min(r["perf/generate_s"] for r in metrics(tmp_path / "straight"))
     hook = SignalAtStep(step=2, delay=gen_s / 4)  # a quarter into the step's generation
-    with pytest.raises(TrainingStopped) as stopped:
+    with pytest.raises(StoppedFor) as stopped:
         run_job(tmp_path, "cut", job, hooks=[hook])
     took = time.perf_counter() - hook.sent_at
     e, msg = stopped.value, str(stopped.value)
@@ -211,7 +211,7 @@ def test_a_signal_in_long_dynamic_sampling_rounds_stops_the_first_step(fresh_fla
     job = [*JOB, "eval.interval=0", "train.dynamic_sampling=true", "train.dynamic_sampling_max_rounds=32",
            "generation.max_new_tokens=40", "generation.ignore_eos=true",
            f"reward.name={HERE}/reward_plugins.py:always_zero", "train.num_steps=2"]
-    with pytest.raises(TrainingStopped) as stopped:
+    with pytest.raises(StoppedFor) as stopped:
         run_job(tmp_path, "ds", job, hooks=[hook])
     took = time.perf_counter() - hook.sent_at
     e, msg = stopped.value, str(stopped.value)

@@ -39,8 +39,9 @@ from megatron_gspo.algorithms.objective import (ObjectiveConfig, bad_sample_ids,
                                                 warn_off_policy)
 from megatron_gspo.algorithms.overlong import empty_minibatch
 from megatron_gspo.config import JobConfig, old_logprob_source
+from megatron_gspo.runtime.exit_status import StoppedFor
 from megatron_gspo.runtime.stop import Cancelled, PreemptionFlag
-from megatron_gspo.trainer.stopping import StopControl, TrainingStopped  # noqa: F401 (TrainingStopped: re-exported)
+from megatron_gspo.trainer.stopping import StopControl
 from megatron_gspo.runtime.hooks import Hooks, TrainerHook
 from megatron_gspo.runtime.logger import MetricsLogger, Timer, data_metrics, perf_metrics, progress_line
 from megatron_gspo.runtime.metrics import MetricAccumulator
@@ -51,7 +52,6 @@ from megatron_gspo.data.rewards import build_reward
 from megatron_gspo.rollout.prepare import BatchPreparer, TrainBatch, rollout_metrics
 from megatron_gspo.rollout.dump import RolloutDump
 from megatron_gspo.rollout.multiturn import check_env_error_frac
-from megatron_gspo.rollout.remote import RolloutRanksLost
 from megatron_gspo.rollout.source import build_source, join_side
 from megatron_gspo.trainer.sft import SFTWarmStart
 from megatron_gspo.trainer.skips import SkipCount, StepStart
@@ -145,7 +145,7 @@ class Trainer:
         may_stop_inside = t.num_minibatches > t.max_consecutive_skips
         history = []
         while self.step < t.num_steps:
-            self.stopping.check(self.step)  # a collective vote; saves and raises TrainingStopped on a stop signal
+            self.stopping.check(self.step)  # a collective vote; saves and raises StoppedFor on a stop signal
             self.hooks.at_step_start(self)
             t0 = time.perf_counter()
             parallel.set_seed(t.seed + self.step, self.state)  # every draw of a step depends on (seed, step)
@@ -187,7 +187,7 @@ class Trainer:
             if self.stopping.requested("preemption vote before the update"):
                 raise Cancelled("before its update (rollout done)", self.step + 1)
             return batch
-        except RolloutRanksLost as e:  # rollout.mode=async: checkpoint and stop, never hang
+        except StoppedFor as e:  # rollout.mode=async, the rollout ranks lost (RemoteSource): checkpoint and stop, never hang
             self.stopping.without_rollouts(self.step, e)
         except Cancelled as e:  # a stop signal during the rollout: nothing of this step was applied
             e.elapsed_s = time.perf_counter() - t0
@@ -328,7 +328,7 @@ class Trainer:
         return self.stopping.requested(what)
 
     def stop_if_preempted(self, abandoned: Cancelled | None = None, agreed: bool = False) -> None:
-        """If any rank got a stop signal: save what this run completed and raise TrainingStopped
+        """If any rank got a stop signal: save what this run completed and raise StoppedFor
         (trainer/stopping.py). At a step boundary (a vote), or with ``abandoned`` / ``agreed`` when every
         rank already agreed (a step left in flight, the warm start's own vote)."""
         self.stopping.check(self.step, abandoned=abandoned, agreed=agreed)

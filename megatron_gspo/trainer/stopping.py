@@ -2,9 +2,9 @@
 
 A run stops before its last step for a stop signal (SIGTERM / SIGUSR1 from SLURM, a preemption,
 ``scancel``, torchrun stopping every rank when one exits; runtime/stop.py's ``PreemptionFlag``), or
-because the rollout ranks of an asynchronous job are lost (rollout/remote.py's ``RolloutRanksLost``).
-Either way every rank raises ``TrainingStopped`` together, after saving what this run completed, and
-the entry point turns its reason into the exit code (runtime/exit_status.py):
+because the rollout ranks of an asynchronous job are lost (rollout/remote.py raises ``StoppedFor`` with a
+rollout rank's StopReason). Either way every rank raises ``StoppedFor`` together, after saving what this run
+completed, and the entry point turns its reason into the exit code (runtime/exit_status.py):
 
     what this run completed                  saved                                   exit
     an RL step                               the state after it (unless the         75
@@ -40,14 +40,8 @@ from megatron_gspo.checkpoint.directory import has_manifest, iter_dir
 from megatron_gspo.config import JobConfig, to_dict
 from megatron_gspo.runtime.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, StopReason, StoppedFor
 from megatron_gspo.runtime.stop import Cancelled, PreemptionFlag
-from megatron_gspo.rollout.remote import RolloutRanksLost
 
 log = logging.getLogger("megatron_gspo")
-
-
-class TrainingStopped(StoppedFor):
-    """The run stops on purpose (preemption, too many non-finite steps, rollout ranks lost): checkpoint
-    written. ``reason``: an exit_status.StopReason; the exit code follows from it."""
 
 
 class StopControl:
@@ -88,7 +82,7 @@ class StopControl:
     # ------------------------------------------------------------------------------------------
     def check(self, step: int, abandoned: Optional[Cancelled] = None, agreed: bool = False) -> None:
         """If any rank got a stop signal: all save what this run completed (``step`` RL steps so far, or the
-        SFT warm start as far as it went) and raise TrainingStopped (module doc). Called at a step boundary
+        SFT warm start as far as it went) and raise StoppedFor (module doc). Called at a step boundary
         (a collective vote), or with ``abandoned`` / ``agreed`` when every rank already agreed (the Cancelled
         of a step left in flight, the warm start's own vote). In the RL loop, a rollout rank found gone (async: torchrun stops
         every rank when one dies, and its signal may come first) makes it the stop for lost rollout ranks."""
@@ -99,7 +93,7 @@ class StopControl:
         try:
             if self.first_step is not None:  # the RL loop runs: its training state can be saved
                 self.source.stop_if_ranks_lost(name)
-        except RolloutRanksLost as e:
+        except StoppedFor as e:  # the rollout ranks' loss, the only stop it raises
             self.without_rollouts(step, e)
         first = step if self.first_step is None else self.first_step  # before the RL loop, none of it is done
         ws = self.warm_start
@@ -119,26 +113,26 @@ class StopControl:
         if sft_saved:
             raise self._warm_start_saved(step, name, when, t_stop)
         saved = self._save_last_completed_step(step)
-        raise TrainingStopped(f"preempted by signal {name} before step {step + 1}: {saved} (step {step}); exiting "
+        raise StoppedFor(f"preempted by signal {name} before step {step + 1}: {saved} (step {step}); exiting "
                               f"with {EXIT_PREEMPTED} (resume with checkpoint.resume=true); {self.flag.timing()}, "
                               f"{when}, save {time.perf_counter() - t_stop:.1f} s", StopReason.PREEMPTED)
 
-    def _nothing_saved(self, step: int, name: str, when: str, abandoned: bool) -> TrainingStopped:
+    def _nothing_saved(self, step: int, name: str, when: str, abandoned: bool) -> StoppedFor:
         where = (f"{self.checkpoints.resume_dir} is still the state to resume from"
                  if self.checkpoints.resume_dir is not None
                  else "no checkpoint yet: a resumed run starts from the beginning")
-        return TrainingStopped(
+        return StoppedFor(
             f"preempted by signal {name} {f'in step {step + 1}' if abandoned else 'during start-up'}: nothing "
             f"to save yet (no step of this run completed; {where}); exiting with {EXIT_PREEMPTED_NOTHING_SAVED}; "
             f"{self.flag.timing()}, {when}", StopReason.PREEMPTED_NOTHING_SAVED)
 
-    def _warm_start_saved(self, step: int, name: str, when: str, t_stop: float) -> TrainingStopped:
+    def _warm_start_saved(self, step: int, name: str, when: str, t_stop: float) -> StoppedFor:
         ws = self.warm_start
         in_sft = not ws.finished
         saved = self.save_warm_start()
         then = (f"the warm start continues at SFT step {ws.done + 1}" if in_sft
                 else "the warm start is over, step 1 comes next")
-        return TrainingStopped(
+        return StoppedFor(
             f"preempted by signal {name} {'in the SFT warm start' if in_sft else f'before step {step + 1}'}: "
             f"{saved} (SFT step {ws.done} of {ws.steps}); exiting with {EXIT_PREEMPTED} (resume with "
             f"checkpoint.resume=true: {then}); {self.flag.timing()}, {when}, save {time.perf_counter() - t_stop:.1f} s",
@@ -151,12 +145,12 @@ class StopControl:
             log.warning("%s: evaluation after step %d abandoned %s after %.1f s; step %d stands, without eval/* metrics",
                         self.flag.name, step, e.where, e.elapsed_s, step)
 
-    def without_rollouts(self, step: int, e: RolloutRanksLost) -> NoReturn:
-        """Every trainer rank together (RemoteSource raises RolloutRanksLost on all of them): save the state
+    def without_rollouts(self, step: int, e: StoppedFor) -> NoReturn:
+        """Every trainer rank together (RemoteSource raises StoppedFor on all of them): save the state
         after ``step`` (the weights of version ``step``, the data position after the last consumed batch)
         and stop with the rollout ranks' reason."""
         saved = self._save_last_completed_step(step)
-        raise TrainingStopped(f"stopping before step {step + 1}: {e}; {saved} (resume with "
+        raise StoppedFor(f"stopping before step {step + 1}: {e}; {saved} (resume with "
                               "checkpoint.resume=true: the rollouts in flight are generated again)", e.reason)
 
     def writes_state(self, step: int) -> bool:
@@ -181,7 +175,7 @@ class StopControl:
             saved = self.save_warm_start() + f" (SFT step {ws.done} of {ws.steps})"
         else:
             saved = f"{self._save_last_completed_step(step)} (step {step}, the last completed one)"
-        raise TrainingStopped(f"{why}; {saved}" + (f"; resume with checkpoint.resume=true from {ck.save}"
+        raise StoppedFor(f"{why}; {saved}" + (f"; resume with checkpoint.resume=true from {ck.save}"
                                                    if ck.save else ""), StopReason.TOO_MANY_SKIPS)
 
     def finished(self, step: int) -> None:
