@@ -187,7 +187,7 @@ class Trainer:
             if self.stopping.requested("preemption vote before the update"):
                 raise Cancelled("before its update (rollout done)", self.step + 1)
             return batch
-        except StoppedFor as e:  # rollout.mode=async, the rollout ranks lost (RemoteSource): checkpoint and stop, never hang
+        except StoppedFor as e:  # rollout.mode=async, rollout ranks lost (RemoteSource): checkpoint and stop, never hang
             self.stopping.without_rollouts(self.step, e)
         except Cancelled as e:  # a stop signal during the rollout: nothing of this step was applied
             e.elapsed_s = time.perf_counter() - t0

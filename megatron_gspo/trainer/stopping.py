@@ -84,8 +84,9 @@ class StopControl:
         """If any rank got a stop signal: all save what this run completed (``step`` RL steps so far, or the
         SFT warm start as far as it went) and raise StoppedFor (module doc). Called at a step boundary
         (a collective vote), or with ``abandoned`` / ``agreed`` when every rank already agreed (the Cancelled
-        of a step left in flight, the warm start's own vote). In the RL loop, a rollout rank found gone (async: torchrun stops
-        every rank when one dies, and its signal may come first) makes it the stop for lost rollout ranks."""
+        of a step left in flight, the warm start's own vote). In the RL loop, a rollout rank found gone (async:
+        torchrun stops every rank when one dies, and its signal may come first) makes it the stop for lost rollout
+        ranks."""
         if abandoned is None and not agreed and not self.requested("preemption vote"):
             return
         t_stop = time.perf_counter()
@@ -114,8 +115,8 @@ class StopControl:
             raise self._warm_start_saved(step, name, when, t_stop)
         saved = self._save_last_completed_step(step)
         raise StoppedFor(f"preempted by signal {name} before step {step + 1}: {saved} (step {step}); exiting "
-                              f"with {EXIT_PREEMPTED} (resume with checkpoint.resume=true); {self.flag.timing()}, "
-                              f"{when}, save {time.perf_counter() - t_stop:.1f} s", StopReason.PREEMPTED)
+                         f"with {EXIT_PREEMPTED} (resume with checkpoint.resume=true); {self.flag.timing()}, "
+                         f"{when}, save {time.perf_counter() - t_stop:.1f} s", StopReason.PREEMPTED)
 
     def _nothing_saved(self, step: int, name: str, when: str, abandoned: bool) -> StoppedFor:
         where = (f"{self.checkpoints.resume_dir} is still the state to resume from"
@@ -151,7 +152,7 @@ class StopControl:
         and stop with the rollout ranks' reason."""
         saved = self._save_last_completed_step(step)
         raise StoppedFor(f"stopping before step {step + 1}: {e}; {saved} (resume with "
-                              "checkpoint.resume=true: the rollouts in flight are generated again)", e.reason)
+                         "checkpoint.resume=true: the rollouts in flight are generated again)", e.reason)
 
     def writes_state(self, step: int) -> bool:
         """Whether a stop with ``step`` RL steps completed writes the training state in memory (not: nothing,
@@ -176,7 +177,7 @@ class StopControl:
         else:
             saved = f"{self._save_last_completed_step(step)} (step {step}, the last completed one)"
         raise StoppedFor(f"{why}; {saved}" + (f"; resume with checkpoint.resume=true from {ck.save}"
-                                                   if ck.save else ""), StopReason.TOO_MANY_SKIPS)
+                                              if ck.save else ""), StopReason.TOO_MANY_SKIPS)
 
     def finished(self, step: int) -> None:
         """The run completed: a stop signal that came during the last step or after it cut nothing short."""
