@@ -27,7 +27,7 @@ from megatron_gspo.rollout.layout import ROLLOUT, check_world, role_of  # noqa: 
 from megatron_gspo.config import DEMO_CONFIG, load_job_config, split_job_args  # noqa: E402
 from megatron_gspo.errors import USER_ERRORS  # noqa: E402
 from megatron_gspo.runtime.logger import setup_logging  # noqa: E402
-from megatron_gspo.trainer.loop import Trainer, TrainingStopped  # noqa: E402
+from megatron_gspo.trainer.loop import Trainer  # noqa: E402
 
 log = logging.getLogger("megatron_gspo")
 __all__ = ["DEMO_CONFIG", "Trainer", "main", "run_trainer"]
@@ -120,7 +120,7 @@ def injected_faults():
 
 
 def run_trainer(trainer: Trainer, on_exit: Optional[Callable[[], None]] = None) -> int:
-    """Run the loop and return the process exit code: 0, a TrainingStopped code (preemption, too
+    """Run the loop and return the process exit code: 0, a StoppedFor code (preemption, too
     many skipped updates) or 2 for a user error, recorded for the launcher (exit_status). ``on_exit``,
     the logger and the process groups are closed whatever happens."""
     try:
@@ -128,7 +128,7 @@ def run_trainer(trainer: Trainer, on_exit: Optional[Callable[[], None]] = None) 
         if trainer.state.is_main and result["history"]:
             log.info(summarize(*run_history(trainer.cfg.train.output_dir, result["history"], trainer.step),
                                trainer.cfg.loss.name))
-    except StoppedFor as e:  # TrainingStopped, or a checkpoint the disk refused (checkpoint/space.py)
+    except StoppedFor as e:  # a stop (trainer/stopping.py), or a checkpoint the disk refused (checkpoint/space.py)
         # every rank stops for the same reason: one line (rank 0's), the launcher repeats it
         (log.error if trainer.state.is_main else log.info)("%s", e)
         exit_status.record(e.exit_code, str(e))

@@ -86,3 +86,23 @@ def noisy_length(prompt: str, response: str, answer=None) -> float:
     os.write(1, b"noisy reward wrote this\n")
     subprocess.run(["echo", "noisy reward's child"], check=True)
     return float(len(response))
+
+
+def sigterm_at(prompt: str, response: str, answer=None, *, call: int = 1, marker: str = "", pid: int = 0) -> float:
+    """``digit_fraction``, and SIGTERM to the process ``pid`` (the trainer's) as the ``call``-th response is scored
+    (counted in ``marker``, a file, in this process or a reward worker's; sent once): a stop signal that lands
+    in the middle of scoring, at a chosen step, however loaded the machine is."""
+    import os
+    import signal
+
+    with open(marker, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    with open(marker) as f:
+        n = len(f.read().split())
+    if n >= call:
+        try:
+            os.close(os.open(marker + ".sent", os.O_CREAT | os.O_EXCL))  # once, whichever worker gets there first
+            os.kill(pid, signal.SIGTERM)
+        except FileExistsError:
+            pass
+    return digit_fraction(prompt, response, answer)

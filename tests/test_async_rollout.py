@@ -6,13 +6,11 @@ checks and the generation-with-updates logic run in one process (fast tier)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from megatron_gspo.checkpoint import dist_checkpoint_to_tensors, iter_dir, latest_complete
+from megatron_gspo.checkpoint import dist_checkpoint_to_tensors, latest_complete
 from megatron_gspo.config import ConfigError, ParallelConfig, load_job_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -410,11 +408,11 @@ def test_async_counts_agree_with_their_definitions(two_versions, policy):
 
 
 def test_stop_leaves_generation(two_versions):
-    from megatron_gspo.rollout.worker import Stopped
+    from megatron_gspo.runtime.stop import Cancelled
 
     cfg, st, model, v0, v1 = two_versions
     poll, apply = _updates_at(1, model, v1, stop=True)
-    with pytest.raises(Stopped):
+    with pytest.raises(Cancelled):
         _gen(cfg, st, model, version=0, poll=poll, apply=apply, policy="finish")
 
 

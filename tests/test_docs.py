@@ -390,7 +390,7 @@ def test_the_module_path_check_sees_each_kind_of_stale_name(tmp_path, monkeypatc
     """The check on a doc page of its own: each kind of stale name is reported, the live ones are not."""
     page = tmp_path / "page.md"
     page.write_text("\n".join([
-        "`megatron_gspo.trainer.loop.Trainer.run` `megatron_gspo.trainer.TrainingStopped` `trainer/loop.py`",
+        "`megatron_gspo.trainer.loop.Trainer.run` `megatron_gspo.trainer.StoppedFor` `trainer/loop.py`",
         "`megatron_gspo.hookz` `megatron_gspo.trainer.loop.Nothing` `megatron_gspo/trainerz/loop.py` `trainer/lop.py`",
         "`loop.py` `looop.py` `comm.all_reduce` `faults.all_reduce` `rollout.world_size=2` `decode.Trainer` <!-- keep-path -->",
         "`loop.py` `looop.py` `comm.all_reduce` `faults.all_reduce` `rollout.world_size=2` `decode.Trainer`"]) + "\n")

@@ -11,10 +11,11 @@ import pytest
 
 from megatron_gspo.env.calls import format_call, parse_tool_calls
 from megatron_gspo.env.chat import PlainFormat, TemplateFormat, conversation_ids
-from megatron_gspo.env.pool import PoolStopped, WorkerPool
+from megatron_gspo.env.pool import WorkerPool
 from megatron_gspo.env.protocol import ClassRunner, ToolRunner, check_step
 from megatron_gspo.env.tools import load_tool, load_tools
 from megatron_gspo.errors import EnvError
+from megatron_gspo.runtime.stop import Cancelled
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -218,7 +219,7 @@ def test_a_stop_request_during_a_tool_call_kills_it_within_a_fraction_of_a_secon
     flag = threading.Event()
     threading.Timer(0.5, flag.set).start()
     t0 = time.perf_counter()
-    with pytest.raises(PoolStopped):
+    with pytest.raises(Cancelled):
         runner.step(["<call>nap 600</call>"] * 2, [0, 1], should_stop=flag.is_set)
     took = time.perf_counter() - t0
     assert took < 0.5 + 2, took

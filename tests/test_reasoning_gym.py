@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from megatron_gspo.config import ConfigError, RewardConfig, load_job_config
-from megatron_gspo.data.prompts import PromptDataset, PromptSampler, build_eval_prompts, build_prompt_sampler, split_holdout
+from megatron_gspo.data.prompts import PromptDataset, build_eval_prompts, build_prompt_sampler, split_holdout
 from megatron_gspo.errors import DataError
 from megatron_gspo.data.reasoning_gym_tasks import TaskAnswer
 from megatron_gspo.data.rewards import build_reward, check_reference_answers, compute_rewards, extract_task_answer
@@ -345,20 +345,22 @@ def test_examples_made_at_start_up_say_their_progress_every_few_seconds():
 
 
 def test_a_stop_while_examples_are_made_keeps_them_and_the_requeued_job_reads_them(tmp_path):
-    """A stop after 300 examples: ExamplesStopped at once, those 300 written to the cache; the requeued job
+    """A stop after 300 examples: Cancelled at once, those 300 written to the cache; the requeued job
     reads them and makes the rest; the next one reads all, and they are the examples made, type for type
     (tuples in reasoning-gym's metadata included), scored alike by the task's verifier."""
     from log_capture import LogLines
-    from megatron_gspo.data.example_cache import ExamplesStopped, same
+    from megatron_gspo.data.example_cache import same
+    from megatron_gspo.runtime.stop import Cancelled
     from megatron_gspo.data.job_data import build_job_data
 
     cfg = _cfg("data.task_num_examples=500", "eval.interval=5", "eval.num_prompts=8", f"train.output_dir={tmp_path}")
     tok = build_tokenizer(cfg.tokenizer)
     calls = []
-    with pytest.raises(ExamplesStopped) as stopped:
+    with pytest.raises(Cancelled) as stopped:
         build_job_data(cfg, tok, should_stop=lambda: calls.append(1) or len(calls) > 300)
-    assert (stopped.value.done, stopped.value.total) == (300, 508)
-    path = stopped.value.kept.split("kept in ")[1].split(":")[0]
+    where = stopped.value.where  # as the stop line says it
+    assert where.startswith("while making reasoning_gym:basic_arithmetic examples (300 of 508 made in "), where
+    path = where.split(", kept in ")[1].split(":")[0]
     assert path.startswith(f"{tmp_path}/data_cache/reasoning_gym/basic_arithmetic-") and len(calls) == 301
     with LogLines() as said:
         data = build_job_data(cfg, tok)

@@ -18,9 +18,7 @@ import torch
 
 from megatron_gspo.config import RewardConfig
 from megatron_gspo.data.rewards import (
-    RewardBatch,
     RewardError,
-    ScoringStopped,
     build_reward,
     compute_rewards,
     digit_match,
@@ -32,6 +30,7 @@ from megatron_gspo.data.rewards import (
     resolve_reward,
 )
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.runtime.stop import Cancelled
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PLUGINS = os.path.join(HERE, "reward_plugins.py")
@@ -489,7 +488,7 @@ def test_workers_score_in_parallel_and_close_ends_them():
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_a_stop_cuts_scoring_short(tmp_path, workers):
-    """The stop flag set while slow responses are scored: ScoringStopped within about one response (one
+    """The stop flag set while slow responses are scored: Cancelled within about one response (one
     at a time) or at once (the workers are killed), not after the whole batch."""
     marker = tmp_path / "begun"
     reward = build_reward(RewardConfig(name=f"{PLUGINS}:slow_reward", num_workers=workers,
@@ -500,7 +499,7 @@ def test_a_stop_cuts_scoring_short(tmp_path, workers):
         return marker.exists() and len(marker.read_text().split()) >= 2
 
     t0 = time.perf_counter()
-    with pytest.raises(ScoringStopped):
+    with pytest.raises(Cancelled):
         compute_rewards(reward, prompts, responses, should_stop=stop)
     took = time.perf_counter() - t0
     begun = len(marker.read_text().split())
@@ -518,7 +517,7 @@ def test_math_checks_in_parallel_processes_honour_a_stop():
         assert compute_rewards(reward, ["q"] * 4, rows, ["19", "0.5", "1", "(1,2)"]).tolist() == [1, 1, 0, 1]
         slow = r"\boxed{10^{10^{10}}}"  # sympy evaluates the power: seconds of CPU
         t0, calls = time.perf_counter(), []
-        with pytest.raises(ScoringStopped):
+        with pytest.raises(Cancelled):
             compute_rewards(reward, ["q"] * 4, [slow] * 4, ["1"] * 4,
                             should_stop=lambda: calls.append(1) or time.perf_counter() - t0 > 1.0)
         assert time.perf_counter() - t0 < 8.0

@@ -171,13 +171,12 @@ def test_exit_codes_keep_their_integers():
     (StopReason.ROLLOUT_RANK_GONE, 75),
 ])
 def test_each_stop_reason_has_its_exit_code(reason, code):
-    from megatron_gspo.rollout.remote import RolloutRanksLost
-    from megatron_gspo.trainer.loop import TrainingStopped
+    from megatron_gspo.runtime.exit_status import StoppedFor
 
     assert reason.exit_code == code
     # whatever the message says: the code is the reason's
-    assert RolloutRanksLost("rollout rank 3 failed: weight push", reason).exit_code == code
-    assert TrainingStopped(" failed: ", reason).exit_code == code
+    assert StoppedFor("rollout rank 3 failed: weight push", reason).exit_code == code
+    assert StoppedFor(" failed: ", reason).exit_code == code
 
 
 def _control():

@@ -4,7 +4,6 @@ depends on (seed, row key, position) only, never on the batch it is drawn in.
 Layout independence of whole rollouts (TP / EP / DP give the same tokens) is tested end to end in
 tests/test_layouts.py; here the primitives: hand-checkable properties and distributions."""
 
-import math
 
 import pytest
 import torch

@@ -37,7 +37,7 @@ from megatron_gspo.runtime.stop import PreemptionFlag
 from megatron_gspo.generation.generator import GenerationConfig, generate
 from megatron_gspo.trainer.hooks import TrainerHook
 from megatron_gspo.model.gpt import build_model
-from megatron_gspo.trainer.loop import TrainingStopped
+from megatron_gspo.runtime.exit_status import StoppedFor
 from megatron_gspo.train import run_history, summarize
 from test_reliability import ENV, JOB, assert_same, final_weights
 
@@ -165,6 +165,34 @@ class SignalInRound(SignalAtStep):
         trainer.source._generate_round = timed
 
 
+class SignalInDecoding(SignalAtStep):
+    """SIGTERM from inside step ``step``'s decode loop, at its ``check``-th check of finished rows (a
+    quarter of the way at the auto interval): the signal lands mid-decoding however loaded the machine is
+    (a timer a quarter of a first run's generation time missed the generation when a step took 4-24 s)."""
+
+    def __init__(self, step: int, check: int):
+        super().__init__(step=step, delay=0.0)
+        self.check = check
+
+    def at_step_start(self, trainer) -> None:
+        if trainer.step + 1 != self.step:
+            return
+        generator, calls = trainer.source.generator, [0]
+        generate = generator.generate
+
+        def with_signal(*args, should_stop, **kwargs):
+            def counted():
+                calls[0] += 1
+                if calls[0] == self.check:
+                    self.sent_at = time.perf_counter()
+                    os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before the next bytecode
+                return should_stop()
+
+            return generate(*args, should_stop=counted, **kwargs)
+
+        generator.generate = with_signal
+
+
 def run_job(tmp_path, name, overrides, hooks=()):
     from megatron_gspo.runtime import parallel
     from megatron_gspo.trainer.loop import Trainer
@@ -183,8 +211,8 @@ def test_a_signal_in_a_long_generation_abandons_the_step_and_the_resume_is_exact
     job = [*LONG, "train.num_steps=2"]
     run_job(tmp_path, "straight", job)
     gen_s = min(r["perf/generate_s"] for r in metrics(tmp_path / "straight"))
-    hook = SignalAtStep(step=2, delay=gen_s / 4)  # a quarter into the step's generation
-    with pytest.raises(TrainingStopped) as stopped:
+    hook = SignalInDecoding(step=2, check=2)
+    with pytest.raises(StoppedFor) as stopped:
         run_job(tmp_path, "cut", job, hooks=[hook])
     took = time.perf_counter() - hook.sent_at
     e, msg = stopped.value, str(stopped.value)
@@ -211,7 +239,7 @@ def test_a_signal_in_long_dynamic_sampling_rounds_stops_the_first_step(fresh_fla
     job = [*JOB, "eval.interval=0", "train.dynamic_sampling=true", "train.dynamic_sampling_max_rounds=32",
            "generation.max_new_tokens=40", "generation.ignore_eos=true",
            f"reward.name={HERE}/reward_plugins.py:always_zero", "train.num_steps=2"]
-    with pytest.raises(TrainingStopped) as stopped:
+    with pytest.raises(StoppedFor) as stopped:
         run_job(tmp_path, "ds", job, hooks=[hook])
     took = time.perf_counter() - hook.sent_at
     e, msg = stopped.value, str(stopped.value)
@@ -523,6 +551,79 @@ def test_too_many_skips_without_checkpoint_save_says_nothing_was_saved(tmp_path,
     said = [ln for ln in lines if "consecutive updates had non-finite loss or gradients" in ln]
     assert said and said[-1].endswith(
         "at step 2; NO checkpoint written (checkpoint.save is not set) (step 1, the last completed one)"), said
+
+
+# ----------------------------------------------------------------------------------------------
+# One exception for work cut short, one handler
+# ----------------------------------------------------------------------------------------------
+
+
+def test_every_place_that_cuts_work_short_raises_the_one_cancellation(tmp_path):
+    """The stop flag read while examples are made, while a worker pool runs, while a per-sample, a pooled or the
+    math reward scores, and the ranks' vote on it: each raises runtime.stop.Cancelled (nothing else), saying
+    where; the examples made until then are kept in the caller's dict."""
+    from megatron_gspo.config import RewardConfig
+    from megatron_gspo.data.example_cache import make_examples
+    from megatron_gspo.data.rewards import build_reward, compute_rewards
+    from megatron_gspo.runtime.stop import Cancelled, raise_together
+    from megatron_gspo.runtime.workers import Request, WorkerPool
+
+    made: dict = {}
+    with pytest.raises(Cancelled) as cut:
+        make_examples("reasoning_gym:toy", lambda i: {"i": i}, range(5), made, should_stop=lambda: len(made) >= 2)
+    assert cut.value.where == "while making reasoning_gym:toy examples" and made == {0: {"i": 0}, 1: {"i": 1}}
+    pool = WorkerPool(1, "megatron_gspo.data.rewards.worker:reward_handler", {"name": "exact_match", "settings": {}})
+    with pytest.raises(Cancelled) as cut:
+        pool.run([Request(("q", "1", "1"))], None, should_stop=lambda: True)
+    assert cut.value.where == "while the worker pool ran requests" and pool.pids == []
+    for name, workers in (("exact_match", 1), (f"{HERE}/reward_plugins.py:digit_fraction", 2), ("math", 1)):
+        reward = build_reward(RewardConfig(name=name, num_workers=workers))
+        try:
+            with pytest.raises(Cancelled) as cut:
+                compute_rewards(reward, ["q"] * 3, ["1", "2", "3"], ["1"] * 3, should_stop=lambda: True)
+        finally:
+            reward.close()
+        assert cut.value.where.startswith("while "), (name, cut.value.where)
+    raise_together(False, torch.device("cpu"), "in generation round 1", 2, what="test: nobody stops")
+    with pytest.raises(Cancelled) as cut:
+        raise_together(True, torch.device("cpu"), "in generation round 1", 2, what="test: a stop")
+    assert (cut.value.where, cut.value.step, str(cut.value)) == ("in generation round 1", 2,
+                                                                "step 2 abandoned in generation round 1")
+
+
+@pytest.mark.parametrize("where", ["scoring", "scoring-in-workers", "evaluation"])
+def test_a_stop_while_scoring_or_evaluating_is_handled_at_the_step_boundary(fresh_flag, tmp_path, where):
+    """A SIGTERM as the 3rd response of step 2 is scored (in this process, or in a reward worker process), or as
+    the 2nd held-out answer of the evaluation after step 1 is: the work raises Cancelled, the loop hands it to
+    StopControl, and the job ends with the stop line and exit code a stop there always had: step 2 abandoned
+    while scoring round 1 (step 1 stands, exit 75), or the evaluation dropped with its warning, step 1 logged
+    without eval/*, the stop at the next boundary."""
+    from jobs_in_process import TINY_JOB, run_main
+
+    out = tmp_path / "run"
+    call = 16 + (2 if where == "evaluation" else 3)  # step 1 scores 16 responses
+    job = [*TINY_JOB, "train.num_steps=3", f"train.output_dir={out}",
+           f"reward.name={HERE}/reward_plugins.py:sigterm_at", f"reward.kwargs.call={call}",
+           f"reward.kwargs.marker={tmp_path}/scored", f"reward.kwargs.pid={os.getpid()}",
+           *(["reward.num_workers=2"] if where == "scoring-in-workers" else []),
+           *(["eval.interval=1", "eval.num_prompts=4", "eval.num_samples=0"] if where == "evaluation" else [])]
+    code, errors, lines = run_main(job)
+    stop = [ln for ln in lines if "preempted by signal" in ln]
+    assert code == exit_status.EXIT_PREEMPTED and len(stop) == 1 and not errors, lines[-10:]
+    assert stop[0].startswith("preempted by signal SIGTERM before step 2: NO checkpoint written (checkpoint.save is "
+                              "not set) (step 1); exiting with 75 (resume with checkpoint.resume=true); signal received "), stop
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1], rows
+    scorers = set((tmp_path / "scored").read_text().split())
+    assert (str(os.getpid()) not in scorers) == (where == "scoring-in-workers"), scorers
+    if where == "evaluation":
+        dropped = [ln for ln in lines if "evaluation after step 1 abandoned" in ln]
+        assert len(dropped) == 1 and dropped[0].startswith("SIGTERM: evaluation after step 1 abandoned in its greedy "
+                                                           "pass, while scoring after "), dropped
+        assert dropped[0].endswith(" s; step 1 stands, without eval/* metrics"), dropped
+        assert ", between steps 1 and 2, save " in stop[0] and not any(k.startswith("eval/") for k in rows[0]), stop
+    else:
+        assert ", step 2 abandoned while scoring round 1 after " in stop[0], stop
 
 
 # ----------------------------------------------------------------------------------------------

@@ -35,13 +35,14 @@ from typing import Callable, Optional
 import torch
 
 from megatron_gspo.runtime import comm
+from megatron_gspo.runtime.exit_status import StopReason, StoppedFor
 from megatron_gspo.checkpoint.config_change import WARM_START, allowed, check_load_config, check_resume_config
 from megatron_gspo.checkpoint.directory import (TRACKER, has_manifest, iter_dir, iter_steps, no_complete_checkpoint,
                                                remove_partial_saves, scan)
 from megatron_gspo.checkpoint.lock import SaveLock, refusal as lock_refusal
 from megatron_gspo.checkpoint.storage import check_compatible, check_complete, load_model
 from megatron_gspo.checkpoint.torch_dist_files import read_common
-from megatron_gspo.checkpoint.space import CheckpointWriteFailed, needed, no_space_message
+from megatron_gspo.checkpoint.space import needed, no_space_message
 from megatron_gspo.checkpoint.training import DiskRefusedSave, load_checkpoint, save_checkpoint
 from megatron_gspo.config import CheckpointConfig, to_dict
 from megatron_gspo.errors import CheckpointError
@@ -295,7 +296,7 @@ class CheckpointManager:
                                    is_main=self.state.is_main, keep_last=self.cfg.keep_last, fault_hook=hook,
                                    extra_models=extra_models)
         except DiskRefusedSave as e:  # one line, exit 74 (space.py)
-            raise CheckpointWriteFailed(self._refused_save(step, e.cause)) from None
+            raise StoppedFor(self._refused_save(step, e.cause), StopReason.CHECKPOINT_WRITE_FAILED) from None
 
     def _refused_save(self, step: int, cause: str) -> str:
         root = self.cfg.save

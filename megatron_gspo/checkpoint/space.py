@@ -17,7 +17,7 @@ import os
 import re
 from typing import Iterator, Optional
 
-from megatron_gspo.runtime.exit_status import StopReason, StoppedFor
+from megatron_gspo.runtime.exit_status import StopReason
 from megatron_gspo.runtime.writable import describe_os_error, format_bytes, free_bytes
 
 # the causes of a failed write that are the disk's, not the program's
@@ -25,13 +25,6 @@ DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
 # a file system with less than this left after a failed write is taken as full (torch's zip writer
 # loses the errno); a real full disk has at most a few blocks left
 FULL_BELOW_BYTES = 1 << 20
-
-
-class CheckpointWriteFailed(StoppedFor):
-    """A checkpoint could not be written for a reason of the disk's: the run stops with 74."""
-
-    def __init__(self, message: str):
-        super().__init__(message, StopReason.CHECKPOINT_WRITE_FAILED)
 
 
 def _chain(e: BaseException) -> Iterator[BaseException]:
@@ -97,7 +90,7 @@ def needed(job, newest: Optional[str]) -> str:
 
 
 def no_space_message(root: str, step: int, cause: str, need: str, last: Optional[int], last_dir: Optional[str]) -> str:
-    """The one line of a save the disk refused (CheckpointWriteFailed)."""
+    """The one line of a save the disk refused (StoppedFor with StopReason.CHECKPOINT_WRITE_FAILED: exit 74)."""
     prior = (f"the last complete checkpoint is step {last} ({last_dir})" if last is not None
              else "there is no complete checkpoint under it yet")
     return (f"checkpoint.save={root}: {cause} writing iter_{step:07d}: a checkpoint of this job needs {need}; "

@@ -6,7 +6,7 @@ reasoning-gym makes an example in microseconds (basic_arithmetic) or in a tenth 
 reference answers) plus its held-out set: minutes, in which the job would otherwise be silent and deaf
 to SLURM's SIGTERM. :func:`make_examples` makes them one by one, says how far it got every
 ``PROGRESS_EVERY_S`` seconds (count, rate, time left), and reads the stop flag before each one: a stop
-raises :class:`ExamplesStopped` with what was made so far.
+raises ``runtime.stop.Cancelled``, what was made so far kept in the caller's dict.
 
 :class:`ExampleCache` keeps them in ``<data.cache_dir>/reasoning_gym/<task>-<hash>.json``, where the hash
 is of what the examples are a function of (the task, its settings, the seed, the dataset's size and
@@ -28,6 +28,8 @@ import os
 import socket
 import time
 from typing import Any, Callable, Optional, Sequence
+
+from megatron_gspo.runtime.stop import Cancelled
 
 log = logging.getLogger("megatron_gspo")
 
@@ -145,33 +147,23 @@ class ExampleCache:
         return None
 
 
-class ExamplesStopped(Exception):
-    """A stop signal came while examples were made: ``done`` of ``total`` were, and ``made`` holds every
-    example there is (those read from the cache included)."""
-
-    def __init__(self, source: str, done: int, total: int, made: dict[int, dict], elapsed_s: float) -> None:
-        super().__init__(f"{source}: stopped after making {done} of {total} examples ({elapsed_s:.1f} s)")
-        self.source, self.done, self.total, self.made, self.elapsed_s = source, done, total, made, elapsed_s
-        self.kept = ""  # where what was made is kept, or why it is not (for the stop line)
-
-
 def _duration(s: float) -> str:
     s = int(round(s))
     return f"{s // 3600} h {s % 3600 // 60} min" if s >= 3600 else f"{s // 60} min {s % 60} s" if s >= 60 else f"{s} s"
 
 
-def make_examples(source: str, make: Callable[[int], dict], indices: Sequence[int], known: dict[int, dict],
+def make_examples(source: str, make: Callable[[int], dict], indices: Sequence[int], made: dict[int, dict],
                   should_stop: Callable[[], bool] = lambda: False, say: Callable[[str], None] = log.info,
                   every_s: float = PROGRESS_EVERY_S, clock: Callable[[], float] = time.monotonic) -> dict[int, dict]:
-    """``known`` plus the example ``make(i)`` of every index of ``indices`` it lacks, made in order; every
-    ``every_s`` seconds ``say`` gets a progress line; ``should_stop()`` is read before each example
-    (ExamplesStopped when it says so)."""
-    made = dict(known)
+    """``made`` (the examples there are, by index), given the example ``make(i)`` of every index of ``indices``
+    it lacks, made in order, and returned; every ``every_s`` seconds ``say`` gets a progress line;
+    ``should_stop()`` is read before each example: Cancelled when it says so, ``made`` holding what was made
+    until then (for the caller to keep)."""
     todo = [i for i in dict.fromkeys(indices) if i not in made]
     t0 = last = clock()
     for n, index in enumerate(todo):
         if should_stop():
-            raise ExamplesStopped(source, n, len(todo), made, clock() - t0)
+            raise Cancelled(f"while making {source} examples", elapsed_s=clock() - t0)
         made[index] = make(index)
         now = clock()
         if now - last >= every_s and n + 1 < len(todo):

@@ -3,7 +3,7 @@ checks that can be made on them before the first step.
 
 * The reasoning-gym examples those checks need (the first ``REFERENCE_SAMPLE`` of the epoch, whose reference
   answers are checked, and the held-out set) are made here (data/example_cache.py): a progress line every few
-  seconds, the stop flag read between two examples (``ExamplesStopped``: the trainer exits 79, nothing to
+  seconds, the stop flag read between two examples (``runtime.stop.Cancelled``: the trainer exits 79, nothing to
   save), and a file under ``data.cache_dir`` (default ``<train.output_dir>/data_cache``) that a requeued or
   repeated job reads back instead. It is written once the job's data passed its checks (a refused job writes
   nothing), or when a stop signal cut the making short (what was made: the requeued job continues from there).
@@ -26,13 +26,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from megatron_gspo.data.example_cache import ExampleCache, ExamplesStopped, make_examples
+from megatron_gspo.data.example_cache import ExampleCache, make_examples
 from megatron_gspo.data.prompts import (REFERENCE_SAMPLE, HeldOutPrompts, PromptDataset, PromptSampler, encode_held_out,
                                         held_out_split, same_task)
 from megatron_gspo.data.reasoning_gym_tasks import ReasoningGymTask
 from megatron_gspo.data.rewards import check_reference_answers
 from megatron_gspo.data.tokenizer import Tokenizer
 from megatron_gspo.errors import DataError, TokenizerError
+from megatron_gspo.runtime.stop import Cancelled
 
 log = logging.getLogger("megatron_gspo")
 
@@ -106,7 +107,8 @@ def make_for_task(task: ReasoningGymTask, indices: Sequence[int], directory: str
                   main: bool = True) -> Optional[tuple[ExampleCache, dict]]:
     """``task.made`` holds every example of ``indices``: read from the task's cache file under ``directory``,
     the others made; returns (the cache, every example) when some were made (None: all were read). A stop
-    signal: ExamplesStopped, after what was made is written (when ``write_cache``)."""
+    signal: Cancelled, saying how many were made and where they are kept, after they are written (when
+    ``write_cache``)."""
     cache = ExampleCache(os.path.join(directory, "reasoning_gym"), task.name, task.identity())
     known = cache.load(warn=main)
     need = list(dict.fromkeys(indices))
@@ -119,12 +121,15 @@ def make_for_task(task: ReasoningGymTask, indices: Sequence[int], directory: str
     log.info("%s: making %d examples (%sthe check of the reference answers and the held-out set)", task.source,
              missing, read)
     t0 = time.monotonic()
+    made = dict(known)
     try:
-        made = make_examples(task.source, task.make, need, known, should_stop)
-    except ExamplesStopped as stop:
-        why = _keep(cache, stop.made, write_cache) if stop.done else "none to keep"
-        stop.kept = why or f"kept in {cache.path}: a requeued job continues from there"
-        raise
+        make_examples(task.source, task.make, need, made, should_stop)
+    except Cancelled as stop:
+        done = len(made) - len(known)
+        kept = (_keep(cache, made, write_cache) if done else "none to keep") or \
+            f"kept in {cache.path}: a requeued job continues from there"
+        raise Cancelled(f"{stop.where} ({done} of {missing} made in {stop.elapsed_s:.1f} s, {kept})",
+                        elapsed_s=stop.elapsed_s) from None
     task.made.update(made)
     log.info("%s: %d examples made in %.1f s", task.source, missing, time.monotonic() - t0)
     return cache, made

@@ -20,5 +20,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "ToolCall": "calls", "parse_tool_calls": "calls", "format_call": "calls", "TOOL_FORMATS": "calls",
     "StepResult": "protocol", "ToolRunner": "protocol", "ClassRunner": "protocol", "build_runner": "protocol",
     "ChatFormat": "chat", "TemplateFormat": "chat", "PlainFormat": "chat", "build_format": "chat",
-    "WorkerPool": "pool", "PoolStopped": "pool",
+    "WorkerPool": "pool",
 })

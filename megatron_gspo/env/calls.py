@@ -23,7 +23,6 @@ raise (tests/test_env.py fuzzes it).
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 

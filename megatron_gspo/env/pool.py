@@ -2,7 +2,7 @@
 
 ``WorkerPool(num_workers)`` (``env.num_workers`` processes) runs tool calls and environment steps side by
 side, each request with a deadline (``env.tool_timeout_s``), all of them interruptible by a stop signal
-(PoolStopped); a request pinned to a worker (``Request.worker``) waits for that one, since an environment
+(runtime.stop.Cancelled); a request pinned to a worker (``Request.worker``) waits for that one, since an environment
 lives in the process that built it. Workers start on first use and live for the job (``close()``, also at
 exit).
 """
@@ -10,7 +10,7 @@ exit).
 from __future__ import annotations
 
 from megatron_gspo.runtime import workers
-from megatron_gspo.runtime.workers import PoolStopped, Reply, Request, WorkerStartError  # noqa: F401 (the env's API)
+from megatron_gspo.runtime.workers import Reply, Request, WorkerStartError  # noqa: F401 (the env's API)
 
 HANDLER = "megatron_gspo.env.worker:EnvHandler"
 # A result's bytes per observation token the policy may read: a text cut here still holds

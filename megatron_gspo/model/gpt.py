@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_gspo.runtime import compat
-from megatron_gspo.runtime.compat import have_te, te_status
+from megatron_gspo.runtime.compat import te_status
 from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig, resolve_precision
 from megatron_gspo.runtime.parallel import ParallelState
 

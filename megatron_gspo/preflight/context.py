@@ -78,7 +78,7 @@ def need_cuda(ctx: Context) -> None:
 
 def need_te(ctx: Context) -> None:
     """Skip unless Transformer Engine can run here (CUDA first: that is the reason on a CPU box)."""
-    from megatron_gspo.model.gpt import have_te
+    from megatron_gspo.runtime.compat import have_te
 
     need_cuda(ctx)
     if not have_te():

@@ -22,7 +22,7 @@ from megatron_gspo import lazy_exports
 _EXPORTS = {
     "RolloutRecord": "record", "pack": "record", "unpack": "record", "concat": "record",
     "RolloutSource": "source", "build_source": "source", "join_side": "source",
-    "ColocatedSource": "colocated", "RemoteSource": "remote", "RolloutRanksLost": "remote",
+    "ColocatedSource": "colocated", "RemoteSource": "remote",
     "BatchPreparer": "prepare", "TrainBatch": "prepare", "rollout_metrics": "prepare",
     "local_rows": "rows", "micro_batch_slices": "rows", "deal_rows": "rows", "karmarkar_karp": "rows",
 }

@@ -21,13 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_gspo.runtime import comm
 from megatron_gspo.algorithms.dynamic_sampling import informative_groups, prune_groups
 from megatron_gspo.algorithms.overlong import overlong_penalty
-from megatron_gspo.runtime.stop import StepAbandoned
+from megatron_gspo.runtime.stop import Cancelled, raise_together
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.model.oom import explain_oom
-from megatron_gspo.data.rewards import ScoringStopped, compute_rewards
+from megatron_gspo.data.rewards import compute_rewards
 from megatron_gspo.rollout.exchange import RouteSpec, Scores, exchange, gather_scores, row_bytes
 from megatron_gspo.rollout.multiturn import build_multiturn, multiturn_rewards
 from megatron_gspo.rollout.record import RolloutRecord
@@ -42,7 +41,7 @@ class ColocatedSource:
     cfg: the JobConfig; gen_cfg: the generation section with the tokenizer's stop and pad ids filled
     in; model: the policy (DDP-wrapped); routing: the RoutingPolicy; timer: where the sections' wall
     times go. ``stop``: the job's stop flag (anything with ``.set``): generation stops early and every
-    rank leaves the step (StepAbandoned)."""
+    rank leaves the step (runtime.stop.Cancelled)."""
 
     def __init__(self, cfg, state, model, sampler, tokenizer, reward_fn, gen_cfg, routing, timer, *, stop) -> None:
         self.cfg, self.state, self.model = cfg, state, model
@@ -100,18 +99,18 @@ class ColocatedSource:
                                           on_forward=self.routing.on_generation_forward, should_stop=self.should_stop)
         # A stop signal on any rank: all leave the step here, together (one all-reduce per round; the
         # decode loop itself stopped at once, agreed within its lockstep group at no extra cost)
-        if comm.any_rank(out.abandoned or self.should_stop(), dev, what="stop vote after generation"):
-            raise StepAbandoned(step + 1, f"in generation round {rnd + 1}" + (", decoding cut short" if out.abandoned else ""))
+        raise_together(out.abandoned or self.should_stop(), dev,
+                       f"in generation round {rnd + 1}" + (", decoding cut short" if out.abandoned else ""), step + 1,
+                       what="stop vote after generation")
         routes = self.routing.rollout_routes(out)
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
         with self.timer("reward"):  # 4. (a stop signal cuts scoring short: one vote, every rank leaves the step)
             try:
                 rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine],
                                           device=dev, should_stop=self.should_stop)
-            except ScoringStopped:
+            except Cancelled:
                 rewards = None
-            if comm.any_rank(rewards is None, dev, what="stop vote after scoring"):
-                raise StepAbandoned(step + 1, f"while scoring round {rnd + 1}")
+            raise_together(rewards is None, dev, f"while scoring round {rnd + 1}", step + 1, what="stop vote after scoring")
             r = cfg.reward
             if r.overlong_buffer_len > 0:  # DAPO's soft overlong punishment, part of the reward
                 rewards = rewards + overlong_penalty(out.response_lengths.to(dev), self.gen_cfg.max_new_tokens,
@@ -127,17 +126,17 @@ class ColocatedSource:
                                      self.should_stop)
         # perf/env_s: the part of perf/generate_s spent in environment steps (tool calls), every round's
         self.timer.record("env", self.timer.times.get("env", 0.0) + out.stats["rollout/env_s"])
-        if comm.any_rank(out.abandoned or self.should_stop(), st.device, what="stop vote after generation"):
-            raise StepAbandoned(step + 1, f"in generation round {rnd + 1}, over turns" +
-                                (", cut short" if out.abandoned else ""))
+        raise_together(out.abandoned or self.should_stop(), st.device,
+                       f"in generation round {rnd + 1}, over turns" + (", cut short" if out.abandoned else ""), step + 1,
+                       what="stop vote after generation")
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
         with self.timer("reward"):
             try:
                 rewards = multiturn_rewards(out, mine, self.reward_fn, cfg, st.device, should_stop=self.should_stop)
-            except ScoringStopped:
+            except Cancelled:
                 rewards = None
-            if comm.any_rank(rewards is None, st.device, what="stop vote after scoring"):
-                raise StepAbandoned(step + 1, f"while scoring round {rnd + 1}")
+            raise_together(rewards is None, st.device, f"while scoring round {rnd + 1}", step + 1,
+                           what="stop vote after scoring")
         return out, texts, rewards, out.routes
 
     def _round(self, step: int, rnd: int, rows: list[int], R: int):

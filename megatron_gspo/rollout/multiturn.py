@@ -30,7 +30,7 @@ it, so every token of the row has one route, never re-sent, paired with its own 
 
 A stop signal: generation stops within its lockstep group (generate's ``should_stop``), a tool call at
 once (the pool kills its workers); every rank then agrees at the next turn's vote and the output comes
-back ``abandoned`` (the rollout source raises StepAbandoned).
+back ``abandoned`` (the rollout source raises runtime.stop.Cancelled on every rank).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from typing import Callable, Optional
 import torch
 
 from megatron_gspo.data.rewards.batch import FP32_MAX
-from megatron_gspo.env.pool import PoolStopped
 from megatron_gspo.errors import DataError, EnvError, TokenizerError
 from megatron_gspo.generation.generator import GenerationOutput
 from megatron_gspo.runtime import comm
+from megatron_gspo.runtime.stop import Cancelled
 
 KEY_STRIDE = 1 << 40  # row keys of turn t: key + t * KEY_STRIDE (global row keys stay far below it)
 
@@ -163,7 +163,7 @@ class MultiTurnRollout:
         def run():
             try:
                 return [dataclasses.asdict(r) for r in self.runner.step(texts, rows, should_stop)]
-            except PoolStopped:
+            except Cancelled:  # the pool killed its workers: this rank's part of the turn's vote
                 return None
         return self._on_env_rank(run)
 
@@ -428,7 +428,7 @@ def multiturn_rewards(out: MultiTurnOutput, prompts: list, reward_fn, cfg, devic
     """[B] fp32: each row's environment reward (the sum of what its steps returned), or, for a row that got
     none, ``reward_fn`` on its last response; plus DAPO's overlong penalty over the row's budget
     (env.max_response_tokens as L_max: a multi-turn row's length limit) unless ``penalty`` is False (evaluation).
-    ScoringStopped when ``should_stop()`` cut the scoring short."""
+    Cancelled when ``should_stop()`` cut the scoring short."""
     from megatron_gspo.algorithms.overlong import overlong_penalty
     from megatron_gspo.config.rules import env_response_budget
     from megatron_gspo.data.rewards import compute_rewards

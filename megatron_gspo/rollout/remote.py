@@ -12,8 +12,8 @@ the trainer's world.
 
 The data position saved in a checkpoint is the one after the *consumed* batch (the rollout ranks run
 ahead of it): a resumed job regenerates what was in flight, from that position, with the same noise.
-A rollout rank that failed, went silent or was lost mid-push stops the job through ``RolloutRanksLost``:
-the trainer checkpoints and exits (trainer/stopping.py).
+A rollout rank that failed, went silent or was lost mid-push stops the job: every trainer rank raises
+exit_status.StoppedFor with the rollout rank's StopReason, the trainer checkpoints and exits (trainer/stopping.py).
 """
 
 from __future__ import annotations
@@ -42,12 +42,6 @@ _KEEPALIVE_S = 10.0  # "still waiting" headers to the other trainer ranks: far b
 # what a rollout rank's state means for the job (the exit code follows from the reason: exit_status.StopReason)
 _REASON = {PeerState.FAILED: StopReason.ROLLOUT_RANK_FAILED, PeerState.EXITED: StopReason.ROLLOUT_RANK_EXITED,
            PeerState.SILENT: StopReason.ROLLOUT_RANK_SILENT}
-
-
-class RolloutRanksLost(StoppedFor):
-    """The rollout ranks cannot go on (failed, silent, gone mid-push) or the job was signalled while waiting
-    for them. ``reason``: an exit_status.StopReason; ``exit_code`` follows from it (1 for a failure, 75 where
-    a resume is the remedy)."""
 
 
 class RemoteSource:
@@ -127,7 +121,7 @@ class RemoteSource:
 
     # ------------------------------------------------------------------------------------------
     def _push(self, version: int):
-        """Every trainer rank; raises RolloutRanksLost (on every rank) if the stream could not reach them."""
+        """Every trainer rank; raises StoppedFor (on every rank) if the stream could not reach them."""
         why, reason = None, StopReason.ROLLOUT_RANK_GONE
         if self.side.on_bridge:
             state, problem = self._rollout_state()
@@ -218,7 +212,7 @@ class RemoteSource:
     def stop_if_ranks_lost(self, signal_name: str) -> None:
         """Every trainer rank, as the job stops for a stop signal (``signal_name``, as the stop line names it):
         if a rollout rank is gone (it raised or exited, or its heartbeat stands still for a few seconds), raise
-        RolloutRanksLost naming it on every rank, as when the trainer finds the loss itself. torchrun SIGTERMs
+        StoppedFor naming it on every rank, as when the trainer finds the loss itself. torchrun SIGTERMs
         every rank when one dies, and its signal may reach the trainer before the dead rank does (in an update,
         the next vote sees the signal first): the stop line names the dead rank either way."""
         why, reason = None, None
@@ -282,8 +276,9 @@ class RemoteSource:
         return bytes(comm.broadcast(t, 0, None, what="async: rollout batch text").cpu().tolist())
 
     def _stop_everywhere(self, why: Optional[str], reason: Optional[StopReason]) -> None:
-        """Every trainer rank (collectively): raise RolloutRanksLost with trainer rank 0's message and reason (the
-        rank on the bridge: the one that knows why)."""
+        """Every trainer rank (collectively): raise StoppedFor with trainer rank 0's message and reason (the
+        rank on the bridge: the one that knows why; the exit code follows from it: 1 for a rollout rank that
+        failed, 75 where a resume is the remedy)."""
         main = self.state.is_main
         text = (why or "the rollout ranks cannot go on").encode() if main else b""
         n = comm.max_int(len(text), self.state.device, what="async: stop message length")
@@ -291,7 +286,7 @@ class RemoteSource:
         index = comm.max_int(reasons.index(reason) + 1 if main and reason is not None else 0, self.state.device,
                              what="async: stop reason")
         text = self._bytes(text.ljust(n) if self.state.is_main else bytes(n)).decode().strip()
-        raise RolloutRanksLost(text, reasons[index - 1] if index else StopReason.ROLLOUT_RANK_GONE)
+        raise StoppedFor(text, reasons[index - 1] if index else StopReason.ROLLOUT_RANK_GONE)
 
 
 class _AsyncHook(TrainerHook):

@@ -24,7 +24,7 @@ class RolloutSource(Protocol):
         """A stop signal another side of the job asked for, named for the stop line (None: none)."""
 
     def stop_if_ranks_lost(self, signal_name: str) -> None:
-        """As the job stops for a stop signal: raise RolloutRanksLost on every rank if ranks the source
+        """As the job stops for a stop signal: raise StoppedFor on every rank if ranks the source
         depends on are gone (the remote source's rollout ranks), so that the stop line names them."""
 
     def close(self) -> None:

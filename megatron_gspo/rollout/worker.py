@@ -38,18 +38,14 @@ from megatron_gspo.rollout.record import RolloutRecord, pack
 from megatron_gspo.rollout.side import PeerState, Side, is_peer_loss, short_error
 from megatron_gspo.rollout.weight_sync import WeightReceiver
 from megatron_gspo.config import JobConfig
-from megatron_gspo.runtime.stop import PreemptionFlag
+from megatron_gspo.runtime.stop import Cancelled, PreemptionFlag
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.algorithms.overlong import overlong_penalty
-from megatron_gspo.data.rewards import ScoringStopped, build_reward, compute_rewards
+from megatron_gspo.data.rewards import build_reward, compute_rewards
 from megatron_gspo.rollout.multiturn import build_multiturn, multiturn_rewards
 from megatron_gspo.rollout.rows import local_rows
 
 log = logging.getLogger("megatron_gspo")
-
-class Stopped(Exception):
-    """The trainer announced the end (or went silent): the rollout rank leaves its loop."""
-
 
 class _Restart(Exception):
     """partial_rollouts=drop: a weight update arrived mid-generation; generate again under it."""
@@ -97,8 +93,8 @@ def generate_with_updates(model, prompts, gen_cfg, *, vocab_size: int, state, se
         except _Restart:
             dropped += len(row_keys)
             continue
-        if out.abandoned:
-            raise Stopped("the trainer stopped")
+        if out.abandoned:  # the trainer announced the end (or went silent): the rank leaves its loop
+            raise Cancelled("while generating")
         break
     # forward idx computed the logits of response token idx: tokens idx+1.. came from the new weights
     lengths = out.response_lengths.to(torch.long)
@@ -188,8 +184,8 @@ class RolloutWorker:
                     self.faults.step_starts(s + 1)
                 self._one_step(s)
             self._idle_until(lambda: False)  # serve pushes until the stop
-        except Stopped as e:
-            why = self._stop_why or str(e)  # (a peer of the generation lockstep may have seen it first)
+        except Cancelled:  # the trainer announced the end or went silent (_poll), read in generation, scoring or a wait
+            why = self._stop_why or "the trainer stopped"  # (a peer of the generation lockstep may have seen it first)
             log.info("%s: rollout rank %d ends", why, self.side.global_rank)
             return why
         return "finished"
@@ -207,11 +203,9 @@ class RolloutWorker:
             poll=self._poll, apply=self._apply_push, policy=self.cfg.rollout.partial_rollouts, generator=self.generator)
         out = gen.out
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
-        try:  # a stop (the trainer's, read as in generation) cuts scoring short
-            rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine],
-                                      device=dev, should_stop=lambda: self._poll()[1])
-        except ScoringStopped:
-            raise Stopped(self._stop_why or "the trainer stopped") from None
+        # a stop (the trainer's, read as in generation) cuts scoring short: Cancelled
+        rewards = compute_rewards(self.reward_fn, [p.text for p in mine], texts, [p.answer for p in mine],
+                                  device=dev, should_stop=lambda: self._poll()[1])
         rc = self.cfg.reward
         if rc.overlong_buffer_len > 0:  # as ColocatedSource._generate_round
             rewards = rewards + overlong_penalty(out.response_lengths.to(dev), self.gen_cfg.max_new_tokens,
@@ -245,11 +239,8 @@ class RolloutWorker:
                 continue
             break
         if out.abandoned:
-            raise Stopped(self._stop_why or "the trainer stopped")
-        try:
-            rewards = multiturn_rewards(out, mine, self.reward_fn, self.cfg, dev, should_stop=stop)
-        except ScoringStopped:
-            raise Stopped(self._stop_why or "the trainer stopped") from None
+            raise Cancelled("while talking")
+        rewards = multiturn_rewards(out, mine, self.reward_fn, self.cfg, dev, should_stop=stop)
         touched = v_start != self.version
         gen = Generated(out, v_start, torch.full((len(self.rows),), self.version, dtype=torch.long, device=dev),
                         len(self.rows) if touched and policy == "finish" else 0, dropped, applied)
@@ -340,7 +331,7 @@ class RolloutWorker:
                     return value
                 update, stop = self._poll()
                 if stop:
-                    raise Stopped(self._stop_why)
+                    raise Cancelled("while waiting")
                 if update:
                     t1 = time.perf_counter()
                     self._apply_push()

@@ -5,7 +5,7 @@ on preemption, ``scancel`` or ``scontrol requeue``. The handler only records the
 when it came (a signal often arrives twice: SLURM signals every process of a job step and the
 launcher passes it on too; repeats are counted, never acted on twice). The trainer reads the flag at
 step boundaries, between two SFT warm-start steps, before a step's update and inside the long parts
-(the decode loop, dynamic-sampling rounds: ``StepAbandoned``; an evaluation); all ranks agree through
+(the decode loop, dynamic-sampling rounds, scoring, an evaluation: ``Cancelled``); all ranks agree through
 an all-reduce, the last completed state is saved (an RL step, or the warm start as far as it went)
 and the process exits with ``EXIT_PREEMPTED`` (or ``EXIT_PREEMPTED_NOTHING_SAVED`` when this run
 completed nothing) so the batch script can requeue and resume. Once the code is decided the entry
@@ -105,12 +105,29 @@ class PreemptionFlag:
         return f"signal received {time.time() - self.received_at:.1f} s earlier{times}"
 
 
-class StepAbandoned(Exception):
-    """Raised, on every rank at once, inside a step that a stop signal cut short (rollout/colocated.py
-    votes after each generation round; generation.generate stops decoding at once). Nothing of the step was
-    applied: the trainer saves the last completed state and exits. ``where``: "in generation round 3";
-    ``elapsed_s``: how long the step had run (set by the trainer)."""
+class Cancelled(Exception):
+    """Work cut short by the stop flag: the one exception for "stop now". Raised wherever long work reads the
+    flag: the decode loop's vote and the dynamic-sampling rounds (rollout/colocated.py), a wait on the worker
+    pool (runtime/workers.py: rewards, the math checker, environments), scoring, the making of a task's
+    examples at start-up, an evaluation, an asynchronous rollout rank's loop. Where ranks must agree it is
+    raised on every rank at once (``raise_together``). Handled where the work began, by trainer/stopping.py for
+    the trainer (a step cut short: nothing of it applied, the last completed state saved; an evaluation: the
+    step stands; start-up: nothing to save), by the rank's loop on a rollout rank (rollout/worker.py).
 
-    def __init__(self, step: int, where: str, elapsed_s: float = 0.0):
-        super().__init__(f"step {step} abandoned {where}")
-        self.step, self.where, self.elapsed_s = step, where, elapsed_s
+    ``where``: what was cut short, as the stop line says it ("in generation round 3, decoding cut short");
+    ``step``: the RL step it was in (1-based; None outside one); ``elapsed_s``: how long it had run (set by
+    whoever reports it)."""
+
+    def __init__(self, where: str, step: Optional[int] = None, elapsed_s: float = 0.0):
+        super().__init__(where if step is None else f"step {step} abandoned {where}")
+        self.where, self.step, self.elapsed_s = where, step, elapsed_s
+
+
+def raise_together(cut_short: bool, device, where: str, step: Optional[int] = None, *, what: str) -> None:
+    """One vote over every rank (``what`` names it): if the work was cut short on any rank (``cut_short`` is
+    this rank's answer), every rank raises Cancelled(where, step) here, together, so that they leave the work
+    at the same point (a collective left on one rank only would hang the others)."""
+    from megatron_gspo.runtime import comm  # torch: only where ranks vote (a worker process imports this module)
+
+    if comm.any_rank(cut_short, device, what=what):
+        raise Cancelled(where, step)

@@ -16,7 +16,7 @@ timeout names the side). Whatever ``handle`` raises (SystemExit included) is the
   answered ``Reply(timeout=True)`` and its worker's whole process group killed: the children a tool
   started go with it (a Python timer cannot stop a C call; the parent's clock and SIGKILL can);
 * ``should_stop()`` is read at least every ``POLL_S`` seconds while requests are out: once true every
-  worker is killed and ``run`` raises :class:`PoolStopped`, within a fraction of a second whatever the
+  worker is killed and ``run`` raises ``runtime.stop.Cancelled``, within a fraction of a second whatever the
   user code is doing; the next ``run`` starts new workers;
 * a worker that dies answers its request with an error (``Reply.exit_status``) and the next request it
   gets starts another process; a handler that cannot be built raises :class:`HandlerLoadError`.
@@ -48,14 +48,12 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait  # poll(2): no FD_SETSIZE limit, unlike select(2)
 from typing import Callable, Optional
 
+from megatron_gspo.runtime.stop import Cancelled  # standard library only, as this module
+
 POLL_S = 0.1  # how often the stop flag is read while requests are out
 ERROR_CHARS = 4000  # an error message from user code is cut here (it is logged and dumped)
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # megatron_gspo/
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
-
-
-class PoolStopped(Exception):
-    """A stop signal arrived while requests were out; every worker was killed."""
 
 
 class WorkerStartError(RuntimeError):
@@ -195,7 +193,7 @@ class WorkerPool:
             should_stop: Optional[Callable[[], bool]] = None,
             on_reply: Optional[Callable[[int, Reply], None]] = None) -> list[Reply]:
         """The replies to ``requests``, in order (module doc); ``timeout_s``: each request's deadline (None:
-        none); ``on_reply(i, reply)`` is called as each arrives. PoolStopped when ``should_stop()`` turns true."""
+        none); ``on_reply(i, reply)`` is called as each arrives. Cancelled when ``should_stop()`` turns true."""
         replies: list[Optional[Reply]] = [None] * len(requests)
 
         def answer(i: int, reply: Reply) -> None:
@@ -208,7 +206,7 @@ class WorkerPool:
             while queue or any(s.task is not None for s in self.slots):
                 if should_stop is not None and should_stop():
                     self.kill()
-                    raise PoolStopped()
+                    raise Cancelled("while the worker pool ran requests")
                 self._dispatch(requests, queue, answer)
                 self._collect(timeout_s, answer)
         except BaseException:

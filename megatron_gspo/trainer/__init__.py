@@ -12,7 +12,7 @@ _EXPORTS = {
     "Hooks": "hooks",
     "Trainer": "loop",
     "TrainerHook": "hooks",
-    "TrainingStopped": "stopping",
+    "StoppedFor": "stopping",  # runtime/exit_status.py's: what run() raises when the job stops early
 }
 __all__ = sorted(_EXPORTS)
 

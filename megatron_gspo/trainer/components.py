@@ -17,10 +17,10 @@ from megatron_gspo.checkpoint import CheckpointManager
 from megatron_gspo.config import JobConfig, to_dict
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.runtime.writable import check_writable
-from megatron_gspo.data.example_cache import ExamplesStopped
 from megatron_gspo.data.job_data import build_job_data
-from megatron_gspo.runtime.exit_status import EXIT_PREEMPTED_NOTHING_SAVED, StopReason, StoppedFor
+from megatron_gspo.runtime.stop import Cancelled
 from megatron_gspo.trainer.evaluation import Evaluator
+from megatron_gspo.trainer.stopping import start_up_cut_short
 from megatron_gspo.model.gpt import (build_model, impl_reason, job_precision, model_summary, release_ddp, resolve_impl,
                                      wrap_ddp)
 from megatron_gspo.model.oom import check_model_fits, explain_oom, model_shapes
@@ -49,17 +49,14 @@ def open_bridge(side, device) -> None:
 
 def build_data(cfg: JobConfig, st, stop):
     """(tokenizer, training prompt sampler, the evaluation's prompts or None), checked (data/job_data.py). A stop
-    signal while examples are made ends start-up at once: StoppedFor, exit 79 (nothing to save yet)."""
+    signal while examples are made ends start-up at once: StoppedFor, exit 79 (trainer/stopping.py)."""
     tokenizer = build_tokenizer(cfg.tokenizer)
     check_vocab_fits(tokenizer, cfg.model.vocab_size)
     try:
         data = build_job_data(cfg, tokenizer, should_stop=lambda: stop.set, write_cache=st.local_rank == 0,
                               main=st.is_main)
-    except ExamplesStopped as e:
-        raise StoppedFor(
-            f"preempted by signal {stop.name} during start-up: nothing to save yet (no step of this run completed); "
-            f"exiting with {EXIT_PREEMPTED_NOTHING_SAVED}; {stop.timing()}, while making {e.source} examples ({e.done} "
-            f"of {e.total} made in {e.elapsed_s:.1f} s, {e.kept})", StopReason.PREEMPTED_NOTHING_SAVED) from None
+    except Cancelled as e:
+        raise start_up_cut_short(stop, e) from None
     return tokenizer, data.sampler, data.held
 
 

@@ -13,7 +13,7 @@ bit-identical with evaluation on and off. Every rank generates every held-out ro
 no reduction and is the same under any layout; held-out sets are small).
 
 A stop signal cuts an evaluation short (``should_stop``, read in the decode loop and voted on after each
-generation): it raises ``EvaluationAbandoned`` on every rank; the step it follows stands, only its
+generation): it raises runtime.stop.Cancelled on every rank; the step it follows stands, only its
 eval/* metrics are missing, and the trainer goes on to save and stop.
 """
 
@@ -25,11 +25,11 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_gspo.runtime import comm
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.model.oom import explain_oom
-from megatron_gspo.data.rewards import ScoringStopped, compute_rewards
+from megatron_gspo.data.rewards import compute_rewards
 from megatron_gspo.rollout.multiturn import build_multiturn, multiturn_rewards
+from megatron_gspo.runtime.stop import Cancelled, raise_together
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -40,14 +40,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-class EvaluationAbandoned(Exception):
-    """Raised on every rank at once when a stop signal cut an evaluation short (``where``: which pass)."""
-
-    def __init__(self, step: int, where: str):
-        super().__init__(f"evaluation after step {step} abandoned in its {where}")
-        self.step, self.where = step, where
 
 
 class Evaluator:
@@ -77,47 +69,49 @@ class Evaluator:
         every = self.ecfg.interval
         return every > 0 and (step % every == 0 or step == self.cfg.train.num_steps)
 
-    def _answer(self, prompts, gen_cfg, seed: int, step: int, where: str,
+    def _answer(self, prompts, gen_cfg, seed: int, where: str,
                 should_stop: Optional[Callable[[], bool]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(correct [N] bool, response lengths [N]) of one response per prompt; EvaluationAbandoned
-        (every rank) when ``should_stop`` says so on any rank."""
+        """(correct [N] bool, response lengths [N]) of one response per prompt; Cancelled ("in its greedy pass, ...":
+        every rank) when ``should_stop`` says so on any rank."""
         if self.multiturn is not None:
-            return self._talk(prompts, gen_cfg, seed, step, where, should_stop)
+            return self._talk(prompts, gen_cfg, seed, where, should_stop)
         with explain_oom("generation", self.cfg, self.state, f"evaluation: {len(prompts)} rows"):
             out = self.generator.generate([p.ids for p in prompts], gen_cfg, seed=seed,
                                           row_keys=list(range(len(prompts))), should_stop=should_stop)
-        if should_stop is not None and comm.any_rank(out.abandoned or should_stop(), self.state.device,
-                                                     what="stop vote after an evaluation generation"):
-            raise EvaluationAbandoned(step, where + (", decoding cut short" if out.abandoned else ""))
+        if should_stop is not None:  # (without it nothing can cut the evaluation short: no vote)
+            raise_together(out.abandoned or should_stop(), self.state.device,
+                           f"in its {where}" + (", decoding cut short" if out.abandoned else ""),
+                           what="stop vote after an evaluation generation")
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in out.responses()]
         try:
             rewards = compute_rewards(self.reward_fn, [p.text for p in prompts], texts, [p.answer for p in prompts],
                                       device=self.state.device, should_stop=should_stop)
-        except ScoringStopped:
+        except Cancelled:
             rewards = None
-        if should_stop is not None and comm.any_rank(rewards is None, self.state.device,
-                                                     what="stop vote after evaluation scoring"):
-            raise EvaluationAbandoned(step, where + ", while scoring")
+        if should_stop is not None:
+            raise_together(rewards is None, self.state.device, f"in its {where}, while scoring",
+                           what="stop vote after evaluation scoring")
         return rewards >= 1.0, out.response_lengths
 
-    def _talk(self, prompts, gen_cfg, seed: int, step: int, where: str, should_stop) -> tuple[torch.Tensor, torch.Tensor]:
+    def _talk(self, prompts, gen_cfg, seed: int, where: str, should_stop) -> tuple[torch.Tensor, torch.Tensor]:
         """``_answer`` of a multi-turn job: each held-out prompt talked to its end; correct when its reward (the
         environment's, or reward.name on the last response; no overlong penalty) is >= 1; the lengths count the
         sampled tokens. The turns and tool calls go to eval/turns_mean, eval/tool_calls_mean."""
         with explain_oom("generation", self.cfg, self.state, f"evaluation: {len(prompts)} rows over turns"):
             out = self.multiturn.run(prompts, list(range(len(prompts))), seed, should_stop=should_stop,
                                      gen_cfg=dataclasses.replace(gen_cfg, n_samples_per_prompt=1))
-        if should_stop is not None and comm.any_rank(out.abandoned or should_stop(), self.state.device,
-                                                     what="stop vote after an evaluation generation"):
-            raise EvaluationAbandoned(step, where + (", cut short" if out.abandoned else ""))
+        if should_stop is not None:
+            raise_together(out.abandoned or should_stop(), self.state.device,
+                           f"in its {where}" + (", cut short" if out.abandoned else ""),
+                           what="stop vote after an evaluation generation")
         try:
             rewards = multiturn_rewards(out, prompts, self.reward_fn, self.cfg, self.state.device, penalty=False,
                                         should_stop=should_stop)
-        except ScoringStopped:
+        except Cancelled:
             rewards = None
-        if should_stop is not None and comm.any_rank(rewards is None, self.state.device,
-                                                     what="stop vote after evaluation scoring"):
-            raise EvaluationAbandoned(step, where + ", while scoring")
+        if should_stop is not None:
+            raise_together(rewards is None, self.state.device, f"in its {where}, while scoring",
+                           what="stop vote after evaluation scoring")
         self.turn_metrics = {"eval/turns_mean": sum(t["num_turns"] for t in out.trajectories) / len(prompts),
                              "eval/tool_calls_mean": sum(len(t["tool_calls"]) for t in out.trajectories) / len(prompts)}
         return rewards >= 1.0, out.response_mask.sum(-1)
@@ -131,7 +125,7 @@ class Evaluator:
         """eval/* metrics after RL step ``step``. ``should_stop``: this rank's stop flag (module doc)."""
         e, P = self.ecfg, len(self.prompts)
         # argmax: no noise drawn
-        correct, lengths = self._answer(self.prompts, self.greedy_cfg, 0, step, "greedy pass", should_stop)
+        correct, lengths = self._answer(self.prompts, self.greedy_cfg, 0, "greedy pass", should_stop)
         out = {"eval/greedy_accuracy": int(correct.sum()) / P,
                "eval/response_length_mean": int(lengths.sum()) / P,
                "eval/num_prompts": float(P), **self.length_metrics}
@@ -141,7 +135,7 @@ class Evaluator:
             n = e.num_samples
             rows = [p for p in self.prompts for _ in range(n)]  # prompt-major: row i*n + j
             # (eval.seed, step) in one 64-bit key, like ColocatedSource.sampling_seed with its own base seed
-            ok, _ = self._answer(rows, self.sample_cfg, (e.seed << 32) + step, step, "sampled pass", should_stop)
+            ok, _ = self._answer(rows, self.sample_cfg, (e.seed << 32) + step, "sampled pass", should_stop)
             c = ok.reshape(P, n).sum(dim=1).tolist()
             out[f"eval/pass@{e.k}"] = sum(pass_at_k(n, ci, e.k) for ci in c) / P
             out["eval/sample_accuracy"] = sum(c) / (P * n)

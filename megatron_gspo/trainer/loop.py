@@ -39,9 +39,9 @@ from megatron_gspo.algorithms.objective import (ObjectiveConfig, bad_sample_ids,
                                                 warn_off_policy)
 from megatron_gspo.algorithms.overlong import empty_minibatch
 from megatron_gspo.config import JobConfig, old_logprob_source
-from megatron_gspo.trainer.evaluation import EvaluationAbandoned
-from megatron_gspo.runtime.stop import PreemptionFlag, StepAbandoned
-from megatron_gspo.trainer.stopping import StopControl, TrainingStopped  # noqa: F401 (TrainingStopped: re-exported)
+from megatron_gspo.runtime.exit_status import StoppedFor
+from megatron_gspo.runtime.stop import Cancelled, PreemptionFlag
+from megatron_gspo.trainer.stopping import StopControl
 from megatron_gspo.runtime.hooks import Hooks, TrainerHook
 from megatron_gspo.runtime.logger import MetricsLogger, Timer, data_metrics, perf_metrics, progress_line
 from megatron_gspo.runtime.metrics import MetricAccumulator
@@ -52,7 +52,6 @@ from megatron_gspo.data.rewards import build_reward
 from megatron_gspo.rollout.prepare import BatchPreparer, TrainBatch, rollout_metrics
 from megatron_gspo.rollout.dump import RolloutDump
 from megatron_gspo.rollout.multiturn import check_env_error_frac
-from megatron_gspo.rollout.remote import RolloutRanksLost
 from megatron_gspo.rollout.source import build_source, join_side
 from megatron_gspo.trainer.sft import SFTWarmStart
 from megatron_gspo.trainer.skips import SkipCount, StepStart
@@ -90,7 +89,7 @@ class Trainer:
         cfg.check_data_parallel(st.dp)  # the same checks as launch/pretrain_gspo.sh --dry-run
         self.checkpoints = components.build_checkpoints(cfg, st)  # before the data: a root in use is refused first
         self.reward = reward_fn = build_reward(cfg.reward)  # its settings refused by key before anything is built
-        # long steps stop early on it (StepAbandoned); so does the making of the data
+        # long steps stop early on it (runtime.stop.Cancelled); so does the making of the data
         self.preempt = self.preempt if self.preempt is not None else PreemptionFlag.install()
         self.tokenizer, self.sampler, held_out = components.build_data(cfg, st, self.preempt)
         self.model, self.ref_model, self.ddp = components.build_models(cfg, st, self.checkpoints)
@@ -127,9 +126,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def run(self) -> dict:
         """The warm start, then the RL steps. A stop signal is acted on within a fraction of the phase it
-        lands in: at every step boundary, in the decode loop (StepAbandoned), between the rollout and the
-        update, between two SFT steps, in an evaluation (EvaluationAbandoned); an update and a checkpoint
-        save run to their end first (trainer/stopping.py)."""
+        lands in: at every step boundary, in the decode loop, scoring and the dynamic-sampling rounds, between the
+        rollout and the update, between two SFT steps, in an evaluation (the work cut short raises Cancelled,
+        which StopControl handles); an update and a checkpoint save run to their end first (trainer/stopping.py)."""
         t = self.cfg.train
         self.stopping.check(self.step)  # a signal during start-up: stop before the SFT warm start and the restore
         self.hooks.before_training(self)  # the SFT warm start, unless resuming a training checkpoint
@@ -146,7 +145,7 @@ class Trainer:
         may_stop_inside = t.num_minibatches > t.max_consecutive_skips
         history = []
         while self.step < t.num_steps:
-            self.stopping.check(self.step)  # a collective vote; saves and raises TrainingStopped on a stop signal
+            self.stopping.check(self.step)  # a collective vote; saves and raises StoppedFor on a stop signal
             self.hooks.at_step_start(self)
             t0 = time.perf_counter()
             parallel.set_seed(t.seed + self.step, self.state)  # every draw of a step depends on (seed, step)
@@ -186,11 +185,11 @@ class Trainer:
             # a signal during the rollout's scoring or its old / reference log-prob passes: leave the step
             # before the update, which once begun runs to its end (a half-applied step cannot be saved)
             if self.stopping.requested("preemption vote before the update"):
-                raise StepAbandoned(self.step + 1, "before its update (rollout done)")
+                raise Cancelled("before its update (rollout done)", self.step + 1)
             return batch
-        except RolloutRanksLost as e:  # rollout.mode=async: checkpoint and stop, never hang
+        except StoppedFor as e:  # rollout.mode=async, rollout ranks lost (RemoteSource): checkpoint and stop, never hang
             self.stopping.without_rollouts(self.step, e)
-        except StepAbandoned as e:  # a stop signal during generation: nothing of this step was applied
+        except Cancelled as e:  # a stop signal during the rollout: nothing of this step was applied
             e.elapsed_s = time.perf_counter() - t0
             self.sampler.load_state_dict(data_state)  # its prompts are drawn again after a resume
             self.stopping.check(self.step, abandoned=e)
@@ -201,10 +200,9 @@ class Trainer:
         t_eval = time.perf_counter()
         try:
             out = self.evaluator.run(self.step, should_stop=lambda: self.preempt.set)
-        except EvaluationAbandoned as e:
-            if self.state.is_main:
-                log.warning("%s: %s after %.1f s; step %d stands, without eval/* metrics", self.preempt.name, e,
-                            time.perf_counter() - t_eval, self.step)
+        except Cancelled as e:
+            e.elapsed_s = time.perf_counter() - t_eval
+            self.stopping.evaluation_cut_short(self.step, e)
             return {}
         out["perf/eval_s"] = time.perf_counter() - t_eval
         return out
@@ -329,8 +327,8 @@ class Trainer:
         """Whether any rank got a stop signal (a collective vote: every rank calls it at the same point)."""
         return self.stopping.requested(what)
 
-    def stop_if_preempted(self, abandoned: StepAbandoned | None = None, agreed: bool = False) -> None:
-        """If any rank got a stop signal: save what this run completed and raise TrainingStopped
+    def stop_if_preempted(self, abandoned: Cancelled | None = None, agreed: bool = False) -> None:
+        """If any rank got a stop signal: save what this run completed and raise StoppedFor
         (trainer/stopping.py). At a step boundary (a vote), or with ``abandoned`` / ``agreed`` when every
         rank already agreed (a step left in flight, the warm start's own vote)."""
         self.stopping.check(self.step, abandoned=abandoned, agreed=agreed)

@@ -2,9 +2,9 @@
 
 A run stops before its last step for a stop signal (SIGTERM / SIGUSR1 from SLURM, a preemption,
 ``scancel``, torchrun stopping every rank when one exits; runtime/stop.py's ``PreemptionFlag``), or
-because the rollout ranks of an asynchronous job are lost (rollout/remote.py's ``RolloutRanksLost``).
-Either way every rank raises ``TrainingStopped`` together, after saving what this run completed, and
-the entry point turns its reason into the exit code (runtime/exit_status.py):
+because the rollout ranks of an asynchronous job are lost (rollout/remote.py raises ``StoppedFor`` with a
+rollout rank's StopReason). Either way every rank raises ``StoppedFor`` together, after saving what this run
+completed, and the entry point turns its reason into the exit code (runtime/exit_status.py):
 
     what this run completed                  saved                                   exit
     an RL step                               the state after it (unless the         75
@@ -17,9 +17,16 @@ the entry point turns its reason into the exit code (runtime/exit_status.py):
     too many skipped updates in a row        as for a stop signal as the step began   76
     (train.max_consecutive_skips)            (trainer/skips.py: the step's own updates, if any, undone)
 
+Work a stop signal cuts short raises runtime/stop.py's ``Cancelled`` where it reads the flag (the decode loop,
+the dynamic-sampling rounds, scoring, the worker pool, the making of examples, an evaluation), on every rank at
+once where ranks must agree; it is handled here: a step's by ``check`` (nothing of the step applied: the last
+completed state saved), an evaluation's by ``evaluation_cut_short`` (the step stands; the next boundary stops),
+start-up's by ``start_up_cut_short`` (exit 79).
+
 ``StopControl`` is the trainer's only contact with all this: ``requested`` (a collective vote),
-``check`` (at a step boundary, in the warm start, or for a step a signal cut short), ``without_rollouts``,
-``too_many_skips`` (with ``writes_state``: whether it would write the state in memory) and ``finished`` (the note for a signal that came too late to cut anything short).
+``check`` (at a step boundary, in the warm start, or for a step a signal cut short), ``evaluation_cut_short``,
+``without_rollouts``, ``too_many_skips`` (with ``writes_state``: whether it would write the state in memory) and
+``finished`` (the note for a signal that came too late to cut anything short).
 """
 
 from __future__ import annotations
@@ -32,15 +39,9 @@ from megatron_gspo.runtime import comm
 from megatron_gspo.checkpoint.directory import has_manifest, iter_dir
 from megatron_gspo.config import JobConfig, to_dict
 from megatron_gspo.runtime.exit_status import EXIT_PREEMPTED, EXIT_PREEMPTED_NOTHING_SAVED, StopReason, StoppedFor
-from megatron_gspo.runtime.stop import PreemptionFlag, StepAbandoned
-from megatron_gspo.rollout.remote import RolloutRanksLost
+from megatron_gspo.runtime.stop import Cancelled, PreemptionFlag
 
 log = logging.getLogger("megatron_gspo")
-
-
-class TrainingStopped(StoppedFor):
-    """The run stops on purpose (preemption, too many non-finite steps, rollout ranks lost): checkpoint
-    written. ``reason``: an exit_status.StopReason; the exit code follows from it."""
 
 
 class StopControl:
@@ -79,12 +80,13 @@ class StopControl:
         return self.flag.name
 
     # ------------------------------------------------------------------------------------------
-    def check(self, step: int, abandoned: Optional[StepAbandoned] = None, agreed: bool = False) -> None:
+    def check(self, step: int, abandoned: Optional[Cancelled] = None, agreed: bool = False) -> None:
         """If any rank got a stop signal: all save what this run completed (``step`` RL steps so far, or the
-        SFT warm start as far as it went) and raise TrainingStopped (module doc). Called at a step boundary
-        (a collective vote), or with ``abandoned`` / ``agreed`` when every rank already agreed (a step left
-        in flight, the warm start's own vote). In the RL loop, a rollout rank found gone (async: torchrun stops
-        every rank when one dies, and its signal may come first) makes it the stop for lost rollout ranks."""
+        SFT warm start as far as it went) and raise StoppedFor (module doc). Called at a step boundary
+        (a collective vote), or with ``abandoned`` / ``agreed`` when every rank already agreed (the Cancelled
+        of a step left in flight, the warm start's own vote). In the RL loop, a rollout rank found gone (async:
+        torchrun stops every rank when one dies, and its signal may come first) makes it the stop for lost rollout
+        ranks."""
         if abandoned is None and not agreed and not self.requested("preemption vote"):
             return
         t_stop = time.perf_counter()
@@ -92,7 +94,7 @@ class StopControl:
         try:
             if self.first_step is not None:  # the RL loop runs: its training state can be saved
                 self.source.stop_if_ranks_lost(name)
-        except RolloutRanksLost as e:
+        except StoppedFor as e:  # the rollout ranks' loss, the only stop it raises
             self.without_rollouts(step, e)
         first = step if self.first_step is None else self.first_step  # before the RL loop, none of it is done
         ws = self.warm_start
@@ -112,38 +114,45 @@ class StopControl:
         if sft_saved:
             raise self._warm_start_saved(step, name, when, t_stop)
         saved = self._save_last_completed_step(step)
-        raise TrainingStopped(f"preempted by signal {name} before step {step + 1}: {saved} (step {step}); exiting "
-                              f"with {EXIT_PREEMPTED} (resume with checkpoint.resume=true); {self.flag.timing()}, "
-                              f"{when}, save {time.perf_counter() - t_stop:.1f} s", StopReason.PREEMPTED)
+        raise StoppedFor(f"preempted by signal {name} before step {step + 1}: {saved} (step {step}); exiting "
+                         f"with {EXIT_PREEMPTED} (resume with checkpoint.resume=true); {self.flag.timing()}, "
+                         f"{when}, save {time.perf_counter() - t_stop:.1f} s", StopReason.PREEMPTED)
 
-    def _nothing_saved(self, step: int, name: str, when: str, abandoned: bool) -> TrainingStopped:
+    def _nothing_saved(self, step: int, name: str, when: str, abandoned: bool) -> StoppedFor:
         where = (f"{self.checkpoints.resume_dir} is still the state to resume from"
                  if self.checkpoints.resume_dir is not None
                  else "no checkpoint yet: a resumed run starts from the beginning")
-        return TrainingStopped(
+        return StoppedFor(
             f"preempted by signal {name} {f'in step {step + 1}' if abandoned else 'during start-up'}: nothing "
             f"to save yet (no step of this run completed; {where}); exiting with {EXIT_PREEMPTED_NOTHING_SAVED}; "
             f"{self.flag.timing()}, {when}", StopReason.PREEMPTED_NOTHING_SAVED)
 
-    def _warm_start_saved(self, step: int, name: str, when: str, t_stop: float) -> TrainingStopped:
+    def _warm_start_saved(self, step: int, name: str, when: str, t_stop: float) -> StoppedFor:
         ws = self.warm_start
         in_sft = not ws.finished
         saved = self.save_warm_start()
         then = (f"the warm start continues at SFT step {ws.done + 1}" if in_sft
                 else "the warm start is over, step 1 comes next")
-        return TrainingStopped(
+        return StoppedFor(
             f"preempted by signal {name} {'in the SFT warm start' if in_sft else f'before step {step + 1}'}: "
             f"{saved} (SFT step {ws.done} of {ws.steps}); exiting with {EXIT_PREEMPTED} (resume with "
             f"checkpoint.resume=true: {then}); {self.flag.timing()}, {when}, save {time.perf_counter() - t_stop:.1f} s",
             StopReason.PREEMPTED)
 
-    def without_rollouts(self, step: int, e: RolloutRanksLost) -> NoReturn:
-        """Every trainer rank together (RemoteSource raises RolloutRanksLost on all of them): save the state
+    def evaluation_cut_short(self, step: int, e: Cancelled) -> None:
+        """Every rank together (the evaluation's vote raised ``e``): the evaluation after ``step`` is dropped, the
+        step stands (saved and stopped at the next boundary, whose vote the signal carries)."""
+        if self.state.is_main:
+            log.warning("%s: evaluation after step %d abandoned %s after %.1f s; step %d stands, without eval/* metrics",
+                        self.flag.name, step, e.where, e.elapsed_s, step)
+
+    def without_rollouts(self, step: int, e: StoppedFor) -> NoReturn:
+        """Every trainer rank together (RemoteSource raises StoppedFor on all of them): save the state
         after ``step`` (the weights of version ``step``, the data position after the last consumed batch)
         and stop with the rollout ranks' reason."""
         saved = self._save_last_completed_step(step)
-        raise TrainingStopped(f"stopping before step {step + 1}: {e}; {saved} (resume with "
-                              "checkpoint.resume=true: the rollouts in flight are generated again)", e.reason)
+        raise StoppedFor(f"stopping before step {step + 1}: {e}; {saved} (resume with "
+                         "checkpoint.resume=true: the rollouts in flight are generated again)", e.reason)
 
     def writes_state(self, step: int) -> bool:
         """Whether a stop with ``step`` RL steps completed writes the training state in memory (not: nothing,
@@ -167,8 +176,8 @@ class StopControl:
             saved = self.save_warm_start() + f" (SFT step {ws.done} of {ws.steps})"
         else:
             saved = f"{self._save_last_completed_step(step)} (step {step}, the last completed one)"
-        raise TrainingStopped(f"{why}; {saved}" + (f"; resume with checkpoint.resume=true from {ck.save}"
-                                                   if ck.save else ""), StopReason.TOO_MANY_SKIPS)
+        raise StoppedFor(f"{why}; {saved}" + (f"; resume with checkpoint.resume=true from {ck.save}"
+                                              if ck.save else ""), StopReason.TOO_MANY_SKIPS)
 
     def finished(self, step: int) -> None:
         """The run completed: a stop signal that came during the last step or after it cut nothing short."""
@@ -198,3 +207,12 @@ class StopControl:
         if not comm.all_ranks(just_saved, self.state.device, what="preemption: step already saved"):
             self.checkpoints.save_step(step)
         return f"checkpoint saved to {ck.save}" if ck.save else "NO checkpoint written (checkpoint.save is not set)"
+
+
+def start_up_cut_short(flag: PreemptionFlag, e: Cancelled) -> StoppedFor:
+    """The stop for a signal that cut start-up's work short (``e``: the making of a task's examples, before the
+    Trainer and its StopControl exist): nothing to save yet, exit 79; every rank decides alone (no collective
+    runs while examples are made, and every rank makes them)."""
+    return StoppedFor(f"preempted by signal {flag.name} during start-up: nothing to save yet (no step of this run "
+                      f"completed); exiting with {EXIT_PREEMPTED_NOTHING_SAVED}; {flag.timing()}, {e.where}",
+                      StopReason.PREEMPTED_NOTHING_SAVED)

@@ -48,7 +48,7 @@ from megatron_gspo.testing.faults import FaultInjection
 from megatron_gspo.rollout.rows import micro_batch_slices
 from megatron_gspo.trainer.hooks import TrainerHook
 from megatron_gspo.train import DEMO_CONFIG, Trainer, configure_logging
-from megatron_gspo.trainer.loop import TrainingStopped
+from megatron_gspo.runtime.exit_status import StoppedFor
 
 
 class SilenceHeartbeat(TrainerHook):
@@ -294,7 +294,7 @@ def main():
             return
         try:
             trainer.run()
-        except TrainingStopped as e:  # preempted, too many skips, rollout ranks lost: the code, for the test
+        except StoppedFor as e:  # preempted, too many skips, rollout ranks lost: the code, for the test
             print(f"STOPPED exit {e.exit_code}: {e}", flush=True)
             sys.exit(e.exit_code)
         if a.check_replicas:

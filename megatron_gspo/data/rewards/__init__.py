@@ -17,7 +17,7 @@ A reward that is cheaper a batch at a time (a reward model, a pool of verifiers,
 implements ``score(batch: RewardBatch) -> rewards`` instead (batch.py; registry.py for the three shapes
 a reward can take). ``reward.num_workers`` processes score a per-sample reward in parallel where it
 allows (per_sample.py, pool.py), the same numbers in the same row order whatever their number; a stop signal cuts
-scoring short within about one sample (ScoringStopped: the trainer abandons the step).
+scoring short within about one sample (runtime.stop.Cancelled: the trainer abandons the step).
 
 It returns a finite number that float32 holds (bool and 0-d tensors/arrays count). Anything else -- an
 exception, NaN, inf, 1e300, None, a string -- stops training with a :class:`RewardError` that names
@@ -54,7 +54,6 @@ _EXPORTS = {
     "BatchReward": "batch",
     "RewardBatch": "batch",
     "SampleFailed": "batch",
-    "ScoringStopped": "batch",
     "Reward": "scoring",
     "build_reward": "scoring",
     "compute_rewards": "scoring",

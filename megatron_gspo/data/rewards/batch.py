@@ -7,7 +7,7 @@ processes); a batch function becomes one through :class:`BatchFunctionReward`; a
 the simple case, through per_sample.PerSampleReward, which scores the rows one at a time (``score_one``)
 in this process or, where the reward allows and ``reward.num_workers > 1``, in a pool of worker
 processes (pool.py). Either way a long scoring honours the job's stop flag (``batch.should_stop``)
-within about one sample: :class:`ScoringStopped`, which the trainer turns into an abandoned step.
+within about one sample: ``runtime.stop.Cancelled``, which the trainer turns into an abandoned step.
 
 This module imports no torch and nothing of the package but errors: the pool and its worker processes
 use it (a reward returning a tensor is read through ``as_float`` where torch is already loaded).
@@ -51,10 +51,6 @@ class RewardBatch:
     def rows(self):
         """(prompt, response, answer) of each row, in order."""
         return zip(self.prompts, self.responses, self.answers)
-
-
-class ScoringStopped(Exception):
-    """Scoring was cut short by the stop flag (``RewardBatch.should_stop``): no rewards for this batch."""
 
 
 class BatchReward:

@@ -18,12 +18,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megatron_gspo.data.rewards.batch import BatchReward, RewardBatch, SampleFailed, ScoringStopped
+from megatron_gspo.data.rewards.batch import BatchReward, RewardBatch, SampleFailed
 from megatron_gspo.data.rewards.math_reference import math_reference_problem, reference_final_answer
 from megatron_gspo.data.rewards.registry import register_reward
 from megatron_gspo.data.rewards.settings import setting
 from megatron_gspo.data.rewards.text import after_think, cut_at_eos, require_answer
 from megatron_gspo.errors import clip_repr
+from megatron_gspo.runtime.stop import Cancelled
 
 log = logging.getLogger("megatron_gspo")
 
@@ -109,7 +110,7 @@ class MathVerifyReward(BatchReward):
                 sides = SampleFailed(f"raised ValueError: {e}")
             out.append(0.0 if sides is None else sides)
         if batch.should_stop():
-            raise ScoringStopped()
+            raise Cancelled("while scoring")
         todo = [i for i, v in enumerate(out) if isinstance(v, tuple)]
         pairs = [out[i] for i in todo]
 

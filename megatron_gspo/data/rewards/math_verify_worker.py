@@ -22,7 +22,7 @@ the reference (parsed once per worker and kept: the G responses to a prompt shar
 * ``wall_timeout_s``: a backstop the pool keeps for what no Python-level timer interrupts (a C-level
   computation): past it the pool kills the worker (the next check starts another) and it scores 0.
 
-A stop of the job (``should_stop``) kills the workers within 0.1 s and raises batch.ScoringStopped.
+A stop of the job (``should_stop``) kills the workers within 0.1 s and raises runtime.stop.Cancelled.
 :class:`MathVerifyPool` keeps ``reward.num_workers`` of them, for checks in parallel.
 
 Requests: ``{"response": text, "gold": final answer, "cpu_s": limit}``; the worker notes
@@ -38,8 +38,7 @@ import signal
 import threading
 from typing import Callable, Optional
 
-from megatron_gspo.data.rewards.batch import ScoringStopped
-from megatron_gspo.runtime.workers import PoolStopped, Reply, Request, WorkerPool, WorkerStartError
+from megatron_gspo.runtime.workers import Reply, Request, WorkerPool, WorkerStartError
 
 # How long a new worker may take to import sympy and math-verify before the first check (a loaded CPU
 # is slow: ~2 s on an idle core, tens of seconds under load).
@@ -100,7 +99,7 @@ class MathVerifyPool:
         exception that says why there is none (MathVerifyTimeout past ``cpu_timeout_s`` of CPU time on a side or
         ``wall_timeout_s`` of waiting; RuntimeError), or None for a pair whose ``skip(gold)`` was true when a
         worker was free for it. ``on_verdict(i, verdict)`` is called as each arrives (before later pairs are
-        handed out). ScoringStopped when ``should_stop()`` becomes true."""
+        handed out). runtime.stop.Cancelled when ``should_stop()`` becomes true."""
         out: list = [None] * len(pairs)
 
         def arrived(i: int, rep: Reply) -> None:
@@ -113,8 +112,6 @@ class MathVerifyPool:
         with self._lock:
             try:
                 self.pool.run(requests, wall_timeout_s, should_stop, arrived)
-            except PoolStopped:
-                raise ScoringStopped() from None
             except WorkerStartError as e:
                 raise RuntimeError(f"the math-verify checker process did not start ({e}); is math-verify "
                                    "installed? (pip install math-verify)") from None

@@ -6,15 +6,16 @@ or, where the reward allows (``RewardSpec.parallel``) and ``reward.num_workers >
 pool (runtime/workers.py, with worker.py's handler): a free worker takes the next row, so a slow row holds
 one worker only. Each row's value is ``batch.score_one``'s in either place, so the rewards are the same, in
 row order. A stop kills the workers at once (a row in progress is abandoned, which no reward's state can
-mind: each row is scored alone) and raises ScoringStopped; a worker that dies on a row fails that row (the
+mind: each row is scored alone) and raises runtime.stop.Cancelled; a worker that dies on a row fails that row (the
 RewardError names it) and the next row starts another.
 """
 
 from __future__ import annotations
 
-from megatron_gspo.data.rewards.batch import BatchReward, RewardBatch, SampleFailed, ScoringStopped, score_one
+from megatron_gspo.data.rewards.batch import BatchReward, RewardBatch, SampleFailed, score_one
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.runtime.workers import HandlerLoadError, PoolStopped, Request, WorkerPool
+from megatron_gspo.runtime.stop import Cancelled
+from megatron_gspo.runtime.workers import HandlerLoadError, Request, WorkerPool
 
 HANDLER = "megatron_gspo.data.rewards.worker:reward_handler"
 
@@ -36,15 +37,13 @@ class PerSampleReward(BatchReward):
         out = []
         for prompt, response, answer in batch.rows():
             if batch.should_stop():
-                raise ScoringStopped()
+                raise Cancelled("while scoring")
             out.append(score_one(self.fn, self.settings, prompt, response, answer))
         return out
 
     def _score_in_workers(self, batch: RewardBatch) -> list:
         try:
             replies = self.pool.run([Request(tuple(row)) for row in batch.rows()], None, batch.should_stop)
-        except PoolStopped:
-            raise ScoringStopped() from None
         except HandlerLoadError as e:
             raise ConfigError(f"reward {self.name!r} (reward.name): loading it in a reward worker process "
                               f"(reward.num_workers={self.num_workers}) failed: {e}") from None

@@ -17,13 +17,14 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from megatron_gspo.config import RewardConfig
-from megatron_gspo.data.rewards.batch import (BatchFunctionReward, BatchReward, RewardBatch, SampleFailed,
-                                              ScoringStopped, as_float, reward_number)
+from megatron_gspo.data.rewards.batch import (BatchFunctionReward, BatchReward, RewardBatch, SampleFailed, as_float,
+                                              reward_number)
 from megatron_gspo.data.rewards.per_sample import PerSampleReward
 from megatron_gspo.data.rewards.registry import (RewardSpec, check_signature, registered_rewards, registered_spec,
                                                  resolve_reward, spec_of)
 from megatron_gspo.data.rewards.settings import NUM_WORKERS, check_settings
 from megatron_gspo.errors import ConfigError, RewardError, clip_repr
+from megatron_gspo.runtime.stop import Cancelled
 
 
 def _number_problem(raw: Any) -> tuple[Optional[float], Optional[str]]:
@@ -46,7 +47,7 @@ class Reward:
 
     def score(self, prompts: Sequence[str], responses: Sequence[str], answers: Optional[Sequence] = None, *,
               device: Union[str, torch.device] = "cpu", should_stop: Optional[Callable[[], bool]] = None) -> torch.Tensor:
-        """The rewards of the rows, float32 [len(responses)] on ``device``. ScoringStopped when
+        """The rewards of the rows, float32 [len(responses)] on ``device``. runtime.stop.Cancelled when
         ``should_stop()`` cut the scoring short; RewardError for a bad value (module doc)."""
         batch = RewardBatch(prompts, responses, [None] * len(responses) if answers is None else answers,
                             *([should_stop] if should_stop is not None else []))
@@ -80,7 +81,7 @@ class Reward:
         n, first = len(batch), (batch.prompts[0], batch.responses[0])
         try:
             raw = self.main.score(batch)
-        except (ScoringStopped, ConfigError, RewardError):
+        except (Cancelled, ConfigError, RewardError):
             raise
         except Exception as e:  # a batch reward's own failure: no row to blame
             raise RewardError(self.name, None, *first, f"raised {type(e).__name__}: {e}", batch_size=n) from e
@@ -149,7 +150,7 @@ def compute_rewards(reward: Union[Reward, Callable], prompts: Sequence[str], res
                     should_stop: Optional[Callable[[], bool]] = None) -> torch.Tensor:
     """Score every (prompt, response, answer): a float32 tensor of shape [len(responses)] on ``device`` (the
     trainer passes the parallel state's device: rewards meet log-probs there). ``reward``: the job's Reward
-    (build_reward), or a per-sample function (scored here, one row at a time). ScoringStopped when
+    (build_reward), or a per-sample function (scored here, one row at a time). Cancelled when
     ``should_stop()`` cut it short; RewardError naming the reward and the row for a bad value."""
     if not isinstance(reward, Reward):
         name = function_name(reward)
