@@ -166,9 +166,9 @@ class SignalInRound(SignalAtStep):
 
 
 class SignalInDecoding(SignalAtStep):
-    """SIGTERM from inside step ``step``'s decode loop, at its ``check``-th check of finished rows (a
-    quarter of the way at the auto interval): the signal lands mid-decoding however loaded the machine is
-    (a timer a quarter of a first run's generation time missed the generation when a step took 4-24 s)."""
+    """SIGTERM from inside step ``step``'s decode loop, at its ``check``-th check of finished rows: the
+    signal lands mid-decoding however loaded the machine is (a timer set to a quarter of a first run's
+    generation time missed the generation when a step took 4-24 s)."""
 
     def __init__(self, step: int, check: int):
         super().__init__(step=step, delay=0.0)
@@ -211,7 +211,7 @@ def test_a_signal_in_a_long_generation_abandons_the_step_and_the_resume_is_exact
     job = [*LONG, "train.num_steps=2"]
     run_job(tmp_path, "straight", job)
     gen_s = min(r["perf/generate_s"] for r in metrics(tmp_path / "straight"))
-    hook = SignalInDecoding(step=2, check=2)
+    hook = SignalInDecoding(step=2, check=30)  # token 30 of 150 (a check a token on a CPU, every 4 on CUDA)
     with pytest.raises(StoppedFor) as stopped:
         run_job(tmp_path, "cut", job, hooks=[hook])
     took = time.perf_counter() - hook.sent_at
