@@ -53,6 +53,24 @@ class Hanging:
         time.sleep(3600)
 
 
+class HangingReset:
+    """On the rank ``rank`` (torchrun's RANK; the pool's workers inherit it) writes its pid to ``marker`` in
+    its first reset, then never answers; on the other ranks an Echo."""
+
+    def __init__(self, marker: str, rank: int = 0) -> None:
+        self.marker, self.mine = marker, int(os.environ.get("RANK", "0")) == rank
+
+    def reset(self, example):
+        if self.mine:
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(3600)
+        return str(example["prompt"])
+
+    def step(self, response):
+        return "ok", None, False
+
+
 class Raising:
     def reset(self, example):
         return str(example["prompt"])

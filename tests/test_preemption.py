@@ -122,6 +122,39 @@ def straight(tmp_path_factory):
     return final_weights(f"{tmp}/s/ckpt", STEPS)
 
 
+def test_a_stop_while_one_ranks_environment_reset_hangs_ends_every_rank_together(tmp_path):
+    """A multi-turn job at DP 2 whose environment hangs in reset on rank 0 only (rank 1's resets answer, so
+    rank 1 is already at the first turn's vote): SIGTERM to every process; the pool kills rank 0's worker,
+    both ranks leave step 1 at that vote, exit 79 (nothing saved yet), one stop line, no traceback, no
+    rank left waiting in a collective."""
+    from test_multiturn import STOPS
+
+    marker = tmp_path / "reset-pid"
+    here = str(Path(__file__).resolve().parent)
+    run = launcher(tmp_path, "r", "env.name=multiturn_envs:HangingReset", f"env.kwargs={{marker: {marker}}}",
+                   "env.max_turns=2", "env.num_workers=1", "env.tool_timeout_s=600", f"generation.stop_token_ids={STOPS}",
+                   "eval.interval=0", steps=2, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    deadline = time.time() + 300
+    while not (marker.exists() and marker.read_text()):
+        assert run.p.poll() is None and time.time() < deadline, run.log_path.read_text()[-3000:]
+        time.sleep(0.1)
+    worker = int(marker.read_text())
+    sent = time.time()
+    for p in [psutil.Process(run.p.pid), run.torchrun(), *run.ranks()]:
+        p.send_signal(signal.SIGTERM)
+    rc, log = run.wait(timeout=120)
+    took = time.time() - sent
+    print(f"SIGTERM while rank 0's environment reset hangs: exit {rc} {took:.1f} s later")
+    assert rc == EXIT_PREEMPTED_NOTHING_SAVED and took < 60, (rc, took, log[-4000:])
+    stops = re.findall(r"^\d\d:\d\d:\d\d (preempted by signal .*)$", log, re.M)
+    assert len(stops) == 1 and "in step 1" in stops[0] and "over turns" in stops[0], log[-4000:]
+    for bad in ("Traceback", "ChildFailedError", "timed out", "Connection reset"):
+        assert bad not in log, log[-4000:]
+    with pytest.raises(psutil.NoSuchProcess):  # the worker that hung is gone
+        psutil.Process(worker).status()
+    assert run.leftovers() == []
+
+
 @pytest.mark.parametrize("target, sig", [("everyone", signal.SIGTERM), ("rank 1", signal.SIGTERM),
                                          ("torchrun", signal.SIGKILL)],
                          ids=["sigterm-everyone", "sigterm-one-rank", "sigkill-torchrun"])

@@ -28,8 +28,9 @@ of the tokens an earlier turn processed; each token keeps the routes of the forw
 first (the ones its successors were sampled under), and only the positions new to the turn are taken from
 it, so every token of the row has one route, never re-sent, paired with its own token.
 
-A stop signal: generation stops within its lockstep group (generate's ``should_stop``), a tool call at
-once (the pool kills its workers); every rank then agrees at the next turn's vote and the output comes
+A stop signal: generation stops within its lockstep group (generate's ``should_stop``), a tool call or an
+environment's reset at once (the pool kills its workers); every rank then agrees at the next turn's vote
+(the first turn's, for a reset) and the output comes
 back ``abandoned`` (the rollout source raises runtime.stop.Cancelled on every rank).
 """
 
@@ -154,9 +155,16 @@ class MultiTurnRollout:
         buf = comm.broadcast(buf, self.tp_src, self.tp_group, what="multi-turn: the environment's reply")
         return json.loads(bytes(buf.cpu().tolist()).decode())
 
-    def _reset(self, prompts: list, should_stop) -> list[str]:
+    def _reset(self, prompts: list, should_stop) -> Optional[list[str]]:
+        """Every row's first message; None when a stop signal cut the environments' reset short."""
         examples = [{"id": p.id, "prompt": p.raw if p.raw is not None else p.text, "answer": p.answer} for p in prompts]
-        return self._on_env_rank(lambda: self.runner.reset(examples, should_stop))
+
+        def run():
+            try:
+                return self.runner.reset(examples, should_stop)
+            except Cancelled:  # the pool killed its workers: this rank's part of the first turn's vote
+                return None
+        return self._on_env_rank(run)
 
     def _step(self, texts: list[str], rows: list[int], should_stop) -> Optional[list[dict]]:
         """Every listed row's environment step, as StepResult dicts; None when a stop signal cut it short."""
@@ -253,15 +261,20 @@ class MultiTurnRollout:
         limit = self.env.max_observation_tokens
         return text if len(ids) <= limit else self.tokenizer.decode(ids[:limit])
 
-    def _start(self, prompts: list, should_stop) -> list[Trajectory]:
-        """Every row's prompt: the environment's first message rendered. One over data.max_prompt_length is handled
-        by data.overlong_prompt_policy, as the data's prompts are: "error" stops the job, "truncate_left" keeps its
-        last tokens, "drop" (the default) ends the row before its first turn, no token sampled (the loss mask all
-        0: nothing of it is trained), on an environment error that says so (counted: rollout/env_error_frac)."""
+    def _start(self, prompts: list, should_stop) -> tuple[list[Trajectory], bool]:
+        """(every row's prompt: the environment's first message rendered, False), or (placeholder rows, True) when a
+        stop signal cut the reset short: the first turn's vote then takes every rank out of the step together. One
+        over data.max_prompt_length is handled by data.overlong_prompt_policy, as the data's prompts are: "error"
+        stops the job, "truncate_left" keeps its last tokens, "drop" (the default) ends the row before its first
+        turn, no token sampled (the loss mask all 0: nothing of it is trained), on an environment error that says
+        so (counted: rollout/env_error_frac)."""
+        messages = self._reset(prompts, should_stop)
+        if messages is None:  # never trained: the caller leaves the step on every rank
+            return [Trajectory([self.gen_cfg.pad_id], 1, prompt_id=p.id) for p in prompts], True
         tools = self.runner.schemas() if self.runner is not None else None
         limit, policy = self.cfg.data.max_prompt_length, self.cfg.data.overlong_prompt_policy
         rows = []
-        for p, message in zip(prompts, self._reset(prompts, should_stop)):
+        for p, message in zip(prompts, messages):
             ids = self.fmt.prompt_ids(message, tools)
             if len(ids) <= limit:
                 rows.append(Trajectory(ids, len(ids), prompt_id=p.id))
@@ -280,7 +293,7 @@ class MultiTurnRollout:
         if rows and all(r.env_error is not None for r in rows):
             raise DataError(f"every prompt of the batch is over-long, e.g. {rows[0].env_error}; raise "
                             "data.max_prompt_length")
-        return rows
+        return rows, False
 
     def run(self, prompts: list, keys: list[int], seed: int, routing=None,
             should_stop: Optional[Callable[[], bool]] = None, gen_cfg=None, gen_kw: Optional[dict] = None) -> MultiTurnOutput:
@@ -297,8 +310,8 @@ class MultiTurnRollout:
     # long: the turn loop in one place, each step a call (generate, take, observe, vote)
     def _run(self, prompts: list, keys: list[int], seed: int, routing, should_stop) -> MultiTurnOutput:
         t0, times = time.perf_counter(), {"prefill_s": 0.0, "num_forwards": 0, "decode_row_steps": 0}
-        env_s, stop = 0.0, False
-        rows = self._start(prompts, should_stop)
+        env_s = 0.0
+        rows, stop = self._start(prompts, should_stop)
         turn = 0
         while True:
             live = [i for i, r in enumerate(rows) if not r.ended]
