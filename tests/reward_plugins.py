@@ -69,6 +69,18 @@ def slow_reward(prompt: str, response: str, answer=None, *, seconds: float = 1.0
     return digit_fraction(prompt, response, answer)
 
 
+def gated(prompt: str, response: str, answer=None, *, gate: str = "") -> float:
+    """digit_fraction once the file ``gate`` exists (at most 10 minutes): a job holds its step here until
+    the test lets it go, whatever the machine's load."""
+    import os
+    import time
+
+    deadline = time.time() + 600
+    while not os.path.exists(gate) and time.time() < deadline:
+        time.sleep(0.05)
+    return digit_fraction(prompt, response, answer)
+
+
 def dies_on(prompt: str, response: str, answer=None, *, word: str = "die") -> float:
     """Ends its process (as a crash in native code would) on the response ``word``; its length otherwise."""
     import os

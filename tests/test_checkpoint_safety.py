@@ -329,12 +329,20 @@ def test_the_lock_is_held_while_the_job_runs_and_given_back_on_every_way_out(tmp
 @pytest.mark.slow
 def test_two_jobs_started_together_on_one_root(tmp_path):
     """Issue 38's case: two trainers started at once with the same checkpoint.save, saving every step. One
-    is refused at start-up naming the other; the other trains to the end; every checkpoint is whole."""
-    root = str(tmp_path / "ckpt")
+    is refused at start-up naming the other; the other trains to the end; every checkpoint is whole. The
+    winner's first scoring waits until the loser has exited (a gate file), so the two overlap however
+    loaded the machine (under load the second one's start-up once came after the first one's whole run)."""
+    root, gate = str(tmp_path / "ckpt"), tmp_path / "gate"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = [subprocess.Popen([sys.executable, "-m", "megatron_gspo.train",
-                               *job(tmp_path, f"out{i}", f"checkpoint.save={root}", "checkpoint.save_interval=1", steps=3)],
+                               *job(tmp_path, f"out{i}", f"checkpoint.save={root}", "checkpoint.save_interval=1",
+                                    f"reward.name={HERE}/reward_plugins.py:gated", f"reward.kwargs={{gate: {gate}}}",
+                                    steps=3)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
+    deadline = time.time() + 600
+    while all(p.poll() is None for p in procs) and time.time() < deadline:
+        time.sleep(0.1)
+    gate.write_text("go")
     outs = [p.communicate(timeout=900)[0] for p in procs]
     codes = [p.returncode for p in procs]
     assert sorted(codes) == [0, 2], (codes, [o[-3000:] for o in outs])
