@@ -283,8 +283,7 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     # activations: training (one micro-batch) or generation (KV cache + one prefill block)
     tokens = t.micro_batch_size * seq
     out["train_act"] = _train_activation_bytes(m, tokens, layers, tp, w_bytes, expert_load_imbalance) / GIB
-    # one generator for the rollouts and the evaluation (trainer/evaluation.py): sized for the larger of both
-    eval_rows = _eval_rows_per_rank(job_cfg, dp)
+    eval_rows = _eval_rows_per_rank(job_cfg, dp)  # one generator for rollouts and evaluation: the larger batch
     out["decoder"], kv_cache, prefill = _decoder_bytes(job_cfg, max(rows_local, eval_rows), seq, layers, w_bytes,
                                                       expert_load_imbalance)
     out["generation"] = (kv_cache + prefill) / GIB
