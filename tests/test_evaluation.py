@@ -164,6 +164,22 @@ def test_evaluation_sharded_over_dp_equals_one_rank(tmp_path, run_dist, one_rank
 MULTI_TURN = ["env.name=megatron_gspo.env.games:GuessWithFeedback", "env.max_turns=3", "env.num_workers=1"]
 
 
+@pytest.mark.parametrize("layout", ["dp2", "ep2", "multi-turn dp2"])
+def test_a_rank_whose_share_is_empty_steps_with_its_peers(tmp_path, run_dist, request, layout):
+    """One held-out prompt on two DP ranks: rank 0 has no greedy row (and one sampled row of the 3), rank 1 the
+    rest; under EP rank 0 steps on generate's dummy rows beside its peer; a multi-turn rank talks with no row. The
+    rows are the first prompt's rows of the 5-prompt one-rank run (the same prompt, the same global row keys), and
+    both ranks report the same metrics."""
+    multi_turn = layout.startswith("multi-turn")
+    n, extra, _ = SHARD_LAYOUTS[layout.split()[-1]]
+    ranks = _evaluation(run_dist, tmp_path, n, [*extra, *(MULTI_TURN if multi_turn else []), "eval.num_prompts=1"])
+    one = request.getfixturevalue("one_rank_multi_turn_evaluation" if multi_turn else "one_rank_evaluation")
+    assert [r["rows"] for r in ranks] == [[0, 1], [1, 2]]
+    assert ranks[0]["metrics"] == ranks[1]["metrics"] and ranks[0]["metrics"]["eval/num_prompts"] == 1.0
+    got = {**ranks[0]["samples"], **ranks[1]["samples"]}
+    assert len(got) == 4 and all(got[k] == one["samples"][k] for k in got), sorted(got)
+
+
 @pytest.fixture(scope="module")
 def one_rank_multi_turn_evaluation(tmp_path_factory, run_dist):
     return _evaluation(run_dist, tmp_path_factory.mktemp("eval_multi_turn_one"), 1, MULTI_TURN)[0]
