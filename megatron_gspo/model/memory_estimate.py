@@ -216,11 +216,11 @@ def _decoder_bytes(job_cfg, rows_local: int, seq: int, layers: int, w_bytes: int
 
 
 def _eval_rows_per_rank(job_cfg, dp: int) -> int:
-    """The most rows one evaluation pass generates on a rank (0: no evaluation): its share of eval.num_prompts x
-    eval.num_samples (the sampled pass; the greedy pass has one per prompt), rounded up (ranks that step together
-    batch to the largest share)."""
+    """config.rules.eval_rows_per_rank of the job's evaluation (0: none)."""
+    from megatron_gspo.config.rules import eval_rows_per_rank
+
     e = job_cfg.eval
-    return -(-e.num_prompts * max(1, e.num_samples) // dp) if e.interval > 0 else 0
+    return eval_rows_per_rank(e.num_prompts, e.num_samples, dp) if e.interval > 0 else 0
 
 
 def _routing_bytes(job_cfg, rows_local: int, seq: int, layers: int, tp: int) -> float:

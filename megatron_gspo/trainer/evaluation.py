@@ -40,6 +40,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_gspo.config.rules import eval_rows_per_rank
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.runtime import comm
 from megatron_gspo.model.oom import explain_oom
@@ -82,8 +83,7 @@ class Evaluator:
         self.greedy_cfg = dataclasses.replace(gen_cfg, temperature=0.0, n_samples_per_prompt=1)
         self.sample_cfg = dataclasses.replace(gen_cfg, temperature=self.ecfg.temperature, n_samples_per_prompt=1)
         self.dp, self.dp_rank = (state.dp, state.dp_rank) if state.dp > 1 else (1, 0)
-        # the larger pass (the sampled one) of this rank's share: ceil (ranks that step together batch to the largest)
-        rows = -(-len(prompts) * max(1, self.ecfg.num_samples) // self.dp)
+        rows = eval_rows_per_rank(len(prompts), self.ecfg.num_samples, self.dp)
         slots = max((len(p.ids) for p in prompts), default=0) + gen_cfg.max_new_tokens - 1
         if generator is None:
             generator = Generator(model, vocab_size=cfg.model.vocab_size, state=state, rows=rows, slots=slots)
