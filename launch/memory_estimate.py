@@ -71,7 +71,10 @@ def format_block(r: dict[str, Any]) -> str:
              f"# world size {r['world_size']}: {lay}",
              f"# params/GPU: {_count(r['params_dense_b'] * 1e9)} dense + {_count(r['params_expert_b'] * 1e9)} expert "
              f"(model {_count(r['params_total_b'] * 1e9)}); seq {r['seq_len']}, micro-batch "
-             f"{r['micro_batch_tokens']} tokens, {r['rollout_rows_per_rank']} rollout rows/rank"]
+             f"{r['micro_batch_tokens']} tokens, {r['rollout_rows_per_rank']} rollout rows/rank"
+             # the evaluation's share, where it sizes the one generator
+             + (f" ({r['eval_rows_per_rank']} evaluation rows/rank: the generator's batch)"
+                if r.get("eval_rows_per_rank", 0) > r["rollout_rows_per_rank"] else "")]
     for name, v in rows:
         lines.append(f"#   {name:<46s} {v:7.2f} GiB")
     lines.append(f"#   {'peak = static + max(activations, generation)':<46s} {r['total']:7.2f} GiB "

@@ -51,6 +51,14 @@ def response_hash(prompt: str, response: str, answer=None, **kwargs) -> float:
     return (zlib.crc32(response.encode()) % 9973) / 9973
 
 
+def coin_of_the_text(prompt: str, response: str, answer=None, **kwargs) -> float:
+    """1 or 0 by a hash of the response: about half of an untrained model's answers correct, and which ones
+    depends on every token, so evaluation metrics differ where any sampled token does."""
+    import zlib
+
+    return float(zlib.crc32(response.encode()) % 2)
+
+
 def huge_reward(prompt: str, response: str, answer=None, **kwargs) -> float:
     """Finite in Python, inf in float32 (the rewards' dtype): refused like inf (the catalogue runs it)."""
     return 1e300

@@ -708,6 +708,25 @@ def test_memory_estimate_keeps_the_kv_cache_of_cuda_graphs_resident():
     assert graphs["total"] == pytest.approx(eager["total"] + graphs["kv_cache_kept"])
     assert "KV cache kept for CUDA graphs" in format_block(graphs)
 
+def test_memory_estimate_sizes_the_one_generator_for_the_larger_of_rollouts_and_evaluation():
+    """The evaluation generates on the rollouts' generator (trainer/evaluation.py): a job whose evaluation share
+    (64 prompts x 8 samples / DP 4 = 128 rows) exceeds its rollout batch (8 x 8 / 4 = 16 rows) needs the
+    generation memory, and under CUDA graphs the resident KV cache, of a 128-row rollout; one that is smaller
+    changes nothing."""
+    from megatron_gspo.config import load_job_config
+
+    path, graphs = str(RECIPE_DIR / "gspo_qwen3_30b_a3b_8xh100.yaml"), ["generation.cuda_graphs=true"]
+    est = lambda *o: mem.estimate_memory(load_job_config(path, [*graphs, *o]), 8)  # noqa: E731
+    no_eval, small = est(), est("eval.interval=10", "eval.num_prompts=8", "eval.num_samples=8")
+    big = est("eval.interval=10", "eval.num_prompts=64", "eval.num_samples=8")
+    as_rollout = est("train.prompts_per_step=64")  # 64 x 8 / 4 = 128 rollout rows
+    assert (no_eval["rollout_rows_per_rank"], big["eval_rows_per_rank"], small["eval_rows_per_rank"]) == (16, 128, 16)
+    for key in ("generation", "kv_cache_kept"):
+        assert small[key] == no_eval[key] and big[key] == pytest.approx(as_rollout[key]), key
+        assert big[key] > 2 * no_eval[key], key
+    assert "128 evaluation rows/rank" in mem.format_block(big) and "evaluation" not in mem.format_block(small)
+
+
 def test_memory_estimate_cli(capsys):
     path = str(RECIPE_DIR / "gspo_qwen3_30b_a3b_16xh100.yaml")
     assert mem.main([path, "--world-size", "8", "train.micro_batch_size=1", "train.prompts_per_step=16"]) == 0

@@ -379,6 +379,14 @@ def env_response_budget(job) -> int:
         job.model.max_position_embeddings - job.data.max_prompt_length)
 
 
+def eval_rows_per_rank(num_prompts: int, num_samples: int, dp: int) -> int:
+    """The most rows one evaluation pass generates on a DP rank (trainer/evaluation.py shards each pass over the
+    DP ranks): the largest share of the sampled pass's num_prompts x num_samples rows (the greedy pass has one
+    per prompt), rounded up; ranks that step together batch to it. What sizes the generator the evaluation
+    shares with the rollouts, and the memory estimate's count of it."""
+    return -(-num_prompts * max(1, num_samples) // dp)
+
+
 def env_budget_fits(job) -> None:
     if not job.env.enabled:
         return

@@ -307,8 +307,9 @@ class _Lockstep:
 
 
 class Generator:
-    """Generation on one model, call after call: a rollout source, an evaluator and an asynchronous
-    rollout rank each keep one for the job (``generate()`` alone builds a throwaway one).
+    """Generation on one model, call after call: the colocated rollout source keeps one for the job, which the
+    evaluator shares (``reserve``); an asynchronous rollout rank keeps one, and so does an asynchronous job's
+    evaluator, on the trainer's ranks (``generate()`` alone builds a throwaway one).
 
     The lean decoder (lean_decoder.LeanDecoder: its RoPE table, its MoE wrappers, its buffers) is built at the
     first call and kept. With ``generation.cuda_graphs`` its KV cache and its captured decode steps are
@@ -330,6 +331,12 @@ class Generator:
         self.rows, self.slots, self.graph_factory = rows, slots, graph_factory
         self._dec = None
         self._dec_graphs: Optional[bool] = None  # the cuda_graphs setting the kept decoder was built for
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """Another use of this generator (the evaluator shares the rollout's): size it for the larger of both
+        uses, so that one KV cache and one set of captured steps serve every call of the job (a decoder already
+        built grows at the call that needs it, as for any larger call)."""
+        self.rows, self.slots = max(self.rows, rows), max(self.slots, slots)
 
     def generate(self, prompts: Sequence[Union[Sequence[int], torch.Tensor]], cfg: GenerationConfig,
                  **kw) -> GenerationOutput:

@@ -47,7 +47,11 @@ What is counted, and how megatron_gspo actually holds it (model.py / optim.py / 
   generation   rollouts run on the training model (weights, grads and optimizer stay resident), with
                the decoder the job takes (``generation.decode_impl``; auto: lean unless the config
                shows something it cannot run, LEAN_DECODE_LIMITS: FP8, PP, TE's fused router).
-               Lean: its KV cache of the whole local batch (prompts_per_step / DP x G rows,
+               The one generator serves the rollouts and the evaluation (trainer/evaluation.py), so its
+               batch is the larger of the local rollout batch (prompts_per_step / DP x G rows) and, with
+               eval.interval > 0, this rank's share of the evaluation's sampled pass (eval.num_prompts x
+               max(1, eval.num_samples) / DP rows, rounded up; a held-out prompt is at most max_prompt_length).
+               Lean: its KV cache of that batch (those rows,
                max_prompt_length + max_new_tokens - 1 slots, kv_heads / TP), plus the larger of one
                prefill layer (attention on this rank's heads; the MoE dispatch over the expert-TP x
                EP group in chunks of LEAN_MOE_GATHER_TOKENS gathered tokens: gathered tokens, pairs,
@@ -57,7 +61,8 @@ What is counted, and how megatron_gspo actually holds it (model.py / optim.py / 
                block (conservatively at TP 1). Training activations and the generation peak never
                coexist, so the peak takes the larger of the two.
   kv_cache_kept generation.cuda_graphs=true: the lean decoder's KV cache lives for the job (its captured
-               steps read it: generation.Generator), so it stays resident while training too.
+               steps read it: generation.Generator), so it stays resident while training too: one cache,
+               the rollouts' and the evaluation's, of the batch above.
   runtime      CUDA context, NCCL / TE / cuBLAS workspaces: a fixed ``runtime_overhead_gib``, plus
                ``fragmentation`` x the dynamic (activation / generation) peak for the caching
                allocator.
@@ -210,6 +215,14 @@ def _decoder_bytes(job_cfg, rows_local: int, seq: int, layers: int, w_bytes: int
     return ("megatron", *_generation_bytes(m, rows_local, seq, prompt, layers, tp, w_bytes, imbalance))
 
 
+def _eval_rows_per_rank(job_cfg, dp: int) -> int:
+    """config.rules.eval_rows_per_rank of the job's evaluation (0: none)."""
+    from megatron_gspo.config.rules import eval_rows_per_rank
+
+    e = job_cfg.eval
+    return eval_rows_per_rank(e.num_prompts, e.num_samples, dp) if e.interval > 0 else 0
+
+
 def _routing_bytes(job_cfg, rows_local: int, seq: int, layers: int, tp: int) -> float:
     """The batch's behaviour routes (int16, every position of every local row, on every TP rank) + the
     replay's int64 copy of one micro-batch's chunk (R2 / R3)."""
@@ -270,7 +283,8 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     # activations: training (one micro-batch) or generation (KV cache + one prefill block)
     tokens = t.micro_batch_size * seq
     out["train_act"] = _train_activation_bytes(m, tokens, layers, tp, w_bytes, expert_load_imbalance) / GIB
-    out["decoder"], kv_cache, prefill = _decoder_bytes(job_cfg, rows_local, seq, layers, w_bytes,
+    eval_rows = _eval_rows_per_rank(job_cfg, dp)  # one generator for rollouts and evaluation: the larger batch
+    out["decoder"], kv_cache, prefill = _decoder_bytes(job_cfg, max(rows_local, eval_rows), seq, layers, w_bytes,
                                                       expert_load_imbalance)
     out["generation"] = (kv_cache + prefill) / GIB
     out["kv_cache_kept"] = kv_cache / GIB if g.cuda_graphs else 0.0
@@ -287,7 +301,7 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
                recompute=m.recompute_granularity or "none",
                params_dense_b=p["dense"] / 1e9, params_expert_b=p["expert"] / 1e9,
                params_total_b=m.num_parameters() / 1e9, seq_len=seq, micro_batch_tokens=tokens,
-               rollout_rows_per_rank=rows_local)
+               rollout_rows_per_rank=rows_local, eval_rows_per_rank=eval_rows)
     return out
 
 

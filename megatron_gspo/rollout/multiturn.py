@@ -345,7 +345,7 @@ class MultiTurnRollout:
                 routing) -> MultiTurnOutput:
         """The rows on the right-padded [B, T] grid (generation's GenerationOutput layout)."""
         dev, pad = self.device, self.gen_cfg.pad_id
-        B, T = len(rows), max(len(r.tokens) for r in rows)
+        B, T = len(rows), max((len(r.tokens) for r in rows), default=0)  # none: a rank whose evaluation share is empty
         tokens = torch.full((B, T), pad, dtype=torch.long)
         mask = torch.zeros(B, T, dtype=torch.bool)
         lp = torch.zeros(B, T, dtype=torch.float32)

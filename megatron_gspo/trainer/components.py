@@ -119,13 +119,16 @@ def generation_config(cfg: JobConfig, tokenizer):
                                pad_token_id=g.pad_token_id if g.pad_token_id is not None else tokenizer.pad_id)
 
 
-def build_evaluator(cfg: JobConfig, st, ddp, tokenizer, reward_fn, gen_cfg, held):
-    """The evaluation every eval.interval steps on ``held`` (build_data's prompts), or None."""
+def build_evaluator(cfg: JobConfig, st, ddp, tokenizer, reward_fn, gen_cfg, held, source):
+    """The evaluation every eval.interval steps on ``held`` (build_data's prompts), or None. It shares the
+    rollout ``source``'s generator and multi-turn rollout where the source generates on this model (colocated:
+    one KV cache, one set of CUDA graphs, one environment worker pool for the job); the remote source has none."""
     e = cfg.eval
     if e.interval <= 0 or held is None:
         return None
     evaluator = Evaluator(cfg, st, ddp, tokenizer, reward_fn, gen_cfg, held.prompts,
-                          length_policy=(held.num_dropped, held.num_truncated))
+                          length_policy=(held.num_dropped, held.num_truncated),
+                          generator=getattr(source, "generator", None), multiturn=getattr(source, "multiturn", None))
     log.info("evaluation: %s every %d steps", held.describe(), e.interval)
     return evaluator
 

@@ -102,7 +102,8 @@ class Trainer:
                                    self.timer, side=self.side, stop=self.preempt)
         self.prepare = BatchPreparer(cfg, st, self.ddp, self.ref_model, get_advantage_estimator(cfg.train.advantage_estimator),
                                      gen_cfg, self.routing, self.timer, recompute_old_logprobs=recompute)
-        self.evaluator = components.build_evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg, held_out)
+        self.evaluator = components.build_evaluator(cfg, st, self.ddp, self.tokenizer, reward_fn, gen_cfg, held_out,
+                                                    self.source)
         dump = [RolloutDump()] if cfg.train.dump_rollouts else []  # {output_dir}/rollouts/step_XXXXXX.jsonl
         self.hooks = Hooks([SFTWarmStart(), *self.source.hooks(), *dump, *hooks])
         # the stop story: votes, what a stop saves, the stop line (trainer/stopping.py)
