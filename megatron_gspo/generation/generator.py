@@ -40,6 +40,21 @@ Ragged prompts: left padding with per-row RoPE positions
     mask) for the duration of the call; equal-length prompts need no mask and keep TE's fast
     causal kernels.
 
+One prefill per prompt
+    The G samples of a prompt (``n_samples_per_prompt``, or rows of equal prompt ids passed separately,
+    as the trainer does: one row per sample, each keyed by its global row) start from the same KV. The
+    prefill runs once per distinct prompt of the call (its own [Bp, P] block: the distinct prompts in
+    order of first occurrence, then filler rows of one pad token up to the lockstep group's largest
+    count, which every rank agrees on in the call's one shape all-reduce), and each row's KV cache and
+    first logits are its prompt's prefill row's, copied (``DecodeBackend.share``: P slots per layer,
+    small next to the prefill it saves). A row's forward is the same computation on the same inputs
+    whatever rows stand beside it, so the first logits and the cache, and with the noise keyed by the row
+    (sampling.py) every token and log-prob, are the ones G separate prefills gave (tests/test_decode.py
+    checks it bitwise, both paths and over TP / EP shards). The dummy rows of the lockstep group take a
+    filler prefill row where there is one (else row 0: their outputs are never read).
+    ``GenerationOutput.prefill_tokens`` counts the prompt tokens prefilled (the distinct prompts' own
+    tokens, without padding): perf/prefill_tokens.
+
 Returned layout
     ``tokens`` is right-padded, ready for training: row r = prompt (from column 0) + response +
     ``pad_token_id``. Rows are grouped by prompt: sample j of prompt i is row
@@ -99,7 +114,8 @@ Cost
 
 Routing replay (R3) and routing metrics
     ``on_forward(step_idx, kind, rows)`` is called right after each model forward, ``kind`` being
-    ``"prefill"`` (step 0: the whole left-padded prompt block, P positions per row) or
+    ``"prefill"`` (step 0: the whole left-padded prompt block, P positions per row; its routes, when the
+    callback takes them, are each row's prompt's, read from the prefill row it shares) or
     ``"decode"`` (steps 1..: one position per row, the token sampled at the previous step). The
     last sampled token of a row is never fed to the model, so a routing recorder sees routes for
     ``prompt + response[:-1]`` of each row, plus positions that are not part of any sequence: the
@@ -110,8 +126,9 @@ Routing replay (R3) and routing metrics
     batch positions of that forward: None for all B rows in order, else (after finished rows left the
     decode batch) the original row index of each position. A callback that accepts a ``routes``
     keyword gets the forward's top-k expert ids [L, b, t, k] from back-ends that compute them (the
-    lean decoder: no router hook runs in a replayed graph), ``routes=None`` otherwise (megatron's
-    path: the routers' forward hooks saw them).
+    lean decoder: no router hook runs in a replayed graph; megatron's path for the prefill, whose rows
+    are the distinct prompts, not the B rows), ``routes=None`` otherwise (megatron's decode steps: the
+    routers' forward hooks saw them).
 
 Finished rows (``generation.compact_finished_rows``)
     A static batch decodes every row until its longest one ends: with long-tailed response lengths
@@ -125,7 +142,8 @@ FP8 (Transformer Engine)
     assertions). Under ``model.fp8`` the batch is padded with filler rows (done from the start, like
     the EP dummy rows: never returned) to a multiple of the recipe's alignment, and compaction keeps
     a multiple of it, so the prefill (rows x prompt block) and every decode step (rows x 1) divide.
-    ``decode_row_steps`` counts the rows fed, fillers included (the work done).
+    ``decode_row_steps`` counts the rows fed, fillers included (the work done); ``decode_live_row_steps``
+    the rows among them still generating (perf/decode_batch_fill is their ratio).
 """
 
 from __future__ import annotations
