@@ -472,3 +472,15 @@ def test_prefill_tokens_and_decode_batch_fill_count_the_work():
         assert out.decode_live_row_steps == int((out.response_lengths - 1).sum()) < out.decode_row_steps
     finally:
         parallel.destroy()
+
+
+def test_one_prefill_per_prompt_over_sharded_weights(run_dist):
+    """TP 2, EP 2 (ranks with different numbers of distinct prompts: the lockstep group's prefill has filler
+    rows) and expert-TP 2, lean and megatron's path: a prompt's samples prefilled once give the rollouts of a
+    prefill per row, bit for bit (expert-TP: the log-probs within 1e-6, as two rows of one prompt were
+    before; tests/dist_scripts/shared_prefill.py)."""
+    p = run_dist("shared_prefill.py", 2, "--layouts", "tp2,ep2,etp2", timeout=900)
+    for tag in ("tp2", "ep2", "etp2"):
+        for impl in ("lean", "megatron"):
+            for r in range(2):
+                assert f"SHARED OK {tag} {impl} rank {r}" in p.stdout, p.stdout[-3000:]
