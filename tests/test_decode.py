@@ -448,30 +448,34 @@ def test_one_prefill_per_prompt_gives_the_tokens_logprobs_and_routes_of_a_prefil
         assert got.decode_row_steps == want.decode_row_steps < 12 * 9  # compaction shrank the batch
 
 
-def test_prefill_tokens_and_decode_batch_fill_count_the_work():
-    """perf/prefill_tokens: the prompt tokens prefilled (each distinct prompt once, no padding); the decode
-    batch's fill: rows still generating over rows fed, summed over the decode steps."""
+@pytest.mark.parametrize("impl", ["lean", "megatron"])
+def test_the_prefill_runs_once_per_distinct_prompt_and_counts_its_tokens(model, monkeypatch, impl):
+    """The prefill forward runs on the distinct prompts (4 prompts, 3 distinct, G = 2: 3 rows, not 8);
+    perf/prefill_tokens counts their tokens once (no padding); the decode batch's fill is the rows still
+    generating over the rows fed, summed over the decode steps."""
+    from megatron_gspo.generation import decoder
+
+    seen = []
+    backend = decoder.LeanBackend if impl == "lean" else decoder.MegatronBackend
+    prefill = backend.prefill
+    monkeypatch.setattr(backend, "prefill", lambda self, tokens, *a: seen.append(tuple(tokens.shape))
+                        or prefill(self, tokens, *a))
+    m, st = model
+    ps = [[5, 6, 7], [8], [5, 6, 7], [9, 10]]  # 3 distinct prompts, 6 tokens
+    gcfg = dict(max_new_tokens=6, n_samples_per_prompt=2, seed=1, decode_impl=impl)
+    out = generate(m, ps, GenerationConfig(**gcfg, ignore_eos=True), vocab_size=VOCAB, state=st)
+    assert seen == [(3, 3)]
+    assert out.prefill_tokens == 6
+    assert out.decode_row_steps == out.decode_live_row_steps == 8 * 5  # every row generates to the end
+    # rows end apart: a finished row fed until compaction (off here) is not live
+    stop = torch.bincount(out.tokens[out.response_mask], minlength=VOCAB).argmax().item()
+    out = generate(m, ps, GenerationConfig(**gcfg, stop_token_ids=[stop], compact_finished_rows=0.0),
+                   vocab_size=VOCAB, state=st)
+    assert out.decode_row_steps == 8 * (int(out.response_lengths.max()) - 1)
+    assert out.decode_live_row_steps == int((out.response_lengths - 1).sum()) < out.decode_row_steps
     from megatron_gspo.generation.generator import distinct_prompts
 
     assert distinct_prompts([[1, 2], [3], [1, 2], [3], [4]]) == ([0, 1, 4], [0, 1, 0, 1, 2])
-    cfg = model_config_from_preset("tiny", vocab_size=VOCAB, moe_aux_loss_coeff=0.0)
-    par = ParallelConfig(device="cpu", seed=5)
-    st = parallel.initialize(cfg, par)
-    try:
-        m = build_model(cfg, par, st)
-        ps = [[5, 6, 7], [8], [5, 6, 7], [9, 10]]  # 3 distinct prompts, 6 tokens
-        out = generate(m, ps, GenerationConfig(max_new_tokens=6, n_samples_per_prompt=2, seed=1, ignore_eos=True),
-                       vocab_size=VOCAB, state=st)
-        assert out.prefill_tokens == 6
-        assert out.decode_row_steps == out.decode_live_row_steps == 8 * 5  # every row generates to the end
-        # rows end apart: a finished row fed until compaction (off here) is not live
-        stop = torch.bincount(out.tokens[out.response_mask], minlength=VOCAB).argmax().item()
-        out = generate(m, ps, GenerationConfig(max_new_tokens=6, n_samples_per_prompt=2, seed=1, stop_token_ids=[stop],
-                                               compact_finished_rows=0.0), vocab_size=VOCAB, state=st)
-        assert out.decode_row_steps == 8 * (int(out.response_lengths.max()) - 1)
-        assert out.decode_live_row_steps == int((out.response_lengths - 1).sum()) < out.decode_row_steps
-    finally:
-        parallel.destroy()
 
 
 def test_one_prefill_per_prompt_over_sharded_weights(run_dist):
