@@ -49,9 +49,12 @@ One prefill per prompt
     first logits are its prompt's prefill row's, copied (``DecodeBackend.share``: P slots per layer,
     small next to the prefill it saves). A row's forward is the same computation on the same inputs
     whatever rows stand beside it, so the first logits and the cache, and with the noise keyed by the row
-    (sampling.py) every token and log-prob, are the ones G separate prefills gave (tests/test_decode.py
-    checks it bitwise, both paths and over TP / EP shards). The dummy rows of the lockstep group take a
-    filler prefill row where there is one (else row 0: their outputs are never read).
+    (sampling.py) every token and log-prob, are the ones G separate prefills gave, bit for bit wherever
+    the GEMMs give a row the same bits whatever the row count (tests/test_decode.py, both paths and over
+    TP / EP shards). The CPU's MKL does from 12 rows on: an expert that gets fewer prefill tokens may round
+    differently (~1e-6 in the first log-probs), as any change of batch composition already did (and
+    GPUs pick GEMM kernels by shape). The dummy rows of the lockstep group take a filler prefill row where
+    there is one (else row 0: their outputs are never read).
     ``GenerationOutput.prefill_tokens`` counts the prompt tokens prefilled (the distinct prompts' own
     tokens, without padding): perf/prefill_tokens.
 
