@@ -387,3 +387,104 @@ def test_lean_decoding_over_sharded_weights_gives_the_single_rank_rollouts(run_d
     if nproc == 4:
         assert p.stdout.count("LEAN SYNCS tp2ep2") == 4 and "per_step=0.250 steps=16" in p.stdout, p.stdout[-3000:]
         assert "ep2: dp 4, prompts [0], lockstep ranks [0, 1]," in p.stdout, p.stdout[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# One prefill per prompt: the G samples of a prompt share its prefill's KV
+# ----------------------------------------------------------------------------------------------
+
+
+def _one_prefill_per_row(mp):
+    """Inside ``mp``: every row gets a prefill of its own (no two prompts are taken for one): the
+    generation of a prefill per row, as before prompts shared theirs."""
+    import megatron_gspo.generation.generator as gen
+
+    mp.setattr(gen, "distinct_prompts", lambda ids: (list(range(len(ids))), list(range(len(ids)))))
+
+
+# Long enough that every expert gets >= 12 of the prefill's tokens: the CPU BLAS (MKL) gives a GEMM row the
+# same bits whatever the row count from 12 rows on (and at 4, 8); smaller GEMMs take other kernels, so a
+# prefill of fewer rows would round an expert of few tokens differently (the first logits by ~1e-6)
+SHARED_PROMPT_LENS = (24, 7, 40, 31)
+
+
+@pytest.mark.parametrize("impl", ["lean", "megatron"])
+def test_one_prefill_per_prompt_gives_the_tokens_logprobs_and_routes_of_a_prefill_per_row(model, monkeypatch, impl):
+    """A prompt's G samples, asked for with n_samples_per_prompt=G or as G rows of equal ids (the trainer's
+    way: one row per sample, its own row key), are prefilled once: perf/prefill_tokens counts each distinct
+    prompt's tokens once; tokens, log-probs, stop flags and R3 routes are bit for bit those of a prefill per
+    row (ragged prompts, stop tokens ending rows apart, compaction), on the lean and on megatron's path."""
+    from megatron_gspo.routing.rollout_routes import RolloutRecorder
+
+    m, st = model
+    g = torch.Generator().manual_seed(4)
+    ps, G = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in SHARED_PROMPT_LENS], 3
+    rows = [p for p in ps for _ in range(G)]
+    keys = list(range(len(rows)))
+
+    def run(prompts, n, **kw):
+        rec = RolloutRecorder(m)
+        try:
+            with rec.recording():
+                cfg = GenerationConfig(max_new_tokens=10, n_samples_per_prompt=n, seed=7, decode_impl=impl,
+                                       compact_finished_rows=0.25, **kw)
+                out = generate(m, prompts, cfg, vocab_size=VOCAB, state=st, row_keys=keys, on_forward=rec.on_forward)
+            return out, rec.finish(out).routes
+        finally:
+            rec.close()
+
+    free, _ = run(ps, G)
+    stops = torch.bincount(free.tokens[free.response_mask], minlength=VOCAB).topk(3).indices.tolist()
+    with monkeypatch.context() as mp:
+        _one_prefill_per_row(mp)
+        want, want_routes = run(rows, 1, stop_token_ids=stops)
+    assert want.response_lengths.min() < want.response_lengths.max()  # rows end apart
+    assert want.prefill_tokens == G * sum(SHARED_PROMPT_LENS)
+    for got, got_routes in (run(ps, G, stop_token_ids=stops), run(rows, 1, stop_token_ids=stops)):
+        assert got.prefill_tokens == sum(SHARED_PROMPT_LENS)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
+        assert torch.equal(got.response_lengths, want.response_lengths) and torch.equal(got.stopped, want.stopped)
+        assert torch.equal(got_routes, want_routes)
+        assert got.decode_row_steps == want.decode_row_steps < 12 * 9  # compaction shrank the batch
+
+
+@pytest.mark.parametrize("impl", ["lean", "megatron"])
+def test_the_prefill_runs_once_per_distinct_prompt_and_counts_its_tokens(model, monkeypatch, impl):
+    """The prefill forward runs on the distinct prompts (4 prompts, 3 distinct, G = 2: 3 rows, not 8);
+    perf/prefill_tokens counts their tokens once (no padding); the decode batch's fill is the rows still
+    generating over the rows fed, summed over the decode steps."""
+    from megatron_gspo.generation import decoder
+
+    seen = []
+    backend = decoder.LeanBackend if impl == "lean" else decoder.MegatronBackend
+    prefill = backend.prefill
+    monkeypatch.setattr(backend, "prefill", lambda self, tokens, *a: seen.append(tuple(tokens.shape))
+                        or prefill(self, tokens, *a))
+    m, st = model
+    ps = [[5, 6, 7], [8], [5, 6, 7], [9, 10]]  # 3 distinct prompts, 6 tokens
+    gcfg = dict(max_new_tokens=6, n_samples_per_prompt=2, seed=1, decode_impl=impl)
+    out = generate(m, ps, GenerationConfig(**gcfg, ignore_eos=True), vocab_size=VOCAB, state=st)
+    assert seen == [(3, 3)]
+    assert out.prefill_tokens == 6
+    assert out.decode_row_steps == out.decode_live_row_steps == 8 * 5  # every row generates to the end
+    # rows end apart: a finished row fed until compaction (off here) is not live
+    stop = torch.bincount(out.tokens[out.response_mask], minlength=VOCAB).argmax().item()
+    out = generate(m, ps, GenerationConfig(**gcfg, stop_token_ids=[stop], compact_finished_rows=0.0),
+                   vocab_size=VOCAB, state=st)
+    assert out.decode_row_steps == 8 * (int(out.response_lengths.max()) - 1)
+    assert out.decode_live_row_steps == int((out.response_lengths - 1).sum()) < out.decode_row_steps
+    from megatron_gspo.generation.generator import distinct_prompts
+
+    assert distinct_prompts([[1, 2], [3], [1, 2], [3], [4]]) == ([0, 1, 4], [0, 1, 0, 1, 2])
+
+
+def test_one_prefill_per_prompt_over_sharded_weights(run_dist):
+    """TP 2, EP 2 (ranks with different numbers of distinct prompts: the lockstep group's prefill has filler
+    rows) and expert-TP 2, lean and megatron's path: a prompt's samples prefilled once give the rollouts of a
+    prefill per row, bit for bit (expert-TP: the log-probs within 1e-6, as two rows of one prompt were
+    before; tests/dist_scripts/shared_prefill.py)."""
+    p = run_dist("shared_prefill.py", 2, "--layouts", "tp2,ep2,etp2", timeout=900)
+    for tag in ("tp2", "ep2", "etp2"):
+        for impl in ("lean", "megatron"):
+            for r in range(2):
+                assert f"SHARED OK {tag} {impl} rank {r}" in p.stdout, p.stdout[-3000:]

@@ -117,9 +117,9 @@ def _prompts():
 
 @pytest.mark.parametrize("impl", ["lean", "megatron"])
 def test_generation_padded_to_the_alignment_changes_nothing(tiny, monkeypatch, impl):
-    """18 rows (6 ragged prompts x 3 samples) padded to 32, compaction kept at multiples of 16: every
-    forward's rows x tokens divides by 16, and tokens, log-probs, lengths and stop flags are those
-    of the unpadded batch."""
+    """18 rows (6 ragged prompts x 3 samples) padded to 32 (the prefill: the 6 prompts, padded to 16),
+    compaction kept at multiples of 16: every forward's rows x tokens divides by 16, and tokens,
+    log-probs, lengths and stop flags are those of the unpadded batch."""
     m, st = tiny
     base = dict(max_new_tokens=10, n_samples_per_prompt=3, seed=11, decode_impl=impl, compact_finished_rows=0.5)
     free = generate(m, _prompts(), GenerationConfig(**base), vocab_size=VOCAB, state=st)
@@ -131,7 +131,7 @@ def test_generation_padded_to_the_alignment_changes_nothing(tiny, monkeypatch, i
         force_alignment(mp)
         got = generate(m, _prompts(), cfg, vocab_size=VOCAB, state=st)
     assert want.response_lengths.min() < want.response_lengths.max()  # rows finish apart: compaction ran
-    assert shapes.shapes[0] == (32, 9) and not shapes.unaligned(ALIGN), shapes.shapes
+    assert shapes.shapes[0] == (16, 9) and not shapes.unaligned(ALIGN), shapes.shapes
     assert got.tokens.shape == want.tokens.shape and torch.equal(got.tokens, want.tokens)
     assert torch.equal(got.response_lengths, want.response_lengths) and torch.equal(got.stopped, want.stopped)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=2e-6)

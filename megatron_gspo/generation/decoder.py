@@ -20,7 +20,9 @@ token dispatcher or expert module it does not know; "megatron" always takes it).
 
 The interface (shapes: B rows of the cache, P prompt-block columns, V the padded vocabulary):
 
-    prefill(tokens [B, P], positions [B, P], masked [B, 1, P, P]) -> logits [B, V] of the last column
+    prefill(tokens [Bp, P], positions [Bp, P], masked [Bp, 1, P, P]) -> logits [Bp, V] of the last column:
+                                   the prefill rows (each distinct prompt once) in cache rows 0 .. Bp-1
+    share(src, length)             cache row r (of B) takes prefill row src[r]'s KV slots 0 .. length-1
     decode(tokens [b], slot, rows) -> logits [b, V]: feeds cache rows 0 .. b-1 at KV slot ``slot``;
                                      rows [b] = the original row of each cache row (None: all, in order)
     compact(order, keep)           cache rows order[:keep] move to the front (finished rows leave)
@@ -51,6 +53,9 @@ class DecodeBackend:
         raise NotImplementedError
 
     def decode(self, tokens: torch.Tensor, slot: int, rows: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def share(self, src: torch.Tensor, length: int) -> None:
         raise NotImplementedError
 
     def compact(self, order: torch.Tensor, keep: int) -> None:
@@ -84,6 +89,9 @@ class LeanBackend(DecodeBackend):
     def decode(self, tokens, slot, rows):
         return self.dec.decode(tokens, slot)
 
+    def share(self, src, length):
+        self.dec.share(src, length)
+
     def compact(self, order, keep):
         self.dec.compact(order, keep)
 
@@ -98,14 +106,23 @@ def _device_moes(m) -> list:
 
 
 class MegatronBackend(DecodeBackend):
-    """GPTModel.forward with megatron's StaticInferenceContext (see generator.py's module doc)."""
+    """GPTModel.forward with megatron's StaticInferenceContext (see generator.py's module doc).
 
-    def __init__(self, m, batch: int, slots: int, positions: torch.Tensor, key_pad: torch.Tensor, ragged: bool) -> None:
+    positions / key_pad [B, slots]: the cache rows'; prefill_positions [Bp, slots]: the prefill rows'
+    (None: the cache rows'). With ``record_routes`` the prefill's routes are read from the routers here
+    (the prefill rows are not the cache rows: a recorder's own hooks would see Bp rows where it files B)."""
+
+    def __init__(self, m, batch: int, slots: int, positions: torch.Tensor, key_pad: torch.Tensor, ragged: bool,
+                 prefill_positions: Optional[torch.Tensor] = None, record_routes: bool = False) -> None:
         from megatron.core.inference.contexts import StaticInferenceContext
 
         self.m, self.positions, self.key_pad, self.ragged = m, positions, key_pad, ragged
+        self.prefill_positions = positions if prefill_positions is None else prefill_positions
         self.ctx = StaticInferenceContext(max_batch_size=batch, max_sequence_length=slots)
         self.rows: Optional[torch.Tensor] = None  # the original row of each cache row (None: all)
+        self.in_prefill = False
+        self.records_routes = record_routes
+        self._prefill_routes: Optional[torch.Tensor] = None
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
@@ -113,16 +130,33 @@ class MegatronBackend(DecodeBackend):
         # EP shape-filler rows is harmless: their outputs are dropped).
         with contextlib.ExitStack() as stack:
             if self.ragged:
-                stack.enter_context(_per_row_rope(self.m, self.positions, lambda: self.rows))
+                stack.enter_context(_per_row_rope(self.m, self.positions, lambda: self.rows,
+                                                  self.prefill_positions, lambda: self.in_prefill))
                 stack.enter_context(_padding_mask_honored(self.m))
             yield
 
     def prefill(self, tokens, positions, masked):
-        logits = self.m(input_ids=tokens, position_ids=positions, attention_mask=masked,
-                        inference_context=self.ctx, runtime_gather_output=True)
+        self.in_prefill = True
+        try:
+            with _router_maps(self.m) if self.records_routes else contextlib.nullcontext() as maps:
+                logits = self.m(input_ids=tokens, position_ids=positions, attention_mask=masked,
+                                inference_context=self.ctx, runtime_gather_output=True)
+        finally:
+            self.in_prefill = False
+        if maps is not None:
+            self._prefill_routes = _routes_of(maps, self.m)
         self.ctx.increment_sequence_len_offset(tokens.shape[1])
         self.ctx.enable_decode_mode()
-        return logits[:, -1, :]  # [B, V]: full vocabulary, last position only
+        return logits[:, -1, :]  # [Bp, V]: full vocabulary, last position only
+
+    def share(self, src, length):
+        for k_mem, v_mem in self.ctx.key_value_memory_dict.values():  # [S-1, B, heads, dim] each
+            k_mem[:length, :src.numel()] = k_mem[:length, src]
+            v_mem[:length, :src.numel()] = v_mem[:length, src]
+
+    def last_routes(self, b, prefill=False):
+        # decode steps: None (a recorder's router hooks saw the cache rows themselves)
+        return self._prefill_routes[:, :b] if prefill and self._prefill_routes is not None else None
 
     def decode(self, tokens, slot, rows):
         self.rows = rows
@@ -141,12 +175,14 @@ class MegatronBackend(DecodeBackend):
 
 def make_backend(m, cfg, batch: int, slots: int, positions: torch.Tensor, key_pad: torch.Tensor,
                  left_pad: torch.Tensor, ragged: bool, record_routes: bool,
-                 lean_decoder: Callable[[bool, int, int], object]) -> DecodeBackend:
+                 lean_decoder: Callable[[bool, int, int], object],
+                 prefill_positions: Optional[torch.Tensor] = None) -> DecodeBackend:
     """The back-end ``cfg.decode_impl`` asks for on this model (see the module docstring).
 
     cfg: the GenerationConfig; positions / key_pad [B, slots] per slot; left_pad [B]; ragged: some
     real prompts are left-padded; record_routes: the caller wants each forward's routes;
-    lean_decoder(graphs, batch, slots): the LeanDecoder to run (generation.Generator keeps one)."""
+    lean_decoder(graphs, batch, slots): the LeanDecoder to run (generation.Generator keeps one);
+    prefill_positions [Bp, slots]: the prefill rows' positions (None: the cache rows')."""
     from megatron_gspo.generation.lean_decoder import lean_decode_unsupported
 
     graphs = cfg.cuda_graphs
@@ -161,7 +197,44 @@ def make_backend(m, cfg, batch: int, slots: int, positions: torch.Tensor, key_pa
             raise ValueError(f"{knob} does not support {reason}; use decode_impl=auto or megatron"
                              + (" with cuda_graphs=false" if graphs else ""))
     # (cuda_graphs with decode_impl=megatron: GenerationConfig refuses it)
-    return MegatronBackend(m, batch, slots, positions, key_pad, ragged)
+    return MegatronBackend(m, batch, slots, positions, key_pad, ragged, prefill_positions, record_routes)
+
+
+@contextlib.contextmanager
+def _router_maps(m) -> Iterator[list]:
+    """For the block: each MoE router's routing map [t * b, E] and its input's (t, b), in layer order
+    (forward hooks, removed after)."""
+    from megatron_gspo.routing.common import find_routers
+
+    routers = find_routers(m)
+    maps: list = [None] * len(routers)
+
+    def hook(l):
+        def fn(mod, args, kwargs, out):
+            x = args[0] if args else kwargs["input"]
+            maps[l] = (out[1], x.shape[0], x.shape[1])
+        return fn
+
+    handles = [r.register_forward_hook(hook(l), with_kwargs=True) for l, r in enumerate(routers)]
+    try:
+        yield maps
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _routes_of(maps: list, m) -> Optional[torch.Tensor]:
+    """The routing maps of one forward (``_router_maps``) as top-k expert ids [L, b, t, k] (None: no MoE
+    layer ran), in the routing recorder's layout and dtype (routing.rollout_routes.RolloutRecorder)."""
+    from megatron_gspo.routing.common import index_dtype
+    from megatron_gspo.routing.metrics import routing_map_to_indices
+
+    if not maps or any(x is None for x in maps):
+        return None
+    cfg = m.config
+    E, k = cfg.num_moe_experts, cfg.moe_router_topk
+    return torch.stack([routing_map_to_indices(rmap.reshape(-1, E), k).to(index_dtype(E)).reshape(t, b, k)
+                        .transpose(0, 1) for rmap, t, b in maps])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,13 +243,16 @@ def make_backend(m, cfg, batch: int, slots: int, positions: torch.Tensor, key_pa
 
 
 @contextlib.contextmanager
-def _per_row_rope(model, positions: torch.Tensor, rows: Callable[[], Optional[torch.Tensor]]) -> Iterator[None]:
+def _per_row_rope(model, positions: torch.Tensor, rows: Callable[[], Optional[torch.Tensor]],
+                  prefill_positions: torch.Tensor, in_prefill: Callable[[], bool]) -> Iterator[None]:
     """Make the model's RoPE return per-row angles [L, b, 1, d] for positions [B, L].
 
     megatron takes rotary angles from the KV slot index (``q_pos_emb[offset:offset+s]``); with
     left padding a row's true position is slot - pad. Rows of the same angle table a training
     forward uses are selected, so a token's rotation is bitwise the one of an unpadded forward.
-    ``rows()`` names the rows of the current forward (None: all B), in the KV cache's order.
+    ``rows()`` names the rows of the current forward (None: all B), in the KV cache's order; while
+    ``in_prefill()`` the forward's rows are the prefill rows, whose positions are ``prefill_positions``
+    [Bp, L].
     """
     rope = getattr(model, "rotary_pos_emb", None)
     if rope is None or getattr(model, "position_embedding_type", "rope") != "rope":
@@ -185,9 +261,12 @@ def _per_row_rope(model, positions: torch.Tensor, rows: Callable[[], Optional[to
     L = positions.shape[1]
     table = rope.get_emb(L)[:, 0, 0, :]  # [L, d]
     emb = table[positions.t()].unsqueeze(2)  # [L, B, 1, d]
+    pre = emb if prefill_positions is positions else table[prefill_positions.t()].unsqueeze(2)  # [L, Bp, 1, d]
 
     def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
         assert max_seq_len == L and offset == 0 and not packed_seq, (max_seq_len, L, offset, packed_seq)
+        if in_prefill():
+            return pre
         r = rows()
         return emb if r is None else emb[:, r]
 

@@ -40,6 +40,24 @@ Ragged prompts: left padding with per-row RoPE positions
     mask) for the duration of the call; equal-length prompts need no mask and keep TE's fast
     causal kernels.
 
+One prefill per prompt
+    The G samples of a prompt (``n_samples_per_prompt``, or rows of equal prompt ids passed separately,
+    as the trainer does: one row per sample, each keyed by its global row) start from the same KV. The
+    prefill runs once per distinct prompt of the call (its own [Bp, P] block: the distinct prompts in
+    order of first occurrence, then filler rows of one pad token up to the lockstep group's largest
+    count, which every rank agrees on in the call's one shape all-reduce), and each row's KV cache and
+    first logits are its prompt's prefill row's, copied (``DecodeBackend.share``: P slots per layer,
+    small next to the prefill it saves). A row's forward is the same computation on the same inputs
+    whatever rows stand beside it, so the first logits and the cache, and with the noise keyed by the row
+    (sampling.py) every token and log-prob, are the ones G separate prefills gave, bit for bit wherever
+    the GEMMs give a row the same bits whatever the row count (tests/test_decode.py, both paths and over
+    TP / EP shards). The CPU's MKL does from 12 rows on: an expert that gets fewer prefill tokens may round
+    differently (~1e-6 in the first log-probs), as any change of batch composition already did (and
+    GPUs pick GEMM kernels by shape). The dummy rows of the lockstep group take a filler prefill row where
+    there is one (else row 0: their outputs are never read).
+    ``GenerationOutput.prefill_tokens`` counts the prompt tokens prefilled (the distinct prompts' own
+    tokens, without padding): perf/prefill_tokens.
+
 Returned layout
     ``tokens`` is right-padded, ready for training: row r = prompt (from column 0) + response +
     ``pad_token_id``. Rows are grouped by prompt: sample j of prompt i is row
@@ -99,7 +117,8 @@ Cost
 
 Routing replay (R3) and routing metrics
     ``on_forward(step_idx, kind, rows)`` is called right after each model forward, ``kind`` being
-    ``"prefill"`` (step 0: the whole left-padded prompt block, P positions per row) or
+    ``"prefill"`` (step 0: the whole left-padded prompt block, P positions per row; its routes, when the
+    callback takes them, are each row's prompt's, read from the prefill row it shares) or
     ``"decode"`` (steps 1..: one position per row, the token sampled at the previous step). The
     last sampled token of a row is never fed to the model, so a routing recorder sees routes for
     ``prompt + response[:-1]`` of each row, plus positions that are not part of any sequence: the
@@ -110,8 +129,9 @@ Routing replay (R3) and routing metrics
     batch positions of that forward: None for all B rows in order, else (after finished rows left the
     decode batch) the original row index of each position. A callback that accepts a ``routes``
     keyword gets the forward's top-k expert ids [L, b, t, k] from back-ends that compute them (the
-    lean decoder: no router hook runs in a replayed graph), ``routes=None`` otherwise (megatron's
-    path: the routers' forward hooks saw them).
+    lean decoder: no router hook runs in a replayed graph; megatron's path for the prefill, whose rows
+    are the distinct prompts, not the B rows), ``routes=None`` otherwise (megatron's decode steps: the
+    routers' forward hooks saw them).
 
 Finished rows (``generation.compact_finished_rows``)
     A static batch decodes every row until its longest one ends: with long-tailed response lengths
@@ -125,7 +145,8 @@ FP8 (Transformer Engine)
     assertions). Under ``model.fp8`` the batch is padded with filler rows (done from the start, like
     the EP dummy rows: never returned) to a multiple of the recipe's alignment, and compaction keeps
     a multiple of it, so the prefill (rows x prompt block) and every decode step (rows x 1) divide.
-    ``decode_row_steps`` counts the rows fed, fillers included (the work done).
+    ``decode_row_steps`` counts the rows fed, fillers included (the work done); ``decode_live_row_steps``
+    the rows among them still generating (perf/decode_batch_fill is their ratio).
 """
 
 from __future__ import annotations
@@ -179,6 +200,11 @@ class GenerationOutput:
     num_forwards: int = 0
     # rows fed to decode forwards, summed over steps (B x steps without compaction)
     decode_row_steps: int = 0
+    # of those, the rows still generating (not finished, not a filler): decode_live_row_steps /
+    # decode_row_steps is the decode batch's fill (perf/decode_batch_fill)
+    decode_live_row_steps: int = 0
+    # real prompt tokens run through the prefill: each distinct prompt once (padding and fillers not counted)
+    prefill_tokens: int = 0
     temperature: float = 1.0
     # decoding stopped early on ``should_stop`` (a stop signal): rows are cut short, not for training
     abandoned: bool = False
@@ -435,7 +461,7 @@ def generate(
         stack.enter_context(_without_sequence_parallel(m))
         backend = make_backend(m, cfg, grid.B, grid.S - 1, grid.positions, grid.key_pad, grid.left_pad,
                                ragged=grid.ragged(), record_routes=run.wants_routes,
-                               lean_decoder=generator.lean_decoder)
+                               lean_decoder=generator.lean_decoder, prefill_positions=grid.pre_positions)
         stack.enter_context(backend.context())
         tok, lp = run.prefill(backend)
         for step in range(cfg.max_new_tokens):
@@ -477,7 +503,12 @@ class _LeftPaddedGrid:
     row's last prompt token in column P - 1), then max_new_tokens response columns (S = P +
     max_new_tokens; the KV cache needs S - 1 slots). Rows n_real.. are shape fillers (the lockstep
     group's batch size, FP8 alignment): one pad token each, never returned; n_real may be 0. key_pad /
-    positions [B, S - 1] per KV slot: True = padding (never attended) / the slot's true position."""
+    positions [B, S - 1] per KV slot: True = padding (never attended) / the slot's true position.
+
+    The prefill runs on its own [Bp, P] block (``pre_tokens``): each distinct prompt once, then filler
+    rows of one pad token up to the lockstep group's largest count (and FP8's alignment); ``src`` [B]
+    names the prefill row whose KV and last logits each cache row takes (see the module doc, "One
+    prefill per prompt"); ``shared`` is False when that mapping is the identity (nothing to copy)."""
 
     def __init__(self, m, ids: list[list[int]], cfg: GenerationConfig, sync: _Lockstep, device,
                  row_keys: Optional[Sequence[int]]) -> None:
@@ -490,15 +521,17 @@ class _LeftPaddedGrid:
         if keys.shape != (n_real,) or bool((keys < 0).any()):
             raise ValueError(f"generate(): row_keys needs {n_real} non-negative integers (one per output row), "
                              f"got {tuple(keys.shape)}")
-        # every rank of the lockstep group needs the same [batch, prompt block] shapes
+        distinct, of_prompt = distinct_prompts(ids)
+        # every rank of the lockstep group needs the same [batch, prompt block] shapes, and the same prefill rows
         longest = int(lens_real.max()) if n_real else 1  # no prompt here: dummy rows of one pad token
-        shape = sync.all_reduce_max(torch.tensor([n_real, longest], dtype=torch.long, device=device),
-                                    what="generate(): batch and prompt-block shape")
+        shape = sync.all_reduce_max(torch.tensor([n_real, longest, len(distinct)], dtype=torch.long, device=device),
+                                    what="generate(): batch, prompt-block and prefill shape")
         # FP8 GEMMs need rows x tokens divisible by the recipe's alignment (fp8_alignment.py): filler rows,
         # like the EP lockstep's dummy rows, make every decode step (rows x 1) and the prefill divide
         self.align = fp8_alignment.token_alignment(m.config)
         rows = int(shape[0])  # 0: no rank of the lockstep group has a prompt (generate() then runs nothing)
         B, P = self.B, self.P = fp8_alignment.padded_rows(rows, self.align) if rows else 0, int(shape[1])
+        Bp = self.Bp = fp8_alignment.padded_rows(int(shape[2]), self.align) if rows else 0
         S = self.S = P + cfg.max_new_tokens
         max_len = getattr(m, "max_sequence_length", None)
         if max_len is not None and S - 1 > max_len:
@@ -518,16 +551,47 @@ class _LeftPaddedGrid:
         slots = torch.arange(S - 1, device=device)
         self.key_pad = slots[None, :] < self.left_pad[:, None]
         self.positions = (slots[None, :] - self.left_pad[:, None]).clamp(min=0)
+        # the prefill block: the distinct prompts, then fillers of one pad token (like the dummy rows)
+        U = len(distinct)
+        pre = torch.full((Bp, P), pad, dtype=torch.long)
+        pre_lens = torch.ones(Bp, dtype=torch.long)
+        for u, i in enumerate(distinct):
+            pre[u, P - len(ids[i]):] = torch.tensor(ids[i], dtype=torch.long)
+            pre_lens[u] = len(ids[i])
+        # each real row reads its prompt's prefill row; dummy row k a filler prefill row where there is one
+        # (else row 0: a dummy's outputs are never read, any finite KV does)
+        fill = [U + k if U + k < Bp else (U if U < Bp else 0) for k in range(B - n_real)]
+        src = torch.cat([torch.as_tensor(of_prompt, dtype=torch.long).repeat_interleave(G),
+                         torch.tensor(fill, dtype=torch.long)])
+        self.shared = not (Bp == B and torch.equal(src, torch.arange(B)))
+        self.src = src.to(device)
+        self.pre_tokens = pre.to(device)
+        self.pre_left_pad = P - pre_lens.to(device)
+        self.pre_positions = (slots[None, :] - self.pre_left_pad[:, None]).clamp(min=0)  # [Bp, S - 1] per slot
+        # the real prompt tokens run through the prefill: each distinct prompt once (perf/prefill_tokens)
+        self.prefill_tokens = int(pre_lens[:U].sum())
 
     def ragged(self) -> bool:
         """Some real prompt is left-padded (megatron's path then needs per-row RoPE and a padding mask)."""
         return bool((self.left_pad[:self.n_real] > 0).any())
 
     def prefill_mask(self) -> torch.Tensor:
-        """[B, 1, P, P] bool, True = masked: causal + the left padding."""
+        """[Bp, 1, P, P] bool, True = masked: causal + the left padding of the prefill rows."""
         P = self.P
         causal = torch.triu(torch.ones(P, P, dtype=torch.bool, device=self.device), diagonal=1)
-        return (causal[None] | self.key_pad[:, None, :P])[:, None]
+        key_pad = torch.arange(P, device=self.device)[None, :] < self.pre_left_pad[:, None]
+        return (causal[None] | key_pad[:, None, :])[:, None]
+
+
+def distinct_prompts(ids: list[list[int]]) -> tuple[list[int], list[int]]:
+    """(the index of each distinct prompt's first occurrence, in order of first occurrence; for each prompt
+    the position of its distinct prompt in that list): equal token ids are one prompt, prefilled once."""
+    first: dict[tuple[int, ...], int] = {}
+    of_prompt = [first.setdefault(tuple(p), len(first)) for p in ids]
+    distinct = [0] * len(first)
+    for i, u in reversed(list(enumerate(of_prompt))):
+        distinct[u] = i
+    return distinct, of_prompt
 
 
 class _Decoding:
@@ -561,6 +625,7 @@ class _Decoding:
         self.all_rows = torch.arange(B, device=device)
         self.live: Optional[torch.Tensor] = None
         self.n_fwd, self.prefill_s, self.row_steps, self.abandoned = 0, 0.0, 0, False
+        self.live_steps = torch.zeros((), dtype=torch.long, device=device)
 
     def pick(self, logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -576,19 +641,26 @@ class _Decoding:
     def notify(self, backend, step: int, kind: str) -> None:
         if self.on_forward is None:
             return
-        live = self.live
+        live, prefill = self.live, kind == "prefill"
         if self.wants_routes:
-            b = self.grid.B if live is None else live.numel()
-            self.on_forward(step, kind, live, routes=backend.last_routes(b, prefill=kind == "prefill"))
+            g = self.grid
+            b = (g.Bp if prefill else g.B) if live is None else live.numel()
+            routes = backend.last_routes(b, prefill=prefill)
+            if prefill and g.shared and routes is not None:  # each row's prompt routes: its prefill row's
+                routes = routes[:, g.src]
+            self.on_forward(step, kind, live, routes=routes)
         else:
             self.on_forward(step, kind, live)
 
     def prefill(self, backend) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prefill forward over the prompt block and the first draw."""
+        """The prefill forward over the distinct prompts, their KV shared by their rows, and the first draw."""
         g = self.grid
         mask = g.prefill_mask()
         t0 = time.perf_counter()
-        logits = backend.prefill(g.tokens[:, :g.P], g.positions[:, :g.P], mask)[:, :self.vocab_size]
+        logits = backend.prefill(g.pre_tokens, g.pre_positions[:, :g.P], mask)[:, :self.vocab_size]
+        if g.shared:  # every row's cache and first logits from its prompt's prefill row
+            backend.share(g.src, g.P)
+            logits = logits[g.src]
         if g.device.type == "cuda":
             torch.cuda.synchronize(g.device)
         self.prefill_s = time.perf_counter() - t0
@@ -642,6 +714,8 @@ class _Decoding:
         logits = backend.decode(self.grid.tokens[rows, col], col, self.live)[:, :self.vocab_size]
         self.n_fwd += 1
         self.row_steps += rows.numel()
+        # rows whose next token is used (not finished, not a filler): a device count, read once at the end
+        self.live_steps += (~self.done[rows]).sum()
         self.notify(backend, step + 1, "decode")
         return self.pick(logits, step + 1)
 
@@ -665,5 +739,7 @@ class _Decoding:
             logprobs=logprobs, stopped=self.stopped[:n_real],
             prompt_index=torch.arange(g.n_prompts, device=device).repeat_interleave(g.G),
             elapsed_s=time.perf_counter() - t_start, prefill_s=self.prefill_s, num_forwards=self.n_fwd,
-            decode_row_steps=self.row_steps, temperature=cfg.temperature, abandoned=self.abandoned,
+            decode_row_steps=self.row_steps, decode_live_row_steps=int(self.live_steps.item()),
+            prefill_tokens=g.prefill_tokens if self.n_fwd else 0, temperature=cfg.temperature,
+            abandoned=self.abandoned,
         )

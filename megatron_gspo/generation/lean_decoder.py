@@ -878,6 +878,14 @@ class LeanDecoder:
             return torch.stack(self._prefill_routes)[:, :b]
         return self.routes[:, :b, None, :].clone()
 
+    def share(self, src: torch.Tensor, length: int) -> None:
+        """After a prefill of the distinct prompts (cache rows 0 .. Bp-1): cache row r takes prefill row
+        ``src[r]``'s keys and values of slots 0 .. length-1 (the prompt block), for the src.numel() rows."""
+        n = src.numel()
+        for k, v in zip(self.k, self.v):
+            k[:n, :, :length] = k[src, :, :length]
+            v[:n, :, :length] = v[src, :, :length]
+
     def compact(self, order: torch.Tensor, keep: int) -> None:
         """Move cache rows ``order[:keep]`` to the front (generation's finished-row compaction)."""
         idx = order[:keep]

@@ -29,7 +29,7 @@ from megatron_gspo.model.oom import explain_oom
 from megatron_gspo.data.rewards import compute_rewards
 from megatron_gspo.rollout.exchange import RouteSpec, Scores, exchange, gather_scores, row_bytes
 from megatron_gspo.rollout.multiturn import build_multiturn, multiturn_rewards
-from megatron_gspo.rollout.record import RolloutRecord
+from megatron_gspo.rollout.record import COUNTS, RolloutRecord
 from megatron_gspo.rollout.rows import deal_rows, generating_rank, local_rows, token_imbalance
 
 log = logging.getLogger("megatron_gspo")
@@ -159,7 +159,7 @@ class ColocatedSource:
         t = self.cfg.train
         P = t.prompts_per_step
         kept: list[_Pick] = []  # informative first, each part in (round, group) order
-        pool, rounds, dropped, reward_sum, totals = None, 0, 0, 0.0, dict(gen_s=0.0, gen_tokens=0, decode_row_steps=0)
+        pool, rounds, dropped, reward_sum, totals = None, 0, 0, 0.0, dict(gen_s=0.0, **dict.fromkeys(COUNTS, 0))
         while True:
             record, scores, prompts = self._round(step, rounds, rows, R)
             flags = informative_groups(scores.rewards, G).tolist()
@@ -233,8 +233,8 @@ class ColocatedSource:
                      "rollout/dp_moved_rows_frac": len(moves) / R,
                      "rollout/dp_exchange_bytes": float(sum(row_bytes(plen[s], lengths[s] - plen[s], spec, conv[s])
                                                             for s in moves))}
-        return dataclasses.replace(local, step=pool.step, gen_s=pool.gen_s, gen_tokens=pool.gen_tokens,
-                                   decode_row_steps=pool.decode_row_steps, stats=stats, prompt_ids=[
+        return dataclasses.replace(local, step=pool.step, gen_s=pool.gen_s, **{k: getattr(pool, k) for k in COUNTS},
+                                   stats=stats, prompt_ids=[
                                        prompt_ids[s] for s in local.row_ids.tolist()],
                                    global_rewards=scores.rewards)
 

@@ -309,7 +309,8 @@ class MultiTurnRollout:
 
     # long: the turn loop in one place, each step a call (generate, take, observe, vote)
     def _run(self, prompts: list, keys: list[int], seed: int, routing, should_stop) -> MultiTurnOutput:
-        t0, times = time.perf_counter(), {"prefill_s": 0.0, "num_forwards": 0, "decode_row_steps": 0}
+        t0, times = time.perf_counter(), {"prefill_s": 0.0, "num_forwards": 0, "decode_row_steps": 0,
+                                          "decode_live_row_steps": 0, "prefill_tokens": 0}
         env_s = 0.0
         rows, stop = self._start(prompts, should_stop)
         turn = 0

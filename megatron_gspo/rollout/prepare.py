@@ -33,7 +33,7 @@ from megatron_gspo.algorithms.overlong import truncated
 from megatron_gspo.runtime.metrics import Metric, MetricAccumulator
 from megatron_gspo.model.gpt import aux_loss_needs_one_plan_over_dp, forward_logprobs, input_padding_mask, unwrap
 from megatron_gspo.model.oom import explain_oom
-from megatron_gspo.rollout.record import RolloutRecord
+from megatron_gspo.rollout.record import COUNTS, RolloutRecord
 from megatron_gspo.rollout.rows import local_rows, pad_columns
 
 log = logging.getLogger("megatron_gspo")
@@ -235,8 +235,7 @@ class BatchPreparer:
             if self.ref_model is not None:
                 batch.ref_logprobs = self.logprobs(self.ref_model, batch, pads)
         batch.stats = dict(record.stats)
-        batch.timings = {"gen_tokens": record.gen_tokens, "gen_s": record.gen_s,
-                         "decode_row_steps": record.decode_row_steps}
+        batch.timings = {"gen_s": record.gen_s, **{k: getattr(record, k) for k in COUNTS}}
         return batch
 
     def _plan(self, seq_lengths: list[int]) -> tuple[list[int], list[list[slice]], list[int]]:
@@ -297,8 +296,10 @@ class BatchPreparer:
 
 
 def rollout_metrics(batch: TrainBatch, state) -> dict:
-    """rollout/* (rewards, lengths) and perf/gen_tokens, perf/decode_row_steps, reduced over DP; the batch's
-    source statistics as they are."""
+    """rollout/* (rewards, lengths) and perf/gen_tokens, perf/decode_row_steps, perf/prefill_tokens (prompt tokens
+    prefilled: each distinct prompt of a generate call once), perf/decode_batch_fill (the decode batches' rows still
+    generating over their rows, summed over the decode steps), reduced over DP; the batch's source statistics as
+    they are."""
     m = batch.mask
     dev = state.device
     acc = MetricAccumulator()
@@ -312,6 +313,10 @@ def rollout_metrics(batch: TrainBatch, state) -> dict:
         "rollout/zero_advantage_frac": Metric.mean((batch.advantages == 0).double()),
         "perf/gen_tokens": Metric.sum(torch.tensor([float(batch.timings["gen_tokens"])], device=dev)),
         "perf/decode_row_steps": Metric.sum(torch.tensor([float(batch.timings["decode_row_steps"])], device=dev)),
+        "perf/prefill_tokens": Metric.sum(torch.tensor([float(batch.timings["prefill_tokens"])], device=dev)),
+        "perf/decode_batch_fill": Metric.from_sum_count(
+            torch.tensor(float(batch.timings["decode_live_row_steps"]), device=dev),
+            torch.tensor(float(batch.timings["decode_row_steps"]), device=dev)),
     })
     if batch.trajectories:
         acc.add(trajectory_metrics(batch.trajectories, dev))

@@ -35,13 +35,16 @@ if TYPE_CHECKING:
     from megatron_gspo.routing.rollout_routes import RolloutRoutes
 
 MAGIC = 0x6A5E
-WIRE_VERSION = 2  # 2: the loss mask and the multi-turn trajectories
+WIRE_VERSION = 3  # 2: the loss mask and the multi-turn trajectories; 3: prefill tokens, live decode rows
 HEADER = ("magic", "version", "step", "rows", "width", "ints", "floats", "meta_bytes")
 # (field, dimensions): [B, T] grids first, then [B] columns
 INT_FIELDS = (("tokens", 2), ("loss_mask", 2), ("prompt_lengths", 1), ("response_lengths", 1), ("row_ids", 1),
               ("stopped", 1), ("version_start", 1), ("version_end", 1))
 FLOAT_FIELDS = (("sample_logprobs", 2), ("rewards", 1))
-META_FIELDS = ("prompt_ids", "texts", "gen_s", "gen_tokens", "decode_row_steps", "stats", "data_state", "trajectories")
+META_FIELDS = ("prompt_ids", "texts", "gen_s", "gen_tokens", "decode_row_steps", "decode_live_row_steps",
+               "prefill_tokens", "stats", "data_state", "trajectories")
+# the generation work counts: summed over the parts of a step (rounds, leaders) and over DP (perf/*)
+COUNTS = ("gen_tokens", "decode_row_steps", "decode_live_row_steps", "prefill_tokens")
 LOCAL_FIELDS = ("routes", "global_rewards")  # not on the wire (module doc)
 _DTYPES = {"stopped": torch.bool, "loss_mask": torch.bool}  # int64 on the wire, this dtype in the record
 
@@ -72,6 +75,8 @@ class RolloutRecord:
     prompt_ids, texts               [B] the prompt's dataset id, the decoded response
     gen_s, gen_tokens, decode_row_steps   generation seconds, generated tokens (every dynamic-sampling
                                     round's), decode forward rows summed over steps
+    decode_live_row_steps, prefill_tokens   of those rows the ones still generating; prompt tokens prefilled
+                                    (each distinct prompt of a generate call once)
     stats             source statistics: logged as they are (dynamic_sampling/*), or the remote source's
                       raw counters (STAT_MERGE)
     data_state        the prompt sampler's position after the step's prompts (remote: the rollout side's)
@@ -100,6 +105,8 @@ class RolloutRecord:
     gen_s: float = 0.0
     gen_tokens: int = 0
     decode_row_steps: int = 0
+    decode_live_row_steps: int = 0
+    prefill_tokens: int = 0
     stats: dict = field(default_factory=dict)
     data_state: Optional[dict] = None
     trajectories: list = field(default_factory=list)
@@ -146,7 +153,8 @@ class RolloutRecord:
                    version_end=full(version_end) if not isinstance(version_end, torch.Tensor) else version_end,
                    prompt_ids=list(prompt_ids), texts=list(texts), gen_s=out.elapsed_s,
                    gen_tokens=out.num_generated_tokens if gen_tokens is None else gen_tokens,
-                   decode_row_steps=out.decode_row_steps, stats=dict(stats or {}), data_state=data_state,
+                   decode_row_steps=out.decode_row_steps, decode_live_row_steps=out.decode_live_row_steps,
+                   prefill_tokens=out.prefill_tokens, stats=dict(stats or {}), data_state=data_state,
                    trajectories=list(getattr(out, "trajectories", [])), routes=routes)
 
     def select(self, idx: torch.Tensor, width: Optional[int] = None) -> "RolloutRecord":
@@ -255,10 +263,10 @@ STAT_MERGE = {"idle_frac": _mean, "sync_s": max, "partial_finished": sum, "dropp
 
 def concat(parts: list[RolloutRecord], pad_id: int) -> RolloutRecord:
     """Several leaders' records of one step as one record on one grid (T: the widest; tokens padded with
-    ``pad_id``, log-probs with 0). gen_s: the slowest part's; gen_tokens, decode_row_steps: summed; stats
+    ``pad_id``, log-probs with 0). gen_s: the slowest part's; the token and row counts: summed; stats
     by STAT_MERGE; data_state: the first part's (every leader draws the same prompts)."""
     raw = [{**p.stats, "idle_frac": p.stats["idle_s"] / max(p.stats["wall_s"], 1e-9)} for p in parts]
     return dataclasses.replace(
         RolloutRecord.cat(parts, pad_id), gen_s=max(p.gen_s for p in parts),
-        gen_tokens=sum(p.gen_tokens for p in parts), decode_row_steps=sum(p.decode_row_steps for p in parts),
+        **{k: sum(getattr(p, k) for p in parts) for k in COUNTS},
         stats={k: merge([s[k] for s in raw]) for k, merge in STAT_MERGE.items()}, data_state=parts[0].data_state)

@@ -29,7 +29,7 @@ import torch
 from megatron_gspo.runtime import comm
 from megatron_gspo.runtime.exit_status import StopReason, StoppedFor
 from megatron_gspo.runtime.hooks import TrainerHook
-from megatron_gspo.rollout.record import (HEADER, RolloutRecord, WireFormatError, check_header, concat,
+from megatron_gspo.rollout.record import (COUNTS, HEADER, RolloutRecord, WireFormatError, check_header, concat,
                                           empty_payload, pack, unpack)
 from megatron_gspo.rollout.rows import local_rows
 from megatron_gspo.rollout.side import PeerState, short_error
@@ -48,8 +48,8 @@ class RemoteSource:
     """A RolloutSource (rollout/source.py) whose rows the rollout ranks generate (module doc). ``side``: this
     trainer rank's rollout.side.Side (bridge open); ``stop``: the job's stop flag (``.set``, ``.received``).
 
-    perf/decode_row_steps: the rollout ranks' decode rows go to the record of DP rank 0 only, so the DP sum
-    of the metric counts them once."""
+    perf/decode_row_steps, perf/prefill_tokens, perf/decode_batch_fill: the rollout ranks' counts go to the
+    record of DP rank 0 only, so the DP sum of the metric counts them once."""
 
     def __init__(self, cfg, state, model, sampler, gen_cfg, side, timer, *, stop) -> None:
         self.cfg, self.state, self.model, self.sampler, self.gen_cfg = cfg, state, model, sampler, gen_cfg
@@ -117,7 +117,8 @@ class RemoteSource:
         }
         # step, gen_s and data_state are the whole step's (select keeps them); the tokens are this rank's
         return dataclasses.replace(mine, gen_tokens=int(mine.loss_mask.sum().item()),  # sampled: a multi-turn row's turns
-                                   decode_row_steps=full.decode_row_steps if st.dp_rank == 0 else 0, stats=stats)
+                                   **{k: getattr(full, k) if st.dp_rank == 0 else 0 for k in COUNTS if k != "gen_tokens"},
+                                   stats=stats)
 
     # ------------------------------------------------------------------------------------------
     def _push(self, version: int):
