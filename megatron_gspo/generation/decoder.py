@@ -226,15 +226,11 @@ def _router_maps(m) -> Iterator[list]:
 def _routes_of(maps: list, m) -> Optional[torch.Tensor]:
     """The routing maps of one forward (``_router_maps``) as top-k expert ids [L, b, t, k] (None: no MoE
     layer ran), in the routing recorder's layout and dtype (routing.rollout_routes.RolloutRecorder)."""
-    from megatron_gspo.routing.common import index_dtype
-    from megatron_gspo.routing.metrics import routing_map_to_indices
+    from megatron_gspo.routing.metrics import forward_routes
 
     if not maps or any(x is None for x in maps):
         return None
-    cfg = m.config
-    E, k = cfg.num_moe_experts, cfg.moe_router_topk
-    return torch.stack([routing_map_to_indices(rmap.reshape(-1, E), k).to(index_dtype(E)).reshape(t, b, k)
-                        .transpose(0, 1) for rmap, t, b in maps])
+    return forward_routes(maps, m.config.num_moe_experts, m.config.moe_router_topk)
 
 
 # ----------------------------------------------------------------------------------------------

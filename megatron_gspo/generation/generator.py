@@ -586,11 +586,13 @@ class _LeftPaddedGrid:
 def distinct_prompts(ids: list[list[int]]) -> tuple[list[int], list[int]]:
     """(the index of each distinct prompt's first occurrence, in order of first occurrence; for each prompt
     the position of its distinct prompt in that list): equal token ids are one prompt, prefilled once."""
-    first: dict[tuple[int, ...], int] = {}
-    of_prompt = [first.setdefault(tuple(p), len(first)) for p in ids]
-    distinct = [0] * len(first)
-    for i, u in reversed(list(enumerate(of_prompt))):
-        distinct[u] = i
+    seen: dict[tuple[int, ...], int] = {}  # prompt ids -> its position in ``distinct``
+    distinct, of_prompt = [], []
+    for i, p in enumerate(ids):
+        u = seen.setdefault(tuple(p), len(distinct))
+        if u == len(distinct):
+            distinct.append(i)
+        of_prompt.append(u)
     return distinct, of_prompt
 
 

@@ -22,6 +22,15 @@ def routing_map_to_indices(routing_map: torch.Tensor, topk: int) -> torch.Tensor
     return torch.where(vals > 0, idx, torch.full_like(idx, -1))
 
 
+def forward_routes(maps: Sequence[tuple], num_experts: int, topk: int) -> torch.Tensor:
+    """One forward's routes from its routers' outputs: ``maps`` holds per MoE layer (routing map [t * b, E],
+    t, b), the router input being [t, b, H]; returns top-k expert ids [L, b, t, k] in ``index_dtype(E)``
+    (the rollout routes' layout)."""
+    dtype = index_dtype(num_experts)
+    return torch.stack([routing_map_to_indices(rmap.reshape(-1, num_experts), topk).to(dtype)
+                        .reshape(t, b, topk).transpose(0, 1) for rmap, t, b in maps])
+
+
 def change_counts(ref: torch.Tensor, cur: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing change between two routings of the same tokens.
 

@@ -10,7 +10,7 @@ import torch
 
 from megatron_gspo.model.gpt import unwrap
 from megatron_gspo.routing.common import RoutingReplayError, Routes, find_routers, index_dtype
-from megatron_gspo.routing.metrics import routing_map_to_indices
+from megatron_gspo.routing.metrics import forward_routes
 
 
 class RolloutRoutes:
@@ -311,9 +311,7 @@ class RolloutRecorder:
             missing = [l for l, c in enumerate(self._cur) if c is None]
             if missing:
                 raise RoutingReplayError(f"RolloutRecorder: step {step}: MoE layers {missing} did not run")
-            dtype = index_dtype(self.num_experts)
-            routes = torch.stack([routing_map_to_indices(rmap.reshape(-1, self.num_experts), self.topk).to(dtype)
-                                  .reshape(t, b, self.topk).transpose(0, 1) for rmap, t, b in self._cur])
+            routes = forward_routes(self._cur, self.num_experts, self.topk)
         elif routes.dim() != 4 or routes.shape[0] != len(self.routers) or routes.shape[3] != self.topk:
             raise RoutingReplayError(f"RolloutRecorder: step {step}: routes {tuple(routes.shape)}, expected "
                                      f"[L={len(self.routers)}, b, t, k={self.topk}]")
