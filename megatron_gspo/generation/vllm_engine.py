@@ -323,9 +323,9 @@ class VllmEngine:
 @contextlib.contextmanager
 def _process_state_kept() -> Iterator[None]:
     """Build the engine without changing the caller's process for the trainer that shares it: vLLM seeds the
-    global RNGs with the engine's seed, and its CPU worker drops torch to one thread and replaces
-    ``torch.set_num_threads`` with a function that refuses (it binds its OpenMP threads). The RNG states, the
-    function and the thread count are put back."""
+    global RNGs with the engine's seed, and its CPU worker replaces ``torch.set_num_threads`` with a function
+    that refuses (it has bound its OpenMP threads to cores) and asks for one thread. The RNG states, the
+    function and the thread count are put back (the OpenMP binding stays)."""
     import random
 
     import numpy as np

@@ -32,9 +32,11 @@ def job():
     par = ParallelConfig(device="cpu", seed=5)
     st = parallel.initialize(cfg, par)
     model = build_model(cfg, par, st)
-    threads = torch.get_num_threads()
+    set_threads, threads, rng = torch.set_num_threads, torch.get_num_threads(), torch.get_rng_state()
     engine = VllmEngine(model, st, cfg, seed=0, engine_args=dict(kv_cache_memory_bytes=32 << 20))
-    assert torch.get_num_threads() == threads  # the engine gave the process back its threads
+    # the trainer shares the process: vLLM's seeding and its CPU worker's thread settings are undone
+    assert torch.set_num_threads is set_threads and torch.get_num_threads() == threads
+    assert torch.equal(torch.get_rng_state(), rng)
     yield cfg, model, st, engine
     engine.close()
     parallel.destroy()
