@@ -22,8 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @functools.lru_cache(maxsize=1)
 def vllm_in_process() -> bool:
-    """True when vLLM is installed in this interpreter (found, not imported: importing it takes seconds)."""
-    return importlib.util.find_spec("vllm") is not None
+    """True when vLLM is installed in this interpreter (found, not imported: importing it takes seconds). A
+    namespace package does not count: tests/vllm/ itself is one wherever tests/ is on the path."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
 
 
 def vllm_venv() -> str:
