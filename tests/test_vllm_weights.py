@@ -1,4 +1,4 @@
-"""The vLLM engine's side that needs no vLLM (megatron_gspo/generation/vllm_engine.py), in the main suite: the
+"""The vLLM engine's side that needs no vLLM (megatron_gspo/rollout/vllm_engine.py), in the main suite: the
 Megatron model's weights as HF (name, tensor) buckets through the project's Megatron -> HF mapping, the HF
 directory the engine starts from (transformers loads it and computes the Megatron model's log-probs), and the
 conversion of an engine's samples into a ``GenerationOutput``. The engine itself runs in the vLLM tier
@@ -12,7 +12,7 @@ import torch
 
 from checkpoints_tools.qwen3_moe import Qwen3MoeMapping
 from megatron_gspo.config import ParallelConfig, model_config_from_preset
-from megatron_gspo.generation.vllm_engine import hf_weight_stream, to_generation_output, unit_chunk, write_hf_dir
+from megatron_gspo.rollout.vllm_engine import hf_weight_stream, to_generation_output, unit_chunk, write_hf_dir
 from megatron_gspo.model.gpt import build_model, forward_logprobs
 
 VOCAB = 100

@@ -1,4 +1,4 @@
-"""Rollouts on vLLM (megatron_gspo/generation/vllm_engine.py), in the vLLM tier's interpreter: one engine built
+"""Rollouts on vLLM (megatron_gspo/rollout/vllm_engine.py), in the vLLM tier's interpreter: one engine built
 from a one-rank Megatron model, a tiny Qwen3-MoE in fp32 on the CPU (the ``tiny`` preset with head size 32:
 vLLM's CPU attention has no kernel for the preset's 16).
 
@@ -25,7 +25,7 @@ STOP = (3, 5)
 
 @pytest.fixture(scope="module")
 def job():
-    from megatron_gspo.generation.vllm_engine import VllmEngine
+    from megatron_gspo.rollout.vllm_engine import VllmEngine
     from megatron_gspo.runtime import parallel
 
     cfg = model_config_from_preset("tiny", vocab_size=VOCAB, kv_channels=32, moe_aux_loss_coeff=0.0)
@@ -153,7 +153,7 @@ def test_after_optimizer_steps_the_engine_samples_from_the_synced_weights(job):
 
 def test_a_head_size_without_a_cpu_kernel_is_refused_in_one_line(job):
     """The preset's own head size, 16: vLLM's CPU attention would fail at its first forward, deep inside."""
-    from megatron_gspo.generation.vllm_engine import VllmEngine
+    from megatron_gspo.rollout.vllm_engine import VllmEngine
 
     cfg, model, st, engine = job
     with pytest.raises(ConfigError, match=r"model.kv_channels=16: vLLM's CPU attention supports the head sizes \[32, "):
