@@ -89,3 +89,56 @@ def test_samples_become_the_generation_output_grid():
         to_generation_output([[1]], 2, [[2], [3]], [[-1.0], [-1.0, -2.0]], [False, False], 0, 1.0)
     with pytest.raises(ValueError, match="1 prompts x 2 samples = 2 rows, got 1 responses"):
         to_generation_output([[1]], 2, [[2]], [[-1.0]], [False], 0, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# rollout.engine
+# ----------------------------------------------------------------------------------------------
+
+R3 = ["loss.name=grpo", "train.routing_replay=R3"]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["parallel.device=cpu", *R3], r"train.routing_replay=R3 with rollout.engine=vllm on the CPU: .*needs its V2 model "
+                                   r"runner, and on a CPU that needs triton-cpu \(not on PyPI\)"),
+    (["parallel.device=cuda", *R3], r"train.routing_replay=R3 with rollout.engine=vllm: the engine's routes are not taken"),
+    (["train.old_logprobs=rollout"], r"train.old_logprobs=rollout with rollout.engine=vllm"),
+    (["parallel.tensor_model_parallel_size=2"], r"parallel.tensor_model_parallel_size with rollout.engine=vllm is not "
+                                                r"supported yet"),
+    (["rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0"], r"rollout.mode with rollout.engine=vllm is not supported yet"),
+])
+def test_what_the_vllm_engine_does_not_run_is_refused_by_key(overrides, match):
+    from megatron_gspo.config import ConfigError, load_job_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_job_config(None, ["rollout.engine=vllm", *overrides])
+    load_job_config(None, overrides)  # the megatron engine runs each of them
+
+
+def test_the_default_engine_is_megatron_and_vllm_recomputes_the_old_log_probs():
+    from megatron_gspo.config import load_job_config, old_logprob_source
+
+    assert load_job_config(None, []).rollout.engine == "megatron"
+    cpu = torch.device("cpu")
+    assert old_logprob_source(load_job_config(None, ["parallel.device=cpu"]), cpu)[0] is False  # unchanged
+    recompute, why = old_logprob_source(load_job_config(None, ["parallel.device=cpu", "rollout.engine=vllm"]), cpu)
+    assert recompute and "rollout.engine=vllm" in why
+
+
+@pytest.mark.slow
+def test_a_vllm_job_without_vllm_says_how_to_get_it(tmp_path):
+    """Here vLLM is not installed (it lives in the tier's venv): one line naming the key and the install, exit 2."""
+    import subprocess
+    import sys
+
+    from vllm_tier import vllm_in_process
+
+    if vllm_in_process():
+        pytest.skip("vLLM is installed here")
+    p = subprocess.run([sys.executable, "-m", "megatron_gspo.train", "parallel.device=cpu", "rollout.engine=vllm",
+                        "model.kv_channels=32", "train.sft_steps=0", f"train.output_dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out[-3000:]
+    assert "error: rollout.engine=vllm needs vLLM in this interpreter: `pip install -e \".[vllm]\"`" in out
+    assert "Traceback" not in out

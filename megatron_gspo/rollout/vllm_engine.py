@@ -203,7 +203,11 @@ class VllmEngine:
     def __init__(self, model, state, model_cfg, *, seed: int = 0, bucket_mb: int = 64,
                  max_model_len: Optional[int] = None, engine_args: Optional[dict] = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (module doc)
-        from vllm import LLM
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise ConfigError("rollout.engine=vllm needs vLLM in this interpreter: `pip install -e \".[vllm]\"` on a "
+                              "GPU machine; on a CPU the venv of `bash .ci/setup-vllm-venv` (.vllm-venv/bin/python)") from None
 
         from megatron_gspo.model.gpt import unwrap
 
@@ -223,6 +227,7 @@ class VllmEngine:
             args = dict(model=self._dir, skip_tokenizer_init=True, dtype=_DTYPE_NAMES[self.dtype], seed=seed,
                         max_model_len=self.max_model_len, logprobs_mode="processed_logprobs",
                         enforce_eager=True, enable_prefix_caching=True)
+            args.update(_cpu_kv_cache(model_cfg, self.dtype, self.max_model_len))
             args.update(engine_args or {})
             with _process_state_kept():
                 self.llm = LLM(**args)
@@ -340,6 +345,17 @@ def _process_state_kept() -> Iterator[None]:
         torch.set_rng_state(rng[0])
         random.setstate(rng[1])
         np.random.set_state(rng[2])
+
+
+def _cpu_kv_cache(model_cfg, dtype: torch.dtype, max_model_len: int, seqs: int = 256) -> dict:
+    """On a CPU, vLLM's KV cache sized for ``seqs`` sequences of the longest length (32 MiB to 4 GiB) rather
+    than its default share of the host's memory, which the trainer shares; on a GPU vLLM's own sizing."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    per_token = 2 * model_cfg.num_layers * model_cfg.num_query_groups * model_cfg.kv_channels * dtype.itemsize
+    return {"kv_cache_memory_bytes": min(max(per_token * max_model_len * seqs, 32 << 20), 4 << 30)}
 
 
 def _cpu_attention_refusal(model_cfg) -> Optional[str]:
