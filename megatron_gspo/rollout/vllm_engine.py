@@ -9,12 +9,12 @@ The weights: one mapping
     model through the project's own Megatron -> HF mapping (``checkpoints_tools/qwen3_moe.py``, the one the
     checkpoint converters walk), fed with the model's layout-free units in buckets (rollout/weight_sync.py:
     ``Plan``, ``trainer_bucket``: each bucket's full tensors, TP / expert-TP shards all-gathered and EP ranks'
-    experts broadcast, never the whole model at once). ``hf_weight_buckets`` is that stream as (HF name,
+    experts broadcast, never the whole model at once). ``hf_weight_stream`` is that stream as (HF name,
     tensor) pairs. At start-up the pairs are written once as an HF model directory (config.json + safetensors,
     in a temporary directory: what vLLM loads); after an optimizer update ``sync_weights`` hands the same
     stream to vLLM's in-place reload (``Worker.reload_weights``, ``is_checkpoint_format=True``: vLLM's own
-    weight loaders and, layer by layer, its kernels' post-processing, e.g. the CPU MoE kernel's weight
-    pre-packing), with no file written. The engine's prefix cache is dropped after a sync: its KV blocks
+    weight loaders and, layer by layer, its kernels' post-processing; the CPU MoE kernel's weight pre-packing,
+    which vLLM 0.32 skips on a reload, is redone here: ``_repack_cpu_moe``), with no file written. The engine's prefix cache is dropped after a sync: its KV blocks
     were computed with the old weights.
 
 The engine core in this process
