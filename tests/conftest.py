@@ -42,14 +42,18 @@ def pytest_collection_modifyitems(config, items):
     """Every test that starts torchrun ranks is in the slow tier (``-m "not slow"`` skips it):
     process start-up and gloo rendezvous dominate their time, not what they check. ``gpu`` tests are
     skipped where torch sees no CUDA device; ``te`` tests (tests/te/) where Transformer Engine does not
-    import (tests/test_te_tier.py then runs them in their own venv: te_tier.py)."""
+    import (tests/test_te_tier.py then runs them in their own venv: te_tier.py); ``vllm`` tests (tests/vllm/)
+    where vLLM is not installed (tests/test_vllm_tier.py runs them in theirs: vllm_tier.py)."""
     import torch
 
     from te_tier import te_in_process
+    from vllm_tier import vllm_in_process
 
     no_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False here)")
     no_te = pytest.mark.skip(reason="needs Transformer Engine in this interpreter: tests/test_te_tier.py runs "
                                     "tests/te/ in the venv of .ci/setup-te-venv instead")
+    no_vllm = pytest.mark.skip(reason="needs vLLM in this interpreter: tests/test_vllm_tier.py runs tests/vllm/ in the "
+                                      "venv of .ci/setup-vllm-venv instead")
     for item in items:
         if "run_dist" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
@@ -59,6 +63,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.te)  # tests/te/ is the tier, whatever its files declare
         if "te" in item.keywords and not te_in_process():
             item.add_marker(no_te)
+        if os.sep + os.path.join("tests", "vllm") + os.sep in str(item.fspath):
+            item.add_marker(pytest.mark.vllm)  # tests/vllm/ is the tier
+        # the marker, not the keyword: a checkout in a directory named vllm has that keyword on every test
+        if item.get_closest_marker("vllm") is not None and not vllm_in_process():
+            item.add_marker(no_vllm)
 
 
 # The test running now (its setup included, where module fixtures build their models): read by the

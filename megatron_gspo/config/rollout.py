@@ -11,6 +11,7 @@ from megatron_gspo.config.checks import check
 from megatron_gspo.config.fields import Resume, knob, validate
 
 ROLLOUT_MODES = ("colocated", "async")
+ROLLOUT_ENGINES = ("megatron", "vllm")
 PARTIAL_ROLLOUT_POLICIES = ("finish", "drop")
 # Every rank of an async job bumps its heartbeat this often (rollout.side.Heartbeat). A timeout must
 # span several beats: one beat late (a loaded host, a long GIL hold) must not declare a healthy rank dead.
@@ -27,6 +28,12 @@ class RolloutConfig:
     # the trainer streams its weights to them and they generate ahead of it, up to rollout.max_staleness
     # policy versions (docs/algorithms.md#asynchronous-rollouts).
     mode: str = knob("colocated", resume=Resume.REFUSED, choices=ROLLOUT_MODES)
+    # What samples the rollouts: "megatron" (default), the training model's own decoders
+    # (generation.decode_impl); "vllm", a vLLM engine in the process, built from the model and given its
+    # weights before every step's generation (rollout/vllm_engine.py; `pip install -e ".[vllm]"` on a GPU,
+    # the venv of .ci/setup-vllm-venv on a CPU). vLLM so far: colocated, one rank, single-turn rows; the
+    # evaluation still samples on the megatron engine.
+    engine: str = knob("megatron", resume=Resume.MAY_CHANGE, choices=ROLLOUT_ENGINES)
     # Ranks that generate (async only): the last world_size ranks of the torchrun world. The trainer gets
     # the others, laid out by parallel.*; both in one torchrun launch / one SLURM job.
     world_size: int = knob(0, resume=Resume.LAYOUT, ge=0)

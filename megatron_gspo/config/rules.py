@@ -366,6 +366,28 @@ def async_without_dynamic_sampling(job) -> None:
           "would run on the rollout ranks mid-step; use rollout.mode=colocated")
 
 
+def vllm_engine_limits(job) -> None:
+    """What rollout.engine=vllm does not run (yet), refused by key before anything is built."""
+    if job.rollout.engine != "vllm":
+        return
+    t, p = job.train, job.parallel
+    if t.routing_replay == "R3":
+        check(job.parallel.device != "cpu",
+              "train.routing_replay=R3 with rollout.engine=vllm on the CPU: R3 replays the routes vLLM returns "
+              "(enable_return_routed_experts), which needs its V2 model runner, and on a CPU that needs triton-cpu "
+              "(not on PyPI); use train.routing_replay=R2 or off, or rollout.engine=megatron")
+        check(False, "train.routing_replay=R3 with rollout.engine=vllm: the engine's routes are not taken yet; use "
+                     "train.routing_replay=R2 or off, or rollout.engine=megatron")
+    check(t.old_logprobs != "rollout",
+          "train.old_logprobs=rollout with rollout.engine=vllm: the engine's log-probs are the behaviour policy's "
+          "under other numerics; the trainer recomputes the old policy's (train.old_logprobs=auto or recompute)")
+    for key, bad in (("rollout.mode", job.rollout.is_async), ("env.name", job.env.enabled),
+                     ("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size > 1),
+                     ("parallel.expert_model_parallel_size", p.expert_model_parallel_size > 1)):
+        check(not bad, f"{key} with rollout.engine=vllm is not supported yet (vLLM serves colocated, single-turn "
+                       "rollouts of a one-rank job so far); use rollout.engine=megatron")
+
+
 # ----------------------------------------------------------------------------------------------
 # Multi-turn rollouts (env.*)
 # ----------------------------------------------------------------------------------------------
@@ -410,7 +432,8 @@ RULES: tuple[Callable[[Any], None], ...] = (
     dynamic_sampling_needs_groups, groups_of_two_or_more, no_greedy_groups, temperature_floor, top_k_not_greedy,
     top_p_not_greedy, overlong_filtering_keeps_some_rows, transformer_engine_not_on_the_cpu, lean_decode_runs_here,
     allow_config_change_names_keys, token_budget_holds_a_row, old_logprobs_under_async,
-    async_staleness_needs_correction, async_without_r3, async_without_dynamic_sampling, env_budget_fits,
+    async_staleness_needs_correction, async_without_r3, async_without_dynamic_sampling, vllm_engine_limits,
+    env_budget_fits,
 )
 
 
@@ -441,6 +464,8 @@ def old_logprob_source(cfg, device) -> tuple[bool, str]:
     t, m = cfg.train, cfg.model
     if t.old_logprobs != "auto":
         return t.old_logprobs == "recompute", f"train.old_logprobs={t.old_logprobs}"
+    if cfg.rollout.engine == "vllm":
+        return True, "auto: rollout.engine=vllm samples under other numerics than the training forward's"
     if cfg.rollout.is_async:
         return True, ("auto: asynchronous rollouts (rollout.mode=async): the rollout ranks' log-probs are the "
                       "behaviour policy's and they record no routes")

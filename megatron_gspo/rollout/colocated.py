@@ -55,6 +55,9 @@ class ColocatedSource:
                                    slots=cfg.data.max_prompt_length + gen_cfg.max_new_tokens - 1)
         # env.name: every row talks with an environment over turns (rollout/multiturn.py)
         self.multiturn = build_multiturn(cfg, state, self.generator, tokenizer, gen_cfg)
+        # rollout.engine=vllm: a vLLM engine samples the rollouts (rollout/vllm_engine.py; the evaluation
+        # keeps the generator above)
+        self.engine = _vllm_engine(cfg, state, model, gen_cfg) if cfg.rollout.engine == "vllm" else None
 
     def should_stop(self) -> bool:
         return self.stop.set
@@ -72,6 +75,8 @@ class ColocatedSource:
     def close(self) -> None:
         if self.multiturn is not None:
             self.multiturn.close()
+        if self.engine is not None:
+            self.engine.close()
 
     def sampling_seed(self, step: int) -> int:
         """(generation.seed, step) in one 64-bit key; sampling.py keys every draw by row and position too."""
@@ -93,10 +98,16 @@ class ColocatedSource:
                   f"{self.gen_cfg.max_new_tokens} new")
         if self.multiturn is not None:
             return (mine, *self._talk(step, rnd, rows, R, mine, shapes), prompts)
-        with self.timer("generate"), self.routing.generating(), explain_oom("generation", cfg, st, shapes):  # 3.
-            out = self.generator.generate([p.ids for p in mine], self.row_gen_cfg, seed=self.sampling_seed(step),
-                                          row_keys=[rnd * R + g for g in rows],
-                                          on_forward=self.routing.on_generation_forward, should_stop=self.should_stop)
+        if self.engine is not None:  # 3. on vLLM (the rules leave no routes to record: no R3, old log-probs recomputed)
+            with self.timer("generate"):
+                out = self.engine.generate([p.ids for p in mine], self.row_gen_cfg, seed=self.sampling_seed(step),
+                                           row_keys=[rnd * R + g for g in rows])
+        else:
+            with self.timer("generate"), self.routing.generating(), explain_oom("generation", cfg, st, shapes):  # 3.
+                out = self.generator.generate([p.ids for p in mine], self.row_gen_cfg, seed=self.sampling_seed(step),
+                                              row_keys=[rnd * R + g for g in rows],
+                                              on_forward=self.routing.on_generation_forward,
+                                              should_stop=self.should_stop)
         # A stop signal on any rank: all leave the step here, together (one all-reduce per round; the
         # decode loop itself stopped at once, agreed within its lockstep group at no extra cost)
         raise_together(out.abandoned or self.should_stop(), dev,
@@ -192,11 +203,17 @@ class ColocatedSource:
         G = self.gen_cfg.n_samples_per_prompt
         R = t.prompts_per_step * G
         rows = local_rows(R, t.num_minibatches, st.dp, st.dp_rank)  # 2.
+        sync = None
+        if self.engine is not None:  # the weights of every update since the last step (or the warm start, a resume)
+            with self.timer("weight_sync"):
+                sync = self.engine.sync_weights()
         if t.dynamic_sampling:
             picks, pool, stats = self._dynamic_rounds(step, rows, R, G)
         else:
             pool, scores, prompts = self._round(step, 0, rows, R)
             picks, stats = [_Pick(0, g, True, prompts[g], scores.rows(g * G, (g + 1) * G)) for g in range(len(prompts))], {}
+        if sync is not None:
+            stats = {**stats, "rollout/weight_sync_bytes": float(sync.bytes)}
         return self._global_batch(picks, pool, stats, R, G)
 
     def _global_batch(self, picks: list, pool: RolloutRecord, stats: dict, R: int, G: int) -> RolloutRecord:
@@ -237,6 +254,18 @@ class ColocatedSource:
                                    stats=stats, prompt_ids=[
                                        prompt_ids[s] for s in local.row_ids.tolist()],
                                    global_rewards=scores.rewards)
+
+
+def _vllm_engine(cfg, state, model, gen_cfg):
+    """The job's vLLM engine (rollout.engine=vllm): one rank's, sized for the longest prompt and response."""
+    from megatron_gspo.errors import ConfigError
+    from megatron_gspo.rollout.vllm_engine import VllmEngine
+
+    if state.dp > 1:
+        raise ConfigError(f"rollout.engine=vllm runs on one rank so far; this job has {state.dp} data-parallel ranks "
+                          "(use rollout.engine=megatron)")
+    return VllmEngine(model, state, cfg.model, seed=gen_cfg.seed, bucket_mb=int(cfg.rollout.weight_sync_bucket_mb),
+                      max_model_len=cfg.data.max_prompt_length + gen_cfg.max_new_tokens)
 
 
 @dataclass

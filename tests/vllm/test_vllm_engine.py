@@ -1,0 +1,160 @@
+"""Rollouts on vLLM (megatron_gspo/rollout/vllm_engine.py), in the vLLM tier's interpreter: one engine built
+from a one-rank Megatron model, a tiny Qwen3-MoE in fp32 on the CPU (the ``tiny`` preset with head size 32:
+vLLM's CPU attention has no kernel for the preset's 16).
+
+The engine's log-probs of a fixed batch of tokens equal the Megatron model's (max |diff| measured 9.5e-7 in
+fp32; asserted < 1e-5), at start-up (the weights written as an HF directory) and after the Megatron model's
+weights changed by a few optimizer steps and were synced into the engine without a file (vLLM's in-place
+reload); before the sync the engine is measurably stale. Its samples come back as the megatron engine's
+``GenerationOutput`` (rows grouped by prompt, right padding, stop tokens ending rows), and the log-probs
+of the sampled tokens are the Megatron model's of the same tokens: the engine samples from its weights.
+"""
+
+import os
+
+import pytest
+import torch
+
+from megatron_gspo.config import ConfigError, GenerationConfig, ParallelConfig, model_config_from_preset
+from megatron_gspo.model.gpt import build_model, forward_logprobs
+
+VOCAB = 100  # below the padded 128: the mapping's unpadding is on the path
+TOL = 1e-5  # fp32; measured 9.5e-7
+STOP = (3, 5)
+
+
+@pytest.fixture(scope="module")
+def job():
+    from megatron_gspo.rollout.vllm_engine import VllmEngine
+    from megatron_gspo.runtime import parallel
+
+    cfg = model_config_from_preset("tiny", vocab_size=VOCAB, kv_channels=32, moe_aux_loss_coeff=0.0)
+    par = ParallelConfig(device="cpu", seed=5)
+    st = parallel.initialize(cfg, par)
+    model = build_model(cfg, par, st)
+    set_threads, threads, rng = torch.set_num_threads, torch.get_num_threads(), torch.get_rng_state()
+    engine = VllmEngine(model, st, cfg, seed=0, engine_args=dict(kv_cache_memory_bytes=32 << 20))
+    # the trainer shares the process: vLLM's seeding and its CPU worker's thread settings are undone
+    assert torch.set_num_threads is set_threads and torch.get_num_threads() == threads
+    assert torch.equal(torch.get_rng_state(), rng)
+    yield cfg, model, st, engine
+    engine.close()
+    parallel.destroy()
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 12, 3, 20)]
+
+
+def megatron_logprobs(model, seqs) -> list[torch.Tensor]:
+    """log p(seq[t] | seq[:t]) for t >= 1, one forward per sequence (no padding anywhere)."""
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            t = torch.tensor([s])
+            lp, _ = forward_logprobs(model, t[:, :-1], t[:, 1:], VOCAB, with_entropy=False)
+            out.append(lp[0])
+    return out
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert [x.shape for x in a] == [y.shape for y in b]
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def sampled_logprob_diff(model, out) -> float:
+    """max |engine log-prob - Megatron log-prob| over the sampled tokens of a GenerationOutput."""
+    with torch.no_grad():
+        ref, _ = forward_logprobs(model, out.tokens[:, :-1], out.tokens[:, 1:], VOCAB, with_entropy=False)
+    m = out.response_mask[:, 1:]
+    assert int(m.sum()) == int(out.response_lengths.sum()) > 0
+    return (ref - out.logprobs[:, 1:])[m].abs().max().item()
+
+
+def test_logprobs_of_a_fixed_batch_equal_megatron(job):
+    cfg, model, st, engine = job
+    seqs = _batch()
+    d = max_diff(engine.prompt_logprobs(seqs), megatron_logprobs(model, seqs))
+    print(f"max |vLLM - Megatron| log-prob, fixed batch: {d:.3g}")
+    assert d < TOL
+
+
+def test_samples_are_a_generation_output_of_the_megatron_policy(job):
+    cfg, model, st, engine = job
+    prompts = _batch()
+    gc = GenerationConfig(max_new_tokens=8, n_samples_per_prompt=4, temperature=1.0, stop_token_ids=list(STOP),
+                          pad_token_id=0)
+    out = engine.generate(prompts, gc, seed=11)
+    G, B = 4, 4 * len(prompts)
+    assert out.tokens.shape[0] == B and out.logprobs.dtype == torch.float32
+    assert out.prompt_index.tolist() == [i for i in range(len(prompts)) for _ in range(G)]
+    assert out.prompt_lengths.tolist() == [len(p) for p in prompts for _ in range(G)]
+    for r in range(B):
+        p, n = int(out.prompt_lengths[r]), int(out.response_lengths[r])
+        assert out.tokens[r, :p].tolist() == prompts[r // G]
+        resp = out.tokens[r, p:p + n].tolist()
+        assert 1 <= n <= 8 and out.response_mask[r].nonzero().flatten().tolist() == list(range(p, p + n))
+        assert (out.tokens[r, p + n:] == 0).all() and (out.logprobs[r, p + n:] == 0).all()
+        assert (out.logprobs[r, :p] == 0).all() and (out.logprobs[r, p:p + n] < 0).all()
+        # a stop token ends its row and is part of the response; a row without one ran to max_new_tokens
+        assert bool(out.stopped[r]) == (resp[-1] in STOP) and not any(t in STOP for t in resp[:-1])
+        assert bool(out.stopped[r]) or n == 8
+    assert bool(out.stopped.any()) and not bool(out.stopped.all())  # both kinds of row are checked
+    # the G samples of a prompt are not copies of one another
+    for i in range(len(prompts)):
+        assert len({tuple(x) for x in out.responses()[i * G:(i + 1) * G]}) > 1
+    d = sampled_logprob_diff(model, out)
+    print(f"max |vLLM - Megatron| log-prob, sampled tokens: {d:.3g}")
+    assert d < TOL
+    # the call's seed decides the samples
+    again = engine.generate(prompts, gc, seed=11)
+    assert torch.equal(again.tokens, out.tokens) and torch.equal(again.logprobs, out.logprobs)
+    assert not torch.equal(engine.generate(prompts, gc, seed=12).tokens, out.tokens)
+
+
+def test_after_optimizer_steps_the_engine_samples_from_the_synced_weights(job):
+    cfg, model, st, engine = job
+    seqs = _batch()
+    files = sorted(os.listdir(engine._dir))
+    mtimes = [os.path.getmtime(os.path.join(engine._dir, f)) for f in files]
+    before = engine.prompt_logprobs(seqs)
+    assert max_diff(before, megatron_logprobs(model, seqs)) < TOL
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    batch = torch.randint(0, VOCAB, (8, 16), generator=g)
+    for _ in range(3):
+        opt.zero_grad()
+        lp, _ = forward_logprobs(model, batch[:, :-1], batch[:, 1:], VOCAB, with_entropy=False)
+        (-lp.mean()).backward()
+        opt.step()
+    new = megatron_logprobs(model, seqs)
+    stale = max_diff(engine.prompt_logprobs(seqs), new)
+    assert stale > 0.05, f"the optimizer steps barely moved the model ({stale:.3g}): the check below would prove nothing"
+
+    stats = engine.sync_weights()
+    synced = max_diff(engine.prompt_logprobs(seqs), new)
+    print(f"before the sync {stale:.3g}, after {synced:.3g}; sync: {stats}")
+    assert synced < TOL
+    # every HF tensor of the mapping, in bytes: the model's weights less the embedding's and output layer's
+    # padded vocabulary rows
+    n_params = sum(p.numel() for p in model.parameters())
+    pad_rows = 2 * (cfg.padded_vocab_size - VOCAB) * cfg.hidden_size
+    assert stats.bytes == 4 * (n_params - pad_rows) and stats.buckets >= 1
+    # no file was written: the model directory is the one of start-up
+    assert sorted(os.listdir(engine._dir)) == files
+    assert [os.path.getmtime(os.path.join(engine._dir, f)) for f in files] == mtimes
+
+    gc = GenerationConfig(max_new_tokens=6, n_samples_per_prompt=3, temperature=1.0, pad_token_id=0)
+    out = engine.generate(seqs, gc, seed=5)
+    assert sampled_logprob_diff(model, out) < TOL
+
+
+def test_a_head_size_without_a_cpu_kernel_is_refused_in_one_line(job):
+    """The preset's own head size, 16: vLLM's CPU attention would fail at its first forward, deep inside."""
+    from megatron_gspo.rollout.vllm_engine import VllmEngine
+
+    cfg, model, st, engine = job
+    with pytest.raises(ConfigError, match=r"model.kv_channels=16: vLLM's CPU attention supports the head sizes \[32, "):
+        VllmEngine(model, st, model_config_from_preset("tiny", vocab_size=VOCAB))
