@@ -103,8 +103,6 @@ R3 = ["loss.name=grpo", "train.routing_replay=R3"]
                                    r"runner, and on a CPU that needs triton-cpu \(not on PyPI\)"),
     (["parallel.device=cuda", *R3], r"train.routing_replay=R3 with rollout.engine=vllm: the engine's routes are not taken"),
     (["train.old_logprobs=rollout"], r"train.old_logprobs=rollout with rollout.engine=vllm"),
-    (["parallel.tensor_model_parallel_size=2"], r"parallel.tensor_model_parallel_size with rollout.engine=vllm is not "
-                                                r"supported yet"),
     (["rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0"], r"rollout.mode with rollout.engine=vllm is not supported yet"),
 ])
 def test_what_the_vllm_engine_does_not_run_is_refused_by_key(overrides, match):
@@ -113,6 +111,15 @@ def test_what_the_vllm_engine_does_not_run_is_refused_by_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_job_config(None, ["rollout.engine=vllm", *overrides])
     load_job_config(None, overrides)  # the megatron engine runs each of them
+
+
+@pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2"], ["parallel.expert_model_parallel_size=2"]])
+def test_the_vllm_engine_takes_tp_and_ep_layouts(layout):
+    """One engine per trainer TP group, each DP replica its own rows (rollout/vllm_engine.py engine_layout_args;
+    tests/vllm/test_vllm_layouts.py runs them)."""
+    from megatron_gspo.config import load_job_config
+
+    assert load_job_config(None, ["rollout.engine=vllm", *layout]).rollout.engine == "vllm"
 
 
 def test_the_default_engine_is_megatron_and_vllm_recomputes_the_old_log_probs():
