@@ -12,7 +12,8 @@ import torch
 
 from checkpoints_tools.qwen3_moe import Qwen3MoeMapping
 from megatron_gspo.config import ParallelConfig, model_config_from_preset
-from megatron_gspo.rollout.vllm_engine import hf_weight_stream, to_generation_output, unit_chunk, write_hf_dir
+from megatron_gspo.rollout.vllm_engine import (hf_weight_stream, rows_checksum, to_generation_output, unit_chunk,
+                                              write_hf_dir)
 from megatron_gspo.model.gpt import build_model, forward_logprobs
 
 VOCAB = 100
@@ -89,6 +90,18 @@ def test_samples_become_the_generation_output_grid():
         to_generation_output([[1]], 2, [[2], [3]], [[-1.0], [-1.0, -2.0]], [False, False], 0, 1.0)
     with pytest.raises(ValueError, match="1 prompts x 2 samples = 2 rows, got 1 responses"):
         to_generation_output([[1]], 2, [[2]], [[-1.0]], [False], 0, 1.0)
+
+
+def test_the_rows_checksum_of_an_engines_tp_ranks_tells_rows_apart():
+    """What the ranks of a TP group's engine compare after every generation (vllm_engine._check_tp_ranks_agree)."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 100, (6, 9), generator=g)
+    assert torch.equal(rows_checksum(rows), rows_checksum(rows.clone()))
+    swapped = rows[[1, 0, 2, 3, 4, 5]]  # same ids, two rows swapped
+    other = rows.clone()
+    other[5, 8] = (other[5, 8] + 1) % 100  # one token
+    for x in (swapped, other, rows[:, :8], rows[:5]):
+        assert not torch.equal(rows_checksum(x), rows_checksum(rows))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -302,8 +302,10 @@ class VllmEngine:
                 responses.append(toks)
                 logprobs.append([step[t].logprob for step, t in zip(c.logprobs, toks)])
                 stopped.append(c.finish_reason == "stop")
-        return to_generation_output(ids, G, responses, logprobs, stopped, cfg.pad_id, cfg.temperature,
-                                    time.perf_counter() - t0)
+        out = to_generation_output(ids, G, responses, logprobs, stopped, cfg.pad_id, cfg.temperature,
+                                   time.perf_counter() - t0)
+        _check_tp_ranks_agree(out.tokens, self.state)
+        return out
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The engine's log-prob of every token of each sequence given the tokens before it (temperature 1):
@@ -392,6 +394,32 @@ def _check_engine_tp_group(state) -> None:
     if sorted(ours) != sorted(theirs):
         raise RuntimeError(f"vLLM's TP group {theirs} is not the trainer's {ours} at rank {dist.get_rank()}: "
                            "its engine would mix the rows of different DP replicas")
+
+
+def rows_checksum(tokens: torch.Tensor) -> torch.Tensor:
+    """[B, T] token ids -> int64 [3]: (B, T, a position-weighted sum of the ids): rows that differ anywhere differ
+    here but for a collision of the weighted sum (weights 1..B*T, int64 wrapping)."""
+    flat = tokens.detach().reshape(-1).to("cpu", torch.int64)
+    w = torch.arange(1, flat.numel() + 1, dtype=torch.int64)
+    return torch.tensor([tokens.shape[0], tokens.shape[1] if tokens.dim() > 1 else 0, int(((flat + 1) * w).sum())],
+                        dtype=torch.int64)
+
+
+def _check_tp_ranks_agree(tokens: torch.Tensor, state) -> None:
+    """The ranks of an engine (a trainer TP group) must have sampled the same rows: vLLM's external launcher runs
+    one scheduler and sampler per rank and relies on their determinism. A divergence would train the TP shards
+    on different rows; it stops the job here instead (one all-reduce of three numbers per generation)."""
+    import torch.distributed as dist
+
+    if state.tp == 1 or not dist.is_initialized():
+        return
+    lo = rows_checksum(tokens)
+    hi = lo.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=state.tp_group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=state.tp_group)
+    if not torch.equal(lo, hi):
+        raise RuntimeError(f"vLLM's TP ranks sampled different rows at rank {dist.get_rank()} (checksums {lo.tolist()} "
+                           f"vs {hi.tolist()}): the engine's ranks are no longer deterministic replicas of one scheduler")
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ Prints ``VLLM_LAYOUT {json}`` per rank and exits 0 (the test asserts the numbers
 
 import argparse
 import json
+import os
 
 
 def megatron_logprobs(model, seqs, vocab):
@@ -104,6 +105,8 @@ def main():
     tp_ranks = dist.get_process_group_ranks(st.tp_group) if st.tp > 1 else [dist.get_rank()]
     res["tp_same"] = all(torch.equal(grid[r], out.tokens) for r in tp_ranks)
     res["dp_differ"] = all(not torch.equal(grid[r], out.tokens) for r in range(len(grid)) if r not in tp_ranks)
+    # the name of vLLM's CPU shared-memory communicator: this job's, not every torchrun job's "env://"
+    res["dist_ident"] = os.environ.get("VLLM_DIST_IDENT")
     print("VLLM_LAYOUT " + json.dumps(res), flush=True)
     engine.close()
     parallel.destroy()
