@@ -107,6 +107,9 @@ def main():
     res["dp_differ"] = all(not torch.equal(grid[r], out.tokens) for r in range(len(grid)) if r not in tp_ranks)
     # the name of vLLM's CPU shared-memory communicator: this job's, not every torchrun job's "env://"
     res["dist_ident"] = os.environ.get("VLLM_DIST_IDENT")
+    from vllm.distributed.parallel_state import get_tp_group
+
+    res["vllm_tp_ranks"] = list(get_tp_group().ranks)  # the engine's TP shards: the trainer's TP group
     print("VLLM_LAYOUT " + json.dumps(res), flush=True)
     engine.close()
     parallel.destroy()

@@ -27,6 +27,8 @@ def test_after_10_updates_the_engine_of_every_rank_samples_from_the_trained_weig
         assert r["stale"] > 0.05, f"10 updates barely moved the model ({r['stale']:.3g}): the check proves nothing"
         assert r["synced"] < TOL and r["sampled"] < TOL
         assert r["tp_same"] and r["dp_differ"]
+        # TP 2: one engine, its two ranks vLLM's TP shards; EP 2: two engines of one rank each
+        assert r["vllm_tp_ranks"] == ([0, 1] if layout[0] == "--tp" else [r["rank"]])
         assert "gspo-" in r["dist_ident"]  # vLLM's SHM segments are named after this job (its MASTER_PORT)
     # every rank streamed the same full model (the bucket stream is collective over TP / EP)
     assert rows[0]["sync_bytes"] == rows[1]["sync_bytes"] > 0
