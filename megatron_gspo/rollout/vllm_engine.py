@@ -418,8 +418,9 @@ def _check_tp_ranks_agree(tokens: torch.Tensor, state) -> None:
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=state.tp_group)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=state.tp_group)
     if not torch.equal(lo, hi):
-        raise RuntimeError(f"vLLM's TP ranks sampled different rows at rank {dist.get_rank()} (checksums {lo.tolist()} "
-                           f"vs {hi.tolist()}): the engine's ranks are no longer deterministic replicas of one scheduler")
+        raise RuntimeError(f"vLLM's TP ranks sampled different rows at rank {dist.get_rank()} (checksums "
+                           f"{lo.tolist()} vs {hi.tolist()}): the engine's ranks are no longer deterministic replicas "
+                           "of one scheduler")
 
 
 @contextlib.contextmanager
