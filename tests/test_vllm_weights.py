@@ -12,7 +12,8 @@ import torch
 
 from checkpoints_tools.qwen3_moe import Qwen3MoeMapping
 from megatron_gspo.config import ParallelConfig, model_config_from_preset
-from megatron_gspo.rollout.vllm_engine import hf_weight_stream, to_generation_output, unit_chunk, write_hf_dir
+from megatron_gspo.rollout.vllm_engine import (hf_weight_stream, rows_checksum, to_generation_output, unit_chunk,
+                                              write_hf_dir)
 from megatron_gspo.model.gpt import build_model, forward_logprobs
 
 VOCAB = 100
@@ -91,6 +92,18 @@ def test_samples_become_the_generation_output_grid():
         to_generation_output([[1]], 2, [[2]], [[-1.0]], [False], 0, 1.0)
 
 
+def test_the_rows_checksum_of_an_engines_tp_ranks_tells_rows_apart():
+    """What the ranks of a TP group's engine compare after every generation (vllm_engine._check_tp_ranks_agree)."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 100, (6, 9), generator=g)
+    assert torch.equal(rows_checksum(rows), rows_checksum(rows.clone()))
+    swapped = rows[[1, 0, 2, 3, 4, 5]]  # same ids, two rows swapped
+    other = rows.clone()
+    other[5, 8] = (other[5, 8] + 1) % 100  # one token
+    for x in (swapped, other, rows[:, :8], rows[:5]):
+        assert not torch.equal(rows_checksum(x), rows_checksum(rows))
+
+
 # ----------------------------------------------------------------------------------------------
 # rollout.engine
 # ----------------------------------------------------------------------------------------------
@@ -103,8 +116,6 @@ R3 = ["loss.name=grpo", "train.routing_replay=R3"]
                                    r"runner, and on a CPU that needs triton-cpu \(not on PyPI\)"),
     (["parallel.device=cuda", *R3], r"train.routing_replay=R3 with rollout.engine=vllm: the engine's routes are not taken"),
     (["train.old_logprobs=rollout"], r"train.old_logprobs=rollout with rollout.engine=vllm"),
-    (["parallel.tensor_model_parallel_size=2"], r"parallel.tensor_model_parallel_size with rollout.engine=vllm is not "
-                                                r"supported yet"),
     (["rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0"], r"rollout.mode with rollout.engine=vllm is not supported yet"),
 ])
 def test_what_the_vllm_engine_does_not_run_is_refused_by_key(overrides, match):
@@ -113,6 +124,15 @@ def test_what_the_vllm_engine_does_not_run_is_refused_by_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_job_config(None, ["rollout.engine=vllm", *overrides])
     load_job_config(None, overrides)  # the megatron engine runs each of them
+
+
+@pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2"], ["parallel.expert_model_parallel_size=2"]])
+def test_the_vllm_engine_takes_tp_and_ep_layouts(layout):
+    """One engine per trainer TP group, each DP replica its own rows (rollout/vllm_engine.py engine_layout_args;
+    tests/vllm/test_vllm_layouts.py runs them)."""
+    from megatron_gspo.config import load_job_config
+
+    assert load_job_config(None, ["rollout.engine=vllm", *layout]).rollout.engine == "vllm"
 
 
 def test_the_default_engine_is_megatron_and_vllm_recomputes_the_old_log_probs():

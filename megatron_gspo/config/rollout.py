@@ -31,8 +31,8 @@ class RolloutConfig:
     # What samples the rollouts: "megatron" (default), the training model's own decoders
     # (generation.decode_impl); "vllm", a vLLM engine in the process, built from the model and given its
     # weights before every step's generation (rollout/vllm_engine.py; `pip install -e ".[vllm]"` on a GPU,
-    # the venv of .ci/setup-vllm-venv on a CPU). vLLM so far: colocated, one rank, single-turn rows; the
-    # evaluation still samples on the megatron engine.
+    # the venv of .ci/setup-vllm-venv on a CPU). vLLM so far: colocated, single-turn rows (under torchrun one
+    # engine per trainer TP group); the evaluation still samples on the megatron engine.
     engine: str = knob("megatron", resume=Resume.MAY_CHANGE, choices=ROLLOUT_ENGINES)
     # Ranks that generate (async only): the last world_size ranks of the torchrun world. The trainer gets
     # the others, laid out by parallel.*; both in one torchrun launch / one SLURM job.

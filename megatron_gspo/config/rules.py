@@ -370,7 +370,7 @@ def vllm_engine_limits(job) -> None:
     """What rollout.engine=vllm does not run (yet), refused by key before anything is built."""
     if job.rollout.engine != "vllm":
         return
-    t, p = job.train, job.parallel
+    t = job.train
     if t.routing_replay == "R3":
         check(job.parallel.device != "cpu",
               "train.routing_replay=R3 with rollout.engine=vllm on the CPU: R3 replays the routes vLLM returns "
@@ -381,11 +381,11 @@ def vllm_engine_limits(job) -> None:
     check(t.old_logprobs != "rollout",
           "train.old_logprobs=rollout with rollout.engine=vllm: the engine's log-probs are the behaviour policy's "
           "under other numerics; the trainer recomputes the old policy's (train.old_logprobs=auto or recompute)")
-    for key, bad in (("rollout.mode", job.rollout.is_async), ("env.name", job.env.enabled),
-                     ("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size > 1),
-                     ("parallel.expert_model_parallel_size", p.expert_model_parallel_size > 1)):
+    for key, bad in (("rollout.mode", job.rollout.is_async), ("env.name", job.env.enabled)):
         check(not bad, f"{key} with rollout.engine=vllm is not supported yet (vLLM serves colocated, single-turn "
-                       "rollouts of a one-rank job so far); use rollout.engine=megatron")
+                       "rollouts so far); use rollout.engine=megatron")
+    # TP / EP / DP layouts run: one engine per trainer TP group, each DP replica its own rows
+    # (rollout/vllm_engine.py engine_layout_args)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -257,13 +257,10 @@ class ColocatedSource:
 
 
 def _vllm_engine(cfg, state, model, gen_cfg):
-    """The job's vLLM engine (rollout.engine=vllm): one rank's, sized for the longest prompt and response."""
-    from megatron_gspo.errors import ConfigError
+    """The job's vLLM engine (rollout.engine=vllm), sized for the longest prompt and response: this rank's shard of
+    its TP group's engine (vllm_engine.engine_layout_args); each DP replica generates its own rows (local_rows)."""
     from megatron_gspo.rollout.vllm_engine import VllmEngine
 
-    if state.dp > 1:
-        raise ConfigError(f"rollout.engine=vllm runs on one rank so far; this job has {state.dp} data-parallel ranks "
-                          "(use rollout.engine=megatron)")
     return VllmEngine(model, state, cfg.model, seed=gen_cfg.seed, bucket_mb=int(cfg.rollout.weight_sync_bucket_mb),
                       max_model_len=cfg.data.max_prompt_length + gen_cfg.max_new_tokens)
 

@@ -193,15 +193,18 @@ def request_seed(seed: int, row_key: int) -> int:
 
 
 class VllmEngine:
-    """A vLLM engine serving the job's Megatron model (one rank: the engine runs the whole model).
+    """A vLLM engine serving the job's Megatron model: at one rank the engine runs the whole model; under
+    torchrun each TP group of the trainer runs one engine, its ranks the engine's TP shards (``engine_layout_args``).
 
     model, state: the Megatron model (GPTModel or its DDP wrapper) and its ParallelState; model_cfg: the
     job's ModelConfig. ``bucket_mb``: size of a weight-stream bucket (Megatron units, MB).
     ``engine_args``: passed to ``vllm.LLM`` over the defaults below (e.g. ``kv_cache_memory_bytes``,
-    ``max_num_seqs``, ``gpu_memory_utilization``)."""
+    ``max_num_seqs``, ``gpu_memory_utilization``). ``tensor_parallel_size``: the engine's TP size (None: the
+    trainer's TP size, the only one supported so far)."""
 
     def __init__(self, model, state, model_cfg, *, seed: int = 0, bucket_mb: int = 64,
-                 max_model_len: Optional[int] = None, engine_args: Optional[dict] = None) -> None:
+                 max_model_len: Optional[int] = None, engine_args: Optional[dict] = None,
+                 tensor_parallel_size: Optional[int] = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (module doc)
         try:
             from vllm import LLM
@@ -228,12 +231,11 @@ class VllmEngine:
                         max_model_len=self.max_model_len, logprobs_mode="processed_logprobs",
                         enforce_eager=True, enable_prefix_caching=True)
             args.update(_cpu_kv_cache(model_cfg, self.dtype, self.max_model_len))
+            args.update(engine_layout_args(state, tensor_parallel_size))
             args.update(engine_args or {})
-            with _process_state_kept():
+            with _process_state_kept(), _shm_names_of_this_job():
                 self.llm = LLM(**args)
-            refusal = self.llm.apply_model(_cpu_moe_refusal)[0]
-            if refusal:
-                raise ConfigError(refusal)
+            _check_engine_tp_group(state)
         except BaseException:
             self.close()
             raise
@@ -251,6 +253,7 @@ class VllmEngine:
                 n_buckets[0] += 1
                 yield from bucket
 
+        self.llm.apply_model(_unpad_cpu_moe)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs(), "is_checkpoint_format": True})
         self.llm.apply_model(_repack_cpu_moe)
         self.llm.reset_prefix_cache()
@@ -299,8 +302,10 @@ class VllmEngine:
                 responses.append(toks)
                 logprobs.append([step[t].logprob for step, t in zip(c.logprobs, toks)])
                 stopped.append(c.finish_reason == "stop")
-        return to_generation_output(ids, G, responses, logprobs, stopped, cfg.pad_id, cfg.temperature,
-                                    time.perf_counter() - t0)
+        out = to_generation_output(ids, G, responses, logprobs, stopped, cfg.pad_id, cfg.temperature,
+                                   time.perf_counter() - t0)
+        _check_tp_ranks_agree(out.tokens, self.state)
+        return out
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The engine's log-prob of every token of each sequence given the tokens before it (temperature 1):
@@ -345,6 +350,99 @@ def _process_state_kept() -> Iterator[None]:
         torch.set_rng_state(rng[0])
         random.setstate(rng[1])
         np.random.set_state(rng[2])
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine's parallel layout (trainer under torchrun)
+# ----------------------------------------------------------------------------------------------
+
+
+def engine_layout_args(state, tensor_parallel_size: Optional[int] = None) -> dict:
+    """vLLM's parallel arguments for this rank's engine.
+
+    One rank: none (vLLM's in-process executor; it adopts the job's world-1 group). Under torchrun:
+    ``distributed_executor_backend="external_launcher"``: every rank runs one engine shard in its own process
+    and vLLM builds its groups inside the job's already-initialized torch.distributed world (it keeps the
+    world; its layout there is ExternalDP x TP, consecutive ranks in a TP group, as megatron's TP groups
+    are). vLLM's TP size is the trainer's, so each trainer TP group is one engine whose ranks are fed the
+    same prompts (the TP ranks of a DP replica generate the same rows) and each DP replica (EP ranks
+    included: at EP 2 on 2 ranks, 2 replicas) has its own engine generating its own rows. Each shard
+    takes its slice of the full tensors of the bucket stream (vLLM's weight loaders narrow them)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp = state.tp if tensor_parallel_size is None else int(tensor_parallel_size)
+    if tp != state.tp:
+        raise ConfigError(f"rollout.vllm.tensor_parallel_size={tp}: vLLM's TP size must equal "
+                          f"parallel.tensor_model_parallel_size={state.tp} so far (one engine per trainer TP group)")
+    if world == 1:
+        return {}
+    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": tp}
+
+
+def _check_engine_tp_group(state) -> None:
+    """vLLM's TP group of this rank must be the trainer's: the rows an engine generates are the trainer TP
+    group's (same prompts on its ranks), and its shards are fed by that group's collectives."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    from vllm.distributed.parallel_state import get_tp_group
+
+    ours = dist.get_process_group_ranks(state.tp_group) if state.tp > 1 else [dist.get_rank()]
+    theirs = list(get_tp_group().ranks)
+    if sorted(ours) != sorted(theirs):
+        raise RuntimeError(f"vLLM's TP group {theirs} is not the trainer's {ours} at rank {dist.get_rank()}: "
+                           "its engine would mix the rows of different DP replicas")
+
+
+def rows_checksum(tokens: torch.Tensor) -> torch.Tensor:
+    """[B, T] token ids -> int64 [3]: (B, T, a position-weighted sum of the ids): rows that differ anywhere differ
+    here but for a collision of the weighted sum (weights 1..B*T, int64 wrapping)."""
+    flat = tokens.detach().reshape(-1).to("cpu", torch.int64)
+    w = torch.arange(1, flat.numel() + 1, dtype=torch.int64)
+    return torch.tensor([tokens.shape[0], tokens.shape[1] if tokens.dim() > 1 else 0, int(((flat + 1) * w).sum())],
+                        dtype=torch.int64)
+
+
+def _check_tp_ranks_agree(tokens: torch.Tensor, state) -> None:
+    """The ranks of an engine (a trainer TP group) must have sampled the same rows: vLLM's external launcher runs
+    one scheduler and sampler per rank and relies on their determinism. A divergence would train the TP shards
+    on different rows; it stops the job here instead (one all-reduce of three numbers per generation)."""
+    import torch.distributed as dist
+
+    if state.tp == 1 or not dist.is_initialized():
+        return
+    lo = rows_checksum(tokens)
+    hi = lo.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=state.tp_group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=state.tp_group)
+    if not torch.equal(lo, hi):
+        raise RuntimeError(f"vLLM's TP ranks sampled different rows at rank {dist.get_rank()} (checksums "
+                           f"{lo.tolist()} vs {hi.tolist()}): the engine's ranks are no longer deterministic replicas "
+                           "of one scheduler")
+
+
+@contextlib.contextmanager
+def _shm_names_of_this_job() -> Iterator[None]:
+    """Name vLLM's CPU shared-memory TP communicator after this job. The CPU worker names it after the
+    executor's init method, which external_launcher fixes to ``env://``: two torchrun jobs on one host would
+    then open the same segments. The job's MASTER_PORT makes the name its own (vLLM uses the method for that
+    name only: the job's torch.distributed world is already initialized)."""
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    orig = ExecutorWithExternalLauncher._distributed_args
+    ident = f"env://gspo-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', os.getpid())}"
+
+    def args(self):
+        _, rank, local_rank = orig(self)
+        return ident, rank, local_rank
+
+    ExecutorWithExternalLauncher._distributed_args = args
+    try:
+        yield
+    finally:
+        ExecutorWithExternalLauncher._distributed_args = orig
 
 
 def _cpu_kv_cache(model_cfg, dtype: torch.dtype, max_model_len: int, seqs: int = 256) -> dict:
@@ -403,17 +501,28 @@ def _repack_cpu_moe(model) -> int:
     return len(layers)
 
 
-def _cpu_moe_refusal(model) -> Optional[str]:
-    """Why vLLM's CPU MoE kernel cannot take weight updates for this model (None: it can): the kernel pads the
-    experts' intermediate size to its alignment at the first load, and a reload delivers unpadded weights."""
+def _unpad_cpu_moe(model) -> int:
+    """Before an in-place weight reload: give every CPU MoE layer whose kernel padded the experts' intermediate
+    size (to its alignment, 32: e.g. 16 per rank at vLLM TP 2) plain tensors of the checkpoint's shapes
+    (w13 [E, 2I, H], w2 [E, H, I] of this rank's partition); returns how many layers it changed.
+
+    vLLM 0.32's reload loads a layer into fresh tensors of the checkpoint's shapes and then copies them into
+    the tensors the layer held before (``_copy_and_restore_kernel_tensors``): the padded [E, 2P, H] cannot
+    take the plain [E, 2I, H]. With plain tensors in place the copy fits, and ``_repack_cpu_moe`` pads and
+    packs them again after the reload (the kernel's own ``process_weights_after_loading``)."""
+    from vllm.model_executor.utils import replace_parameter
+
+    n = 0
     for layer, experts in _cpu_moe_layers(model):
-        size = experts.moe_config.intermediate_size_per_partition
-        padded = experts._padded_intermediate_size(experts.moe_config)
-        if padded != size:
-            return (f"vLLM's CPU MoE kernel pads the experts' intermediate size {size} to {padded}, and its weight "
-                    f"reload does not: model.moe_ffn_hidden_size must be a multiple of "
-                    f"{experts._intermediate_alignment()} for rollouts on vLLM on a CPU")
-    return None
+        cfg = experts.moe_config
+        size = cfg.intermediate_size_per_partition
+        if experts._padded_intermediate_size(cfg) == size:
+            continue
+        e, h = layer.w13_weight.shape[0], cfg.hidden_dim
+        replace_parameter(layer, "w13_weight", layer.w13_weight.new_empty(e, 2 * size, h))
+        replace_parameter(layer, "w2_weight", layer.w2_weight.new_empty(e, h, size))
+        n += 1
+    return n
 
 
 def to_generation_output(prompts: list[list[int]], G: int, responses: list[list[int]], logprobs: list[list[float]],

@@ -4,7 +4,7 @@ vLLM's CPU attention has no kernel for the preset's 16).
 
 The engine's log-probs of a fixed batch of tokens equal the Megatron model's (max |diff| measured 9.5e-7 in
 fp32; asserted < 1e-5), at start-up (the weights written as an HF directory) and after the Megatron model's
-weights changed by a few optimizer steps and were synced into the engine without a file (vLLM's in-place
+weights changed by 10 optimizer steps and were synced into the engine without a file (vLLM's in-place
 reload); before the sync the engine is measurably stale. Its samples come back as the megatron engine's
 ``GenerationOutput`` (rows grouped by prompt, right padding, stop tokens ending rows), and the log-probs
 of the sampled tokens are the Megatron model's of the same tokens: the engine samples from its weights.
@@ -124,7 +124,7 @@ def test_after_optimizer_steps_the_engine_samples_from_the_synced_weights(job):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(3)
     batch = torch.randint(0, VOCAB, (8, 16), generator=g)
-    for _ in range(3):
+    for _ in range(10):
         opt.zero_grad()
         lp, _ = forward_logprobs(model, batch[:, :-1], batch[:, 1:], VOCAB, with_entropy=False)
         (-lp.mean()).backward()
