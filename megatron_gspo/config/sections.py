@@ -389,24 +389,30 @@ class TrainConfig:
     # Non-finite loss / gradients skip the update on every rank; this many in a row stop the run.
     max_consecutive_skips: int = knob(5, resume=Resume.MAY_CHANGE, ge=1)
     output_dir: str = knob("runs/gspo", resume=Resume.MAY_CHANGE)
-    # Where the step's scalars go besides {output_dir}/metrics.jsonl (rank 0; runtime/trackers/):
-    # "tensorboard" ({output_dir}/tensorboard/), "wandb" (Weights & Biases), "mlflow". verl's
-    # trainer.logger, TRL's report_to. wandb and mlflow are imported only when named (pip install wandb /
-    # mlflow); a resumed run continues the same wandb / MLflow run (its id is kept in the checkpoint).
+    # Where the step's scalars go besides metrics.jsonl (rank 0; runtime/trackers/): `tensorboard`
+    # (`{output_dir}/tensorboard/`), `wandb` (Weights & Biases), `mlflow`; verl's trainer.logger, TRL's
+    # report_to. wandb and mlflow are imported only when named (`pip install wandb` / `mlflow`, or the
+    # `trackers` extra); each gets TensorBoard's scalars at the same steps and the job's config once, and a
+    # resumed run continues the same wandb / MLflow run (its id is kept in the checkpoint). A tracker that
+    # fails (no network, a bad key) is said in one line and off for the rest of the run; training goes on.
     loggers: list[str] = knob(default_factory=lambda: ["tensorboard"], resume=Resume.MAY_CHANGE)
-    # false: no tensorboard whatever train.loggers says (the older switch, kept for command lines that use it)
+    # TensorBoard's scalars and histograms, when train.loggers names it; false: none, whatever train.loggers
+    # says (the older switch, kept for the command lines that use it). metrics.jsonl is always written.
     tensorboard: bool = knob(True, resume=Resume.MAY_CHANGE)
-    # Weights & Biases (Megatron-LM's --wandb-project / --wandb-exp-name / --wandb-save-dir, and the entity):
-    # the run's project, its display name (null: W&B picks one), where wandb writes its files (null:
-    # train.output_dir; an offline run, WANDB_MODE=offline, stays there for `wandb sync`) and the team or user.
+    # The W&B project of the run (Megatron-LM's --wandb-project).
     wandb_project: str = knob("megatron-gspo", resume=Resume.MAY_CHANGE)
+    # The W&B run's display name (Megatron-LM's --wandb-exp-name; null: W&B picks one).
     wandb_exp_name: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
+    # Where wandb writes its files, `<dir>/wandb/` (Megatron-LM's --wandb-save-dir; null: train.output_dir).
+    # An offline run (WANDB_MODE=offline) stays there for `wandb sync`.
     wandb_save_dir: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
+    # The W&B team or user the run belongs to (null: the API key's default entity).
     wandb_entity: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
-    # MLflow: the tracking server or store (null: MLflow's own default, $MLFLOW_TRACKING_URI), the
-    # experiment (created when missing) and the run's name (null: MLflow picks one).
+    # The MLflow tracking server or store (null: MLflow's default, $MLFLOW_TRACKING_URI).
     mlflow_tracking_uri: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
+    # The MLflow experiment of the run (created when missing).
     mlflow_experiment: str = knob("megatron-gspo", resume=Resume.MAY_CHANGE)
+    # The MLflow run's name (null: MLflow picks one).
     mlflow_run_name: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
     log_interval: int = knob(1, resume=Resume.MAY_CHANGE, ge=1)
     seed: int = knob(1234, resume=Resume.REFUSED)

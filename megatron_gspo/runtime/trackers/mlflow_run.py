@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from urllib.parse import urlparse
 from typing import Mapping, Optional
 
 import torch
@@ -14,10 +15,18 @@ from megatron_gspo.runtime.trackers.base import Tracker
 MAX_PARAMS_PER_BATCH, MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE = 100, 1000, 6000
 
 
-def metric_name(key: str) -> str:
+def metric_name(key: str, file_store: bool = False) -> str:
     """``key`` as MLflow accepts it: letters, digits, _ - . / and space (on every OS); any other character
-    becomes "_" (eval/pass@4 -> eval/pass_4)."""
-    return re.sub(r"[^\w./\- ]", "_", key)
+    becomes "_" (eval/pass@4 -> eval/pass_4). ``file_store``: MLflow's file store (a file: URI or a path) keeps
+    each metric in a file of that path, so a key cannot also be another's folder (routing/aux_loss beside
+    routing/aux_loss/layer_0): there "/" becomes "." (routing.aux_loss, routing.aux_loss.layer_0)."""
+    name = re.sub(r"[^\w./\- ]", "_", key)
+    return name.replace("/", ".") if file_store else name
+
+
+def is_file_store(tracking_uri: str) -> bool:
+    """The tracking URI (resolved) names MLflow's file store."""
+    return urlparse(tracking_uri).scheme in ("", "file")
 
 
 class MlflowTracker(Tracker):
@@ -33,6 +42,7 @@ class MlflowTracker(Tracker):
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.config, self.resume = config, resume
         self.client = self.run_id = None
+        self.file_store = False
 
     def start(self, first_step: int) -> None:
         from mlflow.entities import Param
@@ -40,6 +50,7 @@ class MlflowTracker(Tracker):
 
         # the client, not mlflow's fluent API: no process-wide active run (a host program may have one)
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.file_store = is_file_store(self.client.tracking_uri)
         if self.resume:
             self.run_id = self.resume["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
@@ -55,7 +66,7 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(metric_name(k), x, now, step) for k, x in scalars.items()]
+        metrics = [Metric(metric_name(k, self.file_store), x, now, step) for k, x in scalars.items()]
         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
 
