@@ -134,6 +134,16 @@ def test_a_failing_tracker_is_said_in_one_line_and_dropped_while_the_others_go_o
     assert runs == {"wandb": {"id": "wandb"}, "mlflow": {"id": "mlflow"}}
 
 
+def test_only_rank_0_writes_to_the_trackers(tmp_path):
+    from megatron_gspo.runtime.logger import MetricsLogger
+
+    other = Recorder("wandb")
+    m = MetricsLogger(str(tmp_path), enabled=False, trackers=[other])  # a rank other than 0
+    m.log(1, {"x": 1.0})
+    m.close()
+    assert other.got == [] and other.closed == 0 and m.runs() == {} and not os.listdir(tmp_path)
+
+
 def test_mlflow_metric_names():
     from megatron_gspo.runtime.trackers.mlflow_run import is_file_store, metric_name
 
