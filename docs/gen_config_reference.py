@@ -95,8 +95,7 @@ SUPPLEMENT: dict[str, str] = {
     "train.advantage_estimator": "Group-relative advantage estimator: `grpo` (divide by the group std), "
                                  "`dr_grpo` or its alias `mean_only` (mean-centering only).",
     "train.output_dir": "Where rank 0 writes `metrics.jsonl` and `tensorboard/` (created at the first "
-                        "logged step).",
-    "train.tensorboard": "Also write TensorBoard scalars and histograms (`metrics.jsonl` is always written).",
+                        "logged step), and wandb its files unless `train.wandb_save_dir` says otherwise.",
     "train.log_interval": "Print the progress line every N steps (metrics are logged every step).",
     "train.seed": "Per-step seed: after n completed steps, the next step reseeds Python's, numpy's and torch's "
                   "global RNGs with `seed + n` (+ 100 x pipeline rank), so a resumed run draws what the "

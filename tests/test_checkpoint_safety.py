@@ -449,7 +449,7 @@ def test_metrics_rows_are_written_whole_as_each_step_ends(tmp_path, monkeypatch)
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", write)
-    metrics = MetricsLogger(str(tmp_path), enabled=True, tensorboard=False)
+    metrics = MetricsLogger(str(tmp_path), enabled=True)
     rows = lambda: [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
     metrics.log(1, {"x": 1.0})
     assert rows() == [1]  # on disk as the step ends

@@ -238,8 +238,9 @@ def test_metrics_restart_at_the_resumed_step(tmp_path):
     """A run killed after logging steps 4-5 but checkpointed at 3 logs 4 and 5 again when resumed:
     each step keeps one row (the new one), in metrics.jsonl and in TensorBoard."""
     from megatron_gspo.runtime.logger import MetricsLogger
+    from megatron_gspo.runtime.trackers.tensorboard import TensorBoardTracker
 
-    first = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True)
+    first = MetricsLogger(str(tmp_path), enabled=True, trackers=[TensorBoardTracker(str(tmp_path))])
     for step in range(1, 6):
         first.log(step, {"x": float(step)})
     first.close()
@@ -252,7 +253,7 @@ def test_metrics_restart_at_the_resumed_step(tmp_path):
     while int(time.time()) == start:
         time.sleep(0.05)
     with LogLines(logging.WARNING) as warnings:
-        second = MetricsLogger(str(tmp_path), enabled=True, tensorboard=True, resumed=True)
+        second = MetricsLogger(str(tmp_path), enabled=True, trackers=[TensorBoardTracker(str(tmp_path))], resumed=True)
         for step in (4, 5, 6):
             second.log(step, {"x": 10.0 * step})
         second.close()

@@ -44,6 +44,7 @@ from megatron_gspo.checkpoint.storage import check_compatible, check_complete, l
 from megatron_gspo.checkpoint.torch_dist_files import read_common
 from megatron_gspo.checkpoint.space import needed, no_space_message
 from megatron_gspo.checkpoint.training import DiskRefusedSave, load_checkpoint, save_checkpoint
+from megatron_gspo.checkpoint.training import saved_runs as read_saved_runs
 from megatron_gspo.config import CheckpointConfig, to_dict
 from megatron_gspo.errors import CheckpointError
 
@@ -101,6 +102,7 @@ class CheckpointManager:
             self.initial_weights = self._settle(cfg.load, required=True)
         self._common: Optional[dict] = None
         self._tracked: Optional[dict] = None  # what save_step writes (track)
+        self._runs: Optional[Callable[[], dict]] = None  # the trackers' runs save_step writes (keep_runs)
         # resumed at train.num_steps already: the run trains and writes nothing (restore and save_final know)
         self.finished = self.nothing_to_train()
         if self.finished is not None and state.is_main:
@@ -262,6 +264,15 @@ class CheckpointManager:
         self._tracked = dict(model=model, optimizer=optimizer, scheduler=scheduler, job=job, data=data,
                              extra_models=extra_models, during_save=during_save, skips=skips)
 
+    def keep_runs(self, runs: Callable[[], dict]) -> None:
+        """Every later save writes ``runs()`` (rank 0's run trackers' runs, MetricsLogger.runs) beside the state
+        (logger_runs.json), for a resumed job to continue them (``saved_runs``)."""
+        self._runs = runs
+
+    def saved_runs(self) -> dict:
+        """(rank 0) {tracker: run} of the checkpoint this job resumes; {} for a fresh start."""
+        return read_saved_runs(self.resume_dir) if self.resuming else {}
+
     def save_step(self, step: int) -> Optional[str]:
         """Collective: the tracked state after ``step`` completed steps, now (a periodic save, the end of the
         run, a stop). None when checkpoint.save is unset."""
@@ -271,8 +282,9 @@ class CheckpointManager:
         extra = {"data": t["data"].state_dict(), "config": to_dict(t["job"])}
         if t["skips"] is not None:
             extra["skips"] = t["skips"].state_dict()
+        runs = self._runs() if self._runs is not None and self.state.is_main else None
         return self.save(step, t["model"], t["optimizer"], t["scheduler"], extra_models=t["extra_models"],
-                         extra=extra, during_save=t["during_save"])
+                         extra=extra, during_save=t["during_save"], runs=runs)
 
     def save_if_due(self, step: int) -> None:
         """At the end of step ``step``: the periodic save, when ``due``."""
@@ -286,7 +298,7 @@ class CheckpointManager:
             self.save_step(step)
 
     def save(self, step: int, model, optimizer, scheduler, *, extra: dict, extra_models: Optional[dict] = None,
-             during_save: Optional[Callable[[str], None]] = None) -> Optional[str]:
+             during_save: Optional[Callable[[str], None]] = None, runs: Optional[dict] = None) -> Optional[str]:
         """Collective. Writes <save>/iter_<step> atomically; None when checkpoint.save is unset."""
         if not self.cfg.save:
             return None
@@ -294,7 +306,7 @@ class CheckpointManager:
         try:
             return save_checkpoint(self.cfg.save, step, model, optimizer, scheduler, extra=extra,
                                    is_main=self.state.is_main, keep_last=self.cfg.keep_last, fault_hook=hook,
-                                   extra_models=extra_models)
+                                   extra_models=extra_models, runs=runs)
         except DiskRefusedSave as e:  # one line, exit 74 (space.py)
             raise StoppedFor(self._refused_save(step, e.cause), StopReason.CHECKPOINT_WRITE_FAILED) from None
 

@@ -3,6 +3,7 @@ config), saved and loaded collectively and atomically (directory.py has the on-d
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from typing import Optional
@@ -43,6 +44,20 @@ from megatron_gspo.model.gpt import unwrap
 OPTIMIZER_CKPT_METADATA = {"chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "fully_reshardable"}
 
 
+# The runs of the job's trackers (wandb, MLflow) in a checkpoint, which a resumed job continues
+LOGGER_RUNS = "logger_runs.json"
+
+
+def saved_runs(ckpt_dir: str) -> dict:
+    """{tracker: run} of the checkpoint ``ckpt_dir`` (LOGGER_RUNS; {} when it holds none: saved without
+    trackers, or before their first step). Verified with the rest of the checkpoint (its manifest)."""
+    path = os.path.join(ckpt_dir, LOGGER_RUNS)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def _model_device(model) -> torch.device:
     """The job's device, where its parameters live (compat.optimizer_context keys on it)."""
     return next(unwrap(model).parameters()).device
@@ -68,14 +83,16 @@ def _optimizer_parts(optimizer) -> int:
 
 def save_checkpoint(root: str, step: int, model, optimizer=None, scheduler=None, extra: Optional[dict] = None,
                     is_main: bool = True, keep_last: int = 0, fault_hook=None,
-                    extra_models: Optional[dict] = None) -> str:
-    """Collective. Writes <root>/iter_<step> atomically (see above) and points the tracker at it. A write
+                    extra_models: Optional[dict] = None, runs: Optional[dict] = None) -> str:
+    """Collective. Writes <root>/iter_<step> atomically (see above) and points the tracker at it. ``runs``:
+    rank 0's run trackers' runs ({name: {"id": ...}}, runtime/trackers), written by rank 0 to LOGGER_RUNS (a
+    rank-0 state: in the common state every rank writes, the ranks' copies would differ). A write
     the disk refused (no space left, quota, read-only, I/O error: space.write_failure) raises
     DiskRefusedSave with the partial iter_<step>.tmp removed; any other failure propagates as it is."""
     final = iter_dir(root, step)
     tmp = final + ".tmp"
     try:
-        _write(root, step, tmp, model, optimizer, scheduler, extra, is_main, fault_hook, extra_models)
+        _write(root, step, tmp, model, optimizer, scheduler, extra, is_main, fault_hook, extra_models, runs)
         if is_main:
             _publish(root, step, tmp, final, keep_last)
     except BaseException as e:  # torch's CheckpointException is a BaseException
@@ -97,7 +114,7 @@ class DiskRefusedSave(OSError):
 
 
 def _write(root: str, step: int, tmp: str, model, optimizer, scheduler, extra, is_main: bool, fault_hook,
-           extra_models) -> None:
+           extra_models, runs: Optional[dict] = None) -> None:
     """Every rank: the checkpoint's files into ``tmp``."""
     from megatron.core import dist_checkpointing
 
@@ -116,6 +133,9 @@ def _write(root: str, step: int, tmp: str, model, optimizer, scheduler, extra, i
     if extra:
         sd["extra"] = extra
     dist_checkpointing.save(sd, tmp, sharded_strategy=save_strategy())
+    if is_main and runs:  # before the manifest, which then covers it
+        with open(os.path.join(tmp, LOGGER_RUNS), "w", encoding="utf-8") as f:
+            json.dump(runs, f)
     if fault_hook is not None:
         fault_hook("save", tmp)  # tests: die with a half-written checkpoint
     comm.barrier()

@@ -24,6 +24,7 @@ ROLLOUT_CORRECTION_MODES = ("off", "tis", "mis")  # rollout_correction.correctio
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 DEVICES = ("auto", "cuda", "cpu")  # parallel.resolve_device
 DECODE_IMPLS = ("auto", "lean", "megatron")  # generation/decoder.py's make_backend
+TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")  # runtime/trackers: TRACKERS
 
 # The most extra generation rounds train.dynamic_sampling_max_rounds may allow in one step. DAPO's
 # runs need about 1-3 (verl's recipe caps them at 10); past a few dozen a step that finds no signal
@@ -388,7 +389,31 @@ class TrainConfig:
     # Non-finite loss / gradients skip the update on every rank; this many in a row stop the run.
     max_consecutive_skips: int = knob(5, resume=Resume.MAY_CHANGE, ge=1)
     output_dir: str = knob("runs/gspo", resume=Resume.MAY_CHANGE)
+    # Where the step's scalars go besides metrics.jsonl (rank 0; runtime/trackers/): `tensorboard`
+    # (`{output_dir}/tensorboard/`), `wandb` (Weights & Biases), `mlflow`; verl's trainer.logger, TRL's
+    # report_to. wandb and mlflow are imported only when named (`pip install wandb` / `mlflow`, or the
+    # `trackers` extra); each gets TensorBoard's scalars at the same steps and the job's config once, and a
+    # resumed run continues the same wandb / MLflow run (its id is kept in the checkpoint). A tracker that
+    # fails (no network, a bad key) is said in one line and off for the rest of the run; training goes on.
+    loggers: list[str] = knob(default_factory=lambda: ["tensorboard"], resume=Resume.MAY_CHANGE)
+    # TensorBoard's scalars and histograms, when train.loggers names it; false: none, whatever train.loggers
+    # says (the older switch, kept for the command lines that use it). metrics.jsonl is always written.
     tensorboard: bool = knob(True, resume=Resume.MAY_CHANGE)
+    # The W&B project of the run (Megatron-LM's --wandb-project).
+    wandb_project: str = knob("megatron-gspo", resume=Resume.MAY_CHANGE)
+    # The W&B run's display name (Megatron-LM's --wandb-exp-name; null: W&B picks one).
+    wandb_exp_name: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
+    # Where wandb writes its files, `<dir>/wandb/` (Megatron-LM's --wandb-save-dir; null: train.output_dir).
+    # An offline run (WANDB_MODE=offline) stays there for `wandb sync`.
+    wandb_save_dir: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
+    # The W&B team or user the run belongs to (null: the API key's default entity).
+    wandb_entity: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
+    # The MLflow tracking server or store (null: MLflow's default, $MLFLOW_TRACKING_URI).
+    mlflow_tracking_uri: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
+    # The MLflow experiment of the run (created when missing).
+    mlflow_experiment: str = knob("megatron-gspo", resume=Resume.MAY_CHANGE)
+    # The MLflow run's name (null: MLflow picks one).
+    mlflow_run_name: Optional[str] = knob(None, resume=Resume.MAY_CHANGE)
     log_interval: int = knob(1, resume=Resume.MAY_CHANGE, ge=1)
     seed: int = knob(1234, resume=Resume.REFUSED)
     # Deterministic kernels, cuBLAS workspace, NCCL algorithm and megatron's deterministic mode
@@ -402,11 +427,20 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         validate(self, "train")
+        unknown = [n for n in self.loggers if n not in TRACKER_NAMES]
+        check(not unknown, f"train.loggers={self.loggers!r}: {', '.join(map(repr, unknown))} is not one of "
+                           f"{list(TRACKER_NAMES)}")
+        check(len(set(self.loggers)) == len(self.loggers), f"train.loggers={self.loggers!r} names a logger twice")
         # R2's routes need the old-log-prob pass (rows kept by dynamic sampling carry their own rollout
         # routes in the record, so R3 and the rollout log-probs work with it)
         check(not (self.old_logprobs == "rollout" and self.routing_replay == "R2"),
               "train.old_logprobs='rollout' skips the old-log-prob pass, where routing replay R2 records its routes; "
               "use train.old_logprobs=recompute (or auto) with train.routing_replay=R2, or R3")
+
+    @property
+    def trackers(self) -> list[str]:
+        """The loggers this job writes to: train.loggers, less tensorboard when train.tensorboard=false."""
+        return [n for n in self.loggers if n != "tensorboard" or self.tensorboard]
 
 
 @dataclass

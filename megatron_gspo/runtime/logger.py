@@ -1,5 +1,5 @@
-"""Rank-0 logging: tensorboard scalars and histograms, a JSONL copy, one progress line per step,
-the step's section timings (``Timer``) and the perf/* and data/* metrics of a step."""
+"""Rank-0 logging: metrics.jsonl and the run trackers (runtime/trackers/: TensorBoard, wandb, MLflow), one
+progress line per step, the step's section timings (``Timer``) and the perf/* and data/* metrics of a step."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import math
 import os
 import sys
 import time
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
 from megatron_gspo.runtime.sysinfo import current_rss
+from megatron_gspo.runtime.trackers.base import Tracker, Trackers
 from megatron_gspo.runtime.writable import describe_os_error
 
 Value = Union[float, int, torch.Tensor]
@@ -47,19 +48,21 @@ class MetricsLogger:
     A write that fails (a full disk, a quota, a file system gone away) is said in one line when it
     happens and training goes on: the metrics are a log, the checkpoint is the run's state (a checkpoint
     the disk refuses stops the run, exit 74). Each later step tries again; a line says when rows are
-    written again and which steps have none. TensorBoard that fails is off for the rest of the run.
+    written again and which steps have none. ``trackers`` (train.loggers: TensorBoard, wandb, MLflow;
+    runtime/trackers/) get the step's finite scalars and its histograms; one that fails is off for the
+    rest of the run.
 
     ``resumed``: this run continues a checkpoint (checkpoint.resume found one). Its rows from the resumed
     step on are an earlier attempt's, which went past that checkpoint: dropped, the steps logged again. A
     run that continues nothing never touches an earlier run's logs: they are moved aside
     (``keep_earlier_logs``) and this run writes a new metrics.jsonl."""
 
-    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool = True, resumed: bool = False) -> None:
+    def __init__(self, output_dir: str, enabled: bool, trackers: Sequence[Tracker] = (), resumed: bool = False) -> None:
         self.enabled = enabled
         self.output_dir = output_dir
         self.resumed = resumed
-        self.use_tb = tensorboard
-        self.tb = None
+        self.trackers = Trackers(trackers if enabled else ())
+        self.started = False  # the trackers (at the first row)
         self.fd: Optional[int] = None  # metrics.jsonl, opened for appending at the first row
         self.lost: list[int] = []  # steps whose row could not be written since the last one that was
 
@@ -78,21 +81,6 @@ class MetricsLogger:
             log.warning("%s: dropped %d row(s) of steps >= %d written by an earlier run that went past its last "
                         "checkpoint; this run logs those steps again", path, dropped, first_step)
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if self.use_tb:
-            self._open_tensorboard(first_step)
-
-    def _open_tensorboard(self, first_step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        try:
-            self.tb = SummaryWriter(os.path.join(self.output_dir, "tensorboard"), purge_step=first_step)
-        except OSError as e:
-            self._tensorboard_off(e)
-
-    def _tensorboard_off(self, e: OSError) -> None:
-        self.use_tb, self.tb = False, None
-        log.warning("train.output_dir=%s: tensorboard is off for the rest of the run: %s (metrics.jsonl goes on)",
-                    self.output_dir, describe_os_error(e, os.path.join(self.output_dir, "tensorboard")))
 
     def log(self, step: int, metrics: Mapping[str, Value]) -> None:
         if not self.enabled:
@@ -101,21 +89,21 @@ class MetricsLogger:
         for k, v in metrics.items():
             if isinstance(v, torch.Tensor) and v.numel() != 1:  # a histogram ("cat" metric; empty when no row trained)
                 v = v.float()
-                histograms[k] = v[torch.isfinite(v)]  # a skipped (non-finite) step must not break logging
+                v = v[torch.isfinite(v)]  # a skipped (non-finite) step must not break logging
+                if v.numel() > 0:
+                    histograms[k] = v
                 continue
             row[k] = scalars[k] = float(v)
         self._write_row(step, (json.dumps(row) + "\n").encode("utf-8"))
-        if self.tb is not None:
-            try:
-                for k, v in histograms.items():
-                    if v.numel() > 0:
-                        self.tb.add_histogram(k, v, step)
-                for k, x in scalars.items():
-                    if math.isfinite(x):
-                        self.tb.add_scalar(k, x, step)
-                self.tb.flush()
-            except OSError as e:
-                self._tensorboard_off(e)
+        if not self.started:  # after the first row: an earlier run's tensorboard/ is moved aside by then
+            self.started = True
+            self.trackers.start(step)
+        # a non-finite scalar (a skipped step's loss) is in metrics.jsonl only
+        self.trackers.log(step, {k: x for k, x in scalars.items() if math.isfinite(x)}, histograms)
+
+    def runs(self) -> dict:
+        """{tracker: its run}: what a resumed job needs to continue each tracker's run (kept in the checkpoint)."""
+        return self.trackers.runs()
 
     def _write_row(self, step: int, data: bytes) -> None:
         """Append one row, whole or not at all (a row cut by a full disk is cut off again)."""
@@ -148,10 +136,7 @@ class MetricsLogger:
         return f"{len(steps)} step(s) have no row: {named}"
 
     def close(self) -> None:
-        if self.tb is not None:
-            with contextlib.suppress(OSError):
-                self.tb.close()
-            self.tb = None
+        self.trackers.close()
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None

@@ -62,16 +62,19 @@ def build_data(cfg: JobConfig, st, stop):
 
 def check_outputs(cfg: JobConfig, st) -> None:
     """Every place the job writes, writable now (runtime/writable.py), before anything is built: checkpoint.save
-    on every rank (each writes its own files), train.output_dir (metrics.jsonl, tensorboard/) on the rank that
-    logs. ConfigError naming the key and the cause."""
+    on every rank (each writes its own files), train.output_dir (metrics.jsonl, tensorboard/) and
+    train.wandb_save_dir on the rank that logs. ConfigError naming the key and the cause."""
     ck, out = cfg.checkpoint.save, cfg.train.output_dir
     if ck:
         check_writable(ck, f"checkpoint.save={ck}", error=ConfigError)
     if st.is_main:
         check_writable(out, f"train.output_dir={out}", error=ConfigError)
         check_writable(os.path.join(out, "metrics.jsonl"), f"train.output_dir={out}", directory=False, error=ConfigError)
-        if cfg.train.tensorboard:
+        if "tensorboard" in cfg.train.trackers:
             check_writable(os.path.join(out, "tensorboard"), f"train.output_dir={out}", error=ConfigError)
+        if "wandb" in cfg.train.trackers and cfg.train.wandb_save_dir:
+            check_writable(cfg.train.wandb_save_dir, f"train.wandb_save_dir={cfg.train.wandb_save_dir}",
+                           error=ConfigError)
 
 
 def build_checkpoints(cfg: JobConfig, st) -> CheckpointManager:

@@ -38,12 +38,13 @@ from megatron_gspo.algorithms.advantages import get_advantage_estimator
 from megatron_gspo.algorithms.objective import (ObjectiveConfig, bad_sample_ids, loss_units, nonfinite_rows, objective,
                                                 warn_off_policy)
 from megatron_gspo.algorithms.overlong import empty_minibatch
-from megatron_gspo.config import JobConfig, old_logprob_source
+from megatron_gspo.config import JobConfig, old_logprob_source, to_dict
 from megatron_gspo.runtime.exit_status import StoppedFor
 from megatron_gspo.runtime.stop import Cancelled, PreemptionFlag
 from megatron_gspo.trainer.stopping import StopControl
 from megatron_gspo.runtime.hooks import Hooks, TrainerHook
 from megatron_gspo.runtime.logger import MetricsLogger, Timer, data_metrics, perf_metrics, progress_line
+from megatron_gspo.runtime.trackers import build_trackers, check_installed
 from megatron_gspo.runtime.metrics import MetricAccumulator
 from megatron_gspo.model.oom import explain_oom, model_shapes
 from megatron_gspo.model.gpt import aux_loss_scales, clear_aux_losses_tracker, finalize_grads, forward_logprobs, set_aux_loss_scale
@@ -81,6 +82,7 @@ class Trainer:
 
     def _build(self, cfg: JobConfig, hooks: Iterable[TrainerHook]) -> None:
         """The components (trainer/components.py), in dependency order; collective."""
+        check_installed(cfg.train.trackers)  # a tracker named and not installed: exit 2 before anything starts
         self.side = join_side(cfg)  # rollout.mode=async: the trainer's ranks are a world of their own
         self.state = st = parallel.initialize(cfg.model, cfg.parallel, side=self.side)
         components.check_outputs(cfg, st)  # every place the job writes, before anything is built
@@ -110,8 +112,12 @@ class Trainer:
         self.stopping = StopControl(cfg, st, self.preempt, self.source, self.checkpoints, self.ddp, self.sampler,
                                     during_save=functools.partial(self.hooks.during_save, self))
         # a run continuing a checkpoint continues its log; any other keeps an earlier run's logs aside
-        self.logger = MetricsLogger(cfg.train.output_dir, enabled=st.is_main, tensorboard=cfg.train.tensorboard,
+        # (rank 0) the trackers continue the runs the resumed checkpoint names, which every save then keeps
+        trackers = build_trackers(cfg.train, cfg.train.output_dir, to_dict(cfg),
+                                  self.checkpoints.saved_runs()) if st.is_main else []
+        self.logger = MetricsLogger(cfg.train.output_dir, enabled=st.is_main, trackers=trackers,
                                     resumed=self.checkpoints.resume_dir is not None)
+        self.checkpoints.keep_runs(self.logger.runs)
         self.skips = SkipCount()  # the NaN guard's count: part of the training state (trainer/skips.py)
         self.step_start = StepStart(self.ddp, self.sampler, self.skips)  # what a stop for too many skips goes back to
         self.warned_empty = False  # overlong filtering emptied a minibatch (said once)
