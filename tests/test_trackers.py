@@ -14,7 +14,7 @@ import pytest
 
 from megatron_gspo.config import load_job_config, sections
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.runtime.trackers import TRACKERS, Tracker, Trackers, flat_config
+from megatron_gspo.runtime.trackers import Tracker, Trackers, build_trackers, flat_config
 from log_capture import LogLines
 
 # the scalars every tracker holds: what metrics.jsonl holds, less the row's step (a run of finite values)
@@ -65,8 +65,9 @@ def jsonl(path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
 
-def test_the_config_names_the_trackers_there_are():
-    assert TRACKERS == sections.TRACKER_NAMES
+def test_the_config_names_the_trackers_there_are(tmp_path):
+    every = load_job_config(None, [f"train.loggers=[{','.join(sections.TRACKER_NAMES)}]"]).train
+    assert [t.name for t in build_trackers(every, str(tmp_path), {})] == list(sections.TRACKER_NAMES)  # each builds
     assert load_job_config(None, []).train.trackers == ["tensorboard"]  # the default, as before
     assert load_job_config(None, ["train.loggers=[wandb,mlflow]"]).train.trackers == ["wandb", "mlflow"]
     assert load_job_config(None, ["train.tensorboard=false"]).train.trackers == []  # the older switch still works

@@ -24,7 +24,7 @@ ROLLOUT_CORRECTION_MODES = ("off", "tis", "mis")  # rollout_correction.correctio
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 DEVICES = ("auto", "cuda", "cpu")  # parallel.resolve_device
 DECODE_IMPLS = ("auto", "lean", "megatron")  # generation/decoder.py's make_backend
-TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")  # runtime/trackers: TRACKERS
+TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")  # train.loggers; runtime/trackers builds each
 
 # The most extra generation rounds train.dynamic_sampling_max_rounds may allow in one step. DAPO's
 # runs need about 1-3 (verl's recipe caps them at 10); past a few dozen a step that finds no signal

@@ -18,11 +18,10 @@ from typing import Optional
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.runtime.trackers.base import Tracker, Trackers
 
-TRACKERS = ("tensorboard", "wandb", "mlflow")  # config/sections.py: TRACKER_NAMES
 # the module each imports, and what to install (mlflow-skinny brings the same module, without the server)
 PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}
 
-__all__ = ["TRACKERS", "Tracker", "Trackers", "build_trackers", "check_installed", "flat_config"]
+__all__ = ["Tracker", "Trackers", "build_trackers", "check_installed", "flat_config"]
 
 
 def check_installed(names: list[str]) -> None:
@@ -68,6 +67,6 @@ def build_trackers(train, output_dir: str, job: dict, runs: Optional[dict] = Non
         elif name == "mlflow":
             made.append(MlflowTracker(train.mlflow_tracking_uri, train.mlflow_experiment, train.mlflow_run_name,
                                       flat, runs.get("mlflow")))
-        else:  # the config refuses any other name (TRACKER_NAMES)
+        else:  # the config refuses any other name (config/sections.py: TRACKER_NAMES)
             raise ValueError(f"no tracker named {name!r}")
     return made
