@@ -381,10 +381,10 @@ def vllm_engine_limits(job) -> None:
     check(t.old_logprobs != "rollout",
           "train.old_logprobs=rollout with rollout.engine=vllm: the engine's log-probs are the behaviour policy's "
           "under other numerics; the trainer recomputes the old policy's (train.old_logprobs=auto or recompute)")
-    for key, bad in (("rollout.mode", job.rollout.is_async), ("env.name", job.env.enabled),
+    for key, bad in (("rollout.mode", job.rollout.is_async),
                      ("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size > 1),
                      ("parallel.expert_model_parallel_size", p.expert_model_parallel_size > 1)):
-        check(not bad, f"{key} with rollout.engine=vllm is not supported yet (vLLM serves colocated, single-turn "
+        check(not bad, f"{key} with rollout.engine=vllm is not supported yet (vLLM serves colocated "
                        "rollouts of a one-rank job so far); use rollout.engine=megatron")
 
 
