@@ -234,7 +234,7 @@ class VllmEngine:
             args.update(_cpu_block_size())
             args.update(engine_args or {})
             _check_engine_args(args)
-            with _process_state_kept():
+            with _process_state_kept(), _no_chat_template_warmup_warning():
                 self.llm = LLM(**args)
             refusal = self.llm.apply_model(_cpu_moe_refusal)[0]
             if refusal:
@@ -382,7 +382,11 @@ class VllmEngine:
         """Shut the engine down and remove its model directory."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            shutdown = getattr(llm.llm_engine, "shutdown", None)
+            # vLLM 0.32's LLMEngine has no shutdown: its engine core client's, now (else a weakref finalizer does it
+            # when the engine is collected, or at exit after the job's process groups are gone, which fails there;
+            # an exception's traceback can keep the engine alive that long)
+            engine = llm.llm_engine
+            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
             if shutdown is not None:
                 shutdown()
         if getattr(self, "_dir", None):
@@ -487,6 +491,24 @@ def _cpu_block_size() -> dict:
     from vllm.platforms import current_platform
 
     return {"block_size": 32} if current_platform.is_cpu() else {}
+
+
+@contextlib.contextmanager
+def _no_chat_template_warmup_warning() -> Iterator[None]:
+    """vLLM's LLM warms its chat template up at start-up and, with no tokenizer (token in, token out), logs the
+    failure as a warning with a traceback: a job log's only traceback, about nothing the job uses. Dropped."""
+    import logging
+
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith("Chat template warmup failed")
+
+    logger, drop = logging.getLogger("vllm.renderers.base"), Drop()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 @contextlib.contextmanager
