@@ -346,17 +346,31 @@ def sections():
 
 
 def section_table(name: str, cls: type, instance) -> tuple[str, list[str]]:
-    names = [f.name for f in dataclasses.fields(cls)]
-    summary, doc_entries = docstring_fields(cls, names)
-    comments = field_comments(cls)
+    summary, _ = docstring_fields(cls, [f.name for f in dataclasses.fields(cls)])
     choices = field_choices(cls)
     if name == "loss":  # the registry's, not a knob's: a plug-in names itself (package.module:function)
         from megatron_gspo.config.losses import LOSS_SPECS
 
         choices["name"] = [*LOSS_SPECS, "package.module:function"]
     rows = ["| Key | Type | Default | Allowed | Resume | Description |", "|---|---|---|---|---|---|"]
+    missing = _rows(name, cls, instance, rows, choices)
+    where = cls.__module__.replace(".", "/") + ".py"  # the same wherever the package is installed
+    head = [f"## `{name}`", "", f"`{cls.__name__}` ({where}). {_cell(summary)}", ""]
+    return "\n".join(head + rows) + "\n", missing
+
+
+def _rows(name: str, cls: type, instance, rows: list[str], choices: dict) -> list[str]:
+    """Append the table rows of ``cls``'s fields to ``rows`` (a sub-section's, ``rollout.vllm``, as
+    ``rollout.vllm.<key>`` rows in place of its field); returns the undocumented keys."""
+    _, doc_entries = docstring_fields(cls, [f.name for f in dataclasses.fields(cls)])
+    comments = field_comments(cls)
+    hints = typing.get_type_hints(cls)
     missing = []
     for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            sub = hints[f.name]
+            missing += _rows(f"{name}.{f.name}", sub, getattr(instance, f.name), rows, field_choices(sub))
+            continue
         desc = comments.get(f.name) or doc_entries.get(f.name) or SUPPLEMENT.get(f"{name}.{f.name}", "")
         if not desc:
             missing.append(f"{name}.{f.name}")
@@ -365,9 +379,7 @@ def section_table(name: str, cls: type, instance) -> tuple[str, list[str]]:
         allowed = ", ".join(f"`{render_value(v)}`" for v in choices.get(f.name, []))
         rows.append(f"| `{name}.{f.name}` | `{_cell(_type_str(f))}` | `{_cell(render_value(getattr(instance, f.name)))}` "
                     f"| {allowed} | {field_resume(f)} | {_cell(desc)} |")
-    where = cls.__module__.replace(".", "/") + ".py"  # the same wherever the package is installed
-    head = [f"## `{name}`", "", f"`{cls.__name__}` ({where}). {_cell(summary)}", ""]
-    return "\n".join(head + rows) + "\n", missing
+    return missing
 
 
 def presets_table() -> str:

@@ -229,3 +229,15 @@ class LongFirst(Echo):
     def reset(self, example):
         prompt = super().reset(example)
         return prompt + "x" * 400 if len(prompt) % 2 else prompt
+
+
+class Preamble(Echo):
+    """Opens every row with ``preamble`` before the data's prompt (a shared prefix of whole KV blocks: the vLLM
+    tier's prefix cache serves it to a prompt's samples) and answers every turn with ``reply``, never ending."""
+
+    def __init__(self, preamble: str = "Answer in digits, then say ok: " * 3, reply: str = "ok") -> None:
+        super().__init__(reply)
+        self.preamble = preamble
+
+    def reset(self, example):
+        return self.preamble + super().reset(example)

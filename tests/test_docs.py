@@ -109,6 +109,9 @@ def test_overrides_in_docs_exist():
             fields = sections[section]
             if key not in fields:
                 bad.append(f"{where}:{n}: {m.group(0).strip()} (no key {section}.{key})")
+            elif sub is not None and dataclasses.is_dataclass(fields[key]):  # a sub-section: rollout.vllm.<key>
+                if sub not in {f.name for f in dataclasses.fields(fields[key])}:
+                    bad.append(f"{where}:{n}: {m.group(0).strip()} (no key {section}.{key}.{sub})")
             elif sub is not None and typing.get_origin(fields[key]) is not dict and fields[key] is not dict:
                 bad.append(f"{where}:{n}: {m.group(0).strip()} ({section}.{key} is not a mapping)")
     assert not bad, "stale config keys in the docs:\n" + "\n".join(bad)

@@ -162,3 +162,39 @@ def test_a_vllm_job_without_vllm_says_how_to_get_it(tmp_path):
     assert p.returncode == 2, out[-3000:]
     assert "error: rollout.engine=vllm needs vLLM in this interpreter: `pip install -e \".[vllm]\"`" in out
     assert "Traceback" not in out
+
+
+# ----------------------------------------------------------------------------------------------
+# rollout.vllm.*
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key, why", [("seed", "generation.seed"), ("max_model_len", "data.max_prompt_length"),
+                                      ("kv_cache_memory_bytes", "rollout.vllm.kv_cache_memory_gib"),
+                                      ("enforce_eager", "rollout.vllm.enforce_eager"), ("model", "the job's model")])
+def test_engine_args_the_engine_sets_itself_are_refused_in_one_line(key, why):
+    from megatron_gspo.config import ConfigError, load_job_config
+
+    with pytest.raises(ConfigError) as e:
+        load_job_config(None, ["rollout.engine=vllm", f"rollout.vllm.engine_args={{{key}: 1}}"])
+    assert str(e.value).startswith(f"rollout.vllm.engine_args.{key}: set by the engine itself") and why in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_the_vllm_keys_become_the_engines_arguments_and_may_change_at_resume():
+    from megatron_gspo.checkpoint.config_change import compare
+    from megatron_gspo.config import load_job_config, to_dict
+    from megatron_gspo.rollout.vllm_engine import engine_args_of
+
+    default = load_job_config(None, ["rollout.engine=vllm"])
+    assert engine_args_of(default.rollout.vllm) == {"enforce_eager": True}  # the KV cache: the engine's job-sized default
+    cfg = load_job_config(None, ["rollout.engine=vllm", "rollout.vllm.kv_cache_memory_gib=0.25",
+                                 "rollout.vllm.enforce_eager=false", "rollout.vllm.engine_args={max_num_seqs: 8}"])
+    assert engine_args_of(cfg.rollout.vllm) == {"enforce_eager": False, "kv_cache_memory_bytes": 1 << 28, "max_num_seqs": 8}
+    accepted, refused = compare(to_dict(default), to_dict(cfg))
+    assert refused == [] and sorted(c.key for c in accepted) == [
+        "rollout.vllm.enforce_eager", "rollout.vllm.engine_args", "rollout.vllm.kv_cache_memory_gib"]
+    # a checkpoint of a version without the section: its keys are new, accepted
+    old = to_dict(default)
+    del old["rollout"]["vllm"]
+    assert {c.key for c in compare(old, to_dict(cfg))[0]} >= {"rollout.vllm.engine_args"}

@@ -76,10 +76,17 @@ class Change:
         return f"{self.key} {self.old!r} -> {self.new!r}"
 
 
-def flatten(config: dict) -> dict[str, Any]:
-    """{"section.key": value} of a job's nested dict (mapping-valued keys stay whole values)."""
-    return {f"{section}.{key}": value for section, fields in config.items() if isinstance(fields, dict)
-            for key, value in fields.items()}
+def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
+    """{"section.key": value} of a job's nested dict: a sub-section (``rollout.vllm``) is walked to its keys
+    (``rollout.vllm.enforce_eager``); mapping-valued keys (a declared field) stay whole values."""
+    out: dict[str, Any] = {}
+    for name, value in config.items():
+        key = prefix + name
+        if isinstance(value, dict) and (not prefix or (key not in POLICIES and any(k.startswith(key + ".") for k in POLICIES))):
+            out.update(flatten(value, key + "."))
+        elif prefix:
+            out[key] = value
+    return out
 
 
 def policy(key: str) -> str:

@@ -4,10 +4,11 @@ size live with the rank split (rollout.layout.check_world)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_gspo.config.checks import check
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.config.fields import Resume, knob, validate
 
 ROLLOUT_MODES = ("colocated", "async")
@@ -17,6 +18,49 @@ PARTIAL_ROLLOUT_POLICIES = ("finish", "drop")
 # span several beats: one beat late (a loaded host, a long GIL hold) must not declare a healthy rank dead.
 HEARTBEAT_PERIOD_S = 1.0
 MIN_HEARTBEAT_TIMEOUT_S = 3 * HEARTBEAT_PERIOD_S
+
+
+# vllm.LLM's arguments the engine sets from the job (rollout/vllm_engine.py: the model, its dtype and length, the
+# token-in / token-out contract, the log-probs' meaning) or from its own rollout.vllm.* keys: never passed through
+# rollout.vllm.engine_args, which would silently change what the trainer relies on.
+VLLM_OWNED_ARGS = {
+    "model": "the job's model, written from its weights", "tokenizer": "prompts go in as token ids",
+    "skip_tokenizer_init": "prompts go in as token ids", "dtype": "the model's precision (model.precision)",
+    "seed": "generation.seed", "max_model_len": "data.max_prompt_length + the response budget",
+    "logprobs_mode": "the behaviour policy's log-probs (processed_logprobs)",
+    "enable_prefix_caching": "the prompt's KV shared by its samples and a conversation's by its next turn",
+    "enforce_eager": "rollout.vllm.enforce_eager", "kv_cache_memory_bytes": "rollout.vllm.kv_cache_memory_gib",
+    "tensor_parallel_size": "parallel.tensor_model_parallel_size: one engine per trainer TP group",
+    "distributed_executor_backend": "the job's torchrun world (external_launcher under torchrun)",
+}
+
+
+@dataclass
+class VllmConfig:
+    """The vLLM engine of ``rollout.engine=vllm`` (rollout/vllm_engine.py)."""
+
+    # The engine's KV cache, GiB (vLLM's kv_cache_memory_bytes). null: on a CPU sized to the job (256
+    # sequences of data.max_prompt_length + the response budget, clamped to 32 MiB - 4 GiB: vLLM's default
+    # takes a share of the host's memory, which the trainer shares); on a GPU vLLM's own sizing
+    # (gpu_memory_utilization, settable through rollout.vllm.engine_args).
+    kv_cache_memory_gib: Optional[float] = knob(None, resume=Resume.MAY_CHANGE, gt=0)
+    # Run the engine's model eagerly (vLLM's enforce_eager): no torch.compile and no CUDA graphs, so it starts
+    # in seconds; false captures them (a GPU's faster decode, a slower start).
+    enforce_eager: bool = knob(True, resume=Resume.MAY_CHANGE)
+    # More arguments of vllm.LLM (vLLM's EngineArgs names: max_num_seqs, block_size, gpu_memory_utilization,
+    # ...), passed through as given; the ones the engine sets itself are refused by name (VLLM_OWNED_ARGS).
+    # On a CPU block_size defaults to 32 (vLLM's CPU default, 128, is longer than a short prompt: the prefix
+    # cache shares whole blocks only).
+    engine_args: dict = knob(default_factory=dict, resume=Resume.MAY_CHANGE)
+
+    def __post_init__(self) -> None:
+        validate(self, "rollout.vllm")
+        for key in self.engine_args:
+            if key in VLLM_OWNED_ARGS:
+                raise ConfigError(f"rollout.vllm.engine_args.{key}: set by the engine itself "
+                                  f"({VLLM_OWNED_ARGS[key]}); remove it from rollout.vllm.engine_args")
+            if not isinstance(key, str) or not key.isidentifier():
+                raise ConfigError(f"rollout.vllm.engine_args: {key!r} is not an argument name of vllm.LLM")
 
 
 @dataclass
@@ -31,8 +75,9 @@ class RolloutConfig:
     # What samples the rollouts: "megatron" (default), the training model's own decoders
     # (generation.decode_impl); "vllm", a vLLM engine in the process, built from the model and given its
     # weights before every step's generation (rollout/vllm_engine.py; `pip install -e ".[vllm]"` on a GPU,
-    # the venv of .ci/setup-vllm-venv on a CPU). vLLM so far: colocated, single-turn rows (under torchrun one
-    # engine per trainer TP group); the evaluation still samples on the megatron engine.
+    # the venv of .ci/setup-vllm-venv on a CPU; its settings: rollout.vllm.*). vLLM so far: colocated (under
+    # torchrun one engine per trainer TP group); single- and multi-turn rows (env.name) and the evaluation
+    # sample on it.
     engine: str = knob("megatron", resume=Resume.MAY_CHANGE, choices=ROLLOUT_ENGINES)
     # Ranks that generate (async only): the last world_size ranks of the torchrun world. The trainer gets
     # the others, laid out by parallel.*; both in one torchrun launch / one SLURM job.
@@ -60,6 +105,8 @@ class RolloutConfig:
     # declared dead (async): the trainer checkpoints and stops with a message naming the rank and the
     # timeout. Ranks beat once a second: at least 3.
     heartbeat_timeout_s: float = knob(60.0, resume=Resume.MAY_CHANGE, gt=0)
+    # rollout.vllm.*: the vLLM engine's settings (rollout.engine=vllm)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
         validate(self, "rollout")

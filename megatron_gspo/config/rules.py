@@ -381,9 +381,8 @@ def vllm_engine_limits(job) -> None:
     check(t.old_logprobs != "rollout",
           "train.old_logprobs=rollout with rollout.engine=vllm: the engine's log-probs are the behaviour policy's "
           "under other numerics; the trainer recomputes the old policy's (train.old_logprobs=auto or recompute)")
-    for key, bad in (("rollout.mode", job.rollout.is_async), ("env.name", job.env.enabled)):
-        check(not bad, f"{key} with rollout.engine=vllm is not supported yet (vLLM serves colocated, single-turn "
-                       "rollouts so far); use rollout.engine=megatron")
+    check(not job.rollout.is_async, "rollout.mode=async with rollout.engine=vllm is not supported yet (vLLM serves "
+                                    "colocated rollouts so far); use rollout.engine=megatron")
     # TP / EP / DP layouts run: one engine per trainer TP group, each DP replica its own rows
     # (rollout/vllm_engine.py engine_layout_args)
 

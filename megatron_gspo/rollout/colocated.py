@@ -50,14 +50,15 @@ class ColocatedSource:
         self.gen_cfg = gen_cfg
         # generate() gets one row per sample: a sample's noise is keyed by its global row
         self.row_gen_cfg = dataclasses.replace(gen_cfg, n_samples_per_prompt=1)
-        # one decoder for every rollout of the job (its KV cache and CUDA graphs sized for the longest prompt)
+        # rollout.engine=vllm: a vLLM engine samples the rollouts (rollout/vllm_engine.py)
+        self.engine = _vllm_engine(cfg, state, model, gen_cfg) if cfg.rollout.engine == "vllm" else None
+        # one decoder for every rollout of the job (its KV cache and CUDA graphs sized for the longest prompt);
+        # with vLLM the engine behind the same interface, which the multi-turn rollout and the evaluation use too
         self.generator = Generator(model, vocab_size=cfg.model.vocab_size, state=state,
-                                   slots=cfg.data.max_prompt_length + gen_cfg.max_new_tokens - 1)
+                                   slots=cfg.data.max_prompt_length + gen_cfg.max_new_tokens - 1) \
+            if self.engine is None else _engine_generator(self.engine)
         # env.name: every row talks with an environment over turns (rollout/multiturn.py)
         self.multiturn = build_multiturn(cfg, state, self.generator, tokenizer, gen_cfg)
-        # rollout.engine=vllm: a vLLM engine samples the rollouts (rollout/vllm_engine.py; the evaluation
-        # keeps the generator above)
-        self.engine = _vllm_engine(cfg, state, model, gen_cfg) if cfg.rollout.engine == "vllm" else None
 
     def should_stop(self) -> bool:
         return self.stop.set
@@ -98,16 +99,12 @@ class ColocatedSource:
                   f"{self.gen_cfg.max_new_tokens} new")
         if self.multiturn is not None:
             return (mine, *self._talk(step, rnd, rows, R, mine, shapes), prompts)
-        if self.engine is not None:  # 3. on vLLM (the rules leave no routes to record: no R3, old log-probs recomputed)
-            with self.timer("generate"):
-                out = self.engine.generate([p.ids for p in mine], self.row_gen_cfg, seed=self.sampling_seed(step),
-                                           row_keys=[rnd * R + g for g in rows])
-        else:
-            with self.timer("generate"), self.routing.generating(), explain_oom("generation", cfg, st, shapes):  # 3.
-                out = self.generator.generate([p.ids for p in mine], self.row_gen_cfg, seed=self.sampling_seed(step),
-                                              row_keys=[rnd * R + g for g in rows],
-                                              on_forward=self.routing.on_generation_forward,
-                                              should_stop=self.should_stop)
+        # 3. (on vLLM the rules leave no routes to record: no R3, old log-probs recomputed)
+        with self.timer("generate"), self.routing.generating(), explain_oom("generation", cfg, st, shapes):
+            out = self.generator.generate([p.ids for p in mine], self.row_gen_cfg, seed=self.sampling_seed(step),
+                                          row_keys=[rnd * R + g for g in rows],
+                                          on_forward=self.routing.on_generation_forward,
+                                          should_stop=self.should_stop)
         # A stop signal on any rank: all leave the step here, together (one all-reduce per round; the
         # decode loop itself stopped at once, agreed within its lockstep group at no extra cost)
         raise_together(out.abandoned or self.should_stop(), dev,
@@ -206,14 +203,16 @@ class ColocatedSource:
         sync = None
         if self.engine is not None:  # the weights of every update since the last step (or the warm start, a resume)
             with self.timer("weight_sync"):
-                sync = self.engine.sync_weights()
+                sync = self.generator.sync()
+            self.engine.take_prefix_cache_stats()  # the step's hit rate: its own generations only
         if t.dynamic_sampling:
             picks, pool, stats = self._dynamic_rounds(step, rows, R, G)
         else:
             pool, scores, prompts = self._round(step, 0, rows, R)
             picks, stats = [_Pick(0, g, True, prompts[g], scores.rows(g * G, (g + 1) * G)) for g in range(len(prompts))], {}
         if sync is not None:
-            stats = {**stats, "rollout/weight_sync_bytes": float(sync.bytes)}
+            stats = {**stats, **_engine_stats(self.engine, sync)}
+            self.generator.stale = True  # the step's updates follow: an evaluation after them syncs first
         return self._global_batch(picks, pool, stats, R, G)
 
     def _global_batch(self, picks: list, pool: RolloutRecord, stats: dict, R: int, G: int) -> RolloutRecord:
@@ -257,12 +256,30 @@ class ColocatedSource:
 
 
 def _vllm_engine(cfg, state, model, gen_cfg):
-    """The job's vLLM engine (rollout.engine=vllm), sized for the longest prompt and response: this rank's shard of
-    its TP group's engine (vllm_engine.engine_layout_args); each DP replica generates its own rows (local_rows)."""
-    from megatron_gspo.rollout.vllm_engine import VllmEngine
+    """The job's vLLM engine (rollout.engine=vllm), sized for the longest prompt and response (a multi-turn row's:
+    its whole conversation), with the rollout.vllm.* settings: this rank's shard of its TP group's engine
+    (vllm_engine.engine_layout_args); each DP replica generates its own rows (local_rows)."""
+    from megatron_gspo.config.rules import env_response_budget
+    from megatron_gspo.rollout.vllm_engine import VllmEngine, engine_args_of
 
+    response = env_response_budget(cfg) if cfg.env.enabled else gen_cfg.max_new_tokens
     return VllmEngine(model, state, cfg.model, seed=gen_cfg.seed, bucket_mb=int(cfg.rollout.weight_sync_bucket_mb),
-                      max_model_len=cfg.data.max_prompt_length + gen_cfg.max_new_tokens)
+                      max_model_len=cfg.data.max_prompt_length + response, engine_args=engine_args_of(cfg.rollout.vllm))
+
+
+def _engine_generator(engine):
+    from megatron_gspo.rollout.vllm_engine import EngineGenerator
+
+    return EngineGenerator(engine)
+
+
+def _engine_stats(engine, sync) -> dict:
+    """The step's engine metrics: the bytes its weight sync moved, and the share of its requests' prompt tokens
+    (a row's prompt, or a conversation so far) that the engine's prefix cache served (the prompt's KV computed
+    once for its G samples, a conversation's reused by its next turn)."""
+    queries, hits = engine.take_prefix_cache_stats()
+    return {"rollout/weight_sync_bytes": float(sync.bytes),
+            "rollout/prefix_cache_hit_rate": hits / queries if queries else 0.0}
 
 
 @dataclass

@@ -45,6 +45,7 @@ Sampling noise
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -53,7 +54,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -220,6 +221,8 @@ class VllmEngine:
         self.vocab_size = model_cfg.vocab_size
         self.max_model_len = max_model_len or model_cfg.max_position_embeddings
         self.llm = None
+        self._calls = 0  # generate calls: its requests' ids
+        self.prefix_cache = [0, 0]  # prompt tokens of the requests since take_prefix_cache_stats, of them served from the cache
         refusal = _cpu_attention_refusal(model_cfg)
         if refusal:
             raise ConfigError(refusal)
@@ -231,9 +234,11 @@ class VllmEngine:
                         max_model_len=self.max_model_len, logprobs_mode="processed_logprobs",
                         enforce_eager=True, enable_prefix_caching=True)
             args.update(_cpu_kv_cache(model_cfg, self.dtype, self.max_model_len))
+            args.update(_cpu_block_size())
             args.update(engine_layout_args(state, tensor_parallel_size))
             args.update(engine_args or {})
-            with _process_state_kept(), _shm_names_of_this_job():
+            _check_engine_args(args)
+            with _process_state_kept(), _shm_names_of_this_job(), _no_chat_template_warmup_warning():
                 self.llm = LLM(**args)
             _check_engine_tp_group(state)
         except BaseException:
@@ -244,6 +249,15 @@ class VllmEngine:
     def sync_weights(self) -> SyncStats:
         """Hand the model's current weights to the engine (in buckets, no file), then drop the engine's prefix
         cache (KV of the old weights). Collective over the trainer's TP / expert-TP / EP groups."""
+        try:
+            return self._sync_weights()
+        except VllmEngineError:
+            raise
+        except Exception as e:
+            raise VllmEngineError(f"the vLLM engine (rollout.engine=vllm) failed while taking the weights: "
+                                  f"{type(e).__name__}: {_first_line(e)}") from e
+
+    def _sync_weights(self) -> SyncStats:
         t0 = time.perf_counter()
         stream = hf_weight_stream(self.model, self.state, self.model_cfg, self.bucket_bytes)
         n_buckets = [0]
@@ -271,12 +285,18 @@ class VllmEngine:
             logprobs=0, seed=seed, detokenize=False, **extra)
 
     def generate(self, prompts: Sequence[Union[Sequence[int], torch.Tensor]], cfg: GenerationConfig,
-                 seed: Optional[int] = None, row_keys: Optional[Sequence[int]] = None) -> GenerationOutput:
+                 seed: Optional[int] = None, row_keys: Optional[Sequence[int]] = None,
+                 should_stop: Optional[Callable[[], bool]] = None) -> GenerationOutput:
         """Sample ``cfg.n_samples_per_prompt`` responses per prompt; the megatron engine's ``GenerationOutput``
         (rows grouped by prompt, right-padded with ``cfg.pad_id``, log-probs on the token grid).
 
         seed: the call's seed (default ``cfg.seed``); row_keys: one non-negative key per output row (default
-        0..B-1), the rows' identity for their sampling seeds, as for ``generate``."""
+        0..B-1), the rows' identity for their sampling seeds, as for ``generate``. should_stop: read between
+        two engine steps; when it says stop, the requests are aborted and the output comes back ``abandoned``
+        (no rows: nothing of it is trained). Each sample is a request of its own (the seed of sample ``j``:
+        its prompt's seed + ``j``, as vLLM's ``n`` samples), so the engine's prefix cache says, per request,
+        how many of its prompt's tokens it served (``take_prefix_cache_stats``). VllmEngineError when the
+        engine fails."""
         from vllm.inputs import TokensPrompt
 
         t0 = time.perf_counter()
@@ -290,22 +310,75 @@ class VllmEngine:
             if len(p) + cfg.max_new_tokens > self.max_model_len:
                 raise ValueError(f"VllmEngine.generate: a prompt of {len(p)} tokens + generation.max_new_tokens "
                                  f"({cfg.max_new_tokens}) exceeds the engine's max_model_len={self.max_model_len}")
-        params = [self.sampling_params(cfg, request_seed(base, keys[i * G])) for i in range(len(ids))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False) if ids else []
+        one = dataclasses.replace(cfg, n_samples_per_prompt=1)
+        requests = [(TokensPrompt(prompt_token_ids=p), self.sampling_params(one, request_seed(base, keys[i * G]) + j))
+                    for i, p in enumerate(ids) for j in range(G)]
+        outs = self._run(requests, should_stop)
+        if outs is None:  # a stop: no rows
+            return dataclasses.replace(to_generation_output([], G, [], [], [], cfg.pad_id, cfg.temperature,
+                                                            time.perf_counter() - t0), abandoned=True)
         responses, logprobs, stopped = [], [], []
-        for i, o in enumerate(outs):
-            samples = sorted(o.outputs, key=lambda c: c.index)
-            if len(samples) != G:
-                raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, not {G}")
-            for c in samples:
-                toks = list(c.token_ids)
-                responses.append(toks)
-                logprobs.append([step[t].logprob for step, t in zip(c.logprobs, toks)])
-                stopped.append(c.finish_reason == "stop")
+        for o in outs:
+            (c,) = o.outputs
+            toks = list(c.token_ids)
+            responses.append(toks)
+            logprobs.append([step[t].logprob for step, t in zip(c.logprobs, toks)])
+            stopped.append(c.finish_reason == "stop")
         out = to_generation_output(ids, G, responses, logprobs, stopped, cfg.pad_id, cfg.temperature,
                                    time.perf_counter() - t0)
         _check_tp_ranks_agree(out.tokens, self.state)
+        out.prefill_tokens = sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) for o in outs)
         return out
+
+    def _run(self, requests: list, should_stop: Optional[Callable[[], bool]]) -> Optional[list]:
+        """Step the engine over ``requests`` ([(TokensPrompt, SamplingParams)], each n=1) to their end: their
+        RequestOutputs in order; None when ``should_stop()`` (read between two engine steps: a step is one
+        batched forward) said stop, the requests left aborted. Counts the prefix cache's hits. VllmEngineError
+        (naming the engine and the error) when the engine raises or dies."""
+        if not requests:
+            return []
+        engine = self.llm.llm_engine
+        self._calls += 1
+        ids = [f"gspo-{self._calls}-{k}" for k in range(len(requests))]
+        done: dict = {}
+        try:
+            for rid, (prompt, params) in zip(ids, requests):
+                engine.add_request(rid, prompt, params)
+            while len(done) < len(ids):
+                if should_stop is not None and self._stop_voted(should_stop):
+                    engine.abort_request([r for r in ids if r not in done])
+                    return None
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"{len(ids) - len(done)} request(s) neither finished nor pending")
+                for o in engine.step():
+                    if o.finished:
+                        done[o.request_id] = o
+        except Exception as e:
+            with contextlib.suppress(Exception):  # a dead engine may refuse this too
+                engine.abort_request([r for r in ids if r not in done])
+            raise VllmEngineError(f"the vLLM engine (rollout.engine=vllm) failed while generating {len(ids)} "
+                                  f"sequence(s): {type(e).__name__}: {_first_line(e)}") from e
+        outs = [done[r] for r in ids]
+        self.prefix_cache[0] += sum(len(o.prompt_token_ids) for o in outs)
+        self.prefix_cache[1] += sum(o.num_cached_tokens or 0 for o in outs)
+        return outs
+
+    def _stop_voted(self, should_stop: Callable[[], bool]) -> bool:
+        """``should_stop()`` as the engine's ranks' one answer: at vLLM TP > 1 every engine step is a collective
+        over the trainer TP group, so its ranks leave at the same step when any of them reads a stop."""
+        from megatron_gspo.runtime import comm
+
+        stop = bool(should_stop())
+        if self.state.tp == 1:
+            return stop
+        return comm.any_rank(stop, self.state.device, self.state.tp_group, what="vLLM engine stop vote")
+
+    def take_prefix_cache_stats(self) -> tuple[int, int]:
+        """(prompt tokens of the requests since the last call, how many of them the prefix cache served), then
+        zero: the hit rate of a step is hits / queries (vLLM's prefix cache metrics count the same tokens)."""
+        queries, hits = self.prefix_cache
+        self.prefix_cache = [0, 0]
+        return queries, hits
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The engine's log-prob of every token of each sequence given the tokens before it (temperature 1):
@@ -323,11 +396,133 @@ class VllmEngine:
         """Shut the engine down and remove its model directory."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            shutdown = getattr(llm.llm_engine, "shutdown", None)
+            # vLLM 0.32's LLMEngine has no shutdown: its engine core client's, now (else a weakref finalizer does it
+            # when the engine is collected, or at exit after the job's process groups are gone, which fails there;
+            # an exception's traceback can keep the engine alive that long)
+            engine = llm.llm_engine
+            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
             if shutdown is not None:
                 shutdown()
         if getattr(self, "_dir", None):
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class VllmEngineError(Exception):
+    """The vLLM engine raised or died (out of memory, a kernel's error, its core gone): the rollout cannot go
+    on. The rollout source stops the job with it (the last completed step saved; rollout/colocated.py). Not a
+    RuntimeError: the megatron engine's out-of-memory explanation (model/oom.py) is about other knobs."""
+
+
+def _first_line(e: BaseException) -> str:
+    from megatron_gspo.model.oom import is_out_of_memory
+
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else "(no message)"
+    if is_out_of_memory(e):
+        line += (" (the engine's memory: rollout.vllm.kv_cache_memory_gib, or rollout.vllm.engine_args' "
+                 "gpu_memory_utilization / max_num_seqs)")
+    return line
+
+
+class EngineGenerator:
+    """A VllmEngine behind the job's ``Generator`` interface (generation/generator.py: ``generate`` and
+    ``reserve``), so that the single-turn rollout, the multi-turn rollout (rollout/multiturn.py: every turn's
+    contexts, token in, token out) and the evaluation (trainer/evaluation.py) sample on it unchanged.
+
+    ``stale``: the trainer updated the weights since the engine's last sync (set by the rollout source after
+    its step's generation); the next ``generate`` syncs first (an evaluation after the step's updates), and
+    the rollout source syncs at every step's start (``sync``)."""
+
+    def __init__(self, engine: "VllmEngine") -> None:
+        self.engine = engine
+        self.stale = False
+
+    def sync(self) -> SyncStats:
+        with _stops_the_job():
+            stats = self.engine.sync_weights()
+        self.stale = False
+        return stats
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """The evaluation's shapes: a row of ``slots`` + 1 tokens must fit the engine's max_model_len."""
+        if slots + 1 > self.engine.max_model_len:
+            raise ConfigError(f"the evaluation's prompts + generation.max_new_tokens need {slots + 1} positions, more "
+                              f"than the vLLM engine's max_model_len={self.engine.max_model_len} "
+                              "(data.max_prompt_length + the response budget)")
+
+    def generate(self, prompts, cfg: GenerationConfig, seed: Optional[int] = None,
+                 row_keys: Optional[Sequence[int]] = None, on_forward=None,
+                 should_stop: Optional[Callable[[], bool]] = None) -> GenerationOutput:
+        if on_forward is not None:  # (the rules refuse R3 with vLLM, and its old log-probs are recomputed)
+            raise RuntimeError("rollout.engine=vllm records no routes: a routing policy asked for the generation's")
+        if self.stale:
+            self.sync()
+        with _stops_the_job():
+            return self.engine.generate(prompts, cfg, seed=seed, row_keys=row_keys, should_stop=should_stop)
+
+
+@contextlib.contextmanager
+def _stops_the_job() -> Iterator[None]:
+    """A VllmEngineError in the block as runtime.exit_status.StoppedFor (ROLLOUT_ENGINE_FAILED): the trainer
+    saves the last completed step and exits 1 with the error's line (trainer/stopping.py ``without_rollouts``),
+    in a rollout, a multi-turn rollout's turn or an evaluation alike."""
+    from megatron_gspo.runtime.exit_status import StopReason, StoppedFor
+
+    try:
+        yield
+    except VllmEngineError as e:
+        raise StoppedFor(str(e), StopReason.ROLLOUT_ENGINE_FAILED) from e
+
+
+def engine_args_of(vcfg) -> dict:
+    """vllm.LLM's arguments from the job's ``rollout.vllm`` section (config.rollout.VllmConfig): its own keys
+    under vLLM's names, then ``engine_args`` as given (the config refused the ones the engine sets)."""
+    args = {"enforce_eager": vcfg.enforce_eager}
+    if vcfg.kv_cache_memory_gib is not None:
+        args["kv_cache_memory_bytes"] = int(vcfg.kv_cache_memory_gib * (1 << 30))
+    return {**args, **vcfg.engine_args}
+
+
+def _check_engine_args(args: dict) -> None:
+    """A ConfigError naming an argument vLLM's EngineArgs does not have (vLLM would raise a TypeError deep in
+    its constructor)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(k for k in args if k not in known)
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], known, n=3)
+        raise ConfigError(f"rollout.vllm.engine_args.{unknown[0]}: not an argument of vllm.LLM (EngineArgs)"
+                          + (f"; did you mean {close}?" if close else ""))
+
+
+def _cpu_block_size() -> dict:
+    """On a CPU, KV blocks of 32 tokens (the CPU attention kernel's multiple) rather than vLLM's CPU default of
+    128: the prefix cache shares whole blocks, and a short prompt (a tiny job's are 10-20 tokens; a turn of a
+    conversation adds as much) would fill none. On a GPU vLLM's own default (16)."""
+    from vllm.platforms import current_platform
+
+    return {"block_size": 32} if current_platform.is_cpu() else {}
+
+
+@contextlib.contextmanager
+def _no_chat_template_warmup_warning() -> Iterator[None]:
+    """vLLM's LLM warms its chat template up at start-up and, with no tokenizer (token in, token out), logs the
+    failure as a warning with a traceback: a job log's only traceback, about nothing the job uses. Dropped."""
+    import logging
+
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith("Chat template warmup failed")
+
+    logger, drop = logging.getLogger("vllm.renderers.base"), Drop()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 @contextlib.contextmanager
@@ -408,17 +603,17 @@ def rows_checksum(tokens: torch.Tensor) -> torch.Tensor:
 def _check_tp_ranks_agree(tokens: torch.Tensor, state) -> None:
     """The ranks of an engine (a trainer TP group) must have sampled the same rows: vLLM's external launcher runs
     one scheduler and sampler per rank and relies on their determinism. A divergence would train the TP shards
-    on different rows; it stops the job here instead (one all-reduce of three numbers per generation)."""
-    import torch.distributed as dist
+    on different rows; it stops the job here instead (two all-reduces of three numbers per generation)."""
+    from megatron_gspo.runtime import comm
 
-    if state.tp == 1 or not dist.is_initialized():
+    if state.tp == 1 or not comm.is_distributed():
         return
-    lo = rows_checksum(tokens)
+    lo = rows_checksum(tokens).to(state.device)
     hi = lo.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=state.tp_group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=state.tp_group)
+    comm.all_reduce(lo, "min", state.tp_group, what="vLLM TP ranks' rows (min)")
+    comm.all_reduce(hi, "max", state.tp_group, what="vLLM TP ranks' rows (max)")
     if not torch.equal(lo, hi):
-        raise RuntimeError(f"vLLM's TP ranks sampled different rows at rank {dist.get_rank()} (checksums "
+        raise RuntimeError(f"vLLM's TP ranks sampled different rows at rank {state.rank} (checksums "
                            f"{lo.tolist()} vs {hi.tolist()}): the engine's ranks are no longer deterministic replicas "
                            "of one scheduler")
 

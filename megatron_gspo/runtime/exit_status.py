@@ -65,6 +65,8 @@ class StopReason(enum.Enum):
     ROLLOUT_RANK_EXITED = (ExitCode.PREEMPTED, "exited")
     ROLLOUT_RANK_SILENT = (ExitCode.PREEMPTED, "silent")
     ROLLOUT_RANK_GONE = (ExitCode.PREEMPTED, "gone")
+    # the rollout engine (rollout.engine=vllm) raised or died: the last completed step saved, a failure
+    ROLLOUT_ENGINE_FAILED = (ExitCode.FAILED, "engine")
 
     @property
     def exit_code(self) -> ExitCode:

@@ -23,7 +23,9 @@ lockstep group) generate together; a rank whose share is empty steps on generate
 One generator: the evaluation runs on the colocated rollout source's ``Generator`` (its lean decoder, KV
 cache and, under ``generation.cuda_graphs``, captured steps), sized for the larger of both uses
 (``Generator.reserve``), and a multi-turn job's evaluation talks through the rollout's own
-``MultiTurnRollout`` (its environment worker pool; the sampling config is passed per call). An
+``MultiTurnRollout`` (its environment worker pool; the sampling config is passed per call). With
+``rollout.engine=vllm`` that generator is the vLLM engine (rollout/vllm_engine.py ``EngineGenerator``), given
+the weights of the step's updates before the evaluation's first generation. An
 asynchronous job's trainer generates no rollouts: its evaluator keeps a generator (and a multi-turn
 rollout) of its own.
 

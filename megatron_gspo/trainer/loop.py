@@ -211,6 +211,8 @@ class Trainer:
             e.elapsed_s = time.perf_counter() - t_eval
             self.stopping.evaluation_cut_short(self.step, e)
             return {}
+        except StoppedFor as e:  # the rollout engine failed (rollout.engine=vllm): the step stands, saved
+            self.stopping.without_rollouts(self.step, e)
         out["perf/eval_s"] = time.perf_counter() - t_eval
         return out
 

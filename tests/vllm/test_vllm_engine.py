@@ -158,3 +158,14 @@ def test_a_head_size_without_a_cpu_kernel_is_refused_in_one_line(job):
     cfg, model, st, engine = job
     with pytest.raises(ConfigError, match=r"model.kv_channels=16: vLLM's CPU attention supports the head sizes \[32, "):
         VllmEngine(model, st, model_config_from_preset("tiny", vocab_size=VOCAB))
+
+
+def test_an_engine_argument_vllm_does_not_have_is_refused_in_one_line(job):
+    """rollout.vllm.engine_args passes vLLM's own arguments through; a misspelt one would be a TypeError deep in
+    vLLM's constructor: one line naming the key and the close match, before the engine starts."""
+    from megatron_gspo.rollout.vllm_engine import VllmEngine
+
+    cfg, model, st, engine = job
+    with pytest.raises(ConfigError, match=r"^rollout.vllm.engine_args.max_num_seq: not an argument of vllm.LLM "
+                                          r"\(EngineArgs\); did you mean \['max_num_seqs'"):
+        VllmEngine(model, st, cfg, engine_args={"max_num_seq": 8})
