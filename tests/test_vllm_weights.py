@@ -116,7 +116,7 @@ R3 = ["loss.name=grpo", "train.routing_replay=R3"]
                                    r"runner, and on a CPU that needs triton-cpu \(not on PyPI\)"),
     (["parallel.device=cuda", *R3], r"train.routing_replay=R3 with rollout.engine=vllm: the engine's routes are not taken"),
     (["train.old_logprobs=rollout"], r"train.old_logprobs=rollout with rollout.engine=vllm"),
-    (["rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0"], r"rollout.mode with rollout.engine=vllm is not supported yet"),
+    (["rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0"], r"rollout.mode=async with rollout.engine=vllm is not supported yet"),
 ])
 def test_what_the_vllm_engine_does_not_run_is_refused_by_key(overrides, match):
     from megatron_gspo.config import ConfigError, load_job_config
