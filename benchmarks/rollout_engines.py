@@ -167,12 +167,13 @@ def measure(engine, prompts, cfg: GenerationConfig) -> dict:
     peak = peak_rss_mb()
     rows = int(out.tokens.shape[0])
     tokens = out.num_generated_tokens
-    decode_s = max(wall - ttft, 1e-9)
+    # the first-token call is another call: under a heavy load it can take longer than the whole one (no decode figure)
+    decode_s = wall - ttft if wall > ttft else None
     return {
         "wall_s": round(wall, 6), "cpu_s": round(cpu, 6), "rows": rows, "tokens": tokens,
         "tokens_per_s": round(tokens / wall, 1),
-        "ttft_s": round(ttft, 6), "decode_s": round(decode_s, 6),
-        "decode_tokens_per_s": round((tokens - rows) / decode_s, 1),
+        "ttft_s": round(ttft, 6), "decode_s": None if decode_s is None else round(decode_s, 6),
+        "decode_tokens_per_s": None if decode_s is None else round((tokens - rows) / decode_s, 1),
         # the embedded decoder times its prefill forward itself; vLLM's is in ttft_s only
         "prefill_s": round(out.prefill_s, 6) if isinstance(engine, Embedded) else None,
         "prefill_tokens": out.prefill_tokens if isinstance(engine, Embedded) else None,
@@ -184,9 +185,14 @@ def measure(engine, prompts, cfg: GenerationConfig) -> dict:
 
 def summarize(runs: list[dict]) -> dict:
     """Median and best of a (workload, engine)'s runs; tokens/s from each."""
-    med = {k: statistics.median(r[k] for r in runs) for k in ("wall_s", "cpu_s", "ttft_s", "decode_s", "call_rss_mb")}
-    best = {k: min(r[k] for r in runs) for k in ("wall_s", "cpu_s", "ttft_s", "decode_s")}
+    med = {k: statistics.median(r[k] for r in runs) for k in ("wall_s", "cpu_s", "ttft_s", "call_rss_mb")}
+    best = {k: min(r[k] for r in runs) for k in ("wall_s", "cpu_s", "ttft_s")}
     r0 = runs[0]
+    decode = r0["tokens"] - r0["rows"]  # the tokens after the first of each row
+
+    def per_s(n, wall, ttft):  # the decode from a full call's and a first-token call's times (None: no decode left)
+        return round(n / (wall - ttft), 1) if wall > ttft else None
+
     out = {
         "rows": r0["rows"], "tokens": r0["tokens"],
         "wall_s": round(med["wall_s"], 6), "wall_s_best": round(best["wall_s"], 6),
@@ -195,9 +201,8 @@ def summarize(runs: list[dict]) -> dict:
         # per second of this process's CPU time: what the load of other processes moves least
         "tokens_per_cpu_s_best": round(r0["tokens"] / best["cpu_s"], 1),
         "ttft_s": round(med["ttft_s"], 6), "ttft_s_best": round(best["ttft_s"], 6),
-        "decode_s": round(med["decode_s"], 6),
-        "decode_tokens_per_s": round((r0["tokens"] - r0["rows"]) / med["decode_s"], 1),
-        "decode_tokens_per_s_best": round((r0["tokens"] - r0["rows"]) / best["decode_s"], 1),
+        "decode_tokens_per_s": per_s(decode, med["wall_s"], med["ttft_s"]),
+        "decode_tokens_per_s_best": per_s(decode, best["wall_s"], best["ttft_s"]),
         "call_rss_mb": round(med["call_rss_mb"], 1), "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
         "mean_logprob": round(statistics.mean(r["mean_logprob"] for r in runs), 4),
     }
