@@ -36,6 +36,7 @@ one run in the vLLM venv measures all three under the same load.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -108,7 +109,7 @@ class Embedded:
         self.generator = Generator(model, vocab_size=vocab_size, state=state)
 
     def generate(self, prompts, cfg: GenerationConfig):
-        cfg = GenerationConfig(**{**cfg.__dict__, "decode_impl": self.impl})
+        cfg = dataclasses.replace(cfg, decode_impl=self.impl)
         return generate(self.model, prompts, cfg, vocab_size=self.vocab_size, state=self.state, generator=self.generator)
 
     def close(self) -> None:
@@ -155,7 +156,7 @@ def measure(engine, prompts, cfg: GenerationConfig) -> dict:
     """One full call and one first-token call (the same prompts, one new token) of ``engine``; the record
     of one run (see the module doc)."""
     load = load_avg()
-    first = GenerationConfig(**{**cfg.__dict__, "max_new_tokens": 1})
+    first = dataclasses.replace(cfg, max_new_tokens=1)
     t0 = time.perf_counter()
     engine.generate(prompts, first)
     ttft = time.perf_counter() - t0
