@@ -14,7 +14,7 @@ LONG = 2000
 
 
 def test_vllm_beside_the_embedded_engines():
-    args = rb.parse_args(["--shape", "tiny", "--prompts", str(PROMPTS), "--samples", str(G), "--prompt-lens", f"5,{LONG}",
+    args = rb.parse_args(["--shape", "tiny", "--prompts", str(PROMPTS), "--samples", str(G), "--prompt-lens", str(LONG),
                           "--new-tokens", str(NEW), "--rounds", "1"])
     assert args.engines == ["lean", "megatron", "vllm"]  # auto: vLLM is importable here
     res = rb.run(args)
