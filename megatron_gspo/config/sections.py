@@ -482,9 +482,11 @@ class RolloutCorrectionConfig:
     threshold_low: Optional[float] = knob(None, resume=Resume.REFUSED, ge=0, lt=1)
     # IcePop's band [alpha, beta] of the token ratio (Ring-1T, arXiv 2510.18855: 0.5 / 5).
     icepop_low: float = knob(0.5, resume=Resume.REFUSED, ge=0, lt=1)
+    # IcePop's upper end beta (rho above it is masked).
     icepop_high: float = knob(5.0, resume=Resume.REFUSED, gt=1)
     # SkyRL's geometric sequence mask band (its defaults 0.99 / 1.01).
     geo_mask_low: float = knob(0.99, resume=Resume.REFUSED, gt=0, lt=1)
+    # Its upper end (a geometric-mean rho above it masks the response).
     geo_mask_high: float = knob(1.01, resume=Resume.REFUSED, gt=1)
     # NeMo-RL's seq_logprob_error_threshold (its example 1.5; the error is >= 1, 1 = identical log-probs).
     seq_logprob_error_threshold: float = knob(1.5, resume=Resume.REFUSED, gt=1)
