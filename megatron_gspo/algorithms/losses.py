@@ -844,14 +844,15 @@ def _dppo(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor], diverg
     low, high = s.clip_ratio_low, s.clip_ratio_high
     ratio = b.token_ratio(s.log_ratio_bound)  # [B, T]; 1 off-mask
     m = b.mask
-    lr = b.log_ratio.detach()  # log p - log p_old on the mask, 0 off it
-    logp = torch.where(m, b.logp.detach(), 0.0)
-    p, mu = logp.exp(), (logp - lr).exp()  # the token's probability under the current and the old policy
+    # the token's log-probability under the current and the old policy (0 off the mask), at most 0: a probability
+    logp = torch.where(m, b.logp.detach(), 0.0).clamp(max=0.0)
+    log_mu = torch.where(m, b.logp.detach() - b.log_ratio.detach(), 0.0).clamp(max=0.0)
+    p, mu = logp.exp(), log_mu.exp()
     if divergence == "tv":
         div = p - mu
         up, down = div > high, -div > low
     else:  # the binary KL of (mu, p): KL(Bernoulli(mu) || Bernoulli(p))
-        div = mu * -lr + (1 - mu) * torch.log((1 - mu + DPPO_KL_EPS) / (1 - p + DPPO_KL_EPS))
+        div = mu * (log_mu - logp) + (1 - mu) * torch.log((1 - mu + DPPO_KL_EPS) / (1 - p + DPPO_KL_EPS))
         up, down = (p > mu) & (div > high), (p < mu) & (div > low)
     masked_high, masked_low = (adv > 0) & up, (adv < 0) & down  # the move the advantage asks for, too far
     keep = ~(masked_high | masked_low)
