@@ -93,7 +93,8 @@ SUPPLEMENT: dict[str, str] = {
                      "same numbers under any TP / EP layout) and of Python / numpy / torch at start-up "
                      "(+ 100 x pipeline rank).",
     "train.advantage_estimator": "Group-relative advantage estimator: `grpo` (divide by the group std), "
-                                 "`dr_grpo` or its alias `mean_only` (mean-centering only).",
+                                 "`dr_grpo` or its alias `mean_only` (mean-centering only), `maxrl` (MaxRL: divide by "
+                                 "the group mean; rewards >= 0).",
     "train.output_dir": "Where rank 0 writes `metrics.jsonl` and `tensorboard/` (created at the first "
                         "logged step), and wandb its files unless `train.wandb_save_dir` says otherwise.",
     "train.log_interval": "Print the progress line every N steps (metrics are logged every step).",
@@ -206,7 +207,7 @@ Checks across sections (`config/rules.py`, run in order by `JobConfig.__post_ini
   without FP8 and without Transformer Engine's fused router top-k (`model.moe_router_fusion`): the rows
   with a config key of `LEAN_DECODE_LIMITS` (`config/rules.py`; `auto` picks lean wherever it can run);
 * `rollout.mode=async` needs `train.old_logprobs` `auto` or `recompute`, `rollout_correction.mode`
-  `tis` or `mis` when `rollout.max_staleness > 0`, `train.routing_replay` `off` or `R2`, and no dynamic
+  `tis`, `mis` or `icepop` when `rollout.max_staleness > 0`, `train.routing_replay` `off` or `R2`, and no dynamic
   sampling;
 * `checkpoint.allow_config_change` names sections or `section.key`s of the job.
 

@@ -1,4 +1,4 @@
-"""Peers' implementations of SAPO, CISPO, GMPO and LUSPO, run on given batches (tests/test_loss_peers.py).
+"""Peers' implementations of SAPO, CISPO, GMPO, LUSPO, VESPO and the off-policy sequence mask (OPSM), run on given batches (tests/test_loss_peers.py).
 
     python tests/peer_losses.py trl IN.pt OUT.pt     # TRL's GRPOTrainer / GMPOTrainer._compute_loss
     python tests/peer_losses.py verl IN.pt OUT.pt    # verl's core_algos policy losses (where verl is installed)
@@ -64,6 +64,14 @@ def run_trl(cases: list[dict]) -> list[dict]:
                 assert p["clip_ratio_low"] == 1.0, "TRL's CISPO has no lower bound"
                 cfg = GRPOConfig(loss_type="cispo", epsilon_high=1.0 + p["clip_ratio_high"], **common)
                 cls = GRPOTrainer
+            elif case["loss"] == "vespo":
+                cfg = GRPOConfig(loss_type="vespo", vespo_k_pos=p["k_pos"], vespo_lambda_pos=p["lambda_pos"],
+                                 vespo_k_neg=p["k_neg"], vespo_lambda_neg=p["lambda_neg"], **common)
+                cls = GRPOTrainer
+            elif case["loss"] == "grpo_opsm":  # GRPO (its per-sequence token mean) with the off-policy sequence mask
+                cfg = GRPOConfig(loss_type="grpo", epsilon=0.2, epsilon_high=0.2,
+                                 off_policy_mask_threshold=p["delta"], **common)
+                cls = GRPOTrainer
             elif case["loss"] == "luspo":
                 cfg = GRPOConfig(loss_type="luspo", importance_sampling_level="sequence",
                                  epsilon=p["clip_ratio_low"], epsilon_high=p["clip_ratio_high"], **common)
@@ -82,6 +90,10 @@ def run_trl(cases: list[dict]) -> list[dict]:
                       "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
                       "advantages": case["adv"], "old_per_token_logps": case["old"],
                       "num_items_in_batch": mask.sum().to(case["logp"].dtype)}
+            if "is_weights" in case:  # the token IS ratio TRL's generation step would have made (1 off the mask)
+                inputs["importance_sampling_ratio"] = torch.where(case["mask"], case["is_weights"], 1.0)
+            if "rollout" in case:  # the sampler's log-probs (vLLM's), which OPSM compares the policy with
+                inputs["sampling_per_token_logps"] = case["rollout"]
             loss = trainer._compute_loss(trainer.model, inputs)
             (grad,) = torch.autograd.grad(loss, logp)
             out.append({"loss": loss.detach(), "grad": grad})
@@ -115,6 +127,10 @@ def run_verl(cases: list[dict]) -> list[dict]:
 
 
 def main() -> None:
+    # run as a script, this file's directory leads sys.path, and its tests/vllm/ would import as a "vllm" package
+    # without metadata (TRL then fails to parse its version)
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     peer, src, dst = sys.argv[1:4]
     warnings.filterwarnings("ignore")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

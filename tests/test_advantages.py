@@ -98,7 +98,7 @@ def test_non_finite_rewards_name_the_indices():
 
 
 def test_registry():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "mean_only"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "mean_only", "maxrl"}
     assert get_advantage_estimator("grpo") is grpo_advantages
     with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo'.*dr_grpo.*grpo.*mean_only"):
         get_advantage_estimator("ppo")

@@ -271,10 +271,11 @@ def test_every_variant_is_a_valid_job_with_its_loss_defaults(capsys):
     from megatron_gspo.config import load_job_config
     from megatron_gspo.train import DEMO_CONFIG
 
-    assert set(variants.FAMILY_VARIANTS) <= set(variants.VARIANTS)
+    assert set(variants.FAMILY_VARIANTS) | set(variants.PEER_VARIANTS) <= set(variants.VARIANTS)
     for v in variants.VARIANTS:
         cfg = load_job_config(DEMO_CONFIG, ["loss.clip_ratio_high=0.3"] + variants.variant_overrides(v, {}))
-        assert cfg.loss.name == v.split("_r")[0] and cfg.loss.clip_ratio_high is None, v
+        named = next(o.split("=", 1)[1] for o in variants.VARIANTS[v]["overrides"] if o.startswith("loss.name="))
+        assert cfg.loss.name == named and cfg.loss.clip_ratio_high is None, v
         assert variants.clip_unit(v) != "?"
     assert cli.parse_args(["--section", "family_stress"]).section == "family_stress"
     assert variants.section_kind({"section": "family_stress", "stress": True}) == "family_stress"

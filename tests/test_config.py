@@ -232,9 +232,12 @@ def test_config_names_match_the_registries():
     """The config validates names without importing the subsystems; each registry offers exactly them. (The loss
     section reads the loss specs instead: tests/test_loss_specs.py.)"""
     from megatron_gspo.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from megatron_gspo.algorithms.rollout_correction import CORRECTIONS
+    from megatron_gspo.config.sections import ROLLOUT_CORRECTION_MODES
     from megatron_gspo.data.tokenizer import build_tokenizer  # noqa: F401 (TOKENIZER_TYPES is its dispatch)
 
     assert tuple(ADVANTAGE_ESTIMATORS) == config.ADVANTAGE_ESTIMATOR_NAMES
+    assert ("off", *CORRECTIONS) == ROLLOUT_CORRECTION_MODES
 
 
 # ----------------------------------------------------------------------------------------------

@@ -142,7 +142,8 @@ def _known_metrics() -> set[str]:
     keys: set[str] = set()
     for cfg in (LossConfig(name="gspo", kl_coef=0.1, entropy_coef=0.01), LossConfig(name="gspo_token"),
                 LossConfig(name="grpo", dual_clip_c=3.0, kl_coef=0.1), LossConfig(name="sapo"),
-                LossConfig(name="cispo"), LossConfig(name="gmpo"), LossConfig(name="luspo")):
+                LossConfig(name="cispo"), LossConfig(name="gmpo"), LossConfig(name="luspo"), LossConfig(name="vespo"),
+                LossConfig(name="dppo_tv"), LossConfig(name="dppo_kl")):
         _, metrics = compute_policy_loss(cfg, logp, old, adv, mask, ref_logp=ref, entropy=ent)
         keys |= {f"loss/{k}" for k in metrics}
         keys |= {f"loss/{k}" for k in on_policy_metrics(logp, old, mask, metrics)}  # the trainer's first minibatch
@@ -157,8 +158,10 @@ def _known_metrics() -> set[str]:
     from megatron_gspo.algorithms.losses import on_policy_metrics
 
     keys |= {f"loss/{k}" for k in on_policy_metrics(logp, old, mask, metrics)}
-    for mode in ("tis", "mis"):
-        keys |= set(correction_weights(old, logp, mask, mode, "token", 0.5, 2.0)[1])
+    from megatron_gspo.algorithms.rollout_correction import CORRECTIONS
+
+    for mode in CORRECTIONS:
+        keys |= set(correction_weights(old, logp, mask, mode, "token", 0.5, 2.0, logp=logp, advantages=adv)[1])
     keys.add("eval/pass@k")  # named by eval.k (evaluation.py)
     keys |= {f"async/staleness_frac_{j}" for j in range(2)}  # named by the staleness (rollout/remote.py)
     src = ""

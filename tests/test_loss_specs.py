@@ -75,10 +75,12 @@ def test_every_built_in_loss_is_one_spec_beside_its_function():
     from megatron_gspo.config.losses import config_values, describe_loss, loss_spec, losses_where
     from megatron_gspo.algorithms.losses import POLICY_LOSSES, LossConfig, gspo_loss
 
-    assert list(POLICY_LOSSES) == ["gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo", "luspo"]
-    assert losses_where(lambda spec: spec.ratio == TOKEN) == ["grpo", "sapo", "cispo", "gmpo"]
-    assert losses_where(lambda spec: spec.aggregation == CONFIGURABLE) == ["grpo", "cispo"]
-    assert losses_where(lambda spec: spec.clip is None) == ["sapo"]
+    assert list(POLICY_LOSSES) == ["gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo", "luspo", "vespo", "dppo_tv",
+                                   "dppo_kl"]
+    assert losses_where(lambda spec: spec.ratio == TOKEN) == ["grpo", "sapo", "cispo", "gmpo", "vespo", "dppo_tv",
+                                                              "dppo_kl"]
+    assert losses_where(lambda spec: spec.aggregation == CONFIGURABLE) == ["grpo", "cispo", "dppo_tv", "dppo_kl"]
+    assert losses_where(lambda spec: spec.clip is None) == ["sapo", "vespo"]
     for name, fn in POLICY_LOSSES.items():
         assert loss_spec(name) is fn.spec and fn.spec.name == name
         assert config_values(LossConfig(name=name)) == fn.spec.defaults()
@@ -87,6 +89,9 @@ def test_every_built_in_loss_is_one_spec_beside_its_function():
         assert {p: params[p].default for p in fn.spec.defaults()} == fn.spec.defaults()
     assert describe_loss(LossConfig(name="sapo")) == "gate tau 1 / 1.05"
     assert describe_loss(LossConfig(name="gmpo")) == "clip 0.4 / 0.4 (log-ratio)"
+    assert describe_loss(LossConfig(name="vespo")) == "phi k / lambda 2 / 3 (A >= 0), 3 / 2 (A < 0)"
+    assert describe_loss(LossConfig(name="dppo_tv")) == "clip 0.2 / 0.2 (probability change)"
+    assert describe_loss(LossConfig(name="dppo_kl")) == "clip 0.05 / 0.05 (binary KL)"
     logp, mask = torch.zeros(1, 2, requires_grad=True), torch.ones(1, 2, dtype=torch.bool)
     with pytest.raises(TypeError, match=r"gspo_loss\(\) got an unexpected keyword argument 'tau_pos'"):
         gspo_loss(logp, torch.zeros(1, 2), torch.ones(1), mask, tau_pos=1.0)

@@ -512,9 +512,9 @@ def test_loss_config_defaults_per_loss():
     [
         (dict(clip_ratio_low=1.5), r"loss\.clip_ratio_low must be in \(0, 1\), got 1\.5"),
         (dict(clip_ratio_high=0.0), r"loss\.clip_ratio_high"),
-        (dict(name="ppo"), r"loss\.name='ppo' is not one of \['gspo', 'gspo_token', 'grpo', 'sapo', 'cispo', 'gmpo', 'luspo'\]"),
+        (dict(name="ppo"), r"loss\.name='ppo' is not one of \['gspo', 'gspo_token', 'grpo', 'sapo', 'cispo', 'gmpo', 'luspo', 'vespo', 'dppo_tv', 'dppo_kl'\]"),
         (dict(name="grpo", loss_agg_mode="sum"), r"loss\.loss_agg_mode='sum' is not one of"),
-        (dict(name="gspo", loss_agg_mode="seq-mean-token-mean"), r"loss\.loss_agg_mode='seq-mean-token-mean' applies to loss\.name in \['grpo', 'cispo'\] only"),
+        (dict(name="gspo", loss_agg_mode="seq-mean-token-mean"), r"loss\.loss_agg_mode='seq-mean-token-mean' applies to loss\.name in \['grpo', 'cispo', 'dppo_tv', 'dppo_kl'\] only"),
         (dict(name="grpo", loss_agg_mode="seq-mean-token-sum-norm"), r"loss\.loss_agg_norm_constant"),
         (dict(name="grpo", loss_agg_norm_constant=100.0), r"loss\.loss_agg_norm_constant is only used"),
         (dict(name="grpo", dual_clip_c=1.0), r"loss\.dual_clip_c must be a finite number > 1 or null, got 1\.0"),
@@ -531,7 +531,7 @@ def test_loss_config_defaults_per_loss():
         (dict(name="gmpo", clip_ratio_low=-0.4), r"loss\.clip_ratio_low must be a finite number > 0 \(gmpo: a log-ratio"),
         (dict(name="gmpo", clip_ratio_high=25.0), r"loss\.log_ratio_bound=20\.0 must exceed gmpo's log-ratio clip range"),
         (dict(name="luspo", clip_ratio_low=1.0), r"loss\.clip_ratio_low must be in \(0, 1\), got 1\.0"),
-        (dict(name="gmpo", loss_agg_mode="seq-mean-token-mean"), r"applies to loss\.name in \['grpo', 'cispo'\] only"),
+        (dict(name="gmpo", loss_agg_mode="seq-mean-token-mean"), r"applies to loss\.name in \['grpo', 'cispo', 'dppo_tv', 'dppo_kl'\] only"),
         (dict(name="cispo", dual_clip_c=3.0), r"loss\.dual_clip_c applies to loss\.name='grpo' only"),
     ],
 )
@@ -560,7 +560,7 @@ def test_a_loss_key_is_refused_before_the_other_rules():
 
 def test_registry_and_dispatch_errors():
     assert get_policy_loss("gspo") is gspo_loss
-    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo'; valid names: \['gspo', 'gspo_token', 'grpo', 'sapo', 'cispo', 'gmpo', 'luspo'\]"):
+    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo'; valid names: \['gspo', 'gspo_token', 'grpo', 'sapo', 'cispo', 'gmpo', 'luspo', 'vespo', 'dppo_tv', 'dppo_kl'\]"):
         get_policy_loss("ppo")
     logp, old, adv, mask = small_batch()
     with pytest.raises(ValueError, match="needs ref_logp"):

@@ -154,7 +154,8 @@ def test_objective_config_is_the_jobs_loss_correction_and_overlong_filtering():
 
 
 def test_registries_refuse_a_second_loss_or_estimator_of_one_name_and_name_the_unknown():
-    assert list(POLICY_LOSSES) == ["gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo", "luspo"]
+    assert list(POLICY_LOSSES) == ["gspo", "gspo_token", "grpo", "sapo", "cispo", "gmpo", "luspo", "vespo", "dppo_tv",
+                                   "dppo_kl"]
     gspo = get_policy_loss("gspo")
     with pytest.raises(ValueError, match=r"policy loss 'gspo' is registered twice \(gspo_loss and "):
         register_policy_loss("gspo")(lambda *a, **k: None)
@@ -163,7 +164,7 @@ def test_registries_refuse_a_second_loss_or_estimator_of_one_name_and_name_the_u
         get_policy_loss("ppo")
     with pytest.raises(ValueError, match=r"advantage estimator 'mean_only' is registered twice"):
         register_advantage("mean_only")(lambda r, g: r)
-    assert list(ADVANTAGE_ESTIMATORS) == ["grpo", "dr_grpo", "mean_only"]
+    assert list(ADVANTAGE_ESTIMATORS) == ["grpo", "dr_grpo", "mean_only", "maxrl"]
 
 
 def test_a_registered_loss_is_what_get_policy_loss_returns():

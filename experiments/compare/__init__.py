@@ -1,8 +1,8 @@
-"""GSPO vs GSPO-token vs GRPO vs GRPO + routing replay (and GSPO's successors SAPO, CISPO, GMPO, LUSPO),
-side by side, reproducibly.
+"""GSPO vs GSPO-token vs GRPO vs GRPO + routing replay (and GSPO's successors SAPO, CISPO, GMPO, LUSPO, the
+peers' VESPO, DPPO-TV / DPPO-KL and MaxRL's advantages), side by side, reproducibly.
 
     python -m experiments.compare [config.yaml] [section.key=value ...]
-        [--variants gspo,gspo_token,grpo,grpo_r2,sapo,cispo,gmpo,luspo] [--out DIR] [--steps N] [--seeds 1234,1,2]
+        [--variants gspo,gspo_token,grpo,grpo_r2,sapo,cispo,gmpo,luspo,vespo,dppo_tv,dppo_kl,dppo_tv_kl,gspo_maxrl] [--out DIR] [--steps N] [--seeds 1234,1,2]
         [--section NAME]
         [--stress [--stress-minibatches 8] [--stress-lr-mult 2]] [--nproc-per-node N] [--docs-dir DIR]
         [--no-probe] [--probe-rows 64] [--threads N] [--variant-override VARIANT:key=value]

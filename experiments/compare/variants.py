@@ -1,7 +1,8 @@
 """What is compared: the variants (overrides applied to the same job) and the ``--stress`` knobs.
 
 Each variant uses its loss's paper defaults (GSPO 3e-4 / 4e-4, GRPO 0.2 / 0.2, LUSPO 2e-3 / 2.5e-3,
-CISPO's weight cap 5, GMPO's log-ratio range 0.4, SAPO's gate temperatures 1 / 1.05): the job's own
+CISPO's weight cap 5, GMPO's log-ratio range 0.4, SAPO's gate temperatures 1 / 1.05, VESPO's k / lambda
+2 / 3 and 3 / 2, DPPO's deltas 0.2 (TV) and 0.05 (KL)): the job's own
 clip settings are reset, since a GSPO range is meaningless for GRPO and vice versa. Per-variant
 settings come on top: ``--variant-override grpo:loss.clip_ratio_high=0.28``.
 """
@@ -35,8 +36,21 @@ VARIANTS: dict[str, dict] = {
                  label="GMPO", clip_unit="tokens"),
     "luspo": dict(overrides=["loss.name=luspo", _REPLAY_OFF, *_RESET_CLIP],
                   label="LUSPO", clip_unit="sequences"),
+    # the peers' losses since GSPO and MaxRL's advantage (docs/algorithms.md): opt-in, --variants gspo,grpo,vespo,...
+    "vespo": dict(overrides=["loss.name=vespo", _REPLAY_OFF, *_RESET_CLIP],
+                  label="VESPO", clip_unit="tokens weighted below 1/2"),
+    "dppo_tv": dict(overrides=["loss.name=dppo_tv", _REPLAY_OFF, *_RESET_CLIP],
+                    label="DPPO-TV", clip_unit="tokens masked"),
+    "dppo_kl": dict(overrides=["loss.name=dppo_kl", _REPLAY_OFF, *_RESET_CLIP],
+                    label="DPPO-KL", clip_unit="tokens masked"),
+    # prime-rl's default RL loss: DPPO-TV with Kimi-K2.5's squared log-ratio, tau 1e-3
+    "dppo_tv_kl": dict(overrides=["loss.name=dppo_tv", "loss.dppo_kl_tau=1e-3", _REPLAY_OFF, *_RESET_CLIP],
+                       label="DPPO-TV + KL", clip_unit="tokens masked"),
+    "gspo_maxrl": dict(overrides=["loss.name=gspo", "train.advantage_estimator=maxrl", _REPLAY_OFF, *_RESET_CLIP],
+                       label="GSPO + MaxRL advantages", clip_unit="sequences"),
 }
 FAMILY_VARIANTS = ("gspo", "grpo", "sapo", "cispo", "gmpo", "luspo")
+PEER_VARIANTS = ("gspo", "grpo", "vespo", "dppo_tv", "dppo_kl", "dppo_tv_kl", "gspo_maxrl")
 DEFAULT_VARIANTS = ("gspo", "gspo_token", "grpo", "grpo_r2")
 
 # --stress makes off-policy effects visible on small models: the last of 8 minibatches is 7 updates

@@ -1,4 +1,4 @@
-"""Group-relative advantage estimators (GRPO / GSPO / Dr. GRPO).
+"""Group-relative advantage estimators (GRPO / GSPO / Dr. GRPO / MaxRL).
 
 Each prompt is answered ``group_size`` times; a response's advantage is its reward relative to the
 other responses to the same prompt, so no value network is needed:
@@ -6,6 +6,7 @@ other responses to the same prompt, so no value network is needed:
     grpo      A_i = (r_i - mean(r_group)) / (std(r_group) + eps)     GSPO paper §4.1, GRPO (DeepSeekMath)
     dr_grpo   A_i =  r_i - mean(r_group)                              Dr. GRPO (arXiv 2503.20783): no std division
     mean_only alias of dr_grpo
+    maxrl     A_i = (r_i - mean(r_group)) / mean(r_group)             MaxRL (arXiv 2602.02710), as prime-rl / SkyRL
 
 Rewards are laid out prompt-major: ``[P*G]`` (prompt 0's G responses first) or ``[P, G]``.
 The result is always flat ``[P*G]`` in the same order, one advantage per response; the loss
@@ -111,6 +112,24 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -
 def dr_grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """r - group mean (Dr. GRPO: dividing by the std up-weights near-constant groups)."""
     return group_advantages(rewards, group_size, normalize_std=False)
+
+
+@register_advantage("maxrl")
+def maxrl_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """MaxRL (arXiv 2602.02710): A_i = (r_i - mean(r_group)) / mean(r_group), GRPO's centred reward normalized by
+    the group's mean instead of its std: the policy gradient of the order-G truncation of the maximum-likelihood
+    objective, which weighs a prompt solved with probability p about 1 / p (hard prompts count more).
+
+    rewards: [P*G] or [P, G] (prompt-major), any real dtype; returns [P*G] as group_advantages does. The rewards
+    are meant to be >= 0 (a pass rate; canonically binary): a group whose mean is <= 0 carries no signal and gets
+    0 (prime-rl's rule; SkyRL divides by mean + 1e-6, the same for binary rewards), as does a constant group."""
+    r = _validate(rewards, group_size)  # [P, G] float64
+    mean = r.mean(dim=1, keepdim=True)
+    constant = (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)) | (mean <= 0)
+    adv = torch.where(constant, torch.zeros_like(r), (r - mean) / torch.where(constant, 1.0, mean))
+    src = torch.as_tensor(rewards)
+    out_dtype = src.dtype if src.dtype.is_floating_point else torch.float32
+    return adv.reshape(-1).to(dtype=out_dtype, device=src.device)
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:

@@ -1,6 +1,7 @@
-"""Policy losses for RL post-training, as pure functions: GSPO, GSPO-token, GRPO (PPO-clip) and GSPO's
+"""Policy losses for RL post-training, as pure functions: GSPO, GSPO-token, GRPO (PPO-clip), GSPO's
 successors SAPO (soft gate), CISPO (clipped importance weights), GMPO (geometric mean) and LUSPO
-(length-unbiased GSPO).
+(length-unbiased GSPO), and the peers' VESPO (a smooth sequence weight) and DPPO (a trust region on the
+token's probability: binary TV or binary KL).
 
 A loss is one spec and one function (verl's ``register_policy_loss``): ``@register_policy_loss(name, spec)`` on a
 function ``(b: LossBatch, s: settings, is_weights) -> PolicyTerms`` that states its paper's formula; the spec
@@ -38,8 +39,8 @@ Return value
 
 Normalization, data parallelism and gradient accumulation
     Each loss is ``numerator / normalizer``: the numerator sums per-sequence terms (gspo,
-    gspo_token, sapo, gmpo, luspo, grpo / cispo "seq-mean-*") or per-token terms (grpo / cispo
-    "token-mean"), and the normalizer counts those units. By default it is the local count, which is right for one process and one
+    gspo_token, sapo, gmpo, luspo, grpo / cispo / dppo "seq-mean-*") or per-token terms (vespo, grpo / cispo /
+    dppo "token-mean"), and the normalizer counts those units. By default it is the local count, which is right for one process and one
     micro-batch. Otherwise pass ``global_batch_normalizer`` = the count over the whole global batch
     (all DP ranks, all micro-batches of the optimizer step): all-reduce (SUM) the local
     ``batch_normalizer(cfg, mask)`` of every micro-batch. Then the per-rank, per-micro-batch losses
@@ -84,7 +85,14 @@ from megatron_gspo.config.loss_spec import (  # the spec's vocabulary, for a los
     numerics_of_format,
     resolve_settings,
 )
-from megatron_gspo.config.losses import LOSS_SPECS, LossSettings, loss_settings, plugin, register_spec
+from megatron_gspo.config.losses import (
+    LOSS_SPECS,
+    VESPO_LOG_W_FLOOR,
+    LossSettings,
+    loss_settings,
+    plugin,
+    register_spec,
+)
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.runtime.metrics import Metric
 
@@ -97,6 +105,7 @@ __all__ = [
     "LossBatch", "LossConfig", "LossSpec", "Metrics", "PolicyTerms", "ResolvedLoss", "Setting", "batch_normalizer",
     "cispo_loss", "compute_policy_loss", "get_policy_loss", "gmpo_loss", "grpo_loss", "gspo_loss", "gspo_token_loss",
     "luspo_loss", "on_policy_metrics", "policy_loss", "register_policy_loss", "resolve_loss", "sapo_loss",
+    "vespo_loss", "dppo_tv_loss", "dppo_kl_loss",
 ]
 
 
@@ -764,6 +773,139 @@ def luspo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -
     """
     obj, metrics = _gspo_sequence_objective(b, s, is_weights)
     return PolicyTerms(torch.where(b.active, -b.lengths * obj, 0.0), metrics=metrics)  # [B]
+
+
+# ----------------------------------------------------------------------------------------------
+# The peers' losses since GSPO: VESPO (TRL), DPPO (prime-rl, SkyRL, verl)
+# ----------------------------------------------------------------------------------------------
+
+
+@register_policy_loss("vespo", LOSS_SPECS["vespo"])
+def vespo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -> PolicyTerms:
+    """VESPO: a smooth weight of the whole response's importance ratio on REINFORCE, in place of a hard clip.
+
+    Implements the VESPO objective of arXiv 2602.10693 as TRL 1.16 states it: (1 / sum_i |y_i|) sum_i sum_t sg[phi(w_i)] A_it log pi_theta(y_it), phi(w) = e^lambda w^k e^(-lambda w), w_i = prod_t pi_theta(y_it) / pi_old(y_it).
+
+    logp, old_logp, mask (, ref_logp, entropy): [B, T]; advantages: [B] (broadcast) or [B, T]. In log space:
+    log w_i = clamp(sum_t clamp(logp - old_logp, +-log_ratio_bound), log 1e-8, log_ratio_bound) (TRL's bounds at
+    the default bound of 20), phi = exp(lambda + k log w - lambda w) with (k, lambda) = (vespo_k_pos,
+    vespo_lambda_pos) where A >= 0, else the _neg pair (TRL's defaults 2 / 3 and 3 / 2); phi(1) = 1, so on-policy
+    VESPO is the token-mean policy gradient. phi is detached: a token's gradient is phi A grad log pi, and the loss
+    value is the surrogate -phi A log pi (it depends on log pi, as CISPO's). Rollout correction as TRL applies it:
+    token weights [B, T] enter w (log w_i += sum_t log rho_it, each bounded below by log 1e-8); a weight per
+    response [B] (sequence-level IS, the sequence masks) multiplies its terms. Aggregation "token-mean", as TRL's;
+    KL / entropy alike. Metrics: clip_frac_low / _high count the tokens whose weight phi fell below
+    SAPO_GATED_WEIGHT with w < 1 / w > 1 (the share of the policy gradient the weight mostly cut, as SAPO's gate
+    reports); vespo/phi_mean, _min, _max over tokens; seq_weight/log_mean, the mean of log w_i.
+    """
+    adv = b.token_adv()  # [B, 1] or [B, T]
+    bound = s.log_ratio_bound
+    log_w = b.log_ratio.detach().clamp(-bound, bound).sum(dim=-1)  # [B]; off-mask log-ratios are 0
+    seq_w = None
+    if is_weights is not None:
+        w = b.weights(is_weights)
+        if w.dim() == 2:  # TRL: the token IS ratios join the sequence's ratio, in log space
+            log_w = log_w + torch.where(b.mask, torch.log(w).clamp(VESPO_LOG_W_FLOOR, bound), 0.0).sum(dim=-1)
+        else:
+            seq_w = w
+    log_w = log_w.clamp(VESPO_LOG_W_FLOOR, bound)[:, None]  # [B, 1]
+    nonneg = adv >= 0
+    k = torch.where(nonneg, adv.new_tensor(s.k_pos), adv.new_tensor(s.k_neg))
+    lam = torch.where(nonneg, adv.new_tensor(s.lambda_pos), adv.new_tensor(s.lambda_neg))
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    lp = torch.where(b.mask, b.logp, 0.0)  # masked positions may hold anything
+    obj = phi * adv * lp  # [B, T]
+    if seq_w is not None:
+        obj = obj * seq_w[:, None]
+    m = b.mask
+    phi_t, w_t = phi.expand_as(m), log_w.expand_as(m)
+    cut = phi_t < SAPO_GATED_WEIGHT
+    return PolicyTerms(-obj, per_token=True, metrics={
+        "clip_frac_low": Metric.mean((cut & (w_t < 0)).to(torch.float64), m),
+        "clip_frac_high": Metric.mean((cut & (w_t > 0)).to(torch.float64), m),
+        "ratio_out_low_frac": Metric.mean((cut & (w_t < 0)).to(torch.float64), m),
+        "ratio_out_high_frac": Metric.mean((cut & (w_t > 0)).to(torch.float64), m),
+        "vespo/phi_mean": Metric.mean(phi_t, m),
+        "vespo/phi_min": Metric.min(phi_t, m),
+        "vespo/phi_max": Metric.max(phi_t, m),
+        "seq_weight/log_mean": Metric.mean(log_w[:, 0], b.active),
+        **_token_ratio_metrics(b.log_ratio.detach().clamp(-bound, bound).exp(), b),
+    })
+
+
+# DPPO's binary KL: 1 - p is bounded below by this before its log (SkyRL's and the paper code's epsilon): a token
+# the policy makes certain (p = 1) has a finite divergence
+DPPO_KL_EPS = 1e-8
+
+
+def _dppo(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor], divergence: str) -> PolicyTerms:
+    """DPPO's objective with the trust region measured by ``divergence`` ("tv" or "kl"): dppo_tv_loss's doc."""
+    adv = b.token_adv()  # [B, 1] or [B, T]
+    low, high = s.clip_ratio_low, s.clip_ratio_high
+    ratio = b.token_ratio(s.log_ratio_bound)  # [B, T]; 1 off-mask
+    m = b.mask
+    # the token's log-probability under the current and the old policy (0 off the mask), at most 0: a probability
+    logp = torch.where(m, b.logp.detach(), 0.0).clamp(max=0.0)
+    log_mu = torch.where(m, b.logp.detach() - b.log_ratio.detach(), 0.0).clamp(max=0.0)
+    p, mu = logp.exp(), log_mu.exp()
+    if divergence == "tv":
+        div = p - mu
+        up, down = div > high, -div > low
+    else:  # the binary KL of (mu, p): KL(Bernoulli(mu) || Bernoulli(p))
+        div = mu * (log_mu - logp) + (1 - mu) * torch.log((1 - mu + DPPO_KL_EPS) / (1 - p + DPPO_KL_EPS))
+        up, down = (p > mu) & (div > high), (p < mu) & (div > low)
+    masked_high, masked_low = (adv > 0) & up, (adv < 0) & down  # the move the advantage asks for, too far
+    keep = ~(masked_high | masked_low)
+    obj = torch.where(keep, ratio * adv, 0.0)
+    w = b.token_weights(is_weights)
+    if w is not None:
+        obj = obj * w
+    terms = -obj
+    if s.kl_tau > 0:  # Kimi-K2.5's squared log-ratio (prime-rl's default loss), on every token, masked or not
+        terms = terms + s.kl_tau * b.log_ratio.clamp(-s.log_ratio_bound, s.log_ratio_bound) ** 2
+    r_val = ratio.detach()
+    return PolicyTerms(terms, per_token=True, metrics={
+        "clip_frac_low": Metric.mean(masked_low.expand_as(m).to(torch.float64), m),
+        "clip_frac_high": Metric.mean(masked_high.expand_as(m).to(torch.float64), m),
+        "ratio_out_low_frac": Metric.mean(down.to(torch.float64), m),
+        "ratio_out_high_frac": Metric.mean(up.to(torch.float64), m),
+        f"dppo/{divergence}_mean": Metric.mean(div.abs() if divergence == "tv" else div, m),
+        f"dppo/{divergence}_max": Metric.max(div.abs() if divergence == "tv" else div, m),
+        **_token_ratio_metrics(r_val, b),
+    })
+
+
+@register_policy_loss("dppo_tv", LOSS_SPECS["dppo_tv"])
+def dppo_tv_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -> PolicyTerms:
+    """DPPO-Binary-TV: the policy gradient with a trust region on the change of each sampled token's probability.
+
+    Implements DPPO of arXiv 2602.04879 eq. 13: sum_it M_it r_it A_it / (tokens), M_it = 0 where A_it > 0 and p_it - p_old,it > delta_high or A_it < 0 and p_old,it - p_it > delta_low, else 1.
+
+    logp, old_logp, mask (, ref_logp, entropy): [B, T]; advantages: [B] (broadcast) or [B, T]. p = exp(logp) and
+    p_old = exp(old_logp) (the sampled token's probability: the binary total variation of the token's
+    distribution, |p - p_old|); r = exp(clamp(logp - old_logp, +-log_ratio_bound)) keeps its whole gradient where
+    M = 1 (no ratio clip), none where M = 0 (M is detached). delta_low / delta_high: loss.clip_ratio_low / _high
+    (default 0.2 / 0.2, the paper's, SkyRL's and prime-rl's dppo_mask_low / _high). A token moved too far in the
+    direction its advantage pushes is masked; one moved the other way keeps its gradient (PPO's asymmetry).
+    dppo_kl_tau > 0 adds tau (log r)^2 on every response token (prime-rl's default loss: tau = 1e-3). Aggregated by
+    loss_agg_mode ("token-mean", the paper's, by default); rollout-correction weights multiply the policy term.
+    Metrics: clip_frac_low / _high count the masked tokens with A < 0 / A > 0 (prime-rl's is_masked_low /
+    _high); ratio_out_low_frac / _high_frac the tokens past delta whatever their advantage; dppo/tv_mean, _max.
+    """
+    return _dppo(b, s, is_weights, "tv")
+
+
+@register_policy_loss("dppo_kl", LOSS_SPECS["dppo_kl"])
+def dppo_kl_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -> PolicyTerms:
+    """DPPO-Binary-KL: dppo_tv_loss with the trust region measured by the binary KL of the sampled token.
+
+    Implements DPPO of arXiv 2602.04879 eq. 14: as eq. 13 with M_it = 0 where A_it > 0, p_it > p_old,it and D_it > delta_high, or A_it < 0, p_it < p_old,it and D_it > delta_low; D = p_old log(p_old / p) + (1 - p_old) log((1 - p_old) / (1 - p)).
+
+    Shapes, ratio, rollout correction, aggregation, dppo_kl_tau and metrics as dppo_tv_loss (dppo/kl_mean, _max);
+    delta default 0.05 / 0.05 (the paper's and SkyRL's for the KL variant). 1 - p and 1 - p_old carry
+    DPPO_KL_EPS (SkyRL's), so a token made certain has a finite divergence.
+    """
+    return _dppo(b, s, is_weights, "kl")
 
 
 # ----------------------------------------------------------------------------------------------

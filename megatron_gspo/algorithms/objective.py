@@ -5,8 +5,8 @@ forward's log-probs and the scalar it differentiates is here, in the order it is
 
     loss mask            the response tokens, minus responses cut at the token limit under
                          train.overlong_filtering (overlong.loss_mask; DAPO §3.4)
-    correction weights   pi_old / pi_rollout, truncated (TIS) or masked (MIS), or none
-                         (rollout_correction.correction_weights)
+    correction weights   pi_old / pi_rollout, truncated (TIS) or masked (MIS, IcePop), a sequence mask
+                         (geometric, log-prob error, OPSM), or none (rollout_correction.correction_weights)
     policy loss          the loss named by loss.name, its settings resolved once (ObjectiveConfig.policy:
                          losses.resolve_loss), divided by the minibatch's unit count over every DP rank
                          (``normalizer``)
@@ -96,7 +96,7 @@ def objective(cfg: ObjectiveConfig, micro: MicroBatch, logp: Tensor, entropy: Op
     rc = cfg.correction
     # pi_old / pi_rollout weights: None when off, all 1.0 when the old log-probs are the rollout's
     weights, rc_metrics = correction_weights(micro.old_logprobs, micro.sample_logprobs, mask, rc.mode, rc.level,
-                                             *rc.bounds)
+                                             *rc.mode_bounds, logp=logp, advantages=micro.advantages)
     loss, metrics = cfg.policy(logp, micro.old_logprobs, micro.advantages, mask, ref_logp=micro.ref_logprobs,
                                entropy=entropy, global_batch_normalizer=normalizer, is_weights=weights)
     metrics.update(rc_metrics)

@@ -193,11 +193,27 @@ def _log_ratio_range(name: str, low: float, high: float, bound: float, where: st
                                    f"(clip_ratio_low={low}, clip_ratio_high={high})")
 
 
+def _probability_range(name: str, low: float, high: float, bound: float, where: str) -> None:
+    # a probability moves by at most 1: a threshold of 1 or more masks nothing (DPPO without its trust region)
+    for key, v in (("clip_ratio_low", low), ("clip_ratio_high", high)):
+        _check(_finite(v) and 0 < v < 1,
+               f"{where}{key} must be in (0, 1) ({name}: the largest change of a token's probability), got {v}")
+
+
+def _divergence_range(name: str, low: float, high: float, bound: float, where: str) -> None:
+    for key, v in (("clip_ratio_low", low), ("clip_ratio_high", high)):
+        _check(_finite(v) and v > 0, f"{where}{key} must be a finite number > 0 ({name}: a divergence threshold), "
+                                     f"got {v}")
+
+
 # the ratio range [1 - low, 1 + high]; an importance weight's truncation [1 - low, 1 + high] (low = 1: none below);
-# a range of each token's log-ratio, [-low, high]
+# a range of each token's log-ratio, [-low, high]; DPPO's trust region on the token's probability, p - p_old in
+# [-low, high] (binary total variation), or on the binary KL of (p_old, p) (at most low / high as p falls / rises)
 RATIO = ClipUnits("ratio", "", _ratio_range)
 WEIGHT = ClipUnits("weight truncation", " (weight truncation)", _weight_range)
 LOG_RATIO = ClipUnits("log-ratio", " (log-ratio)", _log_ratio_range)
+TV_DIVERGENCE = ClipUnits("binary-TV", " (probability change)", _probability_range)
+KL_DIVERGENCE = ClipUnits("binary-KL", " (binary KL)", _divergence_range)
 
 
 def _no_check(v, values, numerics, label, where):

@@ -17,6 +17,7 @@ What reads a loss section through its spec:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
@@ -24,15 +25,19 @@ from typing import Any, Callable, Mapping, Optional
 from megatron_gspo.config.checks import check, finite
 from megatron_gspo.config.loss_spec import (
     CONFIGURABLE,
+    KL_DIVERGENCE,
     LOG_RATIO,
     SEQUENCE,
     TOKEN,
+    TV_DIVERGENCE,
     VALUE_ROUNDING,
     WEIGHT,
     LossSpec,
     Numerics,
     Setting,
     Values,
+    _nonnegative_coef,
+    _ratio_cap,
 )
 from megatron_gspo.errors import ConfigError
 
@@ -62,13 +67,50 @@ def _check_gate_temperature(v, values, numerics, label, where):
                       "(the unclipped policy gradient: loss.name=grpo with a wide clip range gives it)")
 
 
+# VESPO's log sequence weight is bounded below here before phi (TRL's and the paper code's log(1e-8)): a response
+# whose ratio underflowed keeps a finite, negligible weight instead of log 0
+VESPO_LOG_W_FLOOR = math.log(1e-8)
+
+
+def _check_vespo_power(v, values, numerics, label, where):
+    check(finite(v) and v >= 0, f"{label} must be a finite number >= 0, got {v}")
+
+
+def _vespo_peak(k: float, lam: float, bound: float) -> float:
+    """The largest log phi(w) = lambda + k log w - lambda w over the weights VESPO can see, log w in
+    [VESPO_LOG_W_FLOOR, bound]: at w = k / lambda (phi's maximum) where that is inside, else at an end."""
+    lo, hi = VESPO_LOG_W_FLOOR, bound
+    log_w = min(max(math.log(k / lam), lo), hi) if k > 0 else lo
+    return lam + k * log_w - lam * math.exp(log_w)
+
+
+def _vespo_decay(sign: str) -> Callable:
+    def check_decay(v, values, numerics, label, where):
+        """VESPO's lambda: finite and > 0; in the training precision, phi's peak (a response's gradient weight)
+        within the largest weight its square holds."""
+        check(finite(v) and v > 0, f"{label} must be a finite number > 0, got {v}")
+        k = values[f"k_{sign}"]
+        if numerics is None or not (finite(k) and k >= 0):
+            return
+        peak = _vespo_peak(k, v, values["log_ratio_bound"])
+        limit = math.log(numerics.weight_limit)
+        check(peak <= limit, f"{label}={v!r} with {where}vespo_k_{sign}={k!r} gives a sequence weight phi up to "
+                             f"e^{peak:.4g}, above e^{limit:.4g}, the largest {numerics.name} takes: phi scales a "
+                             "response's gradient, which Adam and the gradient norm square; raise lambda or lower k")
+    return check_decay
+
+
 def _named(**specs: LossSpec) -> dict[str, LossSpec]:
     return {name: dataclasses.replace(spec, name=name) for name, spec in specs.items()}
 
 
 # name -> spec, in registration order (these, then any registered in code); the papers' defaults: GSPO §5.1,
 # DAPO's clip-higher for GRPO (0.2 / 0.28 on request), CISPO without a lower bound and ScaleRL's cap of 5,
-# GMPO's symmetric log-ratio range (§4), LUSPO §5.1, SAPO's temperatures 1.0 / 1.05
+# GMPO's symmetric log-ratio range (§4), LUSPO §5.1, SAPO's temperatures 1.0 / 1.05, VESPO's k / lambda 2 / 3 for
+# A >= 0 and 3 / 2 for A < 0 (TRL 1.16's), DPPO's delta 0.2 / 0.2 for binary TV and 0.05 / 0.05 for binary KL (its
+# paper's, as SkyRL's and prime-rl's). VESPO's ratio is a product over the response's tokens (routing noise adds
+# up, it does not average out): a per-token ratio for routing replay's purposes.
+_DPPO_TAU = (Setting("kl_tau", "dppo_kl_tau", _nonnegative_coef(_ratio_cap)),)
 LOSS_SPECS: dict[str, LossSpec] = _named(
     gspo=LossSpec(ratio=SEQUENCE, aggregation="seq-mean-token-mean", clip=(3e-4, 4e-4)),
     gspo_token=LossSpec(ratio=SEQUENCE, aggregation="seq-mean-token-mean", clip=(3e-4, 4e-4)),
@@ -81,6 +123,16 @@ LOSS_SPECS: dict[str, LossSpec] = _named(
     cispo=LossSpec(ratio=TOKEN, aggregation=CONFIGURABLE, clip=(1.0, 4.0), units=WEIGHT),
     gmpo=LossSpec(ratio=TOKEN, aggregation="seq-mean-token-mean", clip=(0.4, 0.4), units=LOG_RATIO),
     luspo=LossSpec(ratio=SEQUENCE, aggregation="seq-mean-token-sum", clip=(2e-3, 2.5e-3)),
+    vespo=LossSpec(ratio=TOKEN, aggregation="token-mean",
+                   describe="phi k / lambda {k_pos:g} / {lambda_pos:g} (A >= 0), {k_neg:g} / {lambda_neg:g} (A < 0)",
+                   note="VESPO has no clip range, its sequence weight is set by loss.vespo_k_* / loss.vespo_lambda_*",
+                   settings=(Setting("k_pos", "vespo_k_pos", _check_vespo_power),
+                             Setting("k_neg", "vespo_k_neg", _check_vespo_power),
+                             Setting("lambda_pos", "vespo_lambda_pos", _vespo_decay("pos")),
+                             Setting("lambda_neg", "vespo_lambda_neg", _vespo_decay("neg")))),
+    dppo_tv=LossSpec(ratio=TOKEN, aggregation=CONFIGURABLE, clip=(0.2, 0.2), units=TV_DIVERGENCE, settings=_DPPO_TAU),
+    dppo_kl=LossSpec(ratio=TOKEN, aggregation=CONFIGURABLE, clip=(0.05, 0.05), units=KL_DIVERGENCE,
+                     settings=_DPPO_TAU),
 )
 
 

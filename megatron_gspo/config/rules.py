@@ -348,9 +348,11 @@ def old_logprobs_under_async(job) -> None:
 
 def async_staleness_needs_correction(job) -> None:
     r = job.rollout
-    check(not r.is_async or r.max_staleness == 0 or job.rollout_correction.mode != "off",
+    # the importance-weighting modes; a sequence mask drops responses but weighs the rest 1, not pi_old / pi_rollout
+    weighting = ("tis", "mis", "icepop")
+    check(not r.is_async or r.max_staleness == 0 or job.rollout_correction.mode in weighting,
           f"rollout.max_staleness={r.max_staleness} trains on rollouts of older weights: the loss needs the "
-          "behaviour-to-old importance weight (decoupled objective); set rollout_correction.mode=tis or mis "
+          "behaviour-to-old importance weight (decoupled objective); set rollout_correction.mode=tis, mis or icepop "
           "(or rollout.max_staleness=0)")
 
 

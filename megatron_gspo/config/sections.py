@@ -4,6 +4,7 @@ their section from here."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,13 +15,14 @@ from megatron_gspo.errors import ConfigError
 # Names the registries must offer (tests/test_config.py checks each registry against its tuple):
 # the config validates names without importing the subsystems that implement them. (The loss section names
 # no loss: a loss is one spec beside its function, which config/rules.py checks the section against.)
-ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "mean_only")  # algorithms/advantages.py: ADVANTAGE_ESTIMATORS
+ADVANTAGE_ESTIMATOR_NAMES = ("grpo", "dr_grpo", "mean_only", "maxrl")  # algorithms/advantages.py: ADVANTAGE_ESTIMATORS
 TOKENIZER_TYPES = ("builtin", "hf", "sentencepiece")  # tokenizer.build_tokenizer
 ROUTING_REPLAY_MODES = ("off", "R2", "R3")  # routing.RoutingPolicy
 OLD_LOGPROB_SOURCES = ("auto", "rollout", "recompute")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 OVERLONG_POLICIES = ("drop", "truncate_left", "error")
-ROLLOUT_CORRECTION_MODES = ("off", "tis", "mis")  # rollout_correction.correction_weights
+# rollout_correction.CORRECTIONS: weights (tis, mis, icepop) and sequence masks (geo_mask, seq_logprob_error, opsm)
+ROLLOUT_CORRECTION_MODES = ("off", "tis", "mis", "icepop", "geo_mask", "seq_logprob_error", "opsm")
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 DEVICES = ("auto", "cuda", "cpu")  # parallel.resolve_device
 DECODE_IMPLS = ("auto", "lean", "megatron")  # generation/decoder.py's make_backend
@@ -80,12 +82,15 @@ class LossConfig:
     refused by name, as is a value out of bounds, in the training precision for those that overflow (checked
     when the job is loaded, config/rules.py, and once more when the job's objective resolves its loss).
 
-    name: a registered loss, "gspo" | "gspo_token" | "grpo" | "sapo" | "cispo" | "gmpo" | "luspo", or your own as
-        "package.module:function" / "path/to/file.py:function" (a function made by losses.policy_loss).
+    name: a registered loss, "gspo" | "gspo_token" | "grpo" | "sapo" | "cispo" | "gmpo" | "luspo" | "vespo" |
+        "dppo_tv" | "dppo_kl", or your own as "package.module:function" / "path/to/file.py:function" (a function
+        made by losses.policy_loss).
     clip_ratio_low / clip_ratio_high: the clip range, in the loss's own units (a ratio range [1 - low, 1 + high],
         an importance weight's truncation, a log-ratio range); None picks the loss's default (its paper's).
         A loss without a clip range (sapo) refuses them.
-    loss_agg_mode (the losses that take it: grpo, cispo): "token-mean" (every response token of the batch weighs
+    For dppo_tv / dppo_kl the clip range is DPPO's trust region, delta_low / delta_high: the largest drop / rise
+        of a token's probability (dppo_tv: p - p_old; dppo_kl: the binary KL) before the token is masked.
+    loss_agg_mode (the losses that take it: grpo, cispo, dppo_tv, dppo_kl): "token-mean" (every response token of the batch weighs
         the same; CISPO's own), "seq-mean-token-mean" (GRPO paper: mean over tokens within a sequence, then
         over sequences), "seq-mean-token-sum-norm" (Dr. GRPO: token sum / loss_agg_norm_constant, then mean over
         sequences). The other losses aggregate as their papers do (per sequence).
@@ -98,6 +103,11 @@ class LossConfig:
     sapo_tau_pos / sapo_tau_neg (sapo only): temperatures of SAPO's gate for tokens with positive /
         non-positive advantage (paper values 1.0 / 1.05; higher = the gate closes faster as the
         ratio leaves 1).
+    vespo_k_pos / vespo_lambda_pos / vespo_k_neg / vespo_lambda_neg (vespo only): the power k and decay lambda of
+        VESPO's sequence weight phi(w) = e^lambda w^k e^(-lambda w) for advantages >= 0 / < 0 (paper and TRL
+        values 2 / 3 / 3 / 2).
+    dppo_kl_tau (dppo_tv / dppo_kl only): weight of the squared log-ratio term, tau (log r)^2 per token
+        (Kimi-K2.5's; prime-rl's default loss is DPPO-TV with tau = 1e-3); 0 = DPPO as its paper states it.
     """
 
     name: str = knob("gspo", resume=Resume.REFUSED)
@@ -111,6 +121,11 @@ class LossConfig:
     entropy_coef: float = knob(0.0, resume=Resume.REFUSED, ge=0)
     sapo_tau_pos: float = knob(1.0, resume=Resume.REFUSED, gt=0)
     sapo_tau_neg: float = knob(1.05, resume=Resume.REFUSED, gt=0)
+    vespo_k_pos: float = knob(2.0, resume=Resume.REFUSED, ge=0)
+    vespo_lambda_pos: float = knob(3.0, resume=Resume.REFUSED, gt=0)
+    vespo_k_neg: float = knob(3.0, resume=Resume.REFUSED, ge=0)
+    vespo_lambda_neg: float = knob(2.0, resume=Resume.REFUSED, gt=0)
+    dppo_kl_tau: float = knob(0.0, resume=Resume.REFUSED, ge=0)
 
     def __post_init__(self) -> None:
         validate(self, "loss")  # each knob's own type and bounds; the loss's spec is read by the job's rules
@@ -476,27 +491,79 @@ class CheckpointConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """Importance sampling between the rollout (behaviour) policy and the old policy (rollout_correction.py)."""
+    """Importance sampling or masking between the rollout (behaviour) policy and the training one
+    (rollout_correction.py; docs/algorithms.md has each mode's formula and source).
 
-    # "off", "tis" (truncated IS: weight min(rho, threshold), Yao et al. 2025) or "mis" (masked IS:
-    # weight rho inside [threshold_low, threshold], 0 outside, as verl's rollout_is mask mode / slime).
-    # rho = pi_old / pi_rollout; with train.old_logprobs=rollout rho is 1 and every mode is a no-op.
+    mode: "off"; importance weights of rho = pi_old / pi_rollout: "tis" (truncated IS: weight min(rho, threshold),
+        Yao et al. 2025), "mis" (masked IS: weight rho inside [threshold_low, threshold], 0 outside, as verl's
+        rollout_is mask mode / slime), "icepop" (IcePop: per-token masked IS in [icepop_low, icepop_high]); or
+        sequence masks (weight 1 or 0 per response): "geo_mask" (SkyRL: the geometric mean of rho per response
+        inside [geo_mask_low, geo_mask_high]), "seq_logprob_error" (NeMo-RL: mean_t exp|log rho_t| at most
+        seq_logprob_error_threshold), "opsm" (DeepSeek-V3.2's off-policy sequence mask, TRL's
+        off_policy_mask_threshold: drop a response with negative advantage whose mean log(pi_rollout / pi_theta)
+        exceeds off_policy_mask_threshold; pi_theta is the policy being trained, so it acts even where pi_old is
+        the rollout's). With train.old_logprobs=rollout rho is 1 and every mode but opsm is a no-op.
+    A key of a mode other than the job's is refused by name, as is level with a mode it does not apply to.
+    """
+
     mode: str = knob("off", resume=Resume.REFUSED, choices=ROLLOUT_CORRECTION_MODES)
-    # "token": one rho per response token; "sequence": one per response, the product of its tokens'.
+    # tis / mis: "token", one rho per response token; "sequence", one per response, the product of its tokens'.
     level: str = knob("token", resume=Resume.REFUSED, choices=ROLLOUT_CORRECTION_LEVELS)
     # Upper threshold C of rho (TIS truncates at it, MIS masks above it); also the bound of the
     # rollout/mismatch_ratio_out_frac metric.
     threshold: float = knob(2.0, resume=Resume.REFUSED, gt=1)
     # MIS lower threshold (rho below it is masked); null = 1 / threshold.
     threshold_low: Optional[float] = knob(None, resume=Resume.REFUSED, ge=0, lt=1)
+    # IcePop's band [alpha, beta] of the token ratio (Ring-1T, arXiv 2510.18855: 0.5 / 5).
+    icepop_low: float = knob(0.5, resume=Resume.REFUSED, ge=0, lt=1)
+    # IcePop's upper end beta (rho above it is masked).
+    icepop_high: float = knob(5.0, resume=Resume.REFUSED, gt=1)
+    # SkyRL's geometric sequence mask band (its defaults 0.99 / 1.01).
+    geo_mask_low: float = knob(0.99, resume=Resume.REFUSED, gt=0, lt=1)
+    # Its upper end (a geometric-mean rho above it masks the response).
+    geo_mask_high: float = knob(1.01, resume=Resume.REFUSED, gt=1)
+    # NeMo-RL's seq_logprob_error_threshold (its example 1.5; the error is >= 1, 1 = identical log-probs).
+    seq_logprob_error_threshold: float = knob(1.5, resume=Resume.REFUSED, gt=1)
+    # DeepSeek-V3.2's delta (TRL's off_policy_mask_threshold; TRL's example 0.5), in nats per token.
+    off_policy_mask_threshold: float = knob(0.5, resume=Resume.REFUSED, gt=0)
 
     def __post_init__(self) -> None:
         validate(self, "rollout_correction")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for key, modes in ROLLOUT_CORRECTION_KEYS.items():
+            value = getattr(self, key)
+            check(value == defaults[key] or self.mode in modes,
+                  f"rollout_correction.{key}={value} applies to rollout_correction.mode in {list(modes)} only, got "
+                  f"mode={self.mode!r}")
 
     @property
     def bounds(self) -> tuple[float, float]:
-        """(low, high) thresholds of rho, low resolved."""
+        """(low, high) thresholds of rho, low resolved (tis / mis; the mismatch metrics' band)."""
         return (1.0 / self.threshold if self.threshold_low is None else self.threshold_low), self.threshold
+
+    @property
+    def mode_bounds(self) -> tuple[float, float]:
+        """(low, high) of the job's mode, in its own units (rollout_correction.correction_weights): rho's band
+        (tis, mis, icepop), the geometric mean's band (geo_mask), (1, the error threshold) for seq_logprob_error,
+        (0, delta) for opsm."""
+        return {
+            "icepop": (self.icepop_low, self.icepop_high),
+            "geo_mask": (self.geo_mask_low, self.geo_mask_high),
+            "seq_logprob_error": (1.0, self.seq_logprob_error_threshold),
+            "opsm": (0.0, self.off_policy_mask_threshold),
+        }.get(self.mode, self.bounds)
+
+
+# rollout_correction keys read by some modes only: refused with any other mode (RolloutCorrectionConfig)
+ROLLOUT_CORRECTION_KEYS = {
+    # (accepted with off too, as before the masks existed: a job may keep them while correction is off)
+    "level": ("off", "tis", "mis"),
+    "threshold_low": ("off", "tis", "mis"),
+    "icepop_low": ("icepop",), "icepop_high": ("icepop",),
+    "geo_mask_low": ("geo_mask",), "geo_mask_high": ("geo_mask",),
+    "seq_logprob_error_threshold": ("seq_logprob_error",),
+    "off_policy_mask_threshold": ("opsm",),
+}
 
 
 @dataclass
