@@ -850,11 +850,9 @@ class LeanDecoder:
         b = tokens.shape[0]
         self.tok_in[:b].copy_(tokens)
         self.cur[:b].copy_(slots)
-        if self.graphs:
-            return self._replay_rows(b)
         self._hooks = False
         try:
-            return self._decode_step(b, self.max_slots if self.static else kv_len)
+            return self._replay_rows(b) if self.graphs else self._decode_step(b, self.max_slots if self.static else kv_len)
         finally:
             self._hooks = True
 
