@@ -140,6 +140,32 @@ Finished rows (``generation.compact_finished_rows``)
     (under EP to the largest count any lockstep rank still has, topped up with finished rows). Every
     per-row tensor stays indexed by the original row, so results are those of the static batch.
 
+Finished rows refilled (``generation.max_batch_rows``: continuous batching, the lean decoder)
+    Compaction shrinks the batch, but the long tail still runs on a few rows. With ``max_batch_rows``
+    = b below the call's rows (the lockstep group's B: every rank decides alike), the KV cache has b
+    rows and the other rows wait (``_Refill``). The one prefill per prompt writes into a prompt store
+    (``DecodeBackend.prefill_to_store``: [Bp, groups, P, hn] per layer, freed after the call) and every
+    row's first token is drawn from it at once; the first b rows still generating take the cache rows
+    (``admit``: their prompt's KV copied from the store, their left padding), and at each check of
+    finished rows a cache row whose row ended takes the next waiting row, in row order, with no
+    collective (the batch size stays b on every rank, so no lockstep changes). Each cache row is at its
+    own response position: the decode step feeds row r's last token at its own KV slot P + n_r - 1
+    (``decode_at``: the lean step's write slot ``cur`` is per cache row; positions = slot - left pad,
+    the mask hides the row's padding and every slot after its own, stale KV of the row before
+    included) and draws position n_r with the noise of (seed, row key, n_r) (sampling.counter_uniform
+    takes a position per row). So a row's draws do not depend on the cache row it ran in or on b: the
+    tokens, lengths and stop flags are those of one batch, the log-probs equal to rounding (a row's
+    GEMMs and attention run beside other rows over other KV lengths: within 1e-6 in fp32 on this CPU;
+    tests/test_decode.py, and over EP / TP shards tests/dist_scripts/refill_layouts.py). The decode
+    batch keeps its static shape (b rows, the captured buckets of ``generation.cuda_graphs`` are those
+    of b). Once no row waits, compaction applies as above. perf/decode_batch_fill counts the rows
+    generating over the b rows fed. The decode steps run no router hook (like a replayed graph): the
+    R3 routes of each forward are filed by row and response position and handed to ``on_forward`` as
+    a static batch's steps (``routes=``, rows None) after the last step, so a recorder sees one batch.
+    Not taken: megatron's decode path (its cache has one write slot for all rows: refused by key), and
+    weight updates between decode steps (``poll``: they are filed by decode step; an asynchronous job
+    refuses the key).
+
 FP8 (Transformer Engine)
     FP8 GEMMs refuse token counts that are not a multiple of 8 / 16 (fp8_alignment.py cites TE's
     assertions). Under ``model.fp8`` the batch is padded with filler rows (done from the start, like
