@@ -16,7 +16,8 @@ forward vs the lean step), on the benchmark model of docs/performance.md with ra
 * variants, alternated run by run (``--rounds``; ``--variants`` picks some): static + megatron (the
   landed code's behaviour), static + lean, compaction + megatron, compaction + lean (the default:
   every row in one decode batch, which shrinks as rows finish), and refill + lean
-  (``max_batch_rows=--batch-rows``, compaction on once no row waits). Every variant must give
+  (``max_batch_rows=--batch-rows``, compaction on once no row waits), and the same cap without refill
+  (``waves_lean``: the rows in successive calls of --batch-rows rows). Every variant must give
   the same tokens as the static batch of its decode path (checked: the runner fails otherwise);
   the two decode paths agree to float rounding, so a rare near-tie draw may differ between them:
   counted and reported (``lean_vs_megatron``);
@@ -39,6 +40,7 @@ import statistics
 import sys
 import time
 import warnings
+from types import SimpleNamespace
 
 warnings.filterwarnings("ignore")
 
@@ -58,7 +60,24 @@ VARIANTS = {  # name -> (compact_finished_rows, decode_impl, refilled: max_batch
     "compact_megatron": (0.25, "megatron", False),
     "compact_lean": (0.25, "lean", False),
     "refill_lean": (0.25, "lean", True),
+    # what a decode batch of --batch-rows rows does without refill: the rows in successive batches of that many
+    # (whole prompts), each with compaction, each until its own longest row ends
+    "waves_lean": (0.25, "lean", "waves"),
 }
+
+
+def generate_waves(model, prompts, gcfg, rows_per_wave: int, V: int, st):
+    """``prompts`` x G rows in successive generate() calls of rows_per_wave rows (whole prompts, global row keys:
+    each row's tokens are the one-batch ones), as one output: tokens right-padded to the longest, counts summed."""
+    G = gcfg.n_samples_per_prompt
+    k = max(1, rows_per_wave // G)
+    outs = [generate(model, prompts[i:i + k], gcfg, vocab_size=V, state=st, row_keys=range(i * G, (i + len(prompts[i:i + k])) * G))
+            for i in range(0, len(prompts), k)]
+    T = max(o.tokens.shape[1] for o in outs)
+    tokens = torch.cat([torch.nn.functional.pad(o.tokens, (0, T - o.tokens.shape[1]), value=gcfg.pad_id) for o in outs])
+    return SimpleNamespace(tokens=tokens, response_lengths=torch.cat([o.response_lengths for o in outs]),
+                           **{c: sum(getattr(o, c) for o in outs) for c in ("decode_row_steps", "decode_live_row_steps",
+                                                                            "num_forwards")})
 
 
 def divergence(a, b) -> dict:
@@ -125,9 +144,12 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for name, (compact, impl, refill) in variants.items():
             gcfg = GenerationConfig(**base, compact_finished_rows=compact, decode_impl=impl,
-                                    max_batch_rows=args.batch_rows if refill else 0)
+                                    max_batch_rows=args.batch_rows if refill is True else 0)
             c0, t0 = time.process_time(), time.perf_counter()
-            out = generate(model, prompts, gcfg, vocab_size=V, state=st)
+            if refill == "waves":
+                out = generate_waves(model, prompts, gcfg, args.batch_rows, V, st)
+            else:
+                out = generate(model, prompts, gcfg, vocab_size=V, state=st)
             runs[name].append({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
                                "decode_row_steps": out.decode_row_steps, "forwards": out.num_forwards,
                                "decode_batch_fill": out.decode_live_row_steps / max(out.decode_row_steps, 1)})

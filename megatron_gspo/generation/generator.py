@@ -480,27 +480,17 @@ def generate(
     sync = _Lockstep(state)
     device = state.device if state is not None else next(m.parameters()).device
     grid = _LeftPaddedGrid(m, _check_prompts(prompts, vocab_size), cfg, sync, device, row_keys)
-    refill = 0 < cfg.max_batch_rows < grid.B  # the lockstep group's batch: its ranks decide alike
-    if refill and poll is not None:
-        raise ValueError("generate(): generation.max_batch_rows does not take weight updates between decode steps "
-                         "(poll): refilled rows are at different steps")
-    run = (_Refill if refill else _Decoding)(grid, cfg, sync, vocab_size, cfg.seed if seed is None else seed,
-                                             on_forward)
+    run = _decoding(grid, cfg, sync, vocab_size, cfg.seed if seed is None else seed, on_forward, poll)
     if grid.B == 0:  # no rank of the lockstep group has a prompt: nothing runs
         return run.output(t_start)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
         stack.enter_context(_eval_mode(m))
         stack.enter_context(_without_sequence_parallel(m))
-        batch = cfg.max_batch_rows if refill else grid.B
-        backend = make_backend(m, cfg, batch, grid.S - 1, grid.positions, grid.key_pad, grid.left_pad[:batch],
-                               ragged=grid.ragged(), record_routes=run.wants_routes,
-                               lean_decoder=functools.partial(generator.lean_decoder, cap=cfg.max_batch_rows),
-                               prefill_positions=grid.pre_positions)
+        backend = run.backend(m, generator)
         stack.enter_context(backend.context())
-        if refill:
-            run.run(backend, should_stop)
-            return run.output(t_start)
+        if isinstance(run, _Refill):  # generation.max_batch_rows: its own loop
+            return run.run(backend, should_stop, t_start)
         tok, lp = run.prefill(backend)
         for step in range(cfg.max_new_tokens):
             rows = run.record(step, tok, lp)
@@ -664,8 +654,16 @@ class _Decoding:
             self.no_stop[self.stop] = False
         self.all_rows = torch.arange(B, device=device)
         self.live: Optional[torch.Tensor] = None
+        self.cache_rows = B  # every row in one decode batch (a refilled one: generation.max_batch_rows)
         self.n_fwd, self.prefill_s, self.row_steps, self.abandoned = 0, 0.0, 0, False
         self.live_steps = torch.zeros((), dtype=torch.long, device=device)
+
+    def backend(self, m, generator: Generator):
+        """The call's decode back-end (decoder.make_backend): a KV cache of ``self.cache_rows`` rows."""
+        g, cfg, b = self.grid, self.cfg, self.cache_rows
+        return make_backend(m, cfg, b, g.S - 1, g.positions, g.key_pad, g.left_pad[:b], ragged=g.ragged(),
+                            record_routes=self.wants_routes, prefill_positions=g.pre_positions,
+                            lean_decoder=functools.partial(generator.lean_decoder, cap=cfg.max_batch_rows))
 
     def pick(self, logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         row_keys = self.grid.keys if self.live is None else self.grid.keys[self.live]
@@ -798,6 +796,18 @@ class _Decoding:
         )
 
 
+def _decoding(grid: _LeftPaddedGrid, cfg: GenerationConfig, sync: _Lockstep, vocab_size: int, noise_seed: int,
+              on_forward: Optional[OnForward], poll) -> _Decoding:
+    """The call's decode loop: a refilled batch where generation.max_batch_rows is below the lockstep group's
+    batch (its ranks decide alike), else every row in one batch."""
+    if not 0 < cfg.max_batch_rows < grid.B:
+        return _Decoding(grid, cfg, sync, vocab_size, noise_seed, on_forward)
+    if poll is not None:
+        raise ValueError("generate(): generation.max_batch_rows does not take weight updates between decode steps "
+                         "(poll): refilled rows are at different steps")
+    return _Refill(grid, cfg, sync, vocab_size, noise_seed, on_forward)
+
+
 class _Refill(_Decoding):
     """A refilled decode batch (``generation.max_batch_rows``, continuous batching; module doc, "Finished
     rows refilled"): b = max_batch_rows cache rows for the call's B rows. Every row's first token is drawn
@@ -817,13 +827,13 @@ class _Refill(_Decoding):
         if on_forward is not None and not self.wants_routes:
             raise ValueError("generate(): generation.max_batch_rows files each forward's routes itself; an "
                              "on_forward callback needs a routes keyword")
-        self.b = cfg.max_batch_rows
+        self.b = self.cache_rows = cfg.max_batch_rows
         self.queue: list[int] = []
         self.slot_row: list[int] = []
         self.host_len: list[int] = []
         self.route_grid: Optional[torch.Tensor] = None  # [L, B, max_new_tokens - 1, k]: decode step j -> column j-1
 
-    def run(self, backend, should_stop) -> None:
+    def run(self, backend, should_stop, t_start: float) -> GenerationOutput:
         """Prefill, then decode until no rank of the lockstep group has a row to generate (or a stop)."""
         g = self.grid
         tok, lp = self.prefill(backend)
@@ -845,6 +855,7 @@ class _Refill(_Decoding):
             self.record_rows(rows, tok, lp)
             step += 1
         self.file_routes()
+        return self.output(t_start)
 
     def prefill_logits(self, backend) -> torch.Tensor:
         g = self.grid
