@@ -10,8 +10,8 @@ Phase 2, per layout: the model rebuilt for it and loaded, each rank generating i
 ``generation.max_batch_rows=3``, eager and with the graph-ready step (graph_standin.StandInGraph: buckets of at
 most 3 rows). Under EP the two data-parallel ranks hold 4 and 6 rows, so their queues differ and the lockstep
 group steps until both have no row left. On every rank: the tokens, lengths and stop flags equal the reference
-rows', the log-probs within 2e-5 (lean_layouts.compare), the routes too; the decode batch is refilled (its
-fill above the reference's) and every rank of the lockstep group ran the same number of forwards.
+rows', the log-probs within 2e-5 (``compare`` of lean_layouts.py), the routes too; no decode step fed more than 3
+rows, and every rank of the lockstep group ran the same number of forwards.
 
 Prints "REFILL OK <layout> <eager|graph-ready> rank <r>"; exits non-zero on a mismatch.
 """
