@@ -37,6 +37,7 @@ def tensors(path):
     (ASYNC + ["rollout.max_staleness=0", "loss.name=grpo", "train.routing_replay=R3"],
      "train.routing_replay=R3 with rollout.mode=async"),
     (ASYNC + ["rollout.max_staleness=0", "train.dynamic_sampling=true"], "train.dynamic_sampling=true with rollout.mode=async"),
+    (ASYNC + ["rollout.max_staleness=0", "generation.max_batch_rows=8"], "generation.max_batch_rows=8 with rollout.mode=async"),
 ])
 def test_config_refuses_what_async_cannot_do(overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -148,6 +148,13 @@ def test_long_tail_generation_runner(tmp_path):
     r = res["results"]
     assert r["static_megatron"]["decode_row_steps"] == r["static_lean"]["decode_row_steps"] == 64 * 19
     assert r["compact_lean"]["decode_row_steps"] == r["compact_megatron"]["decode_row_steps"] < 64 * 19
+    # refill (max_batch_rows=16, the same tokens: checked by the runner): never more than 16 rows, fuller
+    assert r["refill_lean"]["decode_row_steps"] <= 16 * (r["refill_lean"]["runs"][0]["forwards"] - 1)
+    assert r["refill_lean"]["decode_batch_fill"] > r["compact_lean"]["decode_batch_fill"]
+    # the same cap without refill: successive batches of 16 rows, each until its longest row ends
+    assert r["waves_lean"]["runs"][0]["forwards"] > r["refill_lean"]["runs"][0]["forwards"]
+    assert r["static_lean"]["decode_batch_fill"] == pytest.approx((L["tokens"] - 64) / (64 * 19), abs=1e-4)
+    assert all(v["tokens_per_s"] > 0 for v in r.values())
     assert all(v["wall_s"] > 0 and v["cpu_s"] > 0 for v in r.values())
     # the two decode paths: the same logits to rounding, so (almost) the same draws
     lv = res["lean_vs_megatron"]

@@ -488,3 +488,73 @@ def test_one_prefill_per_prompt_over_sharded_weights(run_dist):
         for impl in ("lean", "megatron"):
             for r in range(2):
                 assert f"SHARED OK {tag} {impl} rank {r}" in p.stdout, p.stdout[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# Finished rows refilled (generation.max_batch_rows): a row that ends hands its cache row to a waiting one
+# ----------------------------------------------------------------------------------------------
+
+
+REFILL_CASES = {"sample": (dict(), False), "graph-ready": (dict(), True),
+                "no-compaction-check-every-3": (dict(compact_finished_rows=0.0, finished_check_interval=3), False),
+                "min-new-tokens": (dict(min_new_tokens=3), False), "greedy": (dict(temperature=0.0), False)}
+
+
+@pytest.mark.parametrize("kw, graphs", list(REFILL_CASES.values()), ids=list(REFILL_CASES))
+def test_a_refilled_batch_gives_each_row_the_tokens_logprobs_and_routes_of_one_batch(model, monkeypatch, kw, graphs):
+    """16 rows (8 ragged prompts x 2), stop tokens ending them apart: max_batch_rows=3 (3 cache rows, the others
+    wait and take a finished row's place) gives every row the tokens, lengths, stop flags and R3 routes of the
+    one-batch generation (max_batch_rows=0) and log-probs within 1e-6 (fp32: a row's GEMMs and attention run
+    beside other rows, over other KV lengths); the batch never holds more than 3 rows and stays fuller, in the
+    eager and the graph-ready step (captured buckets 1, 2, 3 only)."""
+    free = _gen(model, "lean")
+    stops = torch.bincount(free.tokens[free.response_mask], minlength=VOCAB).topk(3).indices.tolist()
+    run = dict(kw, n_samples_per_prompt=2, stop_token_ids=stops)
+    want, want_routes = _gen_routes(model, **run)
+    with monkeypatch.context() as mp:
+        if graphs:
+            _graph_mode(mp)
+        got, got_routes = _gen_routes(model, **run, max_batch_rows=3)
+        captured = list(StandInGraph.captures) if graphs else None
+    if "temperature" not in kw:
+        assert want.response_lengths.min() + 4 < want.response_lengths.max()  # rows end far apart
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.response_lengths, want.response_lengths)
+    assert torch.equal(got.stopped, want.stopped)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-6)
+    assert torch.equal(got_routes, want_routes)
+    decode_steps = got.num_forwards - 1
+    assert got.decode_row_steps <= 3 * decode_steps
+    fill = got.decode_live_row_steps / got.decode_row_steps
+    assert got.decode_live_row_steps == want.decode_live_row_steps == int((want.response_lengths - 1).sum())
+    if "temperature" not in kw:
+        assert fill > want.decode_live_row_steps / want.decode_row_steps
+    if graphs:
+        assert captured and set(captured) <= {1, 2, 3}
+
+
+def test_max_batch_rows_is_refused_where_it_cannot_run(model):
+    """A negative value, megatron's decode path and a layout the lean decoder does not run are refused by key; a call with fewer rows than max_batch_rows is one batch, as with 0."""
+    from megatron_gspo.config import load_job_config
+
+    with pytest.raises(ConfigError, match="generation.max_batch_rows"):
+        GenerationConfig(max_batch_rows=-1)
+    with pytest.raises(ConfigError, match="generation.max_batch_rows=4 refills the lean decoder"):
+        GenerationConfig(max_batch_rows=4, decode_impl="megatron")
+    # (asynchronous rollouts: tests/test_async_rollout.py) a layout the lean decoder cannot run, by key
+    with pytest.raises(ConfigError, match="generation.max_batch_rows=8 needs the lean decoder, which does not run"):
+        load_job_config(None, ["generation.max_batch_rows=8", "model.fp8=hybrid", "model.precision=bf16"])
+    one = _gen(model, "lean", max_batch_rows=0)
+    big = _gen(model, "lean", max_batch_rows=64)  # 24 rows: one batch
+    assert torch.equal(one.tokens, big.tokens) and torch.equal(one.logprobs, big.logprobs)
+    assert one.decode_row_steps == big.decode_row_steps
+
+
+def test_a_refilled_batch_over_sharded_weights_gives_the_single_rank_rollouts(run_dist, tmp_path):
+    """EP 2 (data-parallel ranks of 4 and 6 rows: queues of different lengths, one lockstep group) and TP 2,
+    max_batch_rows=3, eager and graph-ready: the tokens, log-probs (2e-5) and routes of one rank's one-batch
+    generation (tests/dist_scripts/refill_layouts.py)."""
+    p = run_dist("refill_layouts.py", 2, "--dir", str(tmp_path), "--layouts", "ep2,tp2", timeout=900)
+    for tag in ("ep2", "tp2"):
+        for mode in ("eager", "graph-ready"):
+            for r in range(2):
+                assert f"REFILL OK {tag} {mode} rank {r}" in p.stdout, p.stdout[-3000:]

@@ -727,6 +727,21 @@ def test_memory_estimate_sizes_the_one_generator_for_the_larger_of_rollouts_and_
     assert "128 evaluation rows/rank" in mem.format_block(big) and "evaluation" not in mem.format_block(small)
 
 
+def test_memory_estimate_counts_the_decode_batch_as_max_batch_rows():
+    """generation.max_batch_rows below the batch: the lean decoder's KV cache (the one kept for CUDA graphs) has
+    that many rows: a 4-row cache is a quarter of the 16-row one (16 rows / rank); the prompt store it adds lives
+    while generating only. At or above the batch nothing changes."""
+    from megatron_gspo.config import load_job_config
+
+    path, graphs = str(RECIPE_DIR / "gspo_qwen3_30b_a3b_8xh100.yaml"), ["generation.cuda_graphs=true"]
+    est = lambda *o: mem.estimate_memory(load_job_config(path, [*graphs, *o]), 8)  # noqa: E731
+    full, four, big = est(), est("generation.max_batch_rows=4"), est("generation.max_batch_rows=64")
+    assert full["rollout_rows_per_rank"] == 16 and full["decoder"] == four["decoder"] == "lean"
+    assert four["kv_cache_kept"] == pytest.approx(full["kv_cache_kept"] / 4)
+    assert four["generation"] < full["generation"] and four["total"] < full["total"]
+    assert big["kv_cache_kept"] == full["kv_cache_kept"] and big["generation"] == full["generation"]
+
+
 def test_memory_estimate_cli(capsys):
     path = str(RECIPE_DIR / "gspo_qwen3_30b_a3b_16xh100.yaml")
     assert mem.main([path, "--world-size", "8", "train.micro_batch_size=1", "train.prompts_per_step=16"]) == 0

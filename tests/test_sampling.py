@@ -41,6 +41,23 @@ def test_counter_noise_is_a_function_of_its_keys_alone():
     assert not torch.equal(counter_uniform(11, torch.tensor([5]), 0), counter_uniform(11, torch.tensor([2**40 + 5]), 0))
 
 
+def test_counter_noise_takes_a_position_per_row():
+    """Rows at different response positions (a refilled decode batch): a [b] tensor of positions gives each
+    row the bits of its own int position, and a per-row ``allowed`` [b, V] restricts each row's draw only."""
+    rows = torch.tensor([0, 5, 3, 2**40 + 7])
+    pos = torch.tensor([0, 17, 2**31 + 3, 4])
+    got = counter_uniform(11, rows, pos)
+    want = torch.stack([counter_uniform(11, rows[i:i + 1], int(pos[i]))[0] for i in range(4)])
+    assert torch.equal(got, want)
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    allowed = torch.ones(4, 50, dtype=torch.bool)
+    allowed[1, :] = False
+    allowed[1, 7] = True  # row 1 may draw token 7 only; the others anything
+    tok, lp = sample_tokens(logits, 1.0, uniform=got, allowed=allowed)
+    free, free_lp = sample_tokens(logits, 1.0, uniform=got)
+    assert tok[1] == 7 and torch.equal(tok[[0, 2, 3]], free[[0, 2, 3]]) and torch.equal(lp[[0, 2, 3]], free_lp[[0, 2, 3]])
+
+
 def test_counter_noise_is_uniform_and_uncorrelated():
     u = counter_uniform(3, torch.arange(500_000), 0)
     assert abs(u.mean().item() - 0.5) < 2e-3

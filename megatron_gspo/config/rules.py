@@ -296,9 +296,14 @@ def lean_decode_runs_here(job) -> None:
     """generation.decode_impl=lean runs under TP / EP / expert-TP on one pipeline stage, on the local or the
     Transformer Engine spec's weights (generation.lean_decoder.lean_decode_unsupported); what the config alone
     shows is refused here, by key, rather than on every rank after the model is built."""
-    if job.generation.decode_impl != "lean":
+    refill = job.generation.max_batch_rows > 0  # continuous batching runs on the lean decoder only
+    if job.generation.decode_impl != "lean" and not refill:
         return
     broken = lean_decode_config_limit(job)
+    if broken is not None and job.generation.decode_impl != "lean":
+        row, value = broken
+        raise ConfigError(f"generation.max_batch_rows={job.generation.max_batch_rows} needs the lean decoder, which "
+                          f"does not run {row.reason} ({row.config_key}={_shown(value)}); use max_batch_rows=0")
     if broken is not None:
         row, value = broken
         if row.config_key.endswith("_size"):
@@ -368,6 +373,13 @@ def async_without_dynamic_sampling(job) -> None:
           "would run on the rollout ranks mid-step; use rollout.mode=colocated")
 
 
+def async_without_refill(job) -> None:
+    check(not (job.rollout.is_async and job.generation.max_batch_rows),
+          f"generation.max_batch_rows={job.generation.max_batch_rows} with rollout.mode=async is not supported: a "
+          "weight update between decode steps is filed by decode step, and refilled rows are at different steps; "
+          "use generation.max_batch_rows=0")
+
+
 def vllm_engine_limits(job) -> None:
     """What rollout.engine=vllm does not run (yet), refused by key before anything is built."""
     if job.rollout.engine != "vllm":
@@ -433,7 +445,8 @@ RULES: tuple[Callable[[Any], None], ...] = (
     dynamic_sampling_needs_groups, groups_of_two_or_more, no_greedy_groups, temperature_floor, top_k_not_greedy,
     top_p_not_greedy, overlong_filtering_keeps_some_rows, transformer_engine_not_on_the_cpu, lean_decode_runs_here,
     allow_config_change_names_keys, token_budget_holds_a_row, old_logprobs_under_async,
-    async_staleness_needs_correction, async_without_r3, async_without_dynamic_sampling, vllm_engine_limits,
+    async_staleness_needs_correction, async_without_r3, async_without_dynamic_sampling, async_without_refill,
+    vllm_engine_limits,
     env_budget_fits,
 )
 

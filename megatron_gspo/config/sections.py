@@ -162,6 +162,12 @@ class GenerationConfig:
     # has finished (0 = never: the static batch decodes until its longest row ends). Results do not
     # depend on it; long-tailed response lengths run faster with it.
     compact_finished_rows: float = knob(0.25, resume=Resume.MAY_CHANGE, ge=0, lt=1, hint="(0 = off)")
+    # Continuous batching: decode at most this many rows at once (the KV cache's rows); the step's other
+    # rows wait, and a row that ends hands its cache row to the next waiting one, whose prompt's KV (from
+    # the one prefill per prompt) is copied in, so the batch stays full while the long tail runs. Each
+    # row's tokens and log-probs do not depend on it (the noise is keyed by the row). 0 = every row of
+    # the call in one decode batch. Lean decode path only.
+    max_batch_rows: int = knob(0, resume=Resume.MAY_CHANGE, ge=0, hint="(0 = all rows)")
     # The forward of prefill and decode steps: "lean" (megatron_gspo/generation/lean_decoder.py: the model's own
     # modules and weights, a KV cache of roped keys, last-position logits only), "megatron"
     # (GPTModel.forward with megatron's StaticInferenceContext), "auto" (lean where it supports
@@ -186,6 +192,9 @@ class GenerationConfig:
               f"got {self.min_new_tokens!r}")
         check(not (self.cuda_graphs and self.decode_impl == "megatron"),
               "generation.cuda_graphs=true captures the lean decode step; use generation.decode_impl=auto or lean")
+        check(not (self.max_batch_rows and self.decode_impl == "megatron"),
+              f"generation.max_batch_rows={self.max_batch_rows} refills the lean decoder's batch; use "
+              "generation.decode_impl=auto or lean, or max_batch_rows=0")
 
     @property
     def greedy(self) -> bool:

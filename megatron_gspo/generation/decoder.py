@@ -29,6 +29,13 @@ The interface (shapes: B rows of the cache, P prompt-block columns, V the padded
     last_routes(b, prefill)        [L, b, s, k] top-k expert ids of the last forward, or None when
                                    the back-end does not record them (routers' forward hooks do)
     context()                      model patches for the duration of the call
+
+A refilled decode batch (``generation.max_batch_rows``: fewer cache rows than the call has rows, the lean
+back-end only) prefills into a prompt store and lets rows join the cache as others end:
+
+    prefill_to_store(tokens, positions, masked) -> logits [Bp, V]: ``prefill`` into a store of Bp rows
+    admit(rows, src, left_pad)     cache rows ``rows`` take store rows ``src``'s prompt KV and ``left_pad``
+    decode_at(tokens [b], slots [b], kv_len) -> logits [b, V]: each cache row fed at its own KV slot
 """
 
 from __future__ import annotations
@@ -64,6 +71,15 @@ class DecodeBackend:
     def last_routes(self, b: int, prefill: bool = False) -> Optional[torch.Tensor]:
         return None
 
+    def prefill_to_store(self, tokens: torch.Tensor, positions: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def admit(self, rows: torch.Tensor, src: torch.Tensor, left_pad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def decode_at(self, tokens: torch.Tensor, slots: torch.Tensor, kv_len: int) -> torch.Tensor:
+        raise NotImplementedError
+
 
 class LeanBackend(DecodeBackend):
     """A lean_decoder.LeanDecoder (kept across generations by generation.Generator) behind the interface, for
@@ -97,6 +113,15 @@ class LeanBackend(DecodeBackend):
 
     def last_routes(self, b, prefill=False):
         return self.dec.last_routes(b, prefill) if self.records_routes else None
+
+    def prefill_to_store(self, tokens, positions, masked):
+        return self.dec.prefill_to_store(tokens, positions, masked)
+
+    def admit(self, rows, src, left_pad):
+        self.dec.admit(rows, src, left_pad)
+
+    def decode_at(self, tokens, slots, kv_len):
+        return self.dec.decode_at(tokens, slots, kv_len)
 
 
 def _device_moes(m) -> list:
@@ -192,10 +217,13 @@ def make_backend(m, cfg, batch: int, slots: int, positions: torch.Tensor, key_pa
         reason = lean_decode_unsupported(m)
         if reason is None:
             return LeanBackend(lean_decoder(graphs, batch, slots), batch, slots, left_pad, record_routes=record_routes)
-        if cfg.decode_impl == "lean" or graphs:
-            knob = "generation.cuda_graphs=true (the lean decode path)" if graphs else "generation.decode_impl=lean"
+        if cfg.decode_impl == "lean" or graphs or cfg.max_batch_rows:
+            knob = ("generation.cuda_graphs=true (the lean decode path)" if graphs else
+                    f"generation.max_batch_rows={cfg.max_batch_rows} (the lean decode path)" if cfg.max_batch_rows
+                    else "generation.decode_impl=lean")
             raise ValueError(f"{knob} does not support {reason}; use decode_impl=auto or megatron"
-                             + (" with cuda_graphs=false" if graphs else ""))
+                             + (" with cuda_graphs=false" if graphs else "")
+                             + (" with max_batch_rows=0" if cfg.max_batch_rows else ""))
     # (cuda_graphs with decode_impl=megatron: GenerationConfig refuses it)
     return MegatronBackend(m, batch, slots, positions, key_pad, ragged, prefill_positions, record_routes)
 

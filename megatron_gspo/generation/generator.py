@@ -140,6 +140,32 @@ Finished rows (``generation.compact_finished_rows``)
     (under EP to the largest count any lockstep rank still has, topped up with finished rows). Every
     per-row tensor stays indexed by the original row, so results are those of the static batch.
 
+Finished rows refilled (``generation.max_batch_rows``: continuous batching, the lean decoder)
+    Compaction shrinks the batch, but the long tail still runs on a few rows. With ``max_batch_rows``
+    = b below the call's rows (the lockstep group's B: every rank decides alike), the KV cache has b
+    rows and the other rows wait (``_Refill``). The one prefill per prompt writes into a prompt store
+    (``DecodeBackend.prefill_to_store``: [Bp, groups, P, hn] per layer, freed after the call) and every
+    row's first token is drawn from it at once; the first b rows still generating take the cache rows
+    (``admit``: their prompt's KV copied from the store, their left padding), and at each check of
+    finished rows a cache row whose row ended takes the next waiting row, in row order, with no
+    collective (the batch size stays b on every rank, so no lockstep changes). Each cache row is at its
+    own response position: the decode step feeds row r's last token at its own KV slot P + n_r - 1
+    (``decode_at``: the lean step's write slot ``cur`` is per cache row; positions = slot - left pad,
+    the mask hides the row's padding and every slot after its own, stale KV of the row before
+    included) and draws position n_r with the noise of (seed, row key, n_r) (sampling.counter_uniform
+    takes a position per row). So a row's draws do not depend on the cache row it ran in or on b: the
+    tokens, lengths and stop flags are those of one batch, the log-probs equal to rounding (a row's
+    GEMMs and attention run beside other rows over other KV lengths: within 1e-6 in fp32 on this CPU;
+    tests/test_decode.py, and over EP / TP shards tests/dist_scripts/refill_layouts.py). The decode
+    batch keeps its static shape (b rows, the captured buckets of ``generation.cuda_graphs`` are those
+    of b). Once no row waits, compaction applies as above. perf/decode_batch_fill counts the rows
+    generating over the b rows fed. The decode steps run no router hook (like a replayed graph): the
+    R3 routes of each forward are filed by row and response position and handed to ``on_forward`` as
+    a static batch's steps (``routes=``, rows None) after the last step, so a recorder sees one batch.
+    Not taken: megatron's decode path (its cache has one write slot for all rows: refused by key), and
+    weight updates between decode steps (``poll``: they are filed by decode step; an asynchronous job
+    refuses the key).
+
 FP8 (Transformer Engine)
     FP8 GEMMs refuse token counts that are not a multiple of 8 / 16 (fp8_alignment.py cites TE's
     assertions). Under ``model.fp8`` the batch is padded with filler rows (done from the start, like
@@ -152,6 +178,7 @@ FP8 (Transformer Engine)
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
 from dataclasses import dataclass
@@ -371,15 +398,16 @@ class Generator:
         greedy and sampled passes); a change of ``cuda_graphs`` builds the decoder again."""
         return generate(self.model, prompts, cfg, vocab_size=self.vocab_size, state=self.state, generator=self, **kw)
 
-    def lean_decoder(self, graphs: bool, batch: int, slots: int):
+    def lean_decoder(self, graphs: bool, batch: int, slots: int, cap: int = 0):
         """The kept LeanDecoder for a call of ``batch`` rows and ``slots`` KV slots (built at the first
-        call, or when cuda_graphs changed; ``LeanDecoder.begin`` grows it)."""
+        call, or when cuda_graphs changed; ``LeanDecoder.begin`` grows it). cap: generation.max_batch_rows
+        (0: none), the most cache rows a call takes, which bounds the reserved rows too."""
         from megatron_gspo.generation.lean_decoder import LeanDecoder
         from megatron_gspo.model.gpt import unwrap
 
         if self._dec is None or self._dec_graphs != graphs:
             if graphs:
-                batch, slots = max(batch, self.rows), max(slots, self.slots)
+                batch, slots = max(batch, min(self.rows, cap) if cap else self.rows), max(slots, self.slots)
             self._dec = None  # a graph-mode decoder's buffers go before the next one's are allocated
             self._dec = LeanDecoder(unwrap(self.model), batch, slots, slots, graphs=graphs,
                                     graph_factory=self.graph_factory, groups=DecodeGroups.of(self.state))
@@ -452,17 +480,17 @@ def generate(
     sync = _Lockstep(state)
     device = state.device if state is not None else next(m.parameters()).device
     grid = _LeftPaddedGrid(m, _check_prompts(prompts, vocab_size), cfg, sync, device, row_keys)
-    run = _Decoding(grid, cfg, sync, vocab_size, cfg.seed if seed is None else seed, on_forward)
+    run = _decoding(grid, cfg, sync, vocab_size, cfg.seed if seed is None else seed, on_forward, poll)
     if grid.B == 0:  # no rank of the lockstep group has a prompt: nothing runs
         return run.output(t_start)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
         stack.enter_context(_eval_mode(m))
         stack.enter_context(_without_sequence_parallel(m))
-        backend = make_backend(m, cfg, grid.B, grid.S - 1, grid.positions, grid.key_pad, grid.left_pad,
-                               ragged=grid.ragged(), record_routes=run.wants_routes,
-                               lean_decoder=generator.lean_decoder, prefill_positions=grid.pre_positions)
+        backend = run.backend(m, generator)
         stack.enter_context(backend.context())
+        if isinstance(run, _Refill):  # generation.max_batch_rows: its own loop
+            return run.run(backend, should_stop, t_start)
         tok, lp = run.prefill(backend)
         for step in range(cfg.max_new_tokens):
             rows = run.record(step, tok, lp)
@@ -626,14 +654,26 @@ class _Decoding:
             self.no_stop[self.stop] = False
         self.all_rows = torch.arange(B, device=device)
         self.live: Optional[torch.Tensor] = None
+        self.cache_rows = B  # every row in one decode batch (a refilled one: generation.max_batch_rows)
         self.n_fwd, self.prefill_s, self.row_steps, self.abandoned = 0, 0.0, 0, False
         self.live_steps = torch.zeros((), dtype=torch.long, device=device)
 
+    def backend(self, m, generator: Generator):
+        """The call's decode back-end (decoder.make_backend): a KV cache of ``self.cache_rows`` rows."""
+        g, cfg, b = self.grid, self.cfg, self.cache_rows
+        return make_backend(m, cfg, b, g.S - 1, g.positions, g.key_pad, g.left_pad[:b], ragged=g.ragged(),
+                            record_routes=self.wants_routes, prefill_positions=g.pre_positions,
+                            lean_decoder=functools.partial(generator.lean_decoder, cap=cfg.max_batch_rows))
+
     def pick(self, logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
         row_keys = self.grid.keys if self.live is None else self.grid.keys[self.live]
+        return self.draw(logits, row_keys, position, self.no_stop if position < self.cfg.min_new_tokens else None)
+
+    def draw(self, logits: torch.Tensor, row_keys: torch.Tensor, position, allowed: Optional[torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row of logits [b, V] keyed by row_keys [b] at ``position`` (an int, or [b] per row)."""
+        cfg = self.cfg
         noise = None if cfg.greedy else counter_uniform(self.noise_seed, row_keys, position)
-        allowed = self.no_stop if position < cfg.min_new_tokens else None
         tok, lp = sample_tokens(logits, cfg.temperature, cfg.top_k, cfg.top_p, noise, allowed=allowed)
         if self.sync.tp_group is not None:  # one sample per TP group, bitwise (logits may differ in the last bit)
             packed = self.sync.broadcast_tp(torch.stack([tok.double(), lp.double()]))
@@ -657,18 +697,23 @@ class _Decoding:
     def prefill(self, backend) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill forward over the distinct prompts, their KV shared by their rows, and the first draw."""
         g = self.grid
-        mask = g.prefill_mask()
         t0 = time.perf_counter()
-        logits = backend.prefill(g.pre_tokens, g.pre_positions[:, :g.P], mask)[:, :self.vocab_size]
-        if g.shared:  # every row's cache and first logits from its prompt's prefill row
-            backend.share(g.src, g.P)
-            logits = logits[g.src]
+        logits = self.prefill_logits(backend)
         if g.device.type == "cuda":
             torch.cuda.synchronize(g.device)
         self.prefill_s = time.perf_counter() - t0
         self.n_fwd += 1
         self.notify(backend, 0, "prefill")
         return self.pick(logits, 0)
+
+    def prefill_logits(self, backend) -> torch.Tensor:
+        """[B, vocab] each row's first logits; the cache rows hold their prompts' KV."""
+        g = self.grid
+        logits = backend.prefill(g.pre_tokens, g.pre_positions[:, :g.P], g.prefill_mask())[:, :self.vocab_size]
+        if g.shared:  # every row's cache and first logits from its prompt's prefill row
+            backend.share(g.src, g.P)
+            logits = logits[g.src]
+        return logits
 
     def record(self, step: int, tok: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
         """Write the sampled tokens of the rows still generating into response column ``step``;
@@ -687,7 +732,7 @@ class _Decoding:
     def vote(self, rows: torch.Tensor, should_stop, poll) -> tuple[int, bool]:
         """(the most unfinished rows any rank of the lockstep group still has, an update is pending on
         some rank). A rank asked to stop adds B + 1, so every rank of the group sees it at the same step."""
-        unfinished = (~self.done[rows]).sum().reshape(1)
+        unfinished = self.unfinished(rows)
         update, stop_now = poll() if poll is not None else (False, should_stop is not None and should_stop())
         if stop_now:
             unfinished = unfinished + (self.grid.B + 1)
@@ -697,6 +742,10 @@ class _Decoding:
         vote = torch.cat([unfinished, unfinished.new_full((1,), int(update))])
         n_live, update = self.sync.all_reduce_max(vote, what="generate(): rows still generating, weight update").tolist()
         return n_live, update
+
+    def unfinished(self, rows: torch.Tensor) -> torch.Tensor:
+        """[1] the rows of this rank still to generate (the decode batch's)."""
+        return (~self.done[rows]).sum().reshape(1)
 
     def compact(self, backend, rows: torch.Tensor, n_live: int) -> torch.Tensor:
         """Once ``generation.compact_finished_rows`` of the batch has finished: this rank's unfinished
@@ -745,3 +794,168 @@ class _Decoding:
             prefill_tokens=g.prefill_tokens if self.n_fwd else 0, temperature=cfg.temperature,
             abandoned=self.abandoned,
         )
+
+
+def _decoding(grid: _LeftPaddedGrid, cfg: GenerationConfig, sync: _Lockstep, vocab_size: int, noise_seed: int,
+              on_forward: Optional[OnForward], poll) -> _Decoding:
+    """The call's decode loop: a refilled batch where generation.max_batch_rows is below the lockstep group's
+    batch (its ranks decide alike), else every row in one batch."""
+    if not 0 < cfg.max_batch_rows < grid.B:
+        return _Decoding(grid, cfg, sync, vocab_size, noise_seed, on_forward)
+    if poll is not None:
+        raise ValueError("generate(): generation.max_batch_rows does not take weight updates between decode steps "
+                         "(poll): refilled rows are at different steps")
+    return _Refill(grid, cfg, sync, vocab_size, noise_seed, on_forward)
+
+
+class _Refill(_Decoding):
+    """A refilled decode batch (``generation.max_batch_rows``, continuous batching; module doc, "Finished
+    rows refilled"): b = max_batch_rows cache rows for the call's B rows. Every row's first token is drawn
+    at the one prefill (its prompt's KV goes to the back-end's prompt store); the first b rows still
+    generating take the cache rows, the others wait in row order, and at each check of finished rows a
+    cache row whose row ended takes the next waiting row (``admit``: its prompt's KV from the store). Each
+    cache row is at its own response position: fed at its own KV slot, drawn at its own position (the
+    noise is keyed by the row and the position, so a row's draws are the same whatever its cache row).
+
+    Host-side: ``queue`` (rows waiting), ``slot_row`` (the row of each cache row; a cache row with no row
+    to generate holds a finished one, never returned twice) and ``host_len`` (an upper bound of each
+    cache row's response length: the attended KV length without a host sync)."""
+
+    def __init__(self, grid: _LeftPaddedGrid, cfg: GenerationConfig, sync: _Lockstep, vocab_size: int,
+                 noise_seed: int, on_forward: Optional[OnForward]) -> None:
+        super().__init__(grid, cfg, sync, vocab_size, noise_seed, on_forward)
+        if on_forward is not None and not self.wants_routes:
+            raise ValueError("generate(): generation.max_batch_rows files each forward's routes itself; an "
+                             "on_forward callback needs a routes keyword")
+        self.b = self.cache_rows = cfg.max_batch_rows
+        self.queue: list[int] = []
+        self.slot_row: list[int] = []
+        self.host_len: list[int] = []
+        self.route_grid: Optional[torch.Tensor] = None  # [L, B, max_new_tokens - 1, k]: decode step j -> column j-1
+
+    def run(self, backend, should_stop, t_start: float) -> GenerationOutput:
+        """Prefill, then decode until no rank of the lockstep group has a row to generate (or a stop)."""
+        g = self.grid
+        tok, lp = self.prefill(backend)
+        self.record(0, tok, lp)  # every row's first token, waiting rows included
+        self.done |= self.resp_len >= self.cfg.max_new_tokens
+        rows = self.start(backend)
+        step = 0
+        while True:
+            if step % self.every == 0:  # the loop's one host sync: finished rows, refill, stop
+                rows = self.admit(backend)
+                n_live, _ = self.vote(rows, should_stop, None)
+                if n_live > g.B:  # a rank was asked to stop
+                    self.abandoned = True
+                    break
+                if n_live == 0:
+                    break
+                rows = self.compact(backend, rows, n_live)
+            tok, lp = self.decode_rows(backend, rows)
+            self.record_rows(rows, tok, lp)
+            step += 1
+        self.file_routes()
+        return self.output(t_start)
+
+    def prefill_logits(self, backend) -> torch.Tensor:
+        g = self.grid
+        logits = backend.prefill_to_store(g.pre_tokens, g.pre_positions[:, :g.P], g.prefill_mask())
+        return logits[:, :self.vocab_size][g.src]
+
+    def start(self, backend) -> torch.Tensor:
+        """The first b rows still generating take the cache rows (then finished rows, if fewer); the rest wait."""
+        g = self.grid
+        done = self.done.tolist()
+        waiting = [r for r in range(g.B) if not done[r]]
+        first, self.queue = waiting[:self.b], waiting[self.b:]
+        self.slot_row = first + [r for r in range(g.B) if done[r]][:self.b - len(first)]
+        self.host_len = [1] * self.b
+        self.live = torch.tensor(self.slot_row, dtype=torch.long, device=g.device)
+        backend.admit(torch.arange(self.b, device=g.device), g.src[self.live], g.left_pad[self.live])
+        return self.live
+
+    def admit(self, backend) -> torch.Tensor:
+        """Cache rows whose row ended take the next waiting rows. Returns the rows of the decode batch."""
+        if not self.queue:
+            return self.live
+        g = self.grid
+        free = [c for c, d in enumerate(self.done[self.live].tolist()) if d][:len(self.queue)]
+        if free:
+            new, self.queue = self.queue[:len(free)], self.queue[len(free):]
+            for c, r in zip(free, new):
+                self.slot_row[c], self.host_len[c] = r, 1
+            cache_rows = torch.tensor(free, dtype=torch.long, device=g.device)
+            rows = torch.tensor(new, dtype=torch.long, device=g.device)
+            backend.admit(cache_rows, g.src[rows], g.left_pad[rows])
+            self.live = self.live.index_copy(0, cache_rows, rows)
+        return self.live
+
+    def unfinished(self, rows: torch.Tensor) -> torch.Tensor:
+        return (~self.done[rows]).sum().reshape(1) + len(self.queue)
+
+    def compact(self, backend, rows: torch.Tensor, n_live: int) -> torch.Tensor:
+        kept = super().compact(backend, rows, n_live)
+        if kept is not rows:  # the host's view follows the cache rows
+            at = {r: c for c, r in enumerate(rows.tolist())}
+            self.slot_row = kept.tolist()
+            self.host_len = [self.host_len[at[r]] for r in self.slot_row]
+        return kept
+
+    def decode_rows(self, backend, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each cache row's last sampled token at its own KV slot and draw its next token at its own
+        position (a finished row: its last token again, never read)."""
+        g, n_rows = self.grid, rows.numel()
+        n = self.resp_len[rows]  # tokens sampled so far: the position drawn next
+        slots = (g.P + n - 1).clamp(min=g.P, max=g.S - 2)
+        kv_len = min(g.P + max(self.host_len[:n_rows]), g.S - 1)
+        logits = backend.decode_at(g.tokens[rows, slots], slots, kv_len)[:, :self.vocab_size]
+        self.n_fwd += 1
+        self.row_steps += n_rows
+        active = ~self.done[rows]
+        self.live_steps += active.sum()
+        if self.wants_routes:
+            self.file_step_routes(backend, rows, n, active)
+        self.host_len = [min(x + 1, self.cfg.max_new_tokens) for x in self.host_len]
+        allowed = None
+        if self.no_stop is not None:  # per row: stop tokens barred before min_new_tokens
+            allowed = self.no_stop[None, :] | (n >= self.cfg.min_new_tokens)[:, None]
+        return self.draw(logits, g.keys[rows], n, allowed)
+
+    def record_rows(self, rows: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor) -> None:
+        """Write the drawn tokens of the rows still generating at each row's own response column (a
+        finished row's entries are written back unchanged: no data-dependent shape)."""
+        g, N = self.grid, self.cfg.max_new_tokens
+        active = ~self.done[rows]
+        n = self.resp_len[rows]
+        col = (g.P + n).clamp(max=g.S - 1)
+        g.tokens[rows, col] = torch.where(active, tok, g.tokens[rows, col])
+        j = n.clamp(max=N - 1)
+        self.lp_grid[rows, j] = torch.where(active, lp, self.lp_grid[rows, j])
+        self.resp_len[rows] = n + active.long()
+        ended = self.resp_len[rows] >= N
+        if self.stop.numel() and not self.cfg.ignore_eos:
+            hit = active & torch.isin(tok, self.stop)
+            self.stopped[rows] |= hit
+            ended |= hit
+        self.done[rows] |= ended
+
+    def file_step_routes(self, backend, rows: torch.Tensor, n: torch.Tensor, active: torch.Tensor) -> None:
+        """The decode forward's routes [L, b, 1, k], filed by row at the input's response position (n - 1)."""
+        routes = backend.last_routes(rows.numel())
+        if routes is None:
+            raise ValueError("generate(): generation.max_batch_rows with routes recorded needs the lean "
+                             "decoder's route buffer (DeviceMoE in every MoE layer)")
+        if self.route_grid is None:
+            L, k = routes.shape[0], routes.shape[-1]
+            self.route_grid = torch.zeros(L, self.grid.B, max(self.cfg.max_new_tokens - 1, 1), k,
+                                          dtype=routes.dtype, device=routes.device)
+        j = (n - 1).clamp(0, self.route_grid.shape[2] - 1)
+        self.route_grid[:, rows, j] = torch.where(active[None, :, None], routes[:, :, 0], self.route_grid[:, rows, j])
+
+    def file_routes(self) -> None:
+        """Hand the decode routes to ``on_forward`` as a static batch's steps would (step j: every row's
+        input at response position j - 1; ``from_generation`` keeps the rows longer than j)."""
+        if not self.wants_routes or self.route_grid is None:
+            return
+        for j in range(1, int(self.resp_len.max())):
+            self.on_forward(j, "decode", None, routes=self.route_grid[:, :, j - 1:j])

@@ -548,7 +548,6 @@ class LeanDecoder:
         self.dtype, self.device = p.dtype, p.device
         dev = p.device
         self.shared = m.share_embeddings_and_output_weights
-        self.cur = torch.zeros(1, dtype=torch.long, device=dev)  # the slot a decode step writes
         self.cos = self.sin = None
         self.batch = self.max_slots = 0
         self._allocate(batch, max_slots, max_position)
@@ -578,8 +577,12 @@ class LeanDecoder:
         # captured decode steps by (batch-size bucket, routes recorded): they read the buffers above
         self._graphs: dict[tuple[int, bool], tuple[object, torch.Tensor]] = {}
         self._capturing = False
+        # a refilled batch's decode steps (decode_at) run no router hook: its rows are at different steps, so
+        # their routes are filed by generation from last_routes, as a replayed graph's are
+        self._hooks = True
         self.routes: Optional[torch.Tensor] = None
         self._prefill_routes: list[torch.Tensor] = []
+        self.store_k = self.store_v = None  # the prompt store of a refilled generation (prefill_to_store)
         self._set_record_routes(record_routes)
         self._weights = self._weight_addresses()
 
@@ -600,6 +603,10 @@ class LeanDecoder:
         if batch != self.batch:
             self.tok_in = torch.zeros(batch, dtype=torch.long, device=dev)
             self.left_pad = torch.zeros(batch, dtype=torch.long, device=dev)
+            # the slot each cache row's decode step writes (one slot for all rows, except where finished
+            # rows were refilled: generation.max_batch_rows)
+            self.cur = torch.zeros(batch, dtype=torch.long, device=dev)
+            self.row_ids = torch.arange(batch, device=dev)
         if max_slots != self.max_slots:
             self.slot_ids = torch.arange(max_slots, device=dev)
         self.batch, self.max_slots = batch, max_slots
@@ -659,7 +666,9 @@ class LeanDecoder:
         self.set_left_pad(left_pad)
 
     def end(self) -> None:
-        """After a generation: without graphs the KV caches are freed (``begin`` allocates them again)."""
+        """After a generation: without graphs the KV caches are freed (``begin`` allocates them again); the
+        prompt store (``prefill_to_store``) always is."""
+        self.store_k = self.store_v = None
         if not self.graphs:
             self.k = self.v = None
 
@@ -698,7 +707,7 @@ class LeanDecoder:
         h = x if pre_mlp is None else pre_mlp(x)
         moe = self.moe[i]
         if moe is not None:
-            out, rmap = moe(h, hooks=not self._capturing, static=not prefill)
+            out, rmap = moe(h, hooks=self._hooks and not self._capturing, static=not prefill)
             bias = None
         else:
             out, bias = layer.mlp(h)
@@ -807,17 +816,19 @@ class LeanDecoder:
     def _decode_step(self, n: int, kv_len: int) -> torch.Tensor:
         """One token for cache rows 0 .. n-1, read from the decoder's buffers (tok_in, left_pad, cur):
         the graph-ready step. Returns [n, V] logits."""
-        tok, lp, cur = self.tok_in[:n], self.left_pad[:n], self.cur
+        tok, lp, cur = self.tok_in[:n], self.left_pad[:n], self.cur[:n]
         pos = (cur - lp).clamp(min=0)  # [n] true position of the slot written
         x = self._embed(tok[:, None], pos[:, None])  # [1, n, h]
         cos = self.cos[pos][:, None, None]  # [n, 1, 1, rot]
         sin = self.sin[pos][:, None, None]
         slots = self.slot_ids[:kv_len]
-        masked = (slots[None, :] < lp[:, None]) | (slots[None, :] > cur)  # [n, kv_len]: padding and unwritten
+        masked = (slots[None, :] < lp[:, None]) | (slots[None, :] > cur[:, None])  # [n, kv_len]: padding, unwritten
         bias = self._bias(masked[:, None, None, :], x.dtype)
 
-        def write(cache, t):  # [n, heads, 1, hn] at slot cur
-            cache[:n].index_copy_(2, cur, t)
+        rows = self.row_ids[:n]
+
+        def write(cache, t):  # [n, heads, 1, hn], row r at its slot cur[r]
+            cache[rows, :, cur] = t[:, :, 0]
 
         routes = self.routes[:, :n] if self.record_routes else None
         x = self._layers(x, cos, sin, bias, write, kv_len, routes)
@@ -831,6 +842,21 @@ class LeanDecoder:
         self.cur.fill_(slot)
         if not self.graphs:
             return self._decode_step(b, self.max_slots if self.static else slot + 1)
+        return self._replay_rows(b)
+
+    def decode_at(self, tokens: torch.Tensor, slots: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Feed tokens [b] (cache rows 0 .. b-1) each at its own KV slot ``slots`` [b] (refilled rows:
+        generation.max_batch_rows); ``kv_len`` > every slot (eager: the slots attended). Returns [b, V]."""
+        b = tokens.shape[0]
+        self.tok_in[:b].copy_(tokens)
+        self.cur[:b].copy_(slots)
+        self._hooks = False
+        try:
+            return self._replay_rows(b) if self.graphs else self._decode_step(b, self.max_slots if self.static else kv_len)
+        finally:
+            self._hooks = True
+
+    def _replay_rows(self, b: int) -> torch.Tensor:
         n = next(s for s in bucket_sizes(self.batch) if s >= b)  # rows b .. n-1: fillers
         return self._replay(n)[:b]
 
@@ -885,6 +911,29 @@ class LeanDecoder:
         for k, v in zip(self.k, self.v):
             k[:n, :, :length] = k[src, :, :length]
             v[:n, :, :length] = v[src, :, :length]
+
+    def prefill_to_store(self, tokens: torch.Tensor, positions: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        """``prefill`` into a prompt store of its own ([b, groups, s, hn] per layer, kept until ``end``) rather
+        than the cache's rows: the refilled decode batch (generation.max_batch_rows) has fewer cache rows than
+        the call has prompts, and its rows take their prompt's KV from the store as they join (``admit``)."""
+        b, s = tokens.shape[0], tokens.shape[1]
+        self.store_k = [torch.empty(b, self.ng, s, self.hn, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.store_v = [torch.empty_like(k) for k in self.store_k]
+        cache = self.k, self.v
+        self.k, self.v = self.store_k, self.store_v  # the same computation, written into the store
+        try:
+            return self.prefill(tokens, positions, masked)
+        finally:
+            self.k, self.v = cache
+
+    def admit(self, rows: torch.Tensor, src: torch.Tensor, left_pad: torch.Tensor) -> None:
+        """Cache rows ``rows`` [n] take prompt-store rows ``src`` [n] (slots 0 .. s-1: the prompt block) and
+        the left padding [n] of the rows that join the decode batch there."""
+        s = self.store_k[0].shape[2]
+        for k, v, sk, sv in zip(self.k, self.v, self.store_k, self.store_v):
+            k[rows, :, :s] = sk[src]
+            v[rows, :, :s] = sv[src]
+        self.left_pad[rows] = left_pad
 
     def compact(self, order: torch.Tensor, keep: int) -> None:
         """Move cache rows ``order[:keep]`` to the front (generation's finished-row compaction)."""

@@ -62,16 +62,22 @@ def _absorb(h, key):
     return mix32(h ^ ((key >> 32) & _M32))
 
 
-def counter_uniform(seed: int, rows: torch.Tensor, position: int) -> torch.Tensor:
+def counter_uniform(seed: int, rows: torch.Tensor, position) -> torch.Tensor:
     """Uniform noise in (0, 1), [len(rows)] float64 on ``rows``' device.
 
-    seed, position: non-negative ints; rows: [b] int64 row keys (non-negative). Entry i depends on
-    (seed, rows[i], position) only, never on the other rows or the batch size."""
-    if seed < 0 or position < 0:
-        raise ValueError(f"counter_uniform: seed and position must be >= 0, got {seed}, {position}")
-    h = _absorb(mix32(0x5EED), seed)
-    h = mix32(h ^ (position & _M32))
-    hi = _absorb(torch.full_like(rows, h, dtype=torch.long), rows.long())  # [b] 32 random bits
+    seed: a non-negative int; rows: [b] int64 row keys (non-negative); position: a non-negative int, or
+    [b] int64 non-negative positions, one per row (rows at different response positions: a refilled
+    decode batch). Entry i depends on (seed, rows[i], position of row i) only, never on the other rows or
+    the batch size; a tensor of positions gives the bits of the int, row by row."""
+    if isinstance(position, torch.Tensor):
+        if seed < 0:
+            raise ValueError(f"counter_uniform: seed must be >= 0, got {seed}")
+        h = mix32(_absorb(mix32(0x5EED), seed) ^ (position.long() & _M32))  # [b]
+    else:
+        if seed < 0 or position < 0:
+            raise ValueError(f"counter_uniform: seed and position must be >= 0, got {seed}, {position}")
+        h = torch.full_like(rows, mix32(_absorb(mix32(0x5EED), seed) ^ (position & _M32)), dtype=torch.long)
+    hi = _absorb(h, rows.long())  # [b] 32 random bits
     lo = mix32(hi ^ 0x9E3779B9)  # 32 more
     # 27 + 26 bits = a 53-bit integer, exact in float64; centred, so never 0 or 1
     bits = ((hi >> 5) << 26) | (lo >> 6)
@@ -100,8 +106,8 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
     """Draw one token per row from full-vocabulary logits [b, V] (padded columns removed).
 
     temperature 0 is greedy (argmax). ``uniform``: [b] noise in (0, 1) (``counter_uniform``); None
-    draws it from torch's global generator. ``allowed``: [V] bool, the tokens the draw may pick (e.g.
-    no stop token before generation.min_new_tokens). Returns (tokens [b] long, log-probs [b] fp32):
+    draws it from torch's global generator. ``allowed``: [V] (or per row [b, V]) bool, the tokens the draw
+    may pick (e.g. no stop token before generation.min_new_tokens). Returns (tokens [b] long, log-probs [b] fp32):
     log-softmax(logits / T) of the drawn token, *unrestricted* (top-k / top-p / ``allowed`` restrict
     the draw only; temperature 1 when greedy), i.e. what the trainer recomputes at that temperature."""
     x = logits.float()

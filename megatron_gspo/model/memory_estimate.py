@@ -52,7 +52,9 @@ What is counted, and how megatron_gspo actually holds it (model.py / optim.py / 
                eval.interval > 0, this rank's share of the evaluation's sampled pass (eval.num_prompts x
                max(1, eval.num_samples) / DP rows, rounded up; a held-out prompt is at most max_prompt_length).
                Lean: its KV cache of that batch (those rows,
-               max_prompt_length + max_new_tokens - 1 slots, kv_heads / TP), plus the larger of one
+               max_prompt_length + max_new_tokens - 1 slots, kv_heads / TP; with generation.max_batch_rows
+               below the batch, that many rows, plus a prompt store of max_prompt_length slots per row,
+               live while generating), plus the larger of one
                prefill layer (attention on this rank's heads; the MoE dispatch over the expert-TP x
                EP group in chunks of LEAN_MOE_GATHER_TOKENS gathered tokens: gathered tokens, pairs,
                fp32 partial outputs) and one decode step (the capacity-padded pairs), plus the
@@ -184,23 +186,29 @@ def _lean_moe_bytes(m, tokens: int, ep: int, etp: int, w_bytes: int, imbalance: 
 
 
 def _lean_generation_bytes(m, rows_local: int, seq: int, prompt_len: int, layers: int, tp: int, ep: int, etp: int,
-                           w_bytes: int, imbalance: float) -> tuple[float, float]:
+                           w_bytes: int, imbalance: float, batch_rows: int = 0) -> tuple[float, float]:
     """(KV cache, the larger of one prefill layer's and one decode step's live tensors) of the lean decoder
     over this rank's TP / EP / expert-TP shards: a KV cache of roped keys for this rank's query groups,
     prompt block + max_new_tokens - 1 slots; the prefill's attention on this rank's heads; the MoE
     dispatches (``_lean_moe_bytes``); the last position's vocab-parallel logits gathered over TP (fp32 for
-    the sampler)."""
+    the sampler). batch_rows: generation.max_batch_rows (0: none): the KV cache and the decode step hold
+    that many rows at most, and the prompt store of the refilled batch (each prompt's KV, prompt_len slots,
+    counted for every row: at most one prompt per row) lives for the generation."""
     kv_heads_local = max(1, m.num_query_groups // tp)
-    kv_cache = layers * 2 * rows_local * (seq - 1) * kv_heads_local * m.kv_channels * w_bytes
+    per_slot = layers * 2 * kv_heads_local * m.kv_channels * w_bytes
+    refill = 0 < batch_rows < rows_local
+    cache_rows = batch_rows if refill else rows_local
+    kv_cache = per_slot * cache_rows * (seq - 1)
+    store = per_slot * rows_local * prompt_len if refill else 0
     h = m.hidden_size
     q, kvd = m.num_attention_heads * m.kv_channels / tp, m.num_query_groups * m.kv_channels / tp
     tokens = rows_local * prompt_len
     attn_ws = w_bytes * (2 * h + 2 * (q + 2 * kvd) + q + h)  # norm in/out, q/k/v before and after RoPE, ctx, out
     prefill = max(tokens * attn_ws + rows_local * prompt_len ** 2 * w_bytes,  # + the [b, 1, P, P] mask bias
                   _lean_moe_bytes(m, tokens, ep, etp, w_bytes, imbalance, static=False))
-    decode = _lean_moe_bytes(m, rows_local, ep, etp, w_bytes, imbalance, static=True)
-    logits = rows_local * m.padded_vocab_size * (w_bytes / tp + 4 * 2)
-    return kv_cache, max(prefill, decode) + logits
+    decode = _lean_moe_bytes(m, cache_rows, ep, etp, w_bytes, imbalance, static=True)
+    logits = rows_local * m.padded_vocab_size * (w_bytes / tp + 4 * 2)  # the prefill's: every row's first draw
+    return kv_cache, max(prefill, decode) + logits + store
 
 
 def _decoder_bytes(job_cfg, rows_local: int, seq: int, layers: int, w_bytes: int,
@@ -211,7 +219,8 @@ def _decoder_bytes(job_cfg, rows_local: int, seq: int, layers: int, w_bytes: int
     m, par, prompt = job_cfg.model, job_cfg.parallel, job_cfg.data.max_prompt_length
     tp, ep, etp = par.tensor_model_parallel_size, par.expert_model_parallel_size, par.etp
     if job_cfg.generation.decode_impl != "megatron" and lean_decode_config_limit(job_cfg) is None:
-        return ("lean", *_lean_generation_bytes(m, rows_local, seq, prompt, layers, tp, ep, etp, w_bytes, imbalance))
+        return ("lean", *_lean_generation_bytes(m, rows_local, seq, prompt, layers, tp, ep, etp, w_bytes, imbalance,
+                                                job_cfg.generation.max_batch_rows))
     return ("megatron", *_generation_bytes(m, rows_local, seq, prompt, layers, tp, w_bytes, imbalance))
 
 
