@@ -123,7 +123,7 @@ def test_the_checkpoint_manager_saves_the_tracked_state_when_due_and_at_the_end(
         ck = CheckpointManager(CheckpointConfig(save=str(tmp_path), save_interval=interval),
                                SimpleNamespace(is_main=True, device=torch.device("cpu")))
         written = []
-        ck.save = lambda step, model, opt, sched, *, extra, extra_models, during_save: written.append(
+        ck.save = lambda step, model, opt, sched, *, extra, extra_models, during_save, runs: written.append(
             (step, model, opt, sched, extra["data"]["position"], extra["config"]["train"]["num_steps"],
              sorted(extra_models), during_save))
         with pytest.raises(RuntimeError, match=r"save_step before track\(\)"):
