@@ -90,14 +90,40 @@ def test_the_training_forward_scores_the_sampled_tokens_as_the_rollout_did_and_r
     assert r["routing/routing_change_frac"] == 0.0
 
 
-def test_r3_replays_every_token_of_a_three_turn_row(tmp_path):
-    from megatron_gspo.config import load_job_config
+def _replayed_gap(t, rec, rows: list[int]) -> float:
+    """The largest |training forward's log-prob - rollout's| over the sampled tokens of record rows ``rows``, the
+    training forward (the old-log-prob pass) replaying the record's routes (R3)."""
+    batch = t.prepare(rec)
+    at = [batch.row_ids.tolist().index(int(rec.row_ids[r])) for r in rows]
+    m = batch.mask[at]
+    return (batch.old_logprobs[at] - batch.sample_logprobs[at])[m].abs().max().item()
 
-    rows = run_job_rows(load_job_config(None, BASE + [
-        f"train.output_dir={tmp_path}/r3", "loss.name=grpo", "train.routing_replay=R3", "train.old_logprobs=recompute"]))
-    r = rows[0]
-    assert r["rollout/turns_mean"] > 1.5
-    assert r["routing/routing_change_frac"] == 0.0 and r["loss/onpolicy/seq_ratio_dev_max"] < 1e-5
+
+def test_r3_rollout_logprobs_of_a_three_turn_row_are_the_training_forward_s_with_its_routes_replayed(tmp_path):
+    """Under R3 the rollout's log-prob of every sampled token of a three-turn row is the training forward's with
+    the recorded routes replayed (fp32 to rounding): the routes R3 replays are the ones its tokens were sampled
+    under. With one turn's routes shifted by one position (what an off-by-one where turns join would file) it is
+    not."""
+    import copy
+
+    with built_trainers(BASE + ["loss.name=grpo", "train.routing_replay=R3", "train.old_logprobs=recompute"],
+                        tmp_path) as build:
+        t = build([])
+        rec = _record(t)
+        three = [r for r, tr in enumerate(rec.trajectories) if tr["num_turns"] == 3]
+        assert three
+        gap = _replayed_gap(t, rec, three)
+        print("GAP", gap)
+        assert gap < 2e-6, gap
+        shifted = copy.deepcopy(rec)
+        r = three[0]
+        turn2 = rec.trajectories[r]["turns"][2]["start"]  # the second sampled turn's first token
+        n = int(rec.seq_lengths[r])
+        routes = shifted.routes.routes
+        routes[:, r, turn2:n - 1] = rec.routes.routes[:, r, turn2 - 1:n - 2].clone()
+        g2 = _replayed_gap(t, shifted, [r])
+        print("SHIFTED", g2)
+        assert g2 > 1e-3, g2
 
 
 def test_observation_tokens_get_no_gradient_hand_sized():
