@@ -531,3 +531,13 @@ def _resumed(outs):
     """The KeptRows each turn after the first continued (the rows that went on: every row but row 1 after turn 0)."""
     return [o.kept.select([j for j in range(o.kept.cached.numel()) if not (t == 0 and j == 1)]) for t, o in
             enumerate(outs[:-1])]
+
+
+def test_turns_on_their_kept_kv_over_sharded_weights(run_dist):
+    """TP 2, EP 2 and expert-TP 2 on the lean decoder (EP / expert-TP: a rank whose rows all ended steps the
+    resumed turns on dummy rows): three turns with each row's KV kept give the streams, log-probs (within 1e-6)
+    and R3 routes of a prefill of every turn's whole context (tests/dist_scripts/kv_turns_layouts.py)."""
+    p = run_dist("kv_turns_layouts.py", 2, "--layouts", "tp2,ep2,etp2", timeout=900)
+    for tag in ("tp2", "ep2", "etp2"):
+        for r in range(2):
+            assert f"KVTURNS OK {tag} rank {r}" in p.stdout, p.stdout[-3000:]
