@@ -32,10 +32,12 @@ from megatron_gspo.config.sections import MIN_SAMPLING_TEMPERATURE
 from megatron_gspo.errors import ConfigError
 
 
-def _response_budget(job) -> int:
+def row_token_budget(job) -> int:
     """Tokens a row may hold: its prompt and one response, or with an environment the whole conversation after the
-    prompt (env.max_response_tokens: every turn and observation)."""
-    return job.data.max_prompt_length + (env_response_budget(job) if job.env.enabled else job.generation.max_new_tokens)
+    prompt (env.max_response_tokens: every turn and observation). Less one, the KV slots a generation of the job
+    needs at most (a multi-turn row's last turn runs over its whole conversation, its KV kept from turn to turn:
+    the generator's reservation, the memory estimate's sequence)."""
+    return job.data.max_prompt_length + (envrow_token_budget(job) if job.env.enabled else job.generation.max_new_tokens)
 
 
 def _response_budget_names(job) -> str:
@@ -106,7 +108,7 @@ def no_pipeline_parallelism(job) -> None:
 
 
 def prompt_and_response_fit_the_positions(job) -> None:
-    need = _response_budget(job)
+    need = row_token_budget(job)
     check(need <= job.model.max_position_embeddings,
           f"{_response_budget_names(job)} = {need} exceeds "
           f"model.max_position_embeddings={job.model.max_position_embeddings}")
@@ -333,7 +335,7 @@ def allow_config_change_names_keys(job) -> None:
 
 def token_budget_holds_a_row(job) -> None:
     # (the ranks of a lockstep group over DP ranks, EP or expert-TP, agree one plan: rollout.agreed_length_profile)
-    budget, need = job.train.max_tokens_per_micro_batch, _response_budget(job)
+    budget, need = job.train.max_tokens_per_micro_batch, row_token_budget(job)
     if budget is not None:
         check(budget >= need, f"train.max_tokens_per_micro_batch={budget} cannot hold one row of up to "
                               f"{_response_budget_names(job)} = {need} tokens")
@@ -393,7 +395,7 @@ def vllm_engine_limits(job) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def env_response_budget(job) -> int:
+def envrow_token_budget(job) -> int:
     """Tokens after the prompt a multi-turn row may hold: env.max_response_tokens, or what the model's positions
     leave after data.max_prompt_length."""
     e = job.env
@@ -412,7 +414,7 @@ def eval_rows_per_rank(num_prompts: int, num_samples: int, dp: int) -> int:
 def env_budget_fits(job) -> None:
     if not job.env.enabled:
         return
-    budget, g = env_response_budget(job), job.generation
+    budget, g = envrow_token_budget(job), job.generation
     check(budget >= g.max_new_tokens,
           f"env.max_response_tokens={budget} is below generation.max_new_tokens={g.max_new_tokens}: a row's budget "
           "must hold at least one whole turn")

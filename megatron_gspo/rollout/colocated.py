@@ -24,6 +24,7 @@ import torch
 from megatron_gspo.algorithms.dynamic_sampling import informative_groups, prune_groups
 from megatron_gspo.algorithms.overlong import overlong_penalty
 from megatron_gspo.runtime.stop import Cancelled, raise_together
+from megatron_gspo.config.rules import row_token_budget
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.model.oom import explain_oom
 from megatron_gspo.data.rewards import compute_rewards
@@ -50,9 +51,9 @@ class ColocatedSource:
         self.gen_cfg = gen_cfg
         # generate() gets one row per sample: a sample's noise is keyed by its global row
         self.row_gen_cfg = dataclasses.replace(gen_cfg, n_samples_per_prompt=1)
-        # one decoder for every rollout of the job (its KV cache and CUDA graphs sized for the longest prompt)
-        self.generator = Generator(model, vocab_size=cfg.model.vocab_size, state=state,
-                                   slots=cfg.data.max_prompt_length + gen_cfg.max_new_tokens - 1)
+        # one decoder for every rollout of the job (its KV cache and CUDA graphs sized for the longest row: a
+        # prompt and its response, or a whole conversation)
+        self.generator = Generator(model, vocab_size=cfg.model.vocab_size, state=state, slots=row_token_budget(cfg) - 1)
         # env.name: every row talks with an environment over turns (rollout/multiturn.py)
         self.multiturn = build_multiturn(cfg, state, self.generator, tokenizer, gen_cfg)
         # rollout.engine=vllm: a vLLM engine samples the rollouts (rollout/vllm_engine.py; the evaluation
