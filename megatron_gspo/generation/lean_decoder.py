@@ -36,7 +36,8 @@ One decoder per job
     cache, the left padding, the weights as they are now) and ``end`` closes it. With graphs the KV
     caches and the captured steps are kept (captured once per job; grown, and captured again, only
     when a generation needs more rows or slots, or when a weight moved in memory); without, the KV
-    caches live for one generation.
+    caches live for one generation, or, for a multi-turn row's turns, from one to the next (``begin``'s
+    ``keep`` and ``carry``; ``extend`` prefills a turn's new tokens onto them; ``release`` frees them).
 
 Routes (R3 and the routing metrics): with ``record_routes`` each forward also writes every layer's
 top-k expert ids ([b, s, k], the router's own routing map) into a buffer, so a replayed graph
