@@ -460,8 +460,7 @@ def generate(
     poll: Optional[Callable[[], tuple[bool, bool]]] = None,
     on_update: Optional[Callable[[int], None]] = None,
     generator: Optional["Generator"] = None,
-    keep_kv: bool = False,
-    resume: Optional[KeptRows] = None,
+    keep_kv: bool = False, resume: Optional[KeptRows] = None,
 ) -> GenerationOutput:
     """Sample ``cfg.n_samples_per_prompt`` responses for every prompt with a KV cache.
 
@@ -487,10 +486,8 @@ def generate(
             rank of the lockstep group has an update pending, every rank calls ``on_update(step)`` between
             decode forward ``step`` (the last under the old weights) and the next (on the same vote).
         generator: the ``Generator`` whose lean decoder runs (None: a throwaway one, for a one-off generation).
-        keep_kv / resume: a multi-turn row's KV kept from one call to the next (module doc, "KV kept across
-            turns"): ``keep_kv`` returns ``kept``; ``resume`` (KeptRows, one per prompt, n_samples_per_prompt 1)
-            names each prompt's kept KV, its first ``cached`` tokens, so only the rest is prefilled. Every rank of
-            the lockstep group that has prompts passes ``resume``, or none does.
+        keep_kv / resume: keep the KV for the next call (``kept``) / the KeptRows of the prompts, whose rest only
+            is prefilled (module doc, "KV kept across turns"; on every rank of the lockstep group that has prompts).
     Collective over ``state.lockstep_group``: every rank of it must call it.
     """
     from megatron_gspo.model.gpt import unwrap
@@ -499,8 +496,7 @@ def generate(
         raise ValueError("generate(): poll replaces should_stop and needs on_update")
     generator = generator or Generator(model, vocab_size=vocab_size, state=state)  # a throwaway one
     t_start = time.perf_counter()
-    m = unwrap(model)
-    sync = _Lockstep(state)
+    m, sync = unwrap(model), _Lockstep(state)
     device = state.device if state is not None else next(m.parameters()).device
     grid = _LeftPaddedGrid(m, _check_prompts(prompts, vocab_size), cfg, sync, device, row_keys, resume)
     run = _Decoding(grid, cfg, sync, vocab_size, cfg.seed if seed is None else seed, on_forward)
@@ -510,13 +506,9 @@ def generate(
         stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
         stack.enter_context(_eval_mode(m))
         stack.enter_context(_without_sequence_parallel(m))
-        backend = make_backend(m, cfg, grid.B, grid.S - 1, grid.positions, grid.key_pad, grid.left_pad,
-                               ragged=grid.ragged(), record_routes=run.wants_routes,
-                               lean_decoder=generator.lean_decoder, prefill_positions=grid.pre_positions,
-                               carry=grid.carry, keep=keep_kv)
+        backend = _backend(m, cfg, grid, run, generator, keep_kv)
         stack.enter_context(backend.context())
-        run.keep = keep_kv and backend.resumes
-        tok, lp = run.extend(backend) if grid.N and backend.resumes else run.prefill(backend)
+        tok, lp = run.start(backend, keep_kv)
         for step in range(cfg.max_new_tokens):
             rows = run.record(step, tok, lp)
             if step == cfg.max_new_tokens - 1:
@@ -534,6 +526,13 @@ def generate(
             tok, lp = run.decode(backend, rows, step)
     backend = None  # frees megatron's KV cache (a Generator keeps the lean decoder: LeanDecoder.end freed its own)
     return run.output(t_start)
+
+
+def _backend(m, cfg: GenerationConfig, grid: "_LeftPaddedGrid", run: "_Decoding", generator: Generator, keep_kv: bool):
+    """The call's DecodeBackend (decoder.make_backend) on the grid's shapes."""
+    return make_backend(m, cfg, grid.B, grid.S - 1, grid.positions, grid.key_pad, grid.left_pad, ragged=grid.ragged(),
+                        record_routes=run.wants_routes, lean_decoder=generator.lean_decoder,
+                        prefill_positions=grid.pre_positions, carry=grid.carry, keep=keep_kv)
 
 
 def _as_list(p: Union[Sequence[int], torch.Tensor]) -> list[int]:
@@ -611,7 +610,15 @@ class _LeftPaddedGrid:
         slots = torch.arange(S - 1, device=device)
         self.key_pad = slots[None, :] < self.left_pad[:, None]
         self.positions = (slots[None, :] - self.left_pad[:, None]).clamp(min=0)
-        # the prefill block: the distinct prompts, then fillers of one pad token (like the dummy rows)
+        self._prefill_block(ids, distinct, of_prompt, pad, slots)
+        self._continue(resume, n_new, int(shape[3]))
+
+    def _prefill_block(self, ids: list[list[int]], distinct: list[int], of_prompt: list[int], pad: int,
+                       slots: torch.Tensor) -> None:
+        """The prefill block (module doc, "One prefill per prompt"): ``pre_tokens`` [Bp, P], its left padding and
+        positions, ``src`` [B] and ``shared``, the prompt tokens it counts."""
+        P, B, Bp, G, n_real, device = self.P, self.B, self.Bp, self.G, self.n_real, self.device
+        # the distinct prompts, then fillers of one pad token (like the dummy rows)
         U = len(distinct)
         pre = torch.full((Bp, P), pad, dtype=torch.long)
         pre_lens = torch.ones(Bp, dtype=torch.long)
@@ -630,11 +637,15 @@ class _LeftPaddedGrid:
         self.pre_positions = (slots[None, :] - self.pre_left_pad[:, None]).clamp(min=0)  # [Bp, S - 1] per slot
         # the real prompt tokens run through the prefill: each distinct prompt once (perf/prefill_tokens)
         self.prefill_tokens = int(pre_lens[:U].sum())
-        self.N, self.carry = int(shape[3]), None
-        if self.N and n_real and n_new is None:
+
+    def _continue(self, resume: Optional[KeptRows], n_new: Optional[torch.Tensor], N: int) -> None:
+        """The rows that continue a kept KV (``resume``, their ``n_new`` new tokens; N: the lockstep group's most):
+        their new tokens (a dummy row: its one pad token) fill the prefill block's last columns; ``carry``."""
+        B, n_real, device = self.B, self.n_real, self.device
+        self.N, self.carry, self.resumed_tokens = N, None, 0
+        if N and n_real and n_new is None:
             raise ValueError("generate(): every rank of the lockstep group that has prompts continues its rows' kept "
                              "KV (resume), or none does")
-        # rows continuing a kept KV: their new tokens (dummy rows: their one pad token) fill the block's last columns
         self.n_new = torch.ones(B, dtype=torch.long, device=device)
         if n_new is not None and n_real:
             self.n_new[:n_real] = n_new.to(device)
@@ -644,8 +655,6 @@ class _LeftPaddedGrid:
             delta = torch.zeros(B, dtype=torch.long, device=device)
             delta[:n_real] = self.left_pad[:n_real] - resume.left_pad.to(device)
             self.carry = (src, delta)
-        else:
-            self.resumed_tokens = 0
 
     def ragged(self) -> bool:
         """Some real prompt is left-padded (megatron's path then needs per-row RoPE and a padding mask)."""
@@ -759,6 +768,12 @@ class _Decoding:
             self.on_forward(step, kind, live, routes=routes)
         else:
             self.on_forward(step, kind, live)
+
+    def start(self, backend, keep_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's prefill (of the rows' new tokens only where they continue a kept KV and the back-end
+        resumes), and the first draw; ``keep_kv``: the KV outlives the call where the back-end keeps it."""
+        self.keep = keep_kv and backend.resumes
+        return self.extend(backend) if self.grid.N and backend.resumes else self.prefill(backend)
 
     def prefill(self, backend) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill forward over the distinct prompts, their KV shared by their rows, and the first draw."""

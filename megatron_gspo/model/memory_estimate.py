@@ -80,6 +80,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_gspo.config.rules import row_token_budget
+
 __all__ = ["GIB", "H100_80GB_GIB", "estimate_memory"]
 
 GIB = 1024 ** 3
@@ -252,10 +254,9 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     Returns a dict with the components documented in the module docstring (GiB), ``total``,
     ``budget`` (an 80 GB H100), ``fits`` and the layout numbers it used (dp, expert_dp, params).
     """
-    from megatron_gspo.config.rules import row_token_budget
     from megatron_gspo.runtime.parallel import validate_layout
 
-    m, par, t, g, d = job_cfg.model, job_cfg.parallel, job_cfg.train, job_cfg.generation, job_cfg.data
+    m, par, t, g = job_cfg.model, job_cfg.parallel, job_cfg.train, job_cfg.generation
     dp = validate_layout(m, par, world_size)
     tp, pp, ep, etp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                        par.expert_model_parallel_size, par.etp)
