@@ -37,7 +37,7 @@ def row_token_budget(job) -> int:
     prompt (env.max_response_tokens: every turn and observation). Less one, the KV slots a generation of the job
     needs at most (a multi-turn row's last turn runs over its whole conversation, its KV kept from turn to turn:
     the generator's reservation, the memory estimate's sequence)."""
-    return job.data.max_prompt_length + (envrow_token_budget(job) if job.env.enabled else job.generation.max_new_tokens)
+    return job.data.max_prompt_length + (env_response_budget(job) if job.env.enabled else job.generation.max_new_tokens)
 
 
 def _response_budget_names(job) -> str:
@@ -395,7 +395,7 @@ def vllm_engine_limits(job) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def envrow_token_budget(job) -> int:
+def env_response_budget(job) -> int:
     """Tokens after the prompt a multi-turn row may hold: env.max_response_tokens, or what the model's positions
     leave after data.max_prompt_length."""
     e = job.env
@@ -414,7 +414,7 @@ def eval_rows_per_rank(num_prompts: int, num_samples: int, dp: int) -> int:
 def env_budget_fits(job) -> None:
     if not job.env.enabled:
         return
-    budget, g = envrow_token_budget(job), job.generation
+    budget, g = env_response_budget(job), job.generation
     check(budget >= g.max_new_tokens,
           f"env.max_response_tokens={budget} is below generation.max_new_tokens={g.max_new_tokens}: a row's budget "
           "must hold at least one whole turn")
