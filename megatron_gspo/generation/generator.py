@@ -758,7 +758,7 @@ class _Decoding:
         live, prefill = self.live, kind == "prefill"
         if self.wants_routes:
             g = self.grid
-            b = (g.Bp if prefill else g.B) if live is None else live.numel()
+            b = (g.Bp if prefill and not self.resumed else g.B) if live is None else live.numel()
             routes = backend.last_routes(b, prefill=prefill)
             if prefill and g.shared and not self.resumed and routes is not None:  # its prompt's prefill row's
                 routes = routes[:, g.src]
