@@ -692,6 +692,19 @@ def _new_tokens(resume: Optional[KeptRows], lens: torch.Tensor, G: int) -> Optio
     return new
 
 
+def _swap_to_front(order: torch.Tensor, keep: int) -> torch.Tensor:
+    """A permutation [n] whose first ``keep`` entries are the rows of ``order[:keep]`` (in another order): those behind
+    swap places with the front's rows that are not among them; every other row stays where it is."""
+    n = order.numel()
+    chosen = torch.zeros(n, dtype=torch.bool, device=order.device)
+    chosen[order[:keep]] = True
+    front = torch.arange(n, device=order.device) < keep
+    out, into = (front & ~chosen).nonzero()[:, 0], (~front & chosen).nonzero()[:, 0]
+    perm = torch.arange(n, device=order.device)
+    perm[out], perm[into] = into, out
+    return perm
+
+
 def distinct_prompts(ids: list[list[int]]) -> tuple[list[int], list[int]]:
     """(the index of each distinct prompt's first occurrence, in order of first occurrence; for each prompt
     the position of its distinct prompt in that list): equal token ids are one prompt, prefilled once."""
@@ -844,7 +857,9 @@ class _Decoding:
         compact_at = self.cfg.compact_finished_rows
         if compact_at > 0 and n_live <= (1 - compact_at) * rows.numel() and keep < rows.numel():
             order = torch.argsort(self.done[rows].long(), stable=True)  # a permutation: the back-end keeps [:keep]
-            backend.compact(order, keep)  # (or, keeping its KV, moves every row)
+            if self.keep:  # every row's KV stays: the rows kept swap places with the front's others, no more moves
+                order = _swap_to_front(order, keep)
+            backend.compact(order, keep)  # (or, keeping its KV, moves the rows that change places)
             n = order.numel()
             self.cache_rows[:n] = self.cache_rows[:n][order]
             self.live = rows = rows[order[:keep]]

@@ -939,10 +939,16 @@ class LeanDecoder:
 
     def compact(self, order: torch.Tensor, keep: int) -> None:
         """Move cache rows ``order[:keep]`` to the front (generation's finished-row compaction). A generation
-        that keeps its caches (``begin``'s ``keep``) permutes rows 0 .. order.numel()-1 by ``order`` instead:
-        the finished rows move behind, their KV intact."""
-        idx = order if self.keep else order[:keep]
-        keep = idx.numel()
+        that keeps its caches (``begin``'s ``keep``) permutes rows 0 .. order.numel()-1 by ``order`` instead
+        (moving the rows it moves): the finished rows move behind, their KV intact."""
+        if self.keep:  # only the rows that change places move
+            at = (order != torch.arange(order.numel(), device=order.device)).nonzero()[:, 0]
+            for k, v in zip(self.k, self.v):
+                k[at] = k[order[at]]
+                v[at] = v[order[at]]
+            self.left_pad[at] = self.left_pad[order[at]]
+            return
+        idx = order[:keep]
         for k, v in zip(self.k, self.v):
             k[:keep] = k[idx]
             v[:keep] = v[idx]
