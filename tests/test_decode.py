@@ -543,6 +543,9 @@ def test_max_batch_rows_is_refused_where_it_cannot_run(model):
     # (asynchronous rollouts: tests/test_async_rollout.py) a layout the lean decoder cannot run, by key
     with pytest.raises(ConfigError, match="generation.max_batch_rows=8 needs the lean decoder, which does not run"):
         load_job_config(None, ["generation.max_batch_rows=8", "model.fp8=hybrid", "model.precision=bf16"])
+    # a multi-turn row keeps its KV cache rows across turns: a refilled batch would hand them on
+    with pytest.raises(ConfigError, match="generation.max_batch_rows=8 with env.name: a multi-turn row keeps its KV"):
+        load_job_config(None, ["generation.max_batch_rows=8", "env.tools=[calculator]"])
     one = _gen(model, "lean", max_batch_rows=0)
     big = _gen(model, "lean", max_batch_rows=64)  # 24 rows: one batch
     assert torch.equal(one.tokens, big.tokens) and torch.equal(one.logprobs, big.logprobs)
@@ -558,3 +561,57 @@ def test_a_refilled_batch_over_sharded_weights_gives_the_single_rank_rollouts(ru
         for mode in ("eager", "graph-ready"):
             for r in range(2):
                 assert f"REFILL OK {tag} {mode} rank {r}" in p.stdout, p.stdout[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["lean", "graphs", "megatron"])
+def test_a_turn_on_its_kept_kv_gives_the_tokens_logprobs_and_routes_of_a_prefill_of_its_whole_context(
+        model, monkeypatch, mode):
+    """Three turns over ragged rows (new suffixes of 1 to 4 tokens, stop tokens ending rows apart, compaction, two
+    rows of equal contexts, which a prefill of whole contexts runs once):
+    with each row's KV kept, a turn prefills only its new tokens (the last sampled token and the observation),
+    and the streams, the sampled log-probs (fp32: within 1e-6; 4.8e-7 measured, a decode step's KV against a
+    prefill's) and every token's R3 route are those of a prefill of every turn's whole context. In graph mode
+    (the kept cache, grown between turns) the same; megatron's path keeps nothing and prefills it all again."""
+    from kv_turns import talk
+
+    from megatron_gspo.generation.generator import Generator
+
+    m, st = model
+    if mode == "graphs":
+        _graph_mode(monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    ps = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (4, 1, 9, 6, 7, 3)]
+    ps, keys = ps + [ps[0]], list(range(len(ps))) + [0]  # row 6 talks as row 0: equal contexts every turn
+    cfg = GenerationConfig(max_new_tokens=6, n_samples_per_prompt=1, seed=3,
+                           decode_impl="megatron" if mode == "megatron" else "lean",
+                           stop_token_ids=list(range(3, 99, 3)), compact_finished_rows=0.25)
+    want = talk(Generator(m, vocab_size=VOCAB, state=st), m, ps, cfg, keys, keep=False, end_after={1: 0})
+    got = talk(Generator(m, vocab_size=VOCAB, state=st), m, ps, cfg, keys, keep=True, end_after={1: 0})
+    assert got[0] == want[0] and len({len(c) for c in got[0]}) > 3  # the streams, ragged
+    assert max(abs(a - b) for x, y in zip(got[1], want[1]) for a, b in zip(x, y)) < 1e-6
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    assert all(r.shape[1] == len(c) - 1 for r, c in zip(got[2], got[0]))  # one route per fed token
+    if mode == "megatron":
+        assert got[3] == want[3] and all(o.kept is None for o in got[4])
+        return
+    # every token fed once: the prompts, then per turn each row's new tokens (its last sampled and the observation)
+    news = sum(int(o.prompt_lengths.sum()) - int(k.cached.sum()) for o, k in zip(got[4][1:], _resumed(got[4])))
+    assert got[3] == sum(len(p) for p in ps[:-1]) + news < want[3]  # (row 6 shares row 0's first prefill)
+    assert any(o.decode_row_steps < o.response_lengths.numel() * (int(o.response_lengths.max()) - 1)
+               for o in got[4])  # compaction ran on a kept cache
+
+
+def _resumed(outs):
+    """The KeptRows each turn after the first continued (the rows that went on: every row but row 1 after turn 0)."""
+    return [o.kept.select([j for j in range(o.kept.cached.numel()) if not (t == 0 and j == 1)]) for t, o in
+            enumerate(outs[:-1])]
+
+
+def test_turns_on_their_kept_kv_over_sharded_weights(run_dist):
+    """TP 2, EP 2 and expert-TP 2 on the lean decoder (EP / expert-TP: a rank whose rows all ended steps the
+    resumed turns on dummy rows): three turns with each row's KV kept give the streams, log-probs (within 1e-6)
+    and R3 routes of a prefill of every turn's whole context (tests/dist_scripts/kv_turns_layouts.py)."""
+    p = run_dist("kv_turns_layouts.py", 2, "--layouts", "tp2,ep2,etp2", timeout=900)
+    for tag in ("tp2", "ep2", "etp2"):
+        for r in range(2):
+            assert f"KVTURNS OK {tag} rank {r}" in p.stdout, p.stdout[-3000:]

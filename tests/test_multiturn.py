@@ -90,14 +90,76 @@ def test_the_training_forward_scores_the_sampled_tokens_as_the_rollout_did_and_r
     assert r["routing/routing_change_frac"] == 0.0
 
 
-def test_r3_replays_every_token_of_a_three_turn_row(tmp_path):
-    from megatron_gspo.config import load_job_config
+def _nearly_tie_the_routers(model, eps: float) -> None:
+    """Every MoE router's expert rows made its first row plus ``eps`` noise: the top-k is decided at rounding level."""
+    from megatron_gspo.model.gpt import unwrap
+    from megatron_gspo.routing.common import find_routers
 
-    rows = run_job_rows(load_job_config(None, BASE + [
-        f"train.output_dir={tmp_path}/r3", "loss.name=grpo", "train.routing_replay=R3", "train.old_logprobs=recompute"]))
-    r = rows[0]
-    assert r["rollout/turns_mean"] > 1.5
-    assert r["routing/routing_change_frac"] == 0.0 and r["loss/onpolicy/seq_ratio_dev_max"] < 1e-5
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for router in find_routers(unwrap(model)):
+            w = router.weight
+            w.copy_(w[:1].expand_as(w) + eps * torch.randn(w.shape, generator=g))
+
+
+def _replayed_gap(t, rec, rows: list[int]) -> float:
+    """The largest |training forward's log-prob - rollout's| over the sampled tokens of record rows ``rows``, the
+    training forward (the old-log-prob pass) replaying the record's routes (R3)."""
+    batch = t.prepare(rec)
+    at = [batch.row_ids.tolist().index(int(rec.row_ids[r])) for r in rows]
+    m = batch.mask[at]
+    return (batch.old_logprobs[at] - batch.sample_logprobs[at])[m].abs().max().item()
+
+
+def test_r3_rollout_logprobs_of_a_three_turn_row_are_the_training_forward_s_with_its_routes_replayed(tmp_path):
+    """Under R3 the rollout's log-prob of every sampled token of a three-turn row is the training forward's with
+    the recorded routes replayed (fp32, to rounding: 4.8e-7 measured): the routes R3 replays are the ones its
+    tokens were sampled under. The routers are nearly tied, so rounding decides the top-k: a turn whose tokens were
+    sampled over a history prefilled again (routes recomputed, not the recorded ones) is off by 6e-5. With one
+    turn's routes shifted by one position (what an off-by-one where turns join would file) it is off by 2e-2."""
+    import copy
+
+    with built_trainers(BASE + ["loss.name=grpo", "train.routing_replay=R3", "train.old_logprobs=recompute"],
+                        tmp_path) as build:
+        t = build([])
+        _nearly_tie_the_routers(t.model, 1e-6)
+        rec = _record(t)
+        three = [r for r, tr in enumerate(rec.trajectories) if tr["num_turns"] == 3]
+        assert three
+        gap = _replayed_gap(t, rec, three)
+        assert gap < 2e-6, gap
+        shifted = copy.deepcopy(rec)
+        r = three[0]
+        turn2 = rec.trajectories[r]["turns"][2]["start"]  # the second sampled turn's first token
+        n = int(rec.seq_lengths[r])
+        routes = shifted.routes.routes
+        routes[:, r, turn2:n - 1] = rec.routes.routes[:, r, turn2 - 1:n - 2].clone()
+        assert _replayed_gap(t, shifted, [r]) > 1e-3
+
+
+def test_a_three_turn_job_prefills_each_token_of_a_row_once(tmp_path):
+    """perf/prefill_tokens of a three-turn step: every fed token of a row is run through the model once in all,
+    sampled tokens in decode steps (each turn's last, never fed in its turn, in the next turn's prefill), so
+    each row prefills its stream less its sampled tokens, plus one per turn that an observation followed (its
+    prompt once per distinct prompt: the G samples share its prefill). A prefill of every turn's whole context
+    counts the history again at each turn."""
+    from megatron_gspo.rollout.prepare import rollout_metrics
+
+    with built_trainers(BASE, tmp_path) as build:
+        t = build([])
+        rec = _record(t)
+        want, seen, again = 0, set(), 0
+        for r, tr in enumerate(rec.trajectories):
+            plen, n = int(rec.prompt_lengths[r]), int(rec.seq_lengths[r])
+            prompt = tuple(rec.tokens[r, :plen].tolist())
+            turns = [s for s in tr["turns"] if s["role"] == "assistant"]
+            sampled = sum(s["end"] - s["start"] for s in turns)
+            want += n - sampled + len(turns) - 1 - (plen if prompt in seen else 0)
+            again += sum(s["start"] for s in turns[1:])  # every later turn's context
+            seen.add(prompt)
+        assert max(tr["num_turns"] for tr in rec.trajectories) == 3
+        got = rollout_metrics(t.prepare(rec), t.state)["perf/prefill_tokens"]
+        assert got == want and again > 0
 
 
 def test_observation_tokens_get_no_gradient_hand_sized():

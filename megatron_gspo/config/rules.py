@@ -32,9 +32,11 @@ from megatron_gspo.config.sections import MIN_SAMPLING_TEMPERATURE
 from megatron_gspo.errors import ConfigError
 
 
-def _response_budget(job) -> int:
+def row_token_budget(job) -> int:
     """Tokens a row may hold: its prompt and one response, or with an environment the whole conversation after the
-    prompt (env.max_response_tokens: every turn and observation)."""
+    prompt (env.max_response_tokens: every turn and observation). Less one, the KV slots a generation of the job
+    needs at most (a multi-turn row's last turn runs over its whole conversation, its KV kept from turn to turn:
+    the generator's reservation, the memory estimate's sequence)."""
     return job.data.max_prompt_length + (env_response_budget(job) if job.env.enabled else job.generation.max_new_tokens)
 
 
@@ -106,7 +108,7 @@ def no_pipeline_parallelism(job) -> None:
 
 
 def prompt_and_response_fit_the_positions(job) -> None:
-    need = _response_budget(job)
+    need = row_token_budget(job)
     check(need <= job.model.max_position_embeddings,
           f"{_response_budget_names(job)} = {need} exceeds "
           f"model.max_position_embeddings={job.model.max_position_embeddings}")
@@ -338,7 +340,7 @@ def allow_config_change_names_keys(job) -> None:
 
 def token_budget_holds_a_row(job) -> None:
     # (the ranks of a lockstep group over DP ranks, EP or expert-TP, agree one plan: rollout.agreed_length_profile)
-    budget, need = job.train.max_tokens_per_micro_batch, _response_budget(job)
+    budget, need = job.train.max_tokens_per_micro_batch, row_token_budget(job)
     if budget is not None:
         check(budget >= need, f"train.max_tokens_per_micro_batch={budget} cannot hold one row of up to "
                               f"{_response_budget_names(job)} = {need} tokens")
@@ -377,6 +379,13 @@ def async_without_refill(job) -> None:
     check(not (job.rollout.is_async and job.generation.max_batch_rows),
           f"generation.max_batch_rows={job.generation.max_batch_rows} with rollout.mode=async is not supported: a "
           "weight update between decode steps is filed by decode step, and refilled rows are at different steps; "
+          "use generation.max_batch_rows=0")
+
+
+def multiturn_without_refill(job) -> None:
+    check(not (job.env.enabled and job.generation.max_batch_rows),
+          f"generation.max_batch_rows={job.generation.max_batch_rows} with env.name: a multi-turn row keeps its KV "
+          "cache rows from turn to turn, and a refilled batch hands a finished row's cache rows to a waiting row; "
           "use generation.max_batch_rows=0")
 
 
@@ -446,6 +455,7 @@ RULES: tuple[Callable[[Any], None], ...] = (
     top_p_not_greedy, overlong_filtering_keeps_some_rows, transformer_engine_not_on_the_cpu, lean_decode_runs_here,
     allow_config_change_names_keys, token_budget_holds_a_row, old_logprobs_under_async,
     async_staleness_needs_correction, async_without_r3, async_without_dynamic_sampling, async_without_refill,
+    multiturn_without_refill,
     vllm_engine_limits,
     env_budget_fits,
 )

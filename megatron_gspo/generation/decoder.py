@@ -25,7 +25,12 @@ The interface (shapes: B rows of the cache, P prompt-block columns, V the padded
     share(src, length)             cache row r (of B) takes prefill row src[r]'s KV slots 0 .. length-1
     decode(tokens [b], slot, rows) -> logits [b, V]: feeds cache rows 0 .. b-1 at KV slot ``slot``;
                                      rows [b] = the original row of each cache row (None: all, in order)
-    compact(order, keep)           cache rows order[:keep] move to the front (finished rows leave)
+    compact(order, keep)           cache rows order[:keep] move to the front (finished rows leave);
+                                   ``order`` is a permutation of the decode batch's rows (a back-end that
+                                   keeps its KV across calls permutes them all: see below)
+    extend(tokens [b, s], positions [b, s], start, new [b, s], masked [b, 1, s, start + s]) -> logits [b, V]:
+                                   a prefill of slots start .. start+s-1 onto the cache rows' kept history,
+                                   writing only the slots ``new`` marks (back-ends with ``resumes`` only)
     last_routes(b, prefill)        [L, b, s, k] top-k expert ids of the last forward, or None when
                                    the back-end does not record them (routers' forward hooks do)
     context()                      model patches for the duration of the call
@@ -36,6 +41,12 @@ back-end only) prefills into a prompt store and lets rows join the cache as othe
     prefill_to_store(tokens, positions, masked) -> logits [Bp, V]: ``prefill`` into a store of Bp rows
     admit(rows, src, left_pad)     cache rows ``rows`` take store rows ``src``'s prompt KV and ``left_pad``
     decode_at(tokens [b], slots [b], kv_len) -> logits [b, V]: each cache row fed at its own KV slot
+
+KV kept across calls (a multi-turn row's next turn: generator.py, "KV kept across turns"): a back-end with
+``resumes`` (the lean one) keeps its cache past a call made with ``keep``, and starts a call made with
+``carry`` = (src, delta) from it (cache row r: the kept row src[r], shifted delta[r] slots right).
+megatron's path does not (its ``StaticInferenceContext`` lives for one call, keys before RoPE at slot
+positions): the caller then prefills every row's whole context again.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ class DecodeBackend:
     """See the module docstring."""
 
     records_routes = False
+    resumes = False  # keeps its KV cache across calls (keep / carry)
 
     def context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -63,6 +75,10 @@ class DecodeBackend:
         raise NotImplementedError
 
     def share(self, src: torch.Tensor, length: int) -> None:
+        raise NotImplementedError
+
+    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, new: torch.Tensor,
+               masked: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def compact(self, order: torch.Tensor, keep: int) -> None:
@@ -84,20 +100,25 @@ class DecodeBackend:
 class LeanBackend(DecodeBackend):
     """A lean_decoder.LeanDecoder (kept across generations by generation.Generator) behind the interface, for
     one generation: ``context()`` readies it (``LeanDecoder.begin``: KV cache, left padding, weights) and
-    releases it (``end``)."""
+    releases it (``end``; ``keep``: its KV cache stays for the next call's ``carry``)."""
 
-    def __init__(self, dec, batch: int, slots: int, left_pad: torch.Tensor, *, record_routes: bool = False) -> None:
+    resumes = True
+
+    def __init__(self, dec, batch: int, slots: int, left_pad: torch.Tensor, *, record_routes: bool = False,
+                 carry: Optional[tuple[torch.Tensor, torch.Tensor]] = None, keep: bool = False) -> None:
         self.dec, self.batch, self.slots, self.left_pad = dec, batch, slots, left_pad
         self.records_routes = record_routes and all(d is not None for d in _device_moes(dec.m))
+        self.carry, self.keep = carry, keep
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
-        self.dec.begin(self.batch, self.slots, self.left_pad, record_routes=self.records_routes)
+        self.dec.begin(self.batch, self.slots, self.left_pad, record_routes=self.records_routes, carry=self.carry,
+                       keep=self.keep)
         try:
             with self.dec.torch_routers():  # no TE kernel in the lean step, the router's GEMM included
                 yield
         finally:
-            self.dec.end()
+            self.dec.end(keep=self.keep)
 
     def prefill(self, tokens, positions, masked):
         return self.dec.prefill(tokens, positions, masked)
@@ -107,6 +128,9 @@ class LeanBackend(DecodeBackend):
 
     def share(self, src, length):
         self.dec.share(src, length)
+
+    def extend(self, tokens, positions, start, new, masked):
+        return self.dec.extend(tokens, positions, start, new, masked)
 
     def compact(self, order, keep):
         self.dec.compact(order, keep)
@@ -201,13 +225,15 @@ class MegatronBackend(DecodeBackend):
 def make_backend(m, cfg, batch: int, slots: int, positions: torch.Tensor, key_pad: torch.Tensor,
                  left_pad: torch.Tensor, ragged: bool, record_routes: bool,
                  lean_decoder: Callable[[bool, int, int], object],
-                 prefill_positions: Optional[torch.Tensor] = None) -> DecodeBackend:
+                 prefill_positions: Optional[torch.Tensor] = None,
+                 carry: Optional[tuple[torch.Tensor, torch.Tensor]] = None, keep: bool = False) -> DecodeBackend:
     """The back-end ``cfg.decode_impl`` asks for on this model (see the module docstring).
 
     cfg: the GenerationConfig; positions / key_pad [B, slots] per slot; left_pad [B]; ragged: some
     real prompts are left-padded; record_routes: the caller wants each forward's routes;
     lean_decoder(graphs, batch, slots): the LeanDecoder to run (generation.Generator keeps one);
-    prefill_positions [Bp, slots]: the prefill rows' positions (None: the cache rows')."""
+    prefill_positions [Bp, slots]: the prefill rows' positions (None: the cache rows'); carry / keep: the KV
+    kept across calls (see the module doc; a back-end without ``resumes`` ignores them)."""
     from megatron_gspo.generation.lean_decoder import lean_decode_unsupported
 
     graphs = cfg.cuda_graphs
@@ -216,7 +242,8 @@ def make_backend(m, cfg, batch: int, slots: int, positions: torch.Tensor, key_pa
         # calls each layer's router module (forward hooks included) in eager steps.
         reason = lean_decode_unsupported(m)
         if reason is None:
-            return LeanBackend(lean_decoder(graphs, batch, slots), batch, slots, left_pad, record_routes=record_routes)
+            return LeanBackend(lean_decoder(graphs, batch, slots), batch, slots, left_pad, record_routes=record_routes,
+                               carry=carry, keep=keep)
         if cfg.decode_impl == "lean" or graphs or cfg.max_batch_rows:
             knob = ("generation.cuda_graphs=true (the lean decode path)" if graphs else
                     f"generation.max_batch_rows={cfg.max_batch_rows} (the lean decode path)" if cfg.max_batch_rows

@@ -58,6 +58,24 @@ One prefill per prompt
     ``GenerationOutput.prefill_tokens`` counts the prompt tokens prefilled (the distinct prompts' own
     tokens, without padding): perf/prefill_tokens.
 
+KV kept across turns (multi-turn rows: rollout/multiturn.py)
+    A call with ``keep_kv`` leaves its KV cache in the lean decoder and returns ``kept`` (KeptRows): each
+    row's cache row, left padding and the count of its leading tokens whose keys and values the cache
+    holds: its context and every sampled token but the last, which was never fed (or was fed after the
+    row had finished, its KV then not kept). The next call over the same rows' longer contexts passes them
+    as ``resume`` (one per row, in the call's row order): each row's history moves to its new left padding
+    (``DecodeBackend`` carry: a key's RoPE is its own position's, whatever slot holds it) and the prefill
+    runs on the new tokens only (``extend``: a block of the longest new suffix in the lockstep group, the
+    last columns of the prompt block; a row's older columns there are attended, never written). So every
+    token is run through the model once in a conversation, and the keys, values and routes its successors
+    were sampled over are the ones computed when it was first processed (the routes R3 replays). Results
+    equal a prefill of the whole context up to rounding (a token's KV from a decode step or a prefill
+    differs in the last bits; the counter-based noise keeps the tokens where the log-probs agree to it).
+    While a call keeps its KV, compaction permutes the decode batch's cache rows (finished rows move behind,
+    intact) instead of overwriting them. megatron's path keeps nothing (its ``StaticInferenceContext``
+    lives for one call): there ``kept`` is None and the caller's next call prefills whole contexts again.
+    ``perf/prefill_tokens`` counts the tokens prefilled: a resumed call's new tokens only.
+
 Returned layout
     ``tokens`` is right-padded, ready for training: row r = prompt (from column 0) + response +
     ``pad_token_id``. Rows are grouped by prompt: sample j of prompt i is row
@@ -235,6 +253,8 @@ class GenerationOutput:
     temperature: float = 1.0
     # decoding stopped early on ``should_stop`` (a stop signal): rows are cut short, not for training
     abandoned: bool = False
+    # keep_kv: what the decoder's KV cache holds of each row for the next call's ``resume`` (None: nothing kept)
+    kept: Optional["KeptRows"] = None
 
     @property
     def num_generated_tokens(self) -> int:
@@ -252,6 +272,25 @@ class GenerationOutput:
             p, n = int(self.prompt_lengths[r]), int(self.response_lengths[r])
             out.append(self.tokens[r, p:p + n].tolist())
         return out
+
+
+@dataclass
+class KeptRows:
+    """Rows whose KV a ``generate(..., keep_kv=True)`` call left in the decoder (module doc, "KV kept across
+    turns"), per row [n] long: ``cache_row`` (its row in the kept cache), ``left_pad`` (its left padding there:
+    its token t at slot left_pad + t), ``cached`` (its first ``cached`` tokens' KV is held)."""
+
+    cache_row: torch.Tensor
+    left_pad: torch.Tensor
+    cached: torch.Tensor
+
+    def select(self, idx: Sequence[int]) -> "KeptRows":
+        i = torch.as_tensor(list(idx), dtype=torch.long, device=self.cache_row.device)
+        return KeptRows(self.cache_row[i], self.left_pad[i], self.cached[i])
+
+    @staticmethod
+    def cat(parts: Sequence["KeptRows"]) -> "KeptRows":
+        return KeptRows(*(torch.cat([getattr(p, f) for p in parts]) for f in ("cache_row", "left_pad", "cached")))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,6 +457,12 @@ class Generator:
         """Free the kept decoder (its KV cache and captured graphs); a later call builds a new one."""
         self._dec = self._dec_graphs = None
 
+    def release_kv(self) -> None:
+        """Free the KV a ``keep_kv`` call left in the decoder (the end of a multi-turn rollout; with graphs the
+        cache stays: it lives as long as the decoder)."""
+        if self._dec is not None:
+            self._dec.release()
+
 
 def _takes_routes(fn: Callable) -> bool:
     """Whether an on_forward callback accepts the forward's routes (a ``routes`` keyword)."""
@@ -443,6 +488,7 @@ def generate(
     poll: Optional[Callable[[], tuple[bool, bool]]] = None,
     on_update: Optional[Callable[[int], None]] = None,
     generator: Optional["Generator"] = None,
+    keep_kv: bool = False, resume: Optional[KeptRows] = None,
 ) -> GenerationOutput:
     """Sample ``cfg.n_samples_per_prompt`` responses for every prompt with a KV cache.
 
@@ -468,6 +514,8 @@ def generate(
             rank of the lockstep group has an update pending, every rank calls ``on_update(step)`` between
             decode forward ``step`` (the last under the old weights) and the next (on the same vote).
         generator: the ``Generator`` whose lean decoder runs (None: a throwaway one, for a one-off generation).
+        keep_kv / resume: keep the KV for the next call (``kept``) / the KeptRows of the prompts, whose rest only
+            is prefilled (module doc, "KV kept across turns"; on every rank of the lockstep group that has prompts).
     Collective over ``state.lockstep_group``: every rank of it must call it.
     """
     from megatron_gspo.model.gpt import unwrap
@@ -476,22 +524,22 @@ def generate(
         raise ValueError("generate(): poll replaces should_stop and needs on_update")
     generator = generator or Generator(model, vocab_size=vocab_size, state=state)  # a throwaway one
     t_start = time.perf_counter()
-    m = unwrap(model)
-    sync = _Lockstep(state)
+    m, sync = unwrap(model), _Lockstep(state)
     device = state.device if state is not None else next(m.parameters()).device
-    grid = _LeftPaddedGrid(m, _check_prompts(prompts, vocab_size), cfg, sync, device, row_keys)
-    run = _decoding(grid, cfg, sync, vocab_size, cfg.seed if seed is None else seed, on_forward, poll)
+    grid = _LeftPaddedGrid(m, _check_prompts(prompts, vocab_size), cfg, sync, device, row_keys, resume)
+    run = _decoding(grid, cfg, sync, vocab_size, cfg.seed if seed is None else seed, on_forward, poll,
+                    keeps=keep_kv or resume is not None)
     if grid.B == 0:  # no rank of the lockstep group has a prompt: nothing runs
         return run.output(t_start)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())  # not inference_mode: megatron's global buffers outlive the call
         stack.enter_context(_eval_mode(m))
         stack.enter_context(_without_sequence_parallel(m))
-        backend = run.backend(m, generator)
+        backend = _backend(m, cfg, grid, run, generator, keep_kv)
         stack.enter_context(backend.context())
         if isinstance(run, _Refill):  # generation.max_batch_rows: its own loop
             return run.run(backend, should_stop, t_start)
-        tok, lp = run.prefill(backend)
+        tok, lp = run.start(backend, keep_kv)
         for step in range(cfg.max_new_tokens):
             rows = run.record(step, tok, lp)
             if step == cfg.max_new_tokens - 1:
@@ -509,6 +557,15 @@ def generate(
             tok, lp = run.decode(backend, rows, step)
     backend = None  # frees megatron's KV cache (a Generator keeps the lean decoder: LeanDecoder.end freed its own)
     return run.output(t_start)
+
+
+def _backend(m, cfg: GenerationConfig, grid: "_LeftPaddedGrid", run: "_Decoding", generator: Generator, keep_kv: bool):
+    """The call's DecodeBackend (decoder.make_backend) on the grid's shapes: a KV cache of ``run.batch_rows`` rows
+    (every row, or generation.max_batch_rows of them refilled)."""
+    b = run.batch_rows
+    return make_backend(m, cfg, b, grid.S - 1, grid.positions, grid.key_pad, grid.left_pad[:b], ragged=grid.ragged(),
+                        record_routes=run.wants_routes, prefill_positions=grid.pre_positions, carry=grid.carry,
+                        keep=keep_kv, lean_decoder=functools.partial(generator.lean_decoder, cap=cfg.max_batch_rows))
 
 
 def _as_list(p: Union[Sequence[int], torch.Tensor]) -> list[int]:
@@ -536,10 +593,15 @@ class _LeftPaddedGrid:
     The prefill runs on its own [Bp, P] block (``pre_tokens``): each distinct prompt once, then filler
     rows of one pad token up to the lockstep group's largest count (and FP8's alignment); ``src`` [B]
     names the prefill row whose KV and last logits each cache row takes (see the module doc, "One
-    prefill per prompt"); ``shared`` is False when that mapping is the identity (nothing to copy)."""
+    prefill per prompt"); ``shared`` is False when that mapping is the identity (nothing to copy).
+
+    ``resume`` (KeptRows of the rows, or None): the rows continue a kept KV cache (module doc, "KV kept across
+    turns"): N > 0 is the lockstep group's longest new suffix, the prefill block's width on a back-end that
+    resumes; ``carry`` = (src, delta) [B], the kept cache row of each row and its slot shift (None without
+    rows to carry)."""
 
     def __init__(self, m, ids: list[list[int]], cfg: GenerationConfig, sync: _Lockstep, device,
-                 row_keys: Optional[Sequence[int]]) -> None:
+                 row_keys: Optional[Sequence[int]], resume: Optional[KeptRows] = None) -> None:
         G, pad = cfg.n_samples_per_prompt, cfg.pad_id
         self.n_prompts, self.G, self.device = len(ids), G, device
         n_real = self.n_real = len(ids) * G
@@ -550,10 +612,12 @@ class _LeftPaddedGrid:
             raise ValueError(f"generate(): row_keys needs {n_real} non-negative integers (one per output row), "
                              f"got {tuple(keys.shape)}")
         distinct, of_prompt = distinct_prompts(ids)
+        n_new = _new_tokens(resume, lens_real, G)  # [n_real] tokens past the kept KV (None: no resume)
         # every rank of the lockstep group needs the same [batch, prompt block] shapes, and the same prefill rows
         longest = int(lens_real.max()) if n_real else 1  # no prompt here: dummy rows of one pad token
-        shape = sync.all_reduce_max(torch.tensor([n_real, longest, len(distinct)], dtype=torch.long, device=device),
-                                    what="generate(): batch, prompt-block and prefill shape")
+        suffix = int(n_new.max()) if n_new is not None and n_real else 0
+        shape = sync.all_reduce_max(torch.tensor([n_real, longest, len(distinct), suffix], dtype=torch.long,
+                                                 device=device), what="generate(): batch, prompt-block and prefill shape")
         # FP8 GEMMs need rows x tokens divisible by the recipe's alignment (fp8_alignment.py): filler rows,
         # like the EP lockstep's dummy rows, make every decode step (rows x 1) and the prefill divide
         self.align = fp8_alignment.token_alignment(m.config)
@@ -579,7 +643,15 @@ class _LeftPaddedGrid:
         slots = torch.arange(S - 1, device=device)
         self.key_pad = slots[None, :] < self.left_pad[:, None]
         self.positions = (slots[None, :] - self.left_pad[:, None]).clamp(min=0)
-        # the prefill block: the distinct prompts, then fillers of one pad token (like the dummy rows)
+        self._prefill_block(ids, distinct, of_prompt, pad, slots)
+        self._continue(resume, n_new, int(shape[3]))
+
+    def _prefill_block(self, ids: list[list[int]], distinct: list[int], of_prompt: list[int], pad: int,
+                       slots: torch.Tensor) -> None:
+        """The prefill block (module doc, "One prefill per prompt"): ``pre_tokens`` [Bp, P], its left padding and
+        positions, ``src`` [B] and ``shared``, the prompt tokens it counts."""
+        P, B, Bp, G, n_real, device = self.P, self.B, self.Bp, self.G, self.n_real, self.device
+        # the distinct prompts, then fillers of one pad token (like the dummy rows)
         U = len(distinct)
         pre = torch.full((Bp, P), pad, dtype=torch.long)
         pre_lens = torch.ones(Bp, dtype=torch.long)
@@ -599,9 +671,37 @@ class _LeftPaddedGrid:
         # the real prompt tokens run through the prefill: each distinct prompt once (perf/prefill_tokens)
         self.prefill_tokens = int(pre_lens[:U].sum())
 
+    def _continue(self, resume: Optional[KeptRows], n_new: Optional[torch.Tensor], N: int) -> None:
+        """The rows that continue a kept KV (``resume``, their ``n_new`` new tokens; N: the lockstep group's most):
+        their new tokens (a dummy row: its one pad token) fill the prefill block's last columns; ``carry``."""
+        B, n_real, device = self.B, self.n_real, self.device
+        self.N, self.carry, self.resumed_tokens = N, None, 0
+        if N and n_real and n_new is None:
+            raise ValueError("generate(): every rank of the lockstep group that has prompts continues its rows' kept "
+                             "KV (resume), or none does")
+        self.n_new = torch.ones(B, dtype=torch.long, device=device)
+        if n_new is not None and n_real:
+            self.n_new[:n_real] = n_new.to(device)
+            self.resumed_tokens = int(n_new.sum())
+            src = torch.zeros(B, dtype=torch.long, device=device)
+            src[:n_real] = resume.cache_row.to(device)
+            delta = torch.zeros(B, dtype=torch.long, device=device)
+            delta[:n_real] = self.left_pad[:n_real] - resume.left_pad.to(device)
+            self.carry = (src, delta)
+
     def ragged(self) -> bool:
         """Some real prompt is left-padded (megatron's path then needs per-row RoPE and a padding mask)."""
         return bool((self.left_pad[:self.n_real] > 0).any())
+
+    def extend_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(new [B, N] bool: the slots P-N .. P-1 that hold a row's new tokens, the ones written; masked
+        [B, 1, N, P] bool, True = masked: causal over the slots + each row's left padding)."""
+        P, N, dev = self.P, self.N, self.device
+        cols = torch.arange(P - N, P, device=dev)
+        new = cols[None, :] >= (P - self.n_new)[:, None]
+        keys = torch.arange(P, device=dev)
+        masked = (keys[None, :] > cols[:, None])[None] | (keys[None, :] < self.left_pad[:, None])[:, None, :]
+        return new, masked[:, None]
 
     def prefill_mask(self) -> torch.Tensor:
         """[Bp, 1, P, P] bool, True = masked: causal + the left padding of the prefill rows."""
@@ -609,6 +709,33 @@ class _LeftPaddedGrid:
         causal = torch.triu(torch.ones(P, P, dtype=torch.bool, device=self.device), diagonal=1)
         key_pad = torch.arange(P, device=self.device)[None, :] < self.pre_left_pad[:, None]
         return (causal[None] | key_pad[:, None, :])[:, None]
+
+
+def _new_tokens(resume: Optional[KeptRows], lens: torch.Tensor, G: int) -> Optional[torch.Tensor]:
+    """[n] each row's tokens past its kept KV (``resume.cached``), checked: at least one each, one sample per prompt."""
+    if resume is None:
+        return None
+    cached = resume.cached.to(lens.device)
+    if G != 1 or cached.shape != lens.shape:
+        raise ValueError(f"generate(): resume needs one KeptRows entry per prompt and n_samples_per_prompt=1, got "
+                         f"{tuple(cached.shape)} for {lens.numel()} rows (G={G})")
+    new = lens - cached
+    if bool((new < 1).any()) or bool((cached < 0).any()):
+        raise ValueError("generate(): resume: every prompt needs at least one token past its kept KV")
+    return new
+
+
+def _swap_to_front(order: torch.Tensor, keep: int) -> torch.Tensor:
+    """A permutation [n] whose first ``keep`` entries are the rows of ``order[:keep]`` (in another order): those behind
+    swap places with the front's rows that are not among them; every other row stays where it is."""
+    n = order.numel()
+    chosen = torch.zeros(n, dtype=torch.bool, device=order.device)
+    chosen[order[:keep]] = True
+    front = torch.arange(n, device=order.device) < keep
+    out, into = (front & ~chosen).nonzero()[:, 0], (~front & chosen).nonzero()[:, 0]
+    perm = torch.arange(n, device=order.device)
+    perm[out], perm[into] = into, out
+    return perm
 
 
 def distinct_prompts(ids: list[list[int]]) -> tuple[list[int], list[int]]:
@@ -654,16 +781,12 @@ class _Decoding:
             self.no_stop[self.stop] = False
         self.all_rows = torch.arange(B, device=device)
         self.live: Optional[torch.Tensor] = None
-        self.cache_rows = B  # every row in one decode batch (a refilled one: generation.max_batch_rows)
+        self.batch_rows = B  # every row in one decode batch (a refilled one: generation.max_batch_rows)
+        # the original row in each cache row (compaction permutes them); keep: the KV outlives the call
+        self.cache_rows = torch.arange(B, device=device)
+        self.keep, self.resumed, self.prefill_tokens = False, False, 0
         self.n_fwd, self.prefill_s, self.row_steps, self.abandoned = 0, 0.0, 0, False
         self.live_steps = torch.zeros((), dtype=torch.long, device=device)
-
-    def backend(self, m, generator: Generator):
-        """The call's decode back-end (decoder.make_backend): a KV cache of ``self.cache_rows`` rows."""
-        g, cfg, b = self.grid, self.cfg, self.cache_rows
-        return make_backend(m, cfg, b, g.S - 1, g.positions, g.key_pad, g.left_pad[:b], ragged=g.ragged(),
-                            record_routes=self.wants_routes, prefill_positions=g.pre_positions,
-                            lean_decoder=functools.partial(generator.lean_decoder, cap=cfg.max_batch_rows))
 
     def pick(self, logits: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         row_keys = self.grid.keys if self.live is None else self.grid.keys[self.live]
@@ -686,13 +809,22 @@ class _Decoding:
         live, prefill = self.live, kind == "prefill"
         if self.wants_routes:
             g = self.grid
-            b = (g.Bp if prefill else g.B) if live is None else live.numel()
+            b = (g.Bp if prefill and not self.resumed else g.B) if live is None else live.numel()
             routes = backend.last_routes(b, prefill=prefill)
-            if prefill and g.shared and routes is not None:  # each row's prompt routes: its prefill row's
+            if prefill and g.shared and not self.resumed and routes is not None:  # its prompt's prefill row's
                 routes = routes[:, g.src]
+            if prefill and self.resumed and routes is not None:  # the block's columns, in place in the prompt block
+                L, _, N, k = routes.shape  # (columns before it: history filed by earlier calls, never read)
+                routes = torch.cat([routes.new_zeros(L, b, g.P - N, k), routes], 2)
             self.on_forward(step, kind, live, routes=routes)
         else:
             self.on_forward(step, kind, live)
+
+    def start(self, backend, keep_kv: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's prefill (of the rows' new tokens only where they continue a kept KV and the back-end
+        resumes), and the first draw; ``keep_kv``: the KV outlives the call where the back-end keeps it."""
+        self.keep = keep_kv and backend.resumes
+        return self.extend(backend) if self.grid.N and backend.resumes else self.prefill(backend)
 
     def prefill(self, backend) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill forward over the distinct prompts, their KV shared by their rows, and the first draw."""
@@ -703,6 +835,23 @@ class _Decoding:
             torch.cuda.synchronize(g.device)
         self.prefill_s = time.perf_counter() - t0
         self.n_fwd += 1
+        self.prefill_tokens = g.prefill_tokens
+        self.notify(backend, 0, "prefill")
+        return self.pick(logits, 0)
+
+    def extend(self, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill of rows that continue a kept KV: their new tokens only (the prompt block's last N
+        columns), then the first draw."""
+        g = self.grid
+        new, masked = g.extend_mask()
+        t0 = time.perf_counter()
+        cols = slice(g.P - g.N, g.P)
+        logits = backend.extend(g.tokens[:, cols], g.positions[:, cols], g.P - g.N, new, masked)[:, :self.vocab_size]
+        if g.device.type == "cuda":
+            torch.cuda.synchronize(g.device)
+        self.prefill_s = time.perf_counter() - t0
+        self.n_fwd += 1
+        self.resumed, self.prefill_tokens = True, g.resumed_tokens
         self.notify(backend, 0, "prefill")
         return self.pick(logits, 0)
 
@@ -754,9 +903,13 @@ class _Decoding:
         keep = fp8_alignment.padded_rows(n_live, self.grid.align, cap=rows.numel())
         compact_at = self.cfg.compact_finished_rows
         if compact_at > 0 and n_live <= (1 - compact_at) * rows.numel() and keep < rows.numel():
-            order = torch.argsort(self.done[rows].long(), stable=True)[:keep]
-            backend.compact(order, keep)
-            self.live = rows = rows[order]
+            order = torch.argsort(self.done[rows].long(), stable=True)  # a permutation: the back-end keeps [:keep]
+            if self.keep:  # every row's KV stays: the rows kept swap places with the front's others, no more moves
+                order = _swap_to_front(order, keep)
+            backend.compact(order, keep)  # (or, keeping its KV, moves the rows that change places)
+            n = order.numel()
+            self.cache_rows[:n] = self.cache_rows[:n][order]
+            self.live = rows = rows[order[:keep]]
         return rows
 
     def decode(self, backend, rows: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -791,17 +944,28 @@ class _Decoding:
             prompt_index=torch.arange(g.n_prompts, device=device).repeat_interleave(g.G),
             elapsed_s=time.perf_counter() - t_start, prefill_s=self.prefill_s, num_forwards=self.n_fwd,
             decode_row_steps=self.row_steps, decode_live_row_steps=int(self.live_steps.item()),
-            prefill_tokens=g.prefill_tokens if self.n_fwd else 0, temperature=cfg.temperature,
-            abandoned=self.abandoned,
+            prefill_tokens=self.prefill_tokens, temperature=cfg.temperature,
+            abandoned=self.abandoned, kept=self._kept(total) if self.keep else None,
         )
 
+    def _kept(self, total: torch.Tensor) -> KeptRows:
+        """Where each real row's KV is in the kept cache: every token but its last (never fed while the row was
+        live; see the module doc)."""
+        g = self.grid
+        at = torch.empty_like(self.cache_rows)
+        at[self.cache_rows] = torch.arange(g.B, device=g.device)
+        return KeptRows(at[:g.n_real], g.left_pad[:g.n_real].clone(), total - 1)
 
 def _decoding(grid: _LeftPaddedGrid, cfg: GenerationConfig, sync: _Lockstep, vocab_size: int, noise_seed: int,
-              on_forward: Optional[OnForward], poll) -> _Decoding:
+              on_forward: Optional[OnForward], poll, keeps: bool) -> _Decoding:
     """The call's decode loop: a refilled batch where generation.max_batch_rows is below the lockstep group's
-    batch (its ranks decide alike), else every row in one batch."""
+    batch (its ranks decide alike), else every row in one batch. ``keeps``: the call keeps or resumes rows' KV
+    across calls (a multi-turn rollout), which a refilled batch cannot: it hands a finished row's cache row on."""
     if not 0 < cfg.max_batch_rows < grid.B:
         return _Decoding(grid, cfg, sync, vocab_size, noise_seed, on_forward)
+    if keeps:
+        raise ValueError("generate(): generation.max_batch_rows hands a finished row's KV cache row to a waiting row; "
+                         "a call that keeps or resumes rows' KV across calls (keep_kv, resume) cannot refill")
     if poll is not None:
         raise ValueError("generate(): generation.max_batch_rows does not take weight updates between decode steps "
                          "(poll): refilled rows are at different steps")
@@ -827,7 +991,7 @@ class _Refill(_Decoding):
         if on_forward is not None and not self.wants_routes:
             raise ValueError("generate(): generation.max_batch_rows files each forward's routes itself; an "
                              "on_forward callback needs a routes keyword")
-        self.b = self.cache_rows = cfg.max_batch_rows
+        self.b = self.batch_rows = cfg.max_batch_rows
         self.queue: list[int] = []
         self.slot_row: list[int] = []
         self.host_len: list[int] = []
@@ -839,7 +1003,7 @@ class _Refill(_Decoding):
         tok, lp = self.prefill(backend)
         self.record(0, tok, lp)  # every row's first token, waiting rows included
         self.done |= self.resp_len >= self.cfg.max_new_tokens
-        rows = self.start(backend)
+        rows = self.seat(backend)
         step = 0
         while True:
             if step % self.every == 0:  # the loop's one host sync: finished rows, refill, stop
@@ -862,7 +1026,7 @@ class _Refill(_Decoding):
         logits = backend.prefill_to_store(g.pre_tokens, g.pre_positions[:, :g.P], g.prefill_mask())
         return logits[:, :self.vocab_size][g.src]
 
-    def start(self, backend) -> torch.Tensor:
+    def seat(self, backend) -> torch.Tensor:
         """The first b rows still generating take the cache rows (then finished rows, if fewer); the rest wait."""
         g = self.grid
         done = self.done.tolist()
@@ -884,10 +1048,10 @@ class _Refill(_Decoding):
             new, self.queue = self.queue[:len(free)], self.queue[len(free):]
             for c, r in zip(free, new):
                 self.slot_row[c], self.host_len[c] = r, 1
-            cache_rows = torch.tensor(free, dtype=torch.long, device=g.device)
+            seats = torch.tensor(free, dtype=torch.long, device=g.device)
             rows = torch.tensor(new, dtype=torch.long, device=g.device)
-            backend.admit(cache_rows, g.src[rows], g.left_pad[rows])
-            self.live = self.live.index_copy(0, cache_rows, rows)
+            backend.admit(seats, g.src[rows], g.left_pad[rows])
+            self.live = self.live.index_copy(0, seats, rows)
         return self.live
 
     def unfinished(self, rows: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,8 @@ One decoder per job
     cache, the left padding, the weights as they are now) and ``end`` closes it. With graphs the KV
     caches and the captured steps are kept (captured once per job; grown, and captured again, only
     when a generation needs more rows or slots, or when a weight moved in memory); without, the KV
-    caches live for one generation.
+    caches live for one generation, or, for a multi-turn row's turns, from one to the next (``begin``'s
+    ``keep`` and ``carry``; ``extend`` prefills a turn's new tokens onto them; ``release`` frees them).
 
 Routes (R3 and the routing metrics): with ``record_routes`` each forward also writes every layer's
 top-k expert ids ([b, s, k], the router's own routing map) into a buffer, so a replayed graph
@@ -585,6 +586,7 @@ class LeanDecoder:
         self.store_k = self.store_v = None  # the prompt store of a refilled generation (prefill_to_store)
         self._set_record_routes(record_routes)
         self._weights = self._weight_addresses()
+        self.keep = False  # this generation's KV caches outlive it (begin's ``keep``)
 
     def _allocate(self, batch: int, max_slots: int, max_position: int = 0) -> None:
         """The buffers of ``batch`` cache rows x ``max_slots`` KV slots: the KV caches ([b, groups, slots,
@@ -626,7 +628,8 @@ class LeanDecoder:
         return tuple(p.data_ptr() for p in self.m.parameters())
 
     # -- one generation after another ------------------------------------------------------------
-    def begin(self, batch: int, slots: int, left_pad: torch.Tensor, record_routes: bool = False) -> None:
+    def begin(self, batch: int, slots: int, left_pad: torch.Tensor, record_routes: bool = False,
+              carry: Optional[tuple[torch.Tensor, torch.Tensor]] = None, keep: bool = False) -> None:
         """Ready the decoder for a generation of ``batch`` rows and ``slots`` KV slots (a decoder is kept
         for a job: generation.Generator).
 
@@ -636,7 +639,13 @@ class LeanDecoder:
         memory that training reuses in between. The weights are taken as they are now (``DeviceMoE.bind``):
         an optimizer step updates them in place, which every step (a replayed one included) reads;
         should a parameter have moved in memory since the last generation, the captured steps, which read
-        the old addresses, are dropped and captured again."""
+        the old addresses, are dropped and captured again.
+
+        Multi-turn rows (generation.generator, "KV kept across turns"): ``keep`` keeps this generation's KV
+        caches past ``end`` and makes compaction move whole rows (a finished row's KV is the next turn's
+        history); ``carry`` = (src [batch], delta [batch]): cache row r of this generation starts as the last
+        generation's row src[r], its slots shifted right by delta[r] (the row's new left padding minus its old)."""
+        old = (self.k, self.v) if carry is not None else None
         if self.graphs:
             if batch > self.batch or slots > self.max_slots:
                 log.info("generation: the lean decoder's KV cache grows from %d rows x %d slots to %d x %d; "
@@ -664,13 +673,36 @@ class LeanDecoder:
             self._weights = weights
         self._set_record_routes(record_routes)
         self.set_left_pad(left_pad)
+        self.keep = keep
+        if carry is not None:
+            self._carry(old, *carry)
 
-    def end(self) -> None:
-        """After a generation: without graphs the KV caches are freed (``begin`` allocates them again); the
-        prompt store (``prefill_to_store``) always is."""
+    def end(self, keep: bool = False) -> None:
+        """After a generation: without graphs the KV caches are freed (``begin`` allocates them again), unless
+        ``keep``: the next generation carries them over (``begin``'s ``carry``), or ``release`` frees them. The
+        prompt store (``prefill_to_store``) is always freed."""
         self.store_k = self.store_v = None
-        if not self.graphs:
+        if not self.graphs and not keep:
             self.k = self.v = None
+
+    def release(self) -> None:
+        """Free KV caches kept past a generation (``end(keep=True)``), without graphs."""
+        self.end()
+
+    def _carry(self, old, src: torch.Tensor, delta: torch.Tensor) -> None:
+        """Cache row r takes the kept cache's row src[r], slot s from its slot s - delta[r] (a row's tokens keep
+        their roped keys: a key's position is its own, whatever slot holds it; slots read from outside the kept
+        range hold anything, they are masked or written before they are read). ``old``: the kept (k, v) lists."""
+        old_k, old_v = old
+        if old_k is None:
+            raise ValueError("lean decode: a generation continues KV caches that were not kept (end(keep=True))")
+        b, slots, old_slots = src.numel(), self.max_slots, old_k[0].shape[2]
+        idx = (torch.arange(slots, device=self.device)[None, :] - delta[:, None]).clamp(0, old_slots - 1)
+        idx = idx[:, None, :, None].expand(b, self.ng, slots, self.hn)
+        for new, kept in ((self.k, old_k), (self.v, old_v)):
+            for cache, prev in zip(new, kept):
+                # gathered first, then written: safe where ``cache`` is ``prev`` (graphs keep their buffers)
+                cache[:b].copy_(torch.gather(prev[src], 2, idx))
 
     def _drop_graphs(self) -> None:
         self._graphs.clear()
@@ -813,6 +845,25 @@ class LeanDecoder:
         x = self._layers(x, cos, sin, self._bias(masked, x.dtype), write, s, None, prefill=True)
         return self._logits(x)
 
+    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, start: int, new: torch.Tensor,
+               masked: torch.Tensor) -> torch.Tensor:
+        """A prefill of slots start .. start+s-1 onto KV caches that hold the slots before (a multi-turn row's
+        next turn: its new tokens only): tokens, positions, new [b, s]; only the slots ``new`` marks are written
+        (the others hold a row's history, or padding); masked [b, 1, s, start + s] (True = not attended).
+        Returns [b, V] logits (padded vocabulary) of the last position; routes as a prefill's."""
+        b, s = tokens.shape[0], tokens.shape[1]
+        x = self._embed(tokens, positions)
+        cos = self.cos[positions][:, None]  # [b, 1, s, rot]
+        sin = self.sin[positions][:, None]
+        self._prefill_routes = []
+        fresh = new[:, None, :, None]
+
+        def write(cache, t):
+            cache[:b, :, start:start + s] = torch.where(fresh, t, cache[:b, :, start:start + s])
+
+        x = self._layers(x, cos, sin, self._bias(masked, x.dtype), write, start + s, None, prefill=True)
+        return self._logits(x)
+
     def _decode_step(self, n: int, kv_len: int) -> torch.Tensor:
         """One token for cache rows 0 .. n-1, read from the decoder's buffers (tok_in, left_pad, cur):
         the graph-ready step. Returns [n, V] logits."""
@@ -936,7 +987,16 @@ class LeanDecoder:
         self.left_pad[rows] = left_pad
 
     def compact(self, order: torch.Tensor, keep: int) -> None:
-        """Move cache rows ``order[:keep]`` to the front (generation's finished-row compaction)."""
+        """Move cache rows ``order[:keep]`` to the front (generation's finished-row compaction). A generation
+        that keeps its caches (``begin``'s ``keep``) permutes rows 0 .. order.numel()-1 by ``order`` instead
+        (moving the rows it moves): the finished rows move behind, their KV intact."""
+        if self.keep:  # only the rows that change places move
+            at = (order != torch.arange(order.numel(), device=order.device)).nonzero()[:, 0]
+            for k, v in zip(self.k, self.v):
+                k[at] = k[order[at]]
+                v[at] = v[order[at]]
+            self.left_pad[at] = self.left_pad[order[at]]
+            return
         idx = order[:keep]
         for k, v in zip(self.k, self.v):
             k[:keep] = k[idx]

@@ -29,7 +29,8 @@ What is counted, and how megatron_gspo actually holds it (model.py / optim.py / 
                with dynamic sampling the kept rows between rounds (12 B per position), for up to R rows
                (every kept group generated on this rank: the worst case, not the mean).
   train_act    activations of ONE micro-batch (micro_batch_size x (max_prompt_length +
-               max_new_tokens) tokens), per layer per token, in elements of 2 B (GEMM inputs:
+               max_new_tokens) tokens; with env.name max_prompt_length + env.max_response_tokens: a
+               row is its whole conversation, as in routing and rows), per layer per token, in elements of 2 B (GEMM inputs:
                1 B under FP8):
                  attention: RMSNorm in/out 2h, q/k pre-norm q+kv, q/k/v post-RoPE q+2kv,
                             core-attention out q, softmax lse 2 x heads (fp32)        -> / TP (SP)
@@ -52,9 +53,10 @@ What is counted, and how megatron_gspo actually holds it (model.py / optim.py / 
                eval.interval > 0, this rank's share of the evaluation's sampled pass (eval.num_prompts x
                max(1, eval.num_samples) / DP rows, rounded up; a held-out prompt is at most max_prompt_length).
                Lean: its KV cache of that batch (those rows,
-               max_prompt_length + max_new_tokens - 1 slots, kv_heads / TP; with generation.max_batch_rows
-               below the batch, that many rows, plus a prompt store of max_prompt_length slots per row,
-               live while generating), plus the larger of one
+               max_prompt_length + max_new_tokens - 1 slots, with env.name max_prompt_length +
+               env.max_response_tokens - 1: a conversation's KV is kept to its last turn; kv_heads / TP; with
+               generation.max_batch_rows below the batch, that many rows, plus a prompt store of
+               max_prompt_length slots per row, live while generating), plus the larger of one
                prefill layer (attention on this rank's heads; the MoE dispatch over the expert-TP x
                EP group in chunks of LEAN_MOE_GATHER_TOKENS gathered tokens: gathered tokens, pairs,
                fp32 partial outputs) and one decode step (the capacity-padded pairs), plus the
@@ -79,6 +81,8 @@ maxima (a conservative choice) and the hottest expert rank's load is an assumpti
 from __future__ import annotations
 
 from typing import Any
+
+from megatron_gspo.config.rules import row_token_budget
 
 __all__ = ["GIB", "H100_80GB_GIB", "estimate_memory"]
 
@@ -261,7 +265,7 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     """
     from megatron_gspo.runtime.parallel import validate_layout
 
-    m, par, t, g, d = job_cfg.model, job_cfg.parallel, job_cfg.train, job_cfg.generation, job_cfg.data
+    m, par, t, g = job_cfg.model, job_cfg.parallel, job_cfg.train, job_cfg.generation
     dp = validate_layout(m, par, world_size)
     tp, pp, ep, etp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                        par.expert_model_parallel_size, par.etp)
@@ -284,7 +288,7 @@ def estimate_memory(job_cfg, world_size: int, *, expert_load_imbalance: float = 
     out["ref_model"] = n_params * w_bytes / GIB if job_cfg.loss.kl_coef > 0 else 0.0
     out["fp8_cache"] = p["gemm"] * 2 / GIB if m.fp8 else 0.0
     # sequences and tokens
-    seq = d.max_prompt_length + g.max_new_tokens
+    seq = row_token_budget(job_cfg)  # a prompt and its response, or a whole conversation (env.name)
     rows_local = t.prompts_per_step * g.n_samples_per_prompt // dp  # generated, and dealt after (rows.deal_rows)
     layers = m.num_layers // pp
     out["routing"] = _routing_bytes(job_cfg, rows_local, seq, layers, tp) / GIB

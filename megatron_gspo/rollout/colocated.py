@@ -24,6 +24,7 @@ import torch
 from megatron_gspo.algorithms.dynamic_sampling import informative_groups, prune_groups
 from megatron_gspo.algorithms.overlong import overlong_penalty
 from megatron_gspo.runtime.stop import Cancelled, raise_together
+from megatron_gspo.config.rules import row_token_budget
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.model.oom import explain_oom
 from megatron_gspo.data.rewards import compute_rewards
@@ -52,10 +53,11 @@ class ColocatedSource:
         self.row_gen_cfg = dataclasses.replace(gen_cfg, n_samples_per_prompt=1)
         # rollout.engine=vllm: a vLLM engine samples the rollouts (rollout/vllm_engine.py)
         self.engine = _vllm_engine(cfg, state, model, gen_cfg) if cfg.rollout.engine == "vllm" else None
-        # one decoder for every rollout of the job (its KV cache and CUDA graphs sized for the longest prompt);
+        # one decoder for every rollout of the job (its KV cache and CUDA graphs sized for the longest row: a
+        # prompt and its response, or a whole conversation);
         # with vLLM the engine behind the same interface, which the multi-turn rollout and the evaluation use too
         self.generator = Generator(model, vocab_size=cfg.model.vocab_size, state=state,
-                                   slots=cfg.data.max_prompt_length + gen_cfg.max_new_tokens - 1) \
+                                   slots=row_token_budget(cfg) - 1) \
             if self.engine is None else _engine_generator(self.engine)
         # env.name: every row talks with an environment over turns (rollout/multiturn.py)
         self.multiturn = build_multiturn(cfg, state, self.generator, tokenizer, gen_cfg)

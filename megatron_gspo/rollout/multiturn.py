@@ -13,8 +13,12 @@ cap without a stop token (then it is *truncated*: ``stopped`` False, as a single
 generation.max_new_tokens; overlong filtering masks it).
 
 Turn-level batching over the job's Generator: each turn is one ``generate`` call over the rows still
-talking, each row's context its whole stream so far (prefilled again: the KV cache is not kept across
-turns); rows that finished leave the batch. Between turns every row's environment step runs at once in
+talking, each row's context its whole stream so far; rows that finished leave the batch. The KV cache is
+kept across turns (generation/generator.py, "KV kept across turns"): every turn keeps its KV, and the next
+one prefills only each row's new tokens (the last sampled token, never fed, and the observation) onto its
+row's history, so a conversation's tokens are run through the model once (perf/prefill_tokens). On
+megatron's decode path (generation.decode_impl=megatron, or auto where the lean decoder does not run) nothing
+is kept and each turn prefills every row's whole stream again. Between turns every row's environment step runs at once in
 the worker pool (env/pool.py), so a turn waits for its slowest tool call, not for their sum. Every rank
 runs the same number of turns (one all-reduce per turn: rows still talking, the turn's token cap, a stop
 request); where data-parallel ranks step together (``ParallelState.lockstep_over_dp``: EP or expert-TP) a rank
@@ -23,10 +27,12 @@ Under tensor parallelism the environments run on the first rank of the TP group,
 they said (a tool's timeout must not differ between ranks that sample the same rows).
 
 Sampling noise: turn t of a row draws with the key ``row key + t * KEY_STRIDE``; turn 0 is exactly the
-single-turn rollout's draw. Routes (R3, or the routing reference): a turn's prefill recomputes the routes
-of the tokens an earlier turn processed; each token keeps the routes of the forward that processed it
-first (the ones its successors were sampled under), and only the positions new to the turn are taken from
-it, so every token of the row has one route, never re-sent, paired with its own token.
+single-turn rollout's draw. Routes (R3, or the routing reference): each token keeps the routes of the
+forward that processed it first, and only the positions new to a turn are taken from it, so every token of
+the row has one route, never re-sent, paired with its own token. With the KV kept those are the routes its
+successors were sampled under (its keys and values are that forward's), so R3 replays what sampling used;
+where each turn prefills again (megatron's path) the later turns attend to a recomputed history, whose
+routes can differ from the recorded ones by rounding.
 
 A stop signal: generation stops within its lockstep group (generate's ``should_stop``), a tool call or an
 environment's reset at once (the pool kills its workers); every rank then agrees at the next turn's vote
@@ -47,7 +53,7 @@ import torch
 
 from megatron_gspo.data.rewards.batch import FP32_MAX
 from megatron_gspo.errors import DataError, EnvError, TokenizerError
-from megatron_gspo.generation.generator import GenerationOutput
+from megatron_gspo.generation.generator import GenerationOutput, KeptRows
 from megatron_gspo.runtime import comm
 from megatron_gspo.runtime.stop import Cancelled
 
@@ -70,6 +76,7 @@ class Trajectory:
     tool_calls: list = field(default_factory=list)
     rewards: list = field(default_factory=list)
     routes: Optional[torch.Tensor] = None
+    kv: Optional[KeptRows] = None  # where the generator keeps this row's KV (the next turn's resume), or None
     ended: bool = False
     stopped: bool = True
     num_turns: int = 0
@@ -189,9 +196,11 @@ class MultiTurnRollout:
         cfg = dataclasses.replace(self.gen_cfg, max_new_tokens=cap, min_new_tokens=min(self.gen_cfg.min_new_tokens, cap))
         turn_keys = [k + turn * KEY_STRIDE for k in keys]
         on_forward = routing.on_generation_forward if routing is not None else None
+        # the rows' KV kept by the last turn: only their new tokens are prefilled (none on a rank without rows)
+        resume = KeptRows.cat([r.kv for r in rows]) if rows and all(r.kv is not None for r in rows) else None
         with (routing.generating() if routing is not None else _nothing()):
             out = self.generator.generate(contexts, cfg, seed=seed, row_keys=turn_keys, on_forward=on_forward,
-                                          **(self.gen_kw or {"should_stop": should_stop}))
+                                          keep_kv=True, resume=resume, **(self.gen_kw or {"should_stop": should_stop}))
         routes = routing.rollout_routes(out) if routing is not None and on_forward is not None and rows else None
         return out, routes
 
@@ -205,6 +214,7 @@ class MultiTurnRollout:
             have = 0 if row.routes is None else row.routes.shape[1]
             new = routes.routes[:, j, have:end - 1].long()
             row.routes = new if row.routes is None else torch.cat([row.routes, new], 1)
+        row.kv = out.kept.select([j]) if out.kept is not None else None
         row.num_turns += 1
         row.final_text = self.tokenizer.decode(ids, skip_special_tokens=True)
         row.turns.append({"role": "assistant", "start": start, "end": end, "text": row.final_text})
@@ -306,6 +316,7 @@ class MultiTurnRollout:
             return self._run(prompts, keys, seed, routing, should_stop)
         finally:
             self.gen_cfg, self.gen_kw = saved, None
+            self.generator.release_kv()  # the turns' KV (kept from one turn to the next)
 
     # long: the turn loop in one place, each step a call (generate, take, observe, vote)
     def _run(self, prompts: list, keys: list[int], seed: int, routing, should_stop) -> MultiTurnOutput:

@@ -38,6 +38,7 @@ from megatron_gspo.rollout.record import RolloutRecord, pack
 from megatron_gspo.rollout.side import PeerState, Side, is_peer_loss, short_error
 from megatron_gspo.rollout.weight_sync import WeightReceiver
 from megatron_gspo.config import JobConfig
+from megatron_gspo.config.rules import row_token_budget
 from megatron_gspo.runtime.stop import Cancelled, PreemptionFlag
 from megatron_gspo.generation.generator import Generator
 from megatron_gspo.algorithms.overlong import overlong_penalty
@@ -140,9 +141,9 @@ class RolloutWorker:
             g, stop_token_ids=g.stop_token_ids or list(self.tokenizer.eos_ids),
             pad_token_id=g.pad_token_id if g.pad_token_id is not None else self.tokenizer.pad_id)
         self.row_gen_cfg = dataclasses.replace(self.gen_cfg, n_samples_per_prompt=1)
-        # one decoder for every step of this rank (its KV cache and CUDA graphs sized for the longest prompt)
-        self.generator = Generator(self.model, vocab_size=cfg.model.vocab_size, state=st,
-                                   slots=cfg.data.max_prompt_length + g.max_new_tokens - 1)
+        # one decoder for every step of this rank (its KV cache and CUDA graphs sized for the longest row: a
+        # prompt and its response, or a whole conversation)
+        self.generator = Generator(self.model, vocab_size=cfg.model.vocab_size, state=st, slots=row_token_budget(cfg) - 1)
         self.reward_fn = build_reward(cfg.reward)
         # env.name: every row talks with an environment over turns (rollout/multiturn.py), here as colocated
         self.multiturn = build_multiturn(cfg, st, self.generator, self.tokenizer, self.gen_cfg)
