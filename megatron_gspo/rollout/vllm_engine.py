@@ -444,6 +444,9 @@ class EngineGenerator:
         self.stale = False
         return stats
 
+    def release_kv(self) -> None:
+        """(The embedded decoder's turns' KV: none kept here, the engine's prefix cache holds it.)"""
+
     def reserve(self, rows: int, slots: int) -> None:
         """The evaluation's shapes: a row of ``slots`` + 1 tokens must fit the engine's max_model_len."""
         if slots + 1 > self.engine.max_model_len:
@@ -453,7 +456,12 @@ class EngineGenerator:
 
     def generate(self, prompts, cfg: GenerationConfig, seed: Optional[int] = None,
                  row_keys: Optional[Sequence[int]] = None, on_forward=None,
-                 should_stop: Optional[Callable[[], bool]] = None) -> GenerationOutput:
+                 should_stop: Optional[Callable[[], bool]] = None, keep_kv: bool = False,
+                 resume=None) -> GenerationOutput:
+        """``keep_kv`` / ``resume`` (a multi-turn row's KV kept across turns by the embedded decoder): nothing
+        is kept here (``kept`` None, so no turn resumes); the engine's prefix cache serves a conversation's KV
+        to its next turn instead."""
+        del keep_kv, resume
         if on_forward is not None:  # (the rules refuse R3 with vLLM, and its old log-probs are recomputed)
             raise RuntimeError("rollout.engine=vllm records no routes: a routing policy asked for the generation's")
         if self.stale:
