@@ -6,17 +6,14 @@ cannot be installed beside this project's CPU torch (it needs the CUDA build of 
 tier runs in a virtualenv of its own made by ``bash .ci/setup-te-venv``:
 
 * in an interpreter where TE imports (that venv, or an NGC container), tests/te/ runs in-process;
-* anywhere else, tests/test_te_tier.py runs tests/te/ in that venv and fails with its output when any of
-  them fails; without the venv it skips, saying how to make it (or fails under GSPO_REQUIRE_TE=1, which
-  .ci/run sets once the venv is built, so CI never skips the tier silently).
+* anywhere else, tests/test_te_tier.py runs tests/te/ in that venv (venv_tier.py: how, and when it skips).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from venv_tier import VenvTier
 
 
 @functools.lru_cache(maxsize=1)
@@ -31,15 +28,4 @@ def te_in_process() -> bool:
     return True
 
 
-def te_venv() -> str:
-    """The TE tier's virtualenv: $GSPO_TE_VENV, else .te-venv in the repository root."""
-    return os.environ.get("GSPO_TE_VENV") or os.path.join(ROOT, ".te-venv")
-
-
-def te_venv_python() -> str | None:
-    py = os.path.join(te_venv(), "bin", "python")
-    return py if os.access(py, os.X_OK) else None
-
-
-def te_required() -> bool:
-    return os.environ.get("GSPO_REQUIRE_TE", "") not in ("", "0")
+TIER = VenvTier("Transformer Engine", "TE", "te", "TE", ".te-venv", ".ci/setup-te-venv")

@@ -6,18 +6,15 @@ Engine tier, te_tier.py):
 
 * in an interpreter where vLLM is installed (that venv, or a GPU machine with ``pip install -e ".[vllm]"``),
   tests/vllm/ runs in-process;
-* anywhere else, tests/test_vllm_tier.py runs tests/vllm/ in that venv and fails with its output when any of
-  them fails; without the venv it skips, saying how to make it (or fails under GSPO_REQUIRE_VLLM=1, which CI
-  sets once the venv is built, so the tier never skips silently).
+* anywhere else, tests/test_vllm_tier.py runs tests/vllm/ in that venv (venv_tier.py: how, and when it skips).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from venv_tier import VenvTier
 
 
 @functools.lru_cache(maxsize=1)
@@ -28,15 +25,4 @@ def vllm_in_process() -> bool:
     return spec is not None and spec.origin is not None
 
 
-def vllm_venv() -> str:
-    """The vLLM tier's virtualenv: $GSPO_VLLM_VENV, else .vllm-venv in the repository root."""
-    return os.environ.get("GSPO_VLLM_VENV") or os.path.join(ROOT, ".vllm-venv")
-
-
-def vllm_venv_python() -> str | None:
-    py = os.path.join(vllm_venv(), "bin", "python")
-    return py if os.access(py, os.X_OK) else None
-
-
-def vllm_required() -> bool:
-    return os.environ.get("GSPO_REQUIRE_VLLM", "") not in ("", "0")
+TIER = VenvTier("vLLM", "vLLM", "vllm", "VLLM", ".vllm-venv", ".ci/setup-vllm-venv")
