@@ -241,3 +241,26 @@ class Preamble(Echo):
 
     def reset(self, example):
         return self.preamble + super().reset(example)
+
+
+def check_turn_spans(rec, r: int, fmt, stops) -> tuple[list[int], list[bool], list[dict]]:
+    """Row ``r`` of a multi-turn RolloutRecord whose environment answers "ok" (the envs above): its turns
+    tile the response, alternate, carry the loss mask of who wrote them (the policy's turns only), and each
+    observation is the chat format's ids of "ok", once, after the turn's stop token (nothing re-rendered).
+    Returns the row's ids, loss mask and turn spans."""
+    traj, n, plen = rec.trajectories[r], int(rec.seq_lengths[r]), int(rec.prompt_lengths[r])
+    ids, mask = rec.tokens[r, :n].tolist(), rec.loss_mask[r, :n].tolist()
+    assert not any(mask[:plen]) and not any(rec.loss_mask[r, n:].tolist())
+    spans = traj["turns"]
+    assert spans[0]["start"] == plen and spans[-1]["end"] == n and spans[-1]["role"] == "assistant"
+    for a, b in zip(spans, spans[1:]):
+        assert a["end"] == b["start"] and a["role"] != b["role"]  # contiguous, alternating
+    for s in spans:
+        sampled = s["role"] == "assistant"
+        assert mask[s["start"]:s["end"]] == [sampled] * (s["end"] - s["start"])
+        lp = rec.sample_logprobs[r, s["start"]:s["end"]]
+        assert bool((lp < 0).all()) if sampled else bool((lp == 0).all())
+        if not sampled:
+            assert ids[s["start"]:s["end"]] == fmt.observation_ids([{"role": "user", "content": "ok"}], None)
+            assert ids[s["start"] - 1] in stops
+    return ids, mask, spans

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from job_runner import built_trainers, run_job_rows, stop_when_ready
+from multiturn_envs import check_turn_spans
 
 import simpleeval  # noqa: E402,F401  (install_requires: missing, it is an error, never a skip)
 
@@ -49,22 +50,8 @@ def test_a_row_is_its_prompt_then_sampled_turns_and_observations_appended_once(t
         assert rec.trajectories and len(rec.trajectories) == rec.num_rows == 8
         turns_seen = set()
         for r in range(rec.num_rows):
-            traj, n = rec.trajectories[r], int(rec.seq_lengths[r])
-            ids, mask = rec.tokens[r, :n].tolist(), rec.loss_mask[r, :n].tolist()
-            plen = int(rec.prompt_lengths[r])
-            assert not any(mask[:plen]) and not any(rec.loss_mask[r, n:].tolist())
-            spans = traj["turns"]
-            assert spans[0]["start"] == plen and spans[-1]["end"] == n and spans[-1]["role"] == "assistant"
-            for a, b in zip(spans, spans[1:]):
-                assert a["end"] == b["start"] and a["role"] != b["role"]  # contiguous, alternating
-            for s in spans:
-                sampled = s["role"] == "assistant"
-                assert mask[s["start"]:s["end"]] == [sampled] * (s["end"] - s["start"])
-                lp = rec.sample_logprobs[r, s["start"]:s["end"]]
-                assert bool((lp < 0).all()) if sampled else bool((lp == 0).all())
-                if not sampled:  # the plain format's observation, after the turn's stop token, once
-                    assert ids[s["start"]:s["end"]] == fmt.observation_ids([{"role": "user", "content": "ok"}], None)
-                    assert ids[s["start"] - 1] in t.prepare.gen_cfg.stop_token_ids
+            traj = rec.trajectories[r]
+            ids, mask, spans = check_turn_spans(rec, r, fmt, t.prepare.gen_cfg.stop_token_ids)
             assert traj["num_turns"] == sum(s["role"] == "assistant" for s in spans)
             assert traj["observation_tokens"] == sum(s["end"] - s["start"] for s in spans if s["role"] == "user")
             # three turns, or fewer when a turn reached its cap without a stop token (then truncated)

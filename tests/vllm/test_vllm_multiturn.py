@@ -34,7 +34,7 @@ def trainer(tmp_path_factory):
 
 
 def test_a_multi_turn_row_on_vllm_is_the_megatron_engines_stream_with_the_models_log_probs(trainer):
-    from multiturn_envs import Preamble
+    from multiturn_envs import Preamble, check_turn_spans
 
     from megatron_gspo.env.chat import PlainFormat
     from megatron_gspo.model.gpt import forward_logprobs, unwrap
@@ -49,19 +49,9 @@ def test_a_multi_turn_row_on_vllm_is_the_megatron_engines_stream_with_the_models
     model = unwrap(t.ddp)
     turns, worst = [], 0.0
     for r in range(rec.num_rows):
-        traj, n, plen = rec.trajectories[r], int(rec.seq_lengths[r]), int(rec.prompt_lengths[r])
-        ids, mask = rec.tokens[r, :n].tolist(), rec.loss_mask[r, :n].tolist()
-        assert ids[:len(preamble) - 1] == preamble[:-1] and not any(mask[:plen])
-        spans = traj["turns"]
-        assert spans[0]["start"] == plen and spans[-1]["end"] == n and spans[-1]["role"] == "assistant"
-        for a, b in zip(spans, spans[1:]):
-            assert a["end"] == b["start"] and a["role"] != b["role"]  # contiguous, alternating
-        for s in spans:
-            sampled = s["role"] == "assistant"
-            assert mask[s["start"]:s["end"]] == [sampled] * (s["end"] - s["start"])
-            if not sampled:  # the observation's ids, once, after the turn's stop token: nothing re-rendered
-                assert ids[s["start"]:s["end"]] == fmt.observation_ids([{"role": "user", "content": "ok"}], None)
-                assert ids[s["start"] - 1] in stops
+        traj, n = rec.trajectories[r], int(rec.seq_lengths[r])
+        ids, mask, spans = check_turn_spans(rec, r, fmt, stops)
+        assert ids[:len(preamble) - 1] == preamble[:-1]
         turns.append(traj["num_turns"])
         # the engine's log-prob of every sampled token = the Megatron model's over the whole stream
         with torch.no_grad():
