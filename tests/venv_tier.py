@@ -1,8 +1,8 @@
 """A test tier that runs in a virtualenv of its own, because what it tests cannot be installed beside the main
 suite's torch: the Transformer Engine tier (te_tier.py) and the vLLM tier (vllm_tier.py).
 
-Where the tier's package imports, its tests (tests/<marker>/, marker ``<marker>``) run in-process; anywhere
-else tests/test_<marker>_tier.py runs them in the venv (``$GSPO_<ENV>_VENV``, else ``<venv_dir>`` in the
+Where the tier's package imports, its tests (tests/te/ or tests/vllm/, under the marker of the same name) run
+in-process; anywhere else tests/test_te_tier.py or tests/test_vllm_tier.py runs them in the venv (``$GSPO_<ENV>_VENV``, else ``<venv_dir>`` in the
 repository root) and fails with their output when any of them fails or skips; without the venv it skips,
 saying how to make it, or fails under ``GSPO_REQUIRE_<ENV>=1`` (which .ci/run sets once the venv is built,
 so CI never skips a tier silently)."""
@@ -41,7 +41,7 @@ class VenvTier:
         return os.environ.get(f"GSPO_REQUIRE_{self.env}", "") not in ("", "0")
 
     def run(self, in_process: bool) -> None:
-        """The tier's tests in its venv (the body of tests/test_<marker>_tier.py)."""
+        """The tier's tests in its venv (the body of tests/test_te_tier.py and tests/test_vllm_tier.py)."""
         if in_process:
             pytest.skip(f"{self.name} is installed in this interpreter: tests/{self.marker}/ ran in-process")
         py = self.python()

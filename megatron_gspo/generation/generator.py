@@ -475,20 +475,11 @@ def _takes_routes(fn: Callable) -> bool:
 
 # long: the docstring documents every argument; the loop itself is ~45 lines (tests/test_code_shape.py: <= 80)
 def generate(
-    model,
-    prompts: Sequence[Union[Sequence[int], torch.Tensor]],
-    cfg: GenerationConfig,
-    *,
-    vocab_size: int,
-    state=None,
-    seed: Optional[int] = None,
-    row_keys: Optional[Sequence[int]] = None,
-    on_forward: Optional[OnForward] = None,
-    should_stop: Optional[Callable[[], bool]] = None,
-    poll: Optional[Callable[[], tuple[bool, bool]]] = None,
-    on_update: Optional[Callable[[int], None]] = None,
-    generator: Optional["Generator"] = None,
-    keep_kv: bool = False, resume: Optional[KeptRows] = None,
+    model, prompts: Sequence[Union[Sequence[int], torch.Tensor]], cfg: GenerationConfig, *, vocab_size: int,
+    state=None, seed: Optional[int] = None, row_keys: Optional[Sequence[int]] = None,
+    on_forward: Optional[OnForward] = None, should_stop: Optional[Callable[[], bool]] = None,
+    poll: Optional[Callable[[], tuple[bool, bool]]] = None, on_update: Optional[Callable[[int], None]] = None,
+    generator: Optional["Generator"] = None, keep_kv: bool = False, resume: Optional[KeptRows] = None,
 ) -> GenerationOutput:
     """Sample ``cfg.n_samples_per_prompt`` responses for every prompt with a KV cache.
 
@@ -560,8 +551,8 @@ def generate(
 
 
 def _backend(m, cfg: GenerationConfig, grid: "_LeftPaddedGrid", run: "_Decoding", generator: Generator, keep_kv: bool):
-    """The call's DecodeBackend (decoder.make_backend) on the grid's shapes: a KV cache of ``run.batch_rows`` rows
-    (every row, or generation.max_batch_rows of them refilled)."""
+    """The call's DecodeBackend (decoder.make_backend) on the grid's shapes: a KV cache of the decode loop's
+    ``batch_rows`` rows (every row, or generation.max_batch_rows of them refilled)."""
     b = run.batch_rows
     return make_backend(m, cfg, b, grid.S - 1, grid.positions, grid.key_pad, grid.left_pad[:b], ragged=grid.ragged(),
                         record_routes=run.wants_routes, prefill_positions=grid.pre_positions, carry=grid.carry,

@@ -533,9 +533,8 @@ class LeanDecoder:
         reason = lean_decode_unsupported(m)
         if reason is not None:
             raise ValueError(f"generation.decode_impl=lean does not support {reason}")
-        self.m = m
-        cfg = m.config
-        self.cfg = cfg
+        self.m, self.cfg = m, m.config
+        cfg = self.cfg
         self.groups = groups or DecodeGroups()
         self.groups.check(cfg)
         self.tp_group = self.groups.tp
