@@ -19,6 +19,7 @@ Prints ``VLLM_LAYOUT {json}`` per rank and exits 0 (the test asserts the numbers
 import argparse
 import json
 import os
+import sys
 
 
 def megatron_logprobs(model, seqs, vocab):
@@ -110,7 +111,9 @@ def main():
     from vllm.distributed.parallel_state import get_tp_group
 
     res["vllm_tp_ranks"] = list(get_tp_group().ranks)  # the engine's TP shards: the trainer's TP group
-    print("VLLM_LAYOUT " + json.dumps(res), flush=True)
+    # one write (print writes the line and its newline apart: the other rank's line could land between them)
+    sys.stdout.write("VLLM_LAYOUT " + json.dumps(res) + "\n")
+    sys.stdout.flush()
     engine.close()
     parallel.destroy()
 

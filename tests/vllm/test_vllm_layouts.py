@@ -17,7 +17,7 @@ TOL = 1e-5  # fp32; measured 9.5e-7
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--ep", "2"]], ids=["tp2", "ep2"])
 def test_after_10_updates_the_engine_of_every_rank_samples_from_the_trained_weights(run_dist, layout):
     p = run_dist("vllm_layouts.py", 2, *layout, "--updates", "10", timeout=420)
-    rows = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("VLLM_LAYOUT ")]
+    rows = [json.JSONDecoder().raw_decode(part)[0] for part in p.stdout.split("VLLM_LAYOUT ")[1:]]
     assert sorted(r["rank"] for r in rows) == [0, 1], p.stdout[-3000:] + p.stderr[-3000:]
     for r in rows:
         print(f"{layout} rank {r['rank']}: initial {r['initial']:.3g}, stale {r['stale']:.3g}, synced "
