@@ -624,6 +624,14 @@ def grpo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) ->
 SAPO_GATED_WEIGHT = 0.5
 
 
+def _token_fracs(low: Tensor, high: Tensor, m: Tensor) -> Metrics:
+    """The clip and ratio-out fractions of a loss whose clipped tokens are its out-of-range ones (a truncated or
+    gated weight): low / high [B, T] bool (or broadcastable), m [B, T] the loss mask."""
+    low, high = low.expand_as(m).to(torch.float64), high.expand_as(m).to(torch.float64)
+    return {"clip_frac_low": Metric.mean(low, m), "clip_frac_high": Metric.mean(high, m),
+            "ratio_out_low_frac": Metric.mean(low, m), "ratio_out_high_frac": Metric.mean(high, m)}
+
+
 def _token_ratio_metrics(r_val: Tensor, b: LossBatch) -> Metrics:
     return {"token_ratio/mean": Metric.mean(r_val, b.mask), "token_ratio/min": Metric.min(r_val, b.mask),
             "token_ratio/max": Metric.max(r_val, b.mask)}
@@ -663,10 +671,7 @@ def sapo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) ->
     weight = (1 - half * half).detach().expand_as(m)  # 4 sigma (1 - sigma): the gate's share of the gradient
     gated = weight < SAPO_GATED_WEIGHT
     metrics = {
-        "clip_frac_low": Metric.mean((gated & (r_val < 1)).to(torch.float64), m),
-        "clip_frac_high": Metric.mean((gated & (r_val > 1)).to(torch.float64), m),
-        "ratio_out_low_frac": Metric.mean((gated & (r_val < 1)).to(torch.float64), m),
-        "ratio_out_high_frac": Metric.mean((gated & (r_val > 1)).to(torch.float64), m),
+        **_token_fracs(gated & (r_val < 1), gated & (r_val > 1), m),
         "gate/weight_mean": Metric.mean(weight, m),
         "gate/weight_min": Metric.min(weight, m),
         **_token_ratio_metrics(r_val, b),
@@ -701,10 +706,7 @@ def cispo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -
     m = b.mask
     low, high = r_val < 1 - s.clip_ratio_low, r_val > 1 + s.clip_ratio_high
     return PolicyTerms(-obj, per_token=True, metrics={
-        "clip_frac_low": Metric.mean(low.to(torch.float64), m),
-        "clip_frac_high": Metric.mean(high.to(torch.float64), m),
-        "ratio_out_low_frac": Metric.mean(low.to(torch.float64), m),
-        "ratio_out_high_frac": Metric.mean(high.to(torch.float64), m),
+        **_token_fracs(low, high, m),
         **_token_ratio_metrics(r_val, b),
     })
 
@@ -821,10 +823,7 @@ def vespo_loss(b: LossBatch, s: SimpleNamespace, is_weights: Optional[Tensor]) -
     phi_t, w_t = phi.expand_as(m), log_w.expand_as(m)
     cut = phi_t < SAPO_GATED_WEIGHT
     return PolicyTerms(-obj, per_token=True, metrics={
-        "clip_frac_low": Metric.mean((cut & (w_t < 0)).to(torch.float64), m),
-        "clip_frac_high": Metric.mean((cut & (w_t > 0)).to(torch.float64), m),
-        "ratio_out_low_frac": Metric.mean((cut & (w_t < 0)).to(torch.float64), m),
-        "ratio_out_high_frac": Metric.mean((cut & (w_t > 0)).to(torch.float64), m),
+        **_token_fracs(cut & (w_t < 0), cut & (w_t > 0), m),
         "vespo/phi_mean": Metric.mean(phi_t, m),
         "vespo/phi_min": Metric.min(phi_t, m),
         "vespo/phi_max": Metric.max(phi_t, m),
