@@ -116,7 +116,6 @@ R3 = ["loss.name=grpo", "train.routing_replay=R3"]
                                    r"runner, and on a CPU that needs triton-cpu \(not on PyPI\)"),
     (["parallel.device=cuda", *R3], r"train.routing_replay=R3 with rollout.engine=vllm: the engine's routes are not taken"),
     (["train.old_logprobs=rollout"], r"train.old_logprobs=rollout with rollout.engine=vllm"),
-    (["rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0"], r"rollout.mode=async with rollout.engine=vllm is not supported yet"),
 ])
 def test_what_the_vllm_engine_does_not_run_is_refused_by_key(overrides, match):
     from megatron_gspo.config import ConfigError, load_job_config
@@ -124,6 +123,17 @@ def test_what_the_vllm_engine_does_not_run_is_refused_by_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_job_config(None, ["rollout.engine=vllm", *overrides])
     load_job_config(None, overrides)  # the megatron engine runs each of them
+
+
+def test_async_rollouts_run_on_vllm_and_r3_stays_refused():
+    """rollout.mode=async on vLLM: the rollout ranks' engines (rollout/worker.py; tests/vllm/test_vllm_async.py runs
+    it); R3 with it stays refused by key (neither async rollouts nor vLLM record routes the trainer replays)."""
+    from megatron_gspo.config import ConfigError, load_job_config
+
+    job = ["rollout.engine=vllm", "rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0"]
+    assert load_job_config(None, job).rollout.is_async
+    with pytest.raises(ConfigError, match=r"train.routing_replay=R3 with rollout\.(mode=async|engine=vllm)"):
+        load_job_config(None, [*job, *R3])
 
 
 @pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2"], ["parallel.expert_model_parallel_size=2"]])

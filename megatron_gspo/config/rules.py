@@ -404,10 +404,8 @@ def vllm_engine_limits(job) -> None:
     check(t.old_logprobs != "rollout",
           "train.old_logprobs=rollout with rollout.engine=vllm: the engine's log-probs are the behaviour policy's "
           "under other numerics; the trainer recomputes the old policy's (train.old_logprobs=auto or recompute)")
-    check(not job.rollout.is_async, "rollout.mode=async with rollout.engine=vllm is not supported yet (vLLM serves "
-                                    "colocated rollouts so far); use rollout.engine=megatron")
-    # TP / EP / DP layouts run: one engine per trainer TP group, each DP replica its own rows
-    # (rollout/vllm_engine.py engine_layout_args)
+    # TP / EP / DP layouts run: one engine per trainer TP group (rollout.mode=async: per rollout TP group), each
+    # DP replica its own rows (rollout/vllm_engine.py engine_layout_args)
 
 
 # ----------------------------------------------------------------------------------------------

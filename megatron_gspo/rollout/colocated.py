@@ -258,15 +258,18 @@ class ColocatedSource:
 
 
 def _vllm_engine(cfg, state, model, gen_cfg):
-    """The job's vLLM engine (rollout.engine=vllm), sized for the longest prompt and response (a multi-turn row's:
+    """The job's vLLM engine (rollout.engine=vllm; colocated, or a rollout rank's of an async job), sized for the longest prompt and response (a multi-turn row's:
     its whole conversation), with the rollout.vllm.* settings: this rank's shard of its TP group's engine
     (vllm_engine.engine_layout_args); each DP replica generates its own rows (local_rows)."""
     from megatron_gspo.config.rules import env_response_budget
     from megatron_gspo.rollout.vllm_engine import VllmEngine, engine_args_of
 
     response = env_response_budget(cfg) if cfg.env.enabled else gen_cfg.max_new_tokens
+    args = engine_args_of(cfg.rollout.vllm)
+    if cfg.rollout.is_async:  # a rollout rank's engine (rollout/worker.py) takes weights between two engine steps:
+        args["async_scheduling"] = False  # no step may still be running then (vLLM's async scheduling runs ahead)
     return VllmEngine(model, state, cfg.model, seed=gen_cfg.seed, bucket_mb=int(cfg.rollout.weight_sync_bucket_mb),
-                      max_model_len=cfg.data.max_prompt_length + response, engine_args=engine_args_of(cfg.rollout.vllm))
+                      max_model_len=cfg.data.max_prompt_length + response, engine_args=args)
 
 
 def _engine_generator(engine):

@@ -258,7 +258,10 @@ def _mean(values: list) -> float:
 
 # How concat combines the parts' raw stats (the rollout leaders' counters): the slowest leader's times, the
 # sums of row counts, the mean of idle fractions; ``idle_frac`` is each part's idle_s / wall_s.
-STAT_MERGE = {"idle_frac": _mean, "sync_s": max, "partial_finished": sum, "dropped": sum, "updates": max, "env_s": max}
+# rollout.engine=vllm: the bytes each leader's engine took (the same model: the largest), its prefix cache's prompt
+# tokens and hits (summed: the step's hit rate)
+STAT_MERGE = {"idle_frac": _mean, "sync_s": max, "partial_finished": sum, "dropped": sum, "updates": max, "env_s": max,
+              "engine_sync_bytes": max, "prefix_queries": sum, "prefix_hits": sum}
 
 
 def concat(parts: list[RolloutRecord], pad_id: int) -> RolloutRecord:

@@ -223,6 +223,7 @@ class VllmEngine:
         self.llm = None
         self._calls = 0  # generate calls: its requests' ids
         self.prefix_cache = [0, 0]  # prompt tokens of the requests since take_prefix_cache_stats, of them served from the cache
+        self._stale_prefixes = False  # a prefix cache drop vLLM refused (requests in flight): _reset_prefix_cache
         refusal = _cpu_attention_refusal(model_cfg)
         if refusal:
             raise ConfigError(refusal)
@@ -271,8 +272,17 @@ class VllmEngine:
         self.llm.apply_model(_unpad_cpu_moe)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs(), "is_checkpoint_format": True})
         self.llm.apply_model(_repack_cpu_moe)
-        self.llm.reset_prefix_cache()
+        self._reset_prefix_cache()
         return SyncStats(time.perf_counter() - t0, stream.bytes, stream.tensors, n_buckets[0])
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop the prefix cache: its KV blocks were computed with the weights before a sync. Not while requests
+        are in flight (a sync between two engine steps of an asynchronous rollout, partial_rollouts=finish): they
+        hold blocks, which vLLM would not drop, and go on attending to their KV of the old weights, as on the
+        megatron engine, where every row's prompt KV is the old weights' too. The drop then waits for the next
+        generation, before its first request (``_run``)."""
+        busy = self.llm.llm_engine.has_unfinished_requests()
+        self._stale_prefixes = busy or not self.llm.reset_prefix_cache()
 
     # -- generation -------------------------------------------------------------------------------
     def sampling_params(self, cfg: GenerationConfig, seed: Optional[int], **extra):
@@ -287,7 +297,8 @@ class VllmEngine:
 
     def generate(self, prompts: Sequence[Union[Sequence[int], torch.Tensor]], cfg: GenerationConfig,
                  seed: Optional[int] = None, row_keys: Optional[Sequence[int]] = None,
-                 should_stop: Optional[Callable[[], bool]] = None) -> GenerationOutput:
+                 should_stop: Optional[Callable[[], bool]] = None, poll: Optional[Callable[[], tuple]] = None,
+                 on_update: Optional[Callable[[torch.Tensor], None]] = None) -> GenerationOutput:
         """Sample ``cfg.n_samples_per_prompt`` responses per prompt; the megatron engine's ``GenerationOutput``
         (rows grouped by prompt, right-padded with ``cfg.pad_id``, log-probs on the token grid).
 
@@ -297,7 +308,15 @@ class VllmEngine:
         (no rows: nothing of it is trained). Each sample is a request of its own (the seed of sample ``j``:
         its prompt's seed + ``j``, as vLLM's ``n`` samples), so the engine's prefix cache says, per request,
         how many of its prompt's tokens it served (``take_prefix_cache_stats``). VllmEngineError when the
-        engine fails."""
+        engine fails.
+
+        poll / on_update: weight updates between two engine steps (an asynchronous rollout rank,
+        rollout/worker.py), as the megatron engine's ``generate``: ``poll()`` -> (an update is pending, stop),
+        read before every engine step in place of ``should_stop``; when it says update on any rank of the
+        engine, every rank calls ``on_update(idx)`` before the next step, ``idx`` [B] long (host): each row's
+        last response token drawn under the old weights (-1: none yet; a finished row: its last token). The
+        requests in flight go on, attending to their KV computed with the old weights, unless ``on_update``
+        raises (they are aborted and its exception goes on)."""
         from vllm.inputs import TokensPrompt
 
         t0 = time.perf_counter()
@@ -306,6 +325,8 @@ class VllmEngine:
         keys = list(range(len(ids) * G)) if row_keys is None else [int(k) for k in row_keys]
         if len(keys) != len(ids) * G:
             raise ValueError(f"VllmEngine.generate: row_keys needs {len(ids) * G} keys (one per output row), got {len(keys)}")
+        if poll is not None and (should_stop is not None or on_update is None):
+            raise ValueError("VllmEngine.generate: poll replaces should_stop and needs on_update")
         base = cfg.seed if seed is None else seed
         for p in ids:
             if len(p) + cfg.max_new_tokens > self.max_model_len:
@@ -314,7 +335,7 @@ class VllmEngine:
         one = dataclasses.replace(cfg, n_samples_per_prompt=1)
         requests = [(TokensPrompt(prompt_token_ids=p), self.sampling_params(one, request_seed(base, keys[i * G]) + j))
                     for i, p in enumerate(ids) for j in range(G)]
-        outs = self._run(requests, should_stop)
+        outs = self._run(requests, should_stop, poll=poll, on_update=on_update)
         if outs is None:  # a stop: no rows
             return dataclasses.replace(to_generation_output([], G, [], [], [], cfg.pad_id, cfg.temperature,
                                                             time.perf_counter() - t0), abandoned=True)
@@ -331,48 +352,73 @@ class VllmEngine:
         out.prefill_tokens = sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) for o in outs)
         return out
 
-    def _run(self, requests: list, should_stop: Optional[Callable[[], bool]]) -> Optional[list]:
+    def _run(self, requests: list, should_stop: Optional[Callable[[], bool]], poll=None, on_update=None) -> Optional[list]:
         """Step the engine over ``requests`` ([(TokensPrompt, SamplingParams)], each n=1) to their end: their
-        RequestOutputs in order; None when ``should_stop()`` (read between two engine steps: a step is one
-        batched forward) said stop, the requests left aborted. Counts the prefix cache's hits. VllmEngineError
-        (naming the engine and the error) when the engine raises or dies."""
+        RequestOutputs in order; None when ``should_stop()`` (or ``poll()``'s stop; read between two engine
+        steps: a step is one batched forward) said stop, the requests left aborted. A pending weight update
+        (``poll``) is ``on_update``'s, between two steps too (``generate``). Counts the prefix cache's hits.
+        VllmEngineError (naming the engine and the error) when the engine raises or dies."""
         if not requests:
             return []
         engine = self.llm.llm_engine
         self._calls += 1
         ids = [f"gspo-{self._calls}-{k}" for k in range(len(requests))]
+        at = {r: k for k, r in enumerate(ids)}
+        drawn = [0] * len(ids)  # response tokens each request has drawn so far
         done: dict = {}
         try:
-            for rid, (prompt, params) in zip(ids, requests):
-                engine.add_request(rid, prompt, params)
+            with self._engine_errors(len(ids)):
+                if self._stale_prefixes:  # a sync between two steps of the last generation (_reset_prefix_cache)
+                    self._reset_prefix_cache()
+                for rid, (prompt, params) in zip(ids, requests):
+                    engine.add_request(rid, prompt, params)
             while len(done) < len(ids):
-                if should_stop is not None and self._stop_voted(should_stop):
+                update, stop = self._vote(should_stop, poll)
+                if stop:
                     engine.abort_request([r for r in ids if r not in done])
                     return None
-                if not engine.has_unfinished_requests():
-                    raise RuntimeError(f"{len(ids) - len(done)} request(s) neither finished nor pending")
-                for o in engine.step():
-                    if o.finished:
-                        done[o.request_id] = o
-        except Exception as e:
+                if update:  # the caller's: its errors are its own (a lost bridge, partial_rollouts=drop's restart)
+                    on_update(torch.tensor(drawn, dtype=torch.long, device="cpu") - 1)
+                with self._engine_errors(len(ids)):
+                    if not engine.has_unfinished_requests():
+                        raise RuntimeError(f"{len(ids) - len(done)} request(s) neither finished nor pending")
+                    for o in engine.step():
+                        drawn[at[o.request_id]] = len(o.outputs[0].token_ids)
+                        if o.finished:
+                            done[o.request_id] = o
+        except BaseException:
             with contextlib.suppress(Exception):  # a dead engine may refuse this too
                 engine.abort_request([r for r in ids if r not in done])
-            raise VllmEngineError(f"the vLLM engine (rollout.engine=vllm) failed while generating {len(ids)} "
-                                  f"sequence(s): {type(e).__name__}: {_first_line(e)}") from e
+            raise
         outs = [done[r] for r in ids]
         self.prefix_cache[0] += sum(len(o.prompt_token_ids) for o in outs)
         self.prefix_cache[1] += sum(o.num_cached_tokens or 0 for o in outs)
         return outs
 
-    def _stop_voted(self, should_stop: Callable[[], bool]) -> bool:
-        """``should_stop()`` as the engine's ranks' one answer: at vLLM TP > 1 every engine step is a collective
-        over the trainer TP group, so its ranks leave at the same step when any of them reads a stop."""
+    @contextlib.contextmanager
+    def _engine_errors(self, n: int) -> Iterator[None]:
+        """The engine's exceptions in the block as VllmEngineError, naming the engine and the error."""
+        try:
+            yield
+        except Exception as e:
+            raise VllmEngineError(f"the vLLM engine (rollout.engine=vllm) failed while generating {n} "
+                                  f"sequence(s): {type(e).__name__}: {_first_line(e)}") from e
+
+    def _vote(self, should_stop: Optional[Callable[[], bool]], poll) -> tuple[bool, bool]:
+        """(a weight update is pending, stop) as the engine's ranks' one answer, from ``poll()`` or
+        ``should_stop()``: at vLLM TP > 1 every engine step is a collective over the trainer TP group, so its
+        ranks take an update, or leave, before the same step when any of them reads one."""
         from megatron_gspo.runtime import comm
 
-        stop = bool(should_stop())
+        if poll is None and should_stop is None:
+            return False, False
+        update, stop = poll() if poll is not None else (False, should_stop())
         if self.state.tp == 1:
-            return stop
-        return comm.any_rank(stop, self.state.device, self.state.tp_group, what="vLLM engine stop vote")
+            return bool(update), bool(stop)
+        flags = torch.tensor([float(bool(update)), float(bool(stop))], device=self.state.device)
+        comm.all_reduce(flags, "max", self.state.tp_group, what="vLLM engine step vote (weight update, stop)")
+        update, stop = flags.tolist()
+        return bool(update), bool(stop)
 
     def take_prefix_cache_stats(self) -> tuple[int, int]:
         """(prompt tokens of the requests since the last call, how many of them the prefix cache served), then
@@ -388,6 +434,8 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         ids = _check_prompts(sequences, self.vocab_size)
+        if self._stale_prefixes:
+            self._reset_prefix_cache()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False, seed=0)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
         return [torch.tensor([pos[t].logprob for pos, t in zip(o.prompt_logprobs[1:], p[1:])], dtype=torch.float32)
@@ -457,17 +505,19 @@ class EngineGenerator:
     def generate(self, prompts, cfg: GenerationConfig, seed: Optional[int] = None,
                  row_keys: Optional[Sequence[int]] = None, on_forward=None,
                  should_stop: Optional[Callable[[], bool]] = None, keep_kv: bool = False,
-                 resume=None) -> GenerationOutput:
+                 resume=None, poll=None, on_update=None) -> GenerationOutput:
         """``keep_kv`` / ``resume`` (a multi-turn row's KV kept across turns by the embedded decoder): nothing
         is kept here (``kept`` None, so no turn resumes); the engine's prefix cache serves a conversation's KV
-        to its next turn instead."""
+        to its next turn instead. ``poll`` / ``on_update``: weight updates between engine steps (an asynchronous
+        rollout rank; ``VllmEngine.generate``)."""
         del keep_kv, resume
         if on_forward is not None:  # (the rules refuse R3 with vLLM, and its old log-probs are recomputed)
             raise RuntimeError("rollout.engine=vllm records no routes: a routing policy asked for the generation's")
         if self.stale:
             self.sync()
         with _stops_the_job():
-            return self.engine.generate(prompts, cfg, seed=seed, row_keys=row_keys, should_stop=should_stop)
+            return self.engine.generate(prompts, cfg, seed=seed, row_keys=row_keys, should_stop=should_stop, poll=poll,
+                                        on_update=on_update)
 
 
 @contextlib.contextmanager

@@ -41,12 +41,18 @@ from megatron_gspo.config import JobConfig
 from megatron_gspo.config.rules import row_token_budget
 from megatron_gspo.runtime.stop import Cancelled, PreemptionFlag
 from megatron_gspo.generation.generator import Generator
+from megatron_gspo.rollout.colocated import _vllm_engine
+from megatron_gspo.rollout.vllm_engine import EngineGenerator
 from megatron_gspo.algorithms.overlong import overlong_penalty
 from megatron_gspo.data.rewards import build_reward, compute_rewards
 from megatron_gspo.rollout.multiturn import build_multiturn, multiturn_rewards
 from megatron_gspo.rollout.rows import local_rows
 
 log = logging.getLogger("megatron_gspo")
+
+# a rollout rank's counters of the step in the making: seconds idle / in weight syncs, bytes handed to a vLLM engine
+_CLOCK = {"idle": 0.0, "sync": 0.0, "engine_bytes": 0.0}
+
 
 class _Restart(Exception):
     """partial_rollouts=drop: a weight update arrived mid-generation; generate again under it."""
@@ -142,8 +148,12 @@ class RolloutWorker:
             pad_token_id=g.pad_token_id if g.pad_token_id is not None else self.tokenizer.pad_id)
         self.row_gen_cfg = dataclasses.replace(self.gen_cfg, n_samples_per_prompt=1)
         # one decoder for every step of this rank (its KV cache and CUDA graphs sized for the longest row: a
-        # prompt and its response, or a whole conversation)
-        self.generator = Generator(self.model, vocab_size=cfg.model.vocab_size, state=st, slots=row_token_budget(cfg) - 1)
+        # prompt and its response, or a whole conversation); rollout.engine=vllm: this rank's vLLM engine (its
+        # shard of its TP group's engine), built from the model, behind the same interface. The model stays the
+        # weight stream's landing place (WeightReceiver); each push is handed on to the engine (_apply_push).
+        self.engine = _vllm_engine(cfg, st, self.model, self.gen_cfg) if r.engine == "vllm" else None
+        self.generator = Generator(self.model, vocab_size=cfg.model.vocab_size, state=st, slots=row_token_budget(cfg) - 1) \
+            if self.engine is None else EngineGenerator(self.engine)
         self.reward_fn = build_reward(cfg.reward)
         # env.name: every row talks with an environment over turns (rollout/multiturn.py), here as colocated
         self.multiturn = build_multiturn(cfg, st, self.generator, self.tokenizer, self.gen_cfg)
@@ -161,7 +171,7 @@ class RolloutWorker:
         self._last_poll, self._last_pushed = 0.0, -1
         self._stop_why: Optional[str] = None  # why this rank stops: the trainer's stop, or its silence
         self._asked_to_stop = False  # this rank's stop signal was passed on to the trainer (Control.request_stop)
-        self._clock = {"idle": 0.0, "sync": 0.0}
+        self._clock = dict(_CLOCK)
         self._since = time.perf_counter()
         self.timeout_s = r.heartbeat_timeout_s
 
@@ -256,7 +266,8 @@ class RolloutWorker:
         n = out.tokens.shape[0]
         now = time.perf_counter()
         wall, self._since = now - self._since, now
-        clock, self._clock = self._clock, {"idle": 0.0, "sync": 0.0}
+        clock, self._clock = self._clock, dict(_CLOCK)
+        queries, hits = self.engine.take_prefix_cache_stats() if self.engine is not None else (0, 0)
         record = RolloutRecord(
             step=step, tokens=out.tokens, prompt_lengths=out.prompt_lengths, response_lengths=out.response_lengths,
             stopped=out.stopped, sample_logprobs=out.logprobs, loss_mask=out.response_mask, rewards=rewards,
@@ -268,7 +279,8 @@ class RolloutWorker:
             trajectories=list(getattr(out, "trajectories", [])),
             stats={"idle_s": clock["idle"], "sync_s": clock["sync"], "wall_s": wall,
                    "partial_finished": gen.finished_partial, "dropped": gen.dropped_rows, "updates": gen.updates,
-                   "env_s": float(getattr(out, "stats", {}).get("rollout/env_s", 0.0))})  # multi-turn: tool calls
+                   "env_s": float(getattr(out, "stats", {}).get("rollout/env_s", 0.0)),  # multi-turn: tool calls
+                   "engine_sync_bytes": clock["engine_bytes"], "prefix_queries": queries, "prefix_hits": hits})
         header, ints, floats, metab = pack(record)
         # "ready" first: with NCCL the first send creates the pair's communicator, which waits for the receiver
         self.control.mark_ready(step, self.state.dp_rank)
@@ -311,6 +323,8 @@ class RolloutWorker:
     def _apply_push(self) -> int:
         t0 = time.perf_counter()
         stats = self.receiver.receive()
+        if self.engine is not None:  # between two engine steps (generate_with_updates), or while idle
+            self._clock["engine_bytes"] += self.generator.sync().bytes
         self._clock["sync"] += time.perf_counter() - t0
         if stats.version <= self.version:
             raise RuntimeError(f"weight sync: received version {stats.version} after {self.version}")
@@ -347,6 +361,8 @@ class RolloutWorker:
         self.reward_fn.close()  # its worker processes, if any
         if self.multiturn is not None:
             self.multiturn.close()
+        if self.engine is not None:
+            self.engine.close()
         self.control.record_exit(message, error)
         self.side.close()
 
