@@ -182,3 +182,81 @@ def test_an_engine_argument_vllm_does_not_have_is_refused_in_one_line(job):
     with pytest.raises(ConfigError, match=r"^rollout.vllm.engine_args.max_num_seq: not an argument of vllm.LLM "
                                           r"\(EngineArgs\); did you mean \['max_num_seqs'"):
         VllmEngine(model, st, cfg, engine_args={"max_num_seq": 8})
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight updates between two engine steps (a rollout rank of an asynchronous job, rollout/worker.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def _update_between_steps(job, policy: str):
+    """generate_with_updates on the engine (as a rollout rank runs it): 8 rows (2 prompts of 40 tokens, 4 samples
+    each, 12 new tokens), version 1's weights (version 0's + noise) arrive before engine step 4, i.e. after every
+    row drew 3 tokens (step 1 prefills all 8 rows and draws their first). Returns (the result, the same rows
+    generated wholly under version 0, wholly under version 1, the generator); the engine is left on version 1."""
+    from megatron_gspo.rollout.vllm_engine import EngineGenerator
+    from megatron_gspo.rollout.worker import generate_with_updates
+
+    cfg, model, st, engine = job
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, VOCAB, (40,), generator=g).tolist() for _ in range(2)]
+    rows = [p for p in prompts for _ in range(4)]
+    gc = GenerationConfig(max_new_tokens=12, n_samples_per_prompt=1, temperature=1.0, ignore_eos=True, pad_token_id=0)
+    old = [p.detach().clone() for p in model.parameters()]
+    new = [p + 0.05 * torch.randn(p.shape, generator=g) for p in old]
+    gen = EngineGenerator(engine)
+
+    def load(params) -> None:
+        with torch.no_grad():
+            for p, x in zip(model.parameters(), params):
+                p.copy_(x)
+        gen.sync()
+
+    def sample():
+        return gen.generate(rows, gc, seed=9, row_keys=list(range(8)))
+
+    load(new)
+    v1 = sample()
+    load(old)
+    v0 = sample()  # (the prefix cache now holds the prompts' first block, prefilled under version 0)
+    polls = [0]
+
+    def poll():
+        polls[0] += 1
+        return polls[0] == 4, False
+
+    def apply() -> int:
+        load(new)
+        return 1
+
+    got = generate_with_updates(model, rows, gc, vocab_size=VOCAB, state=st, seed=9, row_keys=list(range(8)), version=0,
+                                poll=poll, apply=apply, policy=policy, generator=gen)
+    return got, v0, v1, sample
+
+
+def test_a_weight_update_between_engine_steps_finishes_the_rows_under_the_new_weights(job):
+    """partial_rollouts=finish, as on the megatron engine: the rows in flight go on under version 1 (their first 3
+    tokens and log-probs are version 0's, the rest drawn from version 1's distribution), every row counts as
+    finished under version 1. The engine's prefix cache, whose blocks the update made stale, is dropped before the
+    next generation: the same rows generated again under version 1 equal a generation that never saw version 0."""
+    got, v0, v1, sample = _update_between_steps(job, "finish")
+    out, P = got.out, 40 + 3
+    assert got.version_start == 0 and got.version_end.tolist() == [1] * 8
+    assert (got.finished_partial, got.dropped_rows, got.updates) == (8, 0, 1)
+    assert out.response_lengths.tolist() == [12] * 8
+    assert torch.equal(out.tokens[:, :P], v0.tokens[:, :P]) and torch.equal(out.logprobs[:, :P], v0.logprobs[:, :P])
+    # the 4th token's distribution is version 1's (its log-prob is not version 0's on any row)
+    assert ((out.logprobs[:, P] - v0.logprobs[:, P]).abs() > 1e-4).all()
+    again = sample()
+    assert torch.equal(again.tokens, v1.tokens)
+    assert (again.logprobs - v1.logprobs).abs().max().item() < TOL
+
+
+def test_a_weight_update_between_engine_steps_under_drop_generates_again(job):
+    """partial_rollouts=drop, as on the megatron engine: the requests in flight are aborted and the rows generated
+    again under version 1, with the same seeds: exactly the rows of a generation under version 1."""
+    got, v0, v1, _ = _update_between_steps(job, "drop")
+    assert got.version_start == 1 and got.version_end.tolist() == [1] * 8
+    assert (got.finished_partial, got.dropped_rows, got.updates) == (0, 8, 1)
+    assert torch.equal(got.out.tokens, v1.tokens) and not torch.equal(v0.tokens, v1.tokens)
+    assert (got.out.logprobs - v1.logprobs).abs().max().item() < TOL
