@@ -195,9 +195,9 @@ class RolloutWorker:
                     self.faults.step_starts(s + 1)
                 self._one_step(s)
             self._idle_until(lambda: False)  # serve pushes until the stop
-        except Cancelled:  # the trainer announced the end or went silent (_poll), read in generation, scoring or a wait
+        except Cancelled as e:  # the trainer announced the end or went silent (_poll), read in generation, scoring or a wait
             why = self._stop_why or "the trainer stopped"  # (a peer of the generation lockstep may have seen it first)
-            log.info("%s: rollout rank %d ends", why, self.side.global_rank)
+            log.info("%s, %s: rollout rank %d ends", why, e, self.side.global_rank)
             return why
         return "finished"
 
