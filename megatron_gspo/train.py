@@ -185,4 +185,4 @@ if __name__ == "__main__":
         # so a second SIGTERM / SIGINT landing there killed the process (143 / 130) after "exiting with
         # 75"; an ignored signal stays ignored through it.
         exit_status.ignore_stop_signals()
-    sys.exit(code)
+    exit_status.leave(code)

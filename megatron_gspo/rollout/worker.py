@@ -402,4 +402,5 @@ def run_rollout_rank(cfg: JobConfig, faults=None) -> int:
     worker.close(why, error=False)
     parallel.destroy()
     exit_status.record(0, why)
+    log.info("rollout rank %d: closed, exiting", side.global_rank)  # (then exit_status.leave: the process ends)
     return 0

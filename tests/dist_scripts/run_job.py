@@ -48,6 +48,7 @@ from megatron_gspo.testing.faults import FaultInjection
 from megatron_gspo.rollout.rows import micro_batch_slices
 from megatron_gspo.trainer.hooks import TrainerHook
 from megatron_gspo.train import DEMO_CONFIG, Trainer, configure_logging
+from megatron_gspo.runtime import exit_status
 from megatron_gspo.runtime.exit_status import StoppedFor
 
 
@@ -279,7 +280,9 @@ def main():
             kill_in_push(int(a.kill_in_push.split(":")[0]))
         if a.sigterm_rollout_at and int(a.sigterm_rollout_at.split(":")[1]) == int(os.environ["RANK"]):
             sigterm_at(int(a.sigterm_rollout_at.split(":")[0]), int(os.environ["RANK"]))
-        sys.exit(run_rollout_rank(cfg, faults=FaultInjection.from_env()))
+        code = run_rollout_rank(cfg, faults=FaultInjection.from_env())
+        exit_status.ignore_stop_signals()  # as megatron_gspo.train's __main__ ends a rank
+        exit_status.leave(code)
     hooks = [SilenceHeartbeat(a.silence_trainer_at)] if a.silence_trainer_at else []
     if a.kill_rollout_after:
         hooks.append(KillRolloutRank(*map(int, a.kill_rollout_after.split(":")), a.out))
