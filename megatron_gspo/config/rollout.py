@@ -75,8 +75,9 @@ class RolloutConfig:
     # What samples the rollouts: "megatron" (default), the training model's own decoders
     # (generation.decode_impl); "vllm", a vLLM engine in the process, built from the model and given its
     # weights before every step's generation (rollout/vllm_engine.py; `pip install -e ".[vllm]"` on a GPU,
-    # the venv of .ci/setup-vllm-venv on a CPU; its settings: rollout.vllm.*). vLLM so far: colocated (under
-    # torchrun one engine per trainer TP group); single- and multi-turn rows (env.name) and the evaluation
+    # the venv of .ci/setup-vllm-venv on a CPU; its settings: rollout.vllm.*). Colocated: under torchrun one
+    # engine per trainer TP group; rollout.mode=async: one per rollout TP group, on the rollout ranks, given
+    # every weight push between two engine steps. Single- and multi-turn rows (env.name) and the evaluation
     # sample on it.
     engine: str = knob("megatron", resume=Resume.MAY_CHANGE, choices=ROLLOUT_ENGINES)
     # Ranks that generate (async only): the last world_size ranks of the torchrun world. The trainer gets
