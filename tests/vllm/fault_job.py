@@ -19,10 +19,10 @@ def main() -> int:
     calls, log = [0], os.environ["FAULT_LOG"]
     run = vllm_engine.VllmEngine._run
 
-    def faulty_run(self, requests, should_stop):
+    def faulty_run(self, requests, should_stop, **kw):
         calls[0] += 1
         if calls[0] != call:
-            return run(self, requests, should_stop)
+            return run(self, requests, should_stop, **kw)
         engine = self.llm.llm_engine
         inner, steps, after = engine.step, [0], [0]
 
@@ -44,7 +44,7 @@ def main() -> int:
 
         engine.step = step_
         try:
-            return run(self, requests, should_stop)
+            return run(self, requests, should_stop, **kw)
         finally:
             engine.step = inner
 
@@ -53,4 +53,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_gspo.runtime import exit_status
+
+    code = main()
+    exit_status.ignore_stop_signals()  # as megatron_gspo.train's __main__ ends a rank
+    exit_status.leave(code)
