@@ -31,7 +31,8 @@ def make_record(step=6, rows=(5, 2, 7), width=9, seed=0, pad_id=3, stats=None) -
         prompt_ids=[f"p{r // 4}" for r in rows], texts=[f"answer é {r}" for r in rows], gen_s=1.25 + seed,
         gen_tokens=int(resp.sum()), decode_row_steps=17 + seed,
         stats=stats or {"idle_s": 0.5 + seed, "sync_s": 0.125 * (seed + 1), "wall_s": 4.0, "partial_finished": 1 + seed,
-                        "dropped": seed, "updates": 1 + seed, "env_s": 0.25 * seed},
+                        "dropped": seed, "updates": 1 + seed, "env_s": 0.25 * seed, "engine_sync_bytes": 100.0 * (1 + seed),
+                        "prefix_queries": 10 + seed, "prefix_hits": seed},
         data_state={"epoch": 2, "position": 11, "order": [3, 1, 2]})
 
 
@@ -107,7 +108,8 @@ def _merge_before(parts, pad_id):
         "idle_frac": sum(s["idle_s"] / max(s["wall_s"], 1e-9) for s in stats) / len(stats),
         "sync_s": max(s["sync_s"] for s in stats), "partial_finished": sum(s["partial_finished"] for s in stats),
         "dropped": sum(s["dropped"] for s in stats), "updates": max(s["updates"] for s in stats),
-        "env_s": max(s["env_s"] for s in stats)})
+        "env_s": max(s["env_s"] for s in stats), "engine_sync_bytes": max(s["engine_sync_bytes"] for s in stats),
+        "prefix_queries": sum(s["prefix_queries"] for s in stats), "prefix_hits": sum(s["prefix_hits"] for s in stats)})
     ints = torch.cat([torch.cat(tok).reshape(-1), torch.cat(cols, dim=1).reshape(-1)])
     floats = torch.cat([torch.cat(lps).reshape(-1), torch.cat(rew)])
     return ints, floats, meta
@@ -139,7 +141,8 @@ def test_concat_equals_the_merge_it_replaces():
     assert torch.equal(got.sample_logprobs, floats[: n * T].view(n, T)) and torch.equal(got.rewards, floats[n * T:])
     assert got.prompt_ids == meta["prompt_ids"] and got.texts == meta["texts"] and got.data_state == meta["data"]
     assert (got.gen_s, got.decode_row_steps) == (meta["gen_s"], meta["decode_row_steps"])
-    assert got.stats == {k: meta[k] for k in ("idle_frac", "sync_s", "partial_finished", "dropped", "updates", "env_s")}
+    assert got.stats == {k: meta[k] for k in ("idle_frac", "sync_s", "partial_finished", "dropped", "updates", "env_s",
+                                              "engine_sync_bytes", "prefix_queries", "prefix_hits")}
     # and the whole step goes over the trainer's world unchanged
     assert_same(got, unpack(*pack(got)))
 
