@@ -28,6 +28,9 @@ def test_engine_rows_take_the_moe_layers_of_every_token_but_the_last():
     a = np.array([[[1, 2], [9, 9], [3, 0]], [[0, 3], [9, 9], [2, 1]], [[2, 3], [9, 9], [0, 1]]], dtype=np.uint8)
     (r,) = engine_route_rows([a], [2], [2], layers=[0, 2], topk=2, num_experts=4)
     assert r.dtype == torch.int16 and r.tolist() == [[[1, 2], [3, 0]], [[0, 3], [2, 1]], [[2, 3], [0, 1]]]
+    # more than 256 experts: vLLM's ids are uint16, the recorder's int16 up to 32767 experts
+    (w,) = engine_route_rows([a.astype(np.uint16) + 300], [2], [2], layers=[2], topk=2, num_experts=512)
+    assert w.dtype == torch.int16 and w[:, 0].tolist() == [[303, 300], [302, 301], [300, 301]]
     with pytest.raises(RoutingReplayError, match=r"row 0 routed_experts of shape \(3, 3, 2\); expected \[4 \(its 5 "
                                                  r"tokens but the last\)"):
         engine_route_rows([a], [2], [3], layers=[0, 2], topk=2, num_experts=4)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from megatron_gspo.routing.common import RoutingReplayError, index_dtype
@@ -57,13 +58,13 @@ def engine_route_rows(routed: Sequence, prompt_lengths: Sequence[int], response_
         if a is None:
             raise RoutingReplayError(f"vLLM routes: row {r} came back without routed_experts (the engine was not "
                                      "built with enable_return_routed_experts)")
-        x = torch.as_tensor(a)
+        x = torch.as_tensor(np.asarray(a, dtype=np.int64))  # (vLLM's uint16 ids: torch indexes no uint16)
         n = plen[r] + rlen[r]
         if x.dim() != 3 or x.shape[0] != n - 1 or x.shape[2] != topk or x.shape[1] <= int(sel.max()):
             raise RoutingReplayError(f"vLLM routes: row {r} routed_experts of shape {tuple(x.shape)}; expected "
                                      f"[{n - 1} (its {n} tokens but the last), H > {int(sel.max())} hidden layers, "
                                      f"k={topk}]")
-        x = x[:, sel].long()
+        x = x[:, sel]
         if x.numel() and (int(x.min()) < 0 or int(x.max()) >= num_experts):
             raise RoutingReplayError(f"vLLM routes: row {r} has expert ids in [{int(x.min())}, {int(x.max())}], the "
                                      f"model has {num_experts} experts")
@@ -77,8 +78,8 @@ def file_engine_routes(on_forward: Callable, rows: Sequence[torch.Tensor], promp
     ``on_forward`` as one generation's forwards: the prefill [L, B, P, k] (P = the longest prompt; row r's
     prompt routes in its last prompt_lengths[r] columns, as the left-padded prompt block), then decode steps
     s = 1 .. max(response_lengths) - 1 [L, B, 1, k] (row r's route of token prompt_lengths[r] + s - 1, the
-    response token that step feeds). Columns that are no token of a row (left padding, rows already ended)
-    hold route 0, which the recorder drops. Returns the number of forwards filed (None for no rows: nothing
+    response token that step feeds). Columns that are no token of a row hold routes the recorder drops (left
+    padding: route 0; a row that already ended: one of its own routes). Returns the number of forwards filed (None for no rows: nothing
     is filed). Every row needs a response token (vLLM samples at least one)."""
     B = len(rows)
     if B == 0:
