@@ -114,7 +114,9 @@ R3 = ["loss.name=grpo", "train.routing_replay=R3"]
 @pytest.mark.parametrize("overrides, match", [
     (["parallel.device=cpu", *R3], r"train.routing_replay=R3 with rollout.engine=vllm on the CPU: .*needs its V2 model "
                                    r"runner, and on a CPU that needs triton-cpu \(not on PyPI\)"),
-    (["parallel.device=cuda", *R3], r"train.routing_replay=R3 with rollout.engine=vllm: the engine's routes are not taken"),
+    (["parallel.device=cuda", "parallel.tensor_model_parallel_size=2", *R3],
+     r"train.routing_replay=R3 with rollout.engine=vllm at parallel.tensor_model_parallel_size=2: vLLM returns the "
+     r"routes on the first rank of its TP group only"),
     (["train.old_logprobs=rollout"], r"train.old_logprobs=rollout with rollout.engine=vllm"),
     (["rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0"], r"rollout.mode=async with rollout.engine=vllm is not supported yet"),
 ])
@@ -124,6 +126,16 @@ def test_what_the_vllm_engine_does_not_run_is_refused_by_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_job_config(None, ["rollout.engine=vllm", *overrides])
     load_job_config(None, overrides)  # the megatron engine runs each of them
+
+
+@pytest.mark.parametrize("layout", [["parallel.device=cuda", *R3], ["parallel.device=cuda", "parallel.expert_model_parallel_size=2", *R3]])
+def test_r3_on_vllm_is_taken_on_a_gpu(layout):
+    """On a GPU R3 replays the routes vLLM returns (rollout/vllm_routes.py; the alignment: tests/test_vllm_routes.py):
+    the job's config is accepted."""
+    from megatron_gspo.config import load_job_config
+
+    cfg = load_job_config(None, ["rollout.engine=vllm", *layout])
+    assert (cfg.rollout.engine, cfg.train.routing_replay, cfg.parallel.device) == ("vllm", "R3", "cuda")
 
 
 @pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2"], ["parallel.expert_model_parallel_size=2"]])
@@ -171,7 +183,8 @@ def test_a_vllm_job_without_vllm_says_how_to_get_it(tmp_path):
 
 @pytest.mark.parametrize("key, why", [("seed", "generation.seed"), ("max_model_len", "data.max_prompt_length"),
                                       ("kv_cache_memory_bytes", "rollout.vllm.kv_cache_memory_gib"),
-                                      ("enforce_eager", "rollout.vllm.enforce_eager"), ("model", "the job's model")])
+                                      ("enforce_eager", "rollout.vllm.enforce_eager"), ("model", "the job's model"),
+                                      ("enable_return_routed_experts", "train.routing_replay=R3")])
 def test_engine_args_the_engine_sets_itself_are_refused_in_one_line(key, why):
     from megatron_gspo.config import ConfigError, load_job_config
 

