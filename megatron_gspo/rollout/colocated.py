@@ -101,7 +101,7 @@ class ColocatedSource:
                   f"{self.gen_cfg.max_new_tokens} new")
         if self.multiturn is not None:
             return (mine, *self._talk(step, rnd, rows, R, mine, shapes), prompts)
-        # 3. (on vLLM the rules leave no routes to record: no R3, old log-probs recomputed)
+        # 3. (on vLLM the engine's routes are filed to the recorder under R3: rollout/vllm_routes.py)
         with self.timer("generate"), self.routing.generating(), explain_oom("generation", cfg, st, shapes):
             out = self.generator.generate([p.ids for p in mine], self.row_gen_cfg, seed=self.sampling_seed(step),
                                           row_keys=[rnd * R + g for g in rows],
@@ -269,7 +269,8 @@ def _vllm_engine(cfg, state, model, gen_cfg):
     if cfg.rollout.is_async:  # a rollout rank's engine (rollout/worker.py) takes weights between two engine steps:
         args["async_scheduling"] = False  # no step may still be running then (vLLM's async scheduling runs ahead)
     return VllmEngine(model, state, cfg.model, seed=gen_cfg.seed, bucket_mb=int(cfg.rollout.weight_sync_bucket_mb),
-                      max_model_len=cfg.data.max_prompt_length + response, engine_args=args)
+                      max_model_len=cfg.data.max_prompt_length + response, engine_args=args,
+                      return_routes=cfg.train.routing_replay == "R3")
 
 
 def _engine_generator(engine):

