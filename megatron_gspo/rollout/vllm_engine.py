@@ -319,13 +319,11 @@ class VllmEngine:
         how many of its prompt's tokens it served (``take_prefix_cache_stats``). VllmEngineError when the
         engine fails.
 
-        poll / on_update: weight updates between two engine steps (an asynchronous rollout rank,
-        rollout/worker.py), as the megatron engine's ``generate``: ``poll()`` -> (an update is pending, stop),
-        read before every engine step in place of ``should_stop``; when it says update on any rank of the
-        engine, every rank calls ``on_update(idx)`` before the next step, ``idx`` [B] long (host): each row's
-        last response token drawn under the old weights (-1: none yet; a finished row: its last token). The
-        requests in flight go on, attending to their KV computed with the old weights, unless ``on_update``
-        raises (they are aborted and its exception goes on)."""
+        poll / on_update: weight updates between two engine steps (an async rollout rank), as the megatron
+        engine's: ``poll()`` -> (update pending, stop) before every step in place of ``should_stop``; on an update
+        every rank of the engine calls ``on_update(idx)``, ``idx`` [B] long (host): each row's last response token
+        drawn under the old weights (-1: none yet). The requests in flight go on (attending to their KV of the
+        old weights) unless ``on_update`` raises: then they are aborted and its exception goes on."""
         from vllm.inputs import TokensPrompt
 
         t0 = time.perf_counter()
