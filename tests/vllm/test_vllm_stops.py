@@ -46,7 +46,7 @@ def test_sigterm_in_a_vllm_generation_exits_75_within_seconds_and_the_checkpoint
     assert f"preempted by signal SIGTERM before step 2: checkpoint saved to {out}/ckpt (step 1)" in line, line
     assert "step 2 abandoned in generation round 1, decoding cut short" in line
     # the stop line's own clock: the signal's arrival -> the checkpoint written (measured 0.1 s); the process's
-    # exit adds the engine's shutdown (1.3 s in all on this loaded 2-core machine; the interpreter's finalization,
+    # exit adds the engine's shutdown (1.3-7 s in all on this 2-core machine at load 15-25; the interpreter's finalization,
     # 3-25 s with vLLM loaded, is skipped: exit_status.leave, which fault_job.py ends with as the job's __main__ does)
     to_saved = float(line.split("signal received ")[1].split(" s earlier")[0])
     took = ended - fault["sent_at"]
