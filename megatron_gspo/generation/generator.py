@@ -58,6 +58,14 @@ One prefill per prompt
     ``GenerationOutput.prefill_tokens`` counts the prompt tokens prefilled (the distinct prompts' own
     tokens, without padding): perf/prefill_tokens.
 
+Shared-prefix decode attention (``generation.shared_prefix_attention``: the lean decoder)
+    Where it is on (``auto``: shared_prefix.shared_prefix_pays, the rule measured on this CPU) the prefill goes
+    to the back-end's prompt store (``prefill_to_store``) and nothing is copied: every decode step reads each
+    prompt's KV once for its rows (shared_prefix.py: the rows' queries in one GEMM per prompt, each row's own
+    generated slots apart, the two softmaxes merged exactly). A call that keeps its KV (``keep_kv``) still copies
+    the prompt into its rows (the next turn resumes on them); a resumed call has no shared prompt. The tokens
+    are those of the plain step, the log-probs equal to rounding (tests/test_shared_prefix.py).
+
 KV kept across turns (multi-turn rows: rollout/multiturn.py)
     A call with ``keep_kv`` leaves its KV cache in the lean decoder and returns ``kept`` (KeptRows): each
     row's cache row, left padding and the count of its leading tokens whose keys and values the cache

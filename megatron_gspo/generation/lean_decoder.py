@@ -39,6 +39,14 @@ One decoder per job
     caches live for one generation, or, for a multi-turn row's turns, from one to the next (``begin``'s
     ``keep`` and ``carry``; ``extend`` prefills a turn's new tokens onto them; ``release`` frees them).
 
+Shared-prefix decode attention (``share_prefix``; generation.shared_prefix_attention)
+    The G rows of a prompt hold the same prompt block. With the prompts prefilled into the prompt store
+    (``prefill_to_store``), ``share_prefix`` makes the decode steps read each prompt's keys and values once
+    (shared_prefix.shared_prefix_attention: each cache row names its store row, ``prefix_row``, and its cell
+    among that row's queries, ``prefix_cell``; compaction and ``admit`` move them with the rows) and each row's
+    own slots from the prompt block's end on, merging the two softmaxes exactly. Eager and static steps; a
+    captured one never shares (its shapes cannot follow a call's prompt count).
+
 Routes (R3 and the routing metrics): with ``record_routes`` each forward also writes every layer's
 top-k expert ids ([b, s, k], the router's own routing map) into a buffer, so a replayed graph
 records them too; ``last_routes()`` hands them to generation's ``on_forward`` callback.
