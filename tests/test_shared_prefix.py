@@ -73,6 +73,20 @@ def _merged_error(logit_scale: float = 1.0) -> float:
     return err / bound if err == err else float("inf")  # NaN: as wrong as it gets
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-flash-prefix", "gemm-prefix"])
+@pytest.mark.parametrize("logit_scale", [1.0, 40.0], ids=["unit-logits", "logits-past-exp-range"])
+def test_merged_attention_equals_attention_over_the_concatenated_kv(monkeypatch, logit_scale, fused):
+    """GQA (4 query heads per KV group), each row's prefix row (rows of one prefix apart), padded prefixes (one
+    prefix row with only one slot attended), suffixes masked past 1 to 6 slots, and logits up to ~1e3 (exp
+    overflows fp32 past 88): the fp32 result is the fp64 reference's to 1e-6 (plus fp32's own rounding of the
+    large logits: within twice plain fp32 attention's error). The prefix's partial by torch's CPU flash kernel (its
+    log-sum-exp) and by the GEMMs of other devices."""
+    assert shared_prefix._CPU_FLASH is not None  # this torch has it: the CPU path is the fused one
+    if not fused:
+        monkeypatch.setattr(shared_prefix, "_CPU_FLASH", None)
+    assert _merged_error(logit_scale) < 1
+
+
 def _merge_without_max(o1, lse1, o2, lse2):
     w1, w2 = torch.exp(lse1), torch.exp(lse2)
     return (o1 * (w1 / (w1 + w2)).unsqueeze(-1) + o2 * (w2 / (w1 + w2)).unsqueeze(-1)), torch.log(w1 + w2)
