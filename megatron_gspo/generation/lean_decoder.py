@@ -543,9 +543,8 @@ class LeanDecoder:
         if reason is not None:
             raise ValueError(f"generation.decode_impl=lean does not support {reason}")
         self.m, self.cfg = m, m.config
-        cfg = self.cfg
         self.groups = groups or DecodeGroups()
-        self.groups.check(cfg)
+        self.groups.check(self.cfg)
         self.tp_group = self.groups.tp
         self.layers = list(m.decoder.layers)
         att = self.layers[0].self_attention
@@ -560,10 +559,8 @@ class LeanDecoder:
         self.cos = self.sin = None
         self.batch = self.max_slots = 0
         self._allocate(batch, max_slots, max_position)
-        self.moe = []
-        for layer in self.layers:
-            ok = device_moe_unsupported(layer.mlp) is None
-            self.moe.append(DeviceMoE(layer.mlp, self.groups.expert) if ok else None)
+        self.moe = [DeviceMoE(layer.mlp, self.groups.expert) if device_moe_unsupported(layer.mlp) is None else None
+                    for layer in self.layers]
         # each layer's norms as functions (local modules called; TE's computed here, see norm_op)
         self.norms = []
         for layer in self.layers:
@@ -591,10 +588,9 @@ class LeanDecoder:
         self._hooks = True
         self.routes: Optional[torch.Tensor] = None
         self._prefill_routes: list[torch.Tensor] = []
-        self.store_k = self.store_v = None  # the prompt store of a refilled generation (prefill_to_store)
-        # shared-prefix decode attention (share_prefix): the cells of a prompt's block of queries (0: plain
-        # attention), each cache row's prefix row (of the store) and cell, the store's padding mask
-        self.prefix_cells, self.prefix_bias = 0, None
+        # the prompt store (prefill_to_store); shared-prefix decode attention off (share_prefix: its cells, its bias)
+        self.store_k = self.store_v = self.prefix_bias = None
+        self.prefix_cells = 0
         self._set_record_routes(record_routes)
         self._weights = self._weight_addresses()
         self.keep = False  # this generation's KV caches outlive it (begin's ``keep``)
