@@ -1064,3 +1064,6 @@ class LeanDecoder:
         self.left_pad[:keep] = self.left_pad[idx]
         if self.prefix_cells:  # distinct rows keep distinct cells of their prefix row
             self.prefix_row[:keep], self.prefix_cell[:keep] = self.prefix_row[idx], self.prefix_cell[idx]
+            # the rows left behind name no prefix row: a later admit (a refilled batch) numbers the cells of the
+            # rows in the batch only, never more than ``cells`` of one prompt
+            self.prefix_row[keep:] = -1
