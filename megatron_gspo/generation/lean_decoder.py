@@ -1016,7 +1016,9 @@ class LeanDecoder:
         self.left_pad[rows] = left_pad
         if self.prefix_cells:
             self.prefix_row[rows] = src
-            self.prefix_cell.copy_(prefix_cells(self.prefix_row))  # every cache row is seated (refill)
+            # every cache row renumbered: the batch's rows come first, so their cells are ranks among themselves
+            # (< cells), whatever rows a compaction left behind them
+            self.prefix_cell.copy_(prefix_cells(self.prefix_row))
         else:
             self._copy_prompts(rows, src)
 
@@ -1064,6 +1066,3 @@ class LeanDecoder:
         self.left_pad[:keep] = self.left_pad[idx]
         if self.prefix_cells:  # distinct rows keep distinct cells of their prefix row
             self.prefix_row[:keep], self.prefix_cell[:keep] = self.prefix_row[idx], self.prefix_cell[idx]
-            # the rows left behind name no prefix row: a later admit (a refilled batch) numbers the cells of the
-            # rows in the batch only, never more than ``cells`` of one prompt
-            self.prefix_row[keep:] = -1
