@@ -18,11 +18,11 @@ partial's, whose weight then is exp(-huge) = 0, never NaN.
 When it pays (``generation.shared_prefix_attention=auto``: ``shared_prefix_pays``, the one place of the
 rule). The grid of queries costs a scatter, a gather and the merge per layer and step, and a prompt's
 GEMM rows include its finished rows' empty cells; what it saves is reading the prompt's keys and values
-G - 1 more times. Measured on the benchmark model (2 KV groups of head size 32, fp32, 1 thread;
-docs/performance.md "Shared-prefix decode attention"): the shared step is slower than the plain one
-below about 64 prompt-block slots and faster from about 128 (1.8x faster attention at 512 slots, G = 8);
-so ``auto`` turns it on when rows share prompts (at least two rows per prompt on average) and the
-prompt block holds at least ``SHARED_PREFIX_MIN_SLOTS`` slots.
+G - 1 more times. Measured on the benchmark model's heads (8 query heads, 2 KV groups of 32, fp32, 1 thread;
+docs/performance.md "Shared-prefix decode attention"): the break-even is near 3 MiB of the rows' copies of
+the prompt keys per layer, whatever the rows and slots (64 rows: 0.82x at 128 slots, 1.15x at 256, 2.2-3.7x
+at 512; 16 rows: 0.89x at 512, 1.21x at 1024), where they leave the CPU's caches. So ``auto`` turns it on
+when a prompt has two rows in the decode batch and those copies reach ``SHARED_PREFIX_MIN_KEY_BYTES``.
 """
 
 from __future__ import annotations
