@@ -2,7 +2,8 @@
 
 One process, one model, one set of prompts: the embedded decoder's two forwards
 (``generation.decode_impl=lean`` and ``=megatron``, through ``generation.Generator`` as the colocated
-rollout runs them) and vLLM (``rollout/vllm_engine.py``: ``VllmEngine`` built from the same Megatron
+rollout runs them; ``lean-plain``: the lean one with ``generation.shared_prefix_attention=off``, every row
+attending its own copy of its prompt's KV, where ``lean`` takes the job's default ``auto``) and vLLM (``rollout/vllm_engine.py``: ``VllmEngine`` built from the same Megatron
 weights, eager as the job runs it; ``vllm-compiled`` adds vLLM's compiled model). vLLM needs its own
 interpreter (on a CPU the venv of ``bash .ci/setup-vllm-venv``); the embedded engines run in either, so
 one run in the vLLM venv measures all three under the same load.
@@ -57,8 +58,12 @@ from megatron_gspo.runtime.sysinfo import load_avg, machine_info, package_versio
 
 from benchmarks.trl_side_by_side import SHAPES  # noqa: E402
 
-ENGINES = ("lean", "megatron", "vllm", "vllm-compiled")
-EMBEDDED = ("lean", "megatron")
+ENGINES = ("lean", "lean-plain", "megatron", "vllm", "vllm-compiled")
+EMBEDDED = ("lean", "lean-plain", "megatron")
+# an embedded engine's generation settings: lean as a job runs it (shared_prefix_attention=auto), lean-plain
+# with every row attending its own copy of the prompt's KV (off), megatron's path
+EMBEDDED_SETTINGS = {"lean": dict(decode_impl="lean"), "lean-plain": dict(decode_impl="lean", shared_prefix_attention="off"),
+                     "megatron": dict(decode_impl="megatron")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,14 +107,14 @@ def peak_rss_mb() -> float:
 
 
 class Embedded:
-    """The embedded decoder with one forward (``decode_impl``), a ``Generator`` kept across calls as the job keeps it."""
+    """The embedded decoder with one forward (``EMBEDDED_SETTINGS``), a ``Generator`` kept across calls as the job keeps it."""
 
     def __init__(self, impl: str, model, state, vocab_size: int) -> None:
         self.impl, self.model, self.state, self.vocab_size = impl, model, state, vocab_size
         self.generator = Generator(model, vocab_size=vocab_size, state=state)
 
     def generate(self, prompts, cfg: GenerationConfig):
-        cfg = dataclasses.replace(cfg, decode_impl=self.impl)
+        cfg = dataclasses.replace(cfg, **EMBEDDED_SETTINGS[self.impl])
         return generate(self.model, prompts, cfg, vocab_size=self.vocab_size, state=self.state, generator=self.generator)
 
     def close(self) -> None:
@@ -241,7 +246,7 @@ def parse_args(argv=None):
     if not args.prompt_lens or min(args.prompt_lens) < 1:
         p.error("--prompt-lens: positive prompt lengths")
     if args.engines == "auto":
-        args.engines = list(EMBEDDED) + (["vllm"] if vllm_available() else [])
+        args.engines = ["lean", "megatron"] + (["vllm"] if vllm_available() else [])
     else:
         args.engines = [e for e in args.engines.split(",") if e]
         bad = [e for e in args.engines if e not in ENGINES]

@@ -376,7 +376,8 @@ def test_lean_decoding_over_sharded_weights_gives_the_single_rank_rollouts(run_d
     """The lean decoder on TP / EP / TP x EP / expert-TP shards (and the 30B recipes' shape in small: TP 2 x
     EP 4 with expert-TP 1, the EP group spanning TP and data-parallel ranks) against one rank on the same
     weights: uniform and ragged prompts, greedy and sampled with rows ending apart and compaction, eager and
-    the graph-ready step; the same tokens, log-probs (2e-5) and R3 routes (global expert ids), every rank
+    the graph-ready step, and the sampled case with shared-prefix decode attention (eager; against the plain
+    one-rank decode); the same tokens, log-probs (2e-5) and R3 routes (global expert ids), every rank
     of a lockstep group stepping together (EP 2 on 4 ranks: two groups of 2, not the world), and at TP 2 x
     EP 2 one host sync per finished_check_interval decode steps. On 2 ranks the MoE dispatch gathers at
     most 6 tokens: the prefill and the decode steps go through the expert group in chunks."""

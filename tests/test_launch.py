@@ -654,8 +654,11 @@ def test_memory_arithmetic_by_hand():
     moe = tokens * 2 * h * 2 + 16384 * (h * 2 + 8 * 8 + h * 6) + 16384 * 8 / ep * 1.5 * pair
     step = 16 * 2 * h * 2 + 128 * (h * 2 + 8 * 8 + h * 6) + 128 * 8 * pair
     logits = 16 * V * (2 / tp + 8)
+    # shared-prefix decode attention (generation.shared_prefix_attention=auto): its prompt store, 16 rows / G = 8
+    # = 2 prompts x 1024 slots
+    store = L * 2 * 2 * 1024 * 128 * 2 * 2
     assert r["decoder"] == "lean" and moe > max(attn, step)
-    assert r["generation"] == pytest.approx((kv_cache + moe + logits) / gib)
+    assert r["generation"] == pytest.approx((kv_cache + moe + logits + store) / gib)
     megatron = mem.estimate_memory(load_job_config(str(RECIPE_DIR / "gspo_qwen3_30b_a3b_8xh100.yaml"),
                                                    ["generation.decode_impl=megatron"]), 8)
     assert megatron["decoder"] == "megatron" and megatron["generation"] > r["generation"]

@@ -26,6 +26,7 @@ ROLLOUT_CORRECTION_MODES = ("off", "tis", "mis", "icepop", "geo_mask", "seq_logp
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 DEVICES = ("auto", "cuda", "cpu")  # parallel.resolve_device
 DECODE_IMPLS = ("auto", "lean", "megatron")  # generation/decoder.py's make_backend
+SHARED_PREFIX_SETTINGS = ("auto", "on", "off")  # generation/shared_prefix.py's shared_prefix_pays
 TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")  # train.loggers; runtime/trackers builds each
 
 # The most extra generation rounds train.dynamic_sampling_max_rounds may allow in one step. DAPO's
@@ -184,6 +185,13 @@ class GenerationConfig:
     # decode_impl lean or auto where lean runs). Off by default: the captured step's agreement with
     # the eager one is checked by the preflight on each node first (docs/performance.md has the figures).
     cuda_graphs: bool = knob(False, resume=Resume.MAY_CHANGE)
+    # Shared-prefix ("cascade") decode attention in the lean decoder: a prompt's samples read its prompt
+    # block's KV once per decode step (one block per prompt, not a copy per sample) and their own generated
+    # tokens separately, the two softmaxes merged exactly (megatron_gspo/generation/shared_prefix.py). Tokens
+    # equal the plain step's, log-probs to rounding. "auto": on where it pays on the CPU measured (the decode
+    # batch's copies of the prompt keys per layer >= 3 MiB: shared_prefix.SHARED_PREFIX_MIN_KEY_BYTES), never
+    # with cuda_graphs (its captured shapes cannot follow a call's prompts); "on" / "off" force it.
+    shared_prefix_attention: str = knob("auto", resume=Resume.MAY_CHANGE, choices=SHARED_PREFIX_SETTINGS)
 
     def __post_init__(self) -> None:
         validate(self, "generation")
@@ -195,6 +203,12 @@ class GenerationConfig:
         check(not (self.max_batch_rows and self.decode_impl == "megatron"),
               f"generation.max_batch_rows={self.max_batch_rows} refills the lean decoder's batch; use "
               "generation.decode_impl=auto or lean, or max_batch_rows=0")
+        check(not (self.shared_prefix_attention == "on" and self.cuda_graphs),
+              "generation.shared_prefix_attention=on with generation.cuda_graphs=true: a captured decode step cannot "
+              "follow a call's prompt count; use shared_prefix_attention=auto or off")
+        check(not (self.shared_prefix_attention == "on" and self.decode_impl == "megatron"),
+              "generation.shared_prefix_attention=on is the lean decoder's decode attention; use "
+              "generation.decode_impl=auto or lean, or shared_prefix_attention=auto")
 
     @property
     def greedy(self) -> bool:

@@ -42,6 +42,11 @@ back-end only) prefills into a prompt store and lets rows join the cache as othe
     admit(rows, src, left_pad)     cache rows ``rows`` take store rows ``src``'s prompt KV and ``left_pad``
     decode_at(tokens [b], slots [b], kv_len) -> logits [b, V]: each cache row fed at its own KV slot
 
+Shared-prefix decode attention (generation.shared_prefix_attention, the lean back-end; shared_prefix.py): after
+``prefill_to_store``, ``share_prefix(cells, store_left_pad)`` makes the decode steps read each prompt's KV from
+the store once per prompt (``share`` / ``admit`` then name each cache row's store row instead of copying);
+``shares_prefix(setting, rows, prompt_slots, cells)`` says whether a call does (the rule of ``auto``).
+
 KV kept across calls (a multi-turn row's next turn: generator.py, "KV kept across turns"): a back-end with
 ``resumes`` (the lean one) keeps its cache past a call made with ``keep``, and starts a call made with
 ``carry`` = (src, delta) from it (cache row r: the kept row src[r], shifted delta[r] slots right).
@@ -96,6 +101,14 @@ class DecodeBackend:
     def decode_at(self, tokens: torch.Tensor, slots: torch.Tensor, kv_len: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def shares_prefix(self, setting: str, rows: int, prompt_slots: int, cells: int) -> bool:
+        """Whether this call's decode steps read each prompt's KV once (generation.shared_prefix_attention; the
+        lean back-end only): ``rows`` in the decode batch, ``cells`` the most of them of one prompt."""
+        return False
+
+    def share_prefix(self, cells: int, store_left_pad: torch.Tensor) -> None:
+        raise NotImplementedError
+
 
 class LeanBackend(DecodeBackend):
     """A lean_decoder.LeanDecoder (kept across generations by generation.Generator) behind the interface, for
@@ -146,6 +159,15 @@ class LeanBackend(DecodeBackend):
 
     def decode_at(self, tokens, slots, kv_len):
         return self.dec.decode_at(tokens, slots, kv_len)
+
+    def shares_prefix(self, setting, rows, prompt_slots, cells):
+        from megatron_gspo.generation.shared_prefix import shared_prefix_pays
+
+        d = self.dec  # the plain step reads every row's copy of the prompt block's keys: this rank's KV groups
+        return shared_prefix_pays(setting, rows * d.ng * prompt_slots * d.hn * d.dtype.itemsize, cells, d.graphs)
+
+    def share_prefix(self, cells, store_left_pad):
+        self.dec.share_prefix(cells, store_left_pad)
 
 
 def _device_moes(m) -> list:

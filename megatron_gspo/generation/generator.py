@@ -58,6 +58,14 @@ One prefill per prompt
     ``GenerationOutput.prefill_tokens`` counts the prompt tokens prefilled (the distinct prompts' own
     tokens, without padding): perf/prefill_tokens.
 
+Shared-prefix decode attention (``generation.shared_prefix_attention``: the lean decoder)
+    Where it is on (``auto``: shared_prefix.shared_prefix_pays, the rule measured on this CPU) the prefill goes
+    to the back-end's prompt store (``prefill_to_store``) and nothing is copied: every decode step reads each
+    prompt's KV once for its rows (shared_prefix.py: the rows' queries in one GEMM per prompt, each row's own
+    generated slots apart, the two softmaxes merged exactly). A call that keeps its KV (``keep_kv``) still copies
+    the prompt into its rows (the next turn resumes on them); a resumed call has no shared prompt. The tokens
+    are those of the plain step, the log-probs equal to rounding (tests/test_shared_prefix.py).
+
 KV kept across turns (multi-turn rows: rollout/multiturn.py)
     A call with ``keep_kv`` leaves its KV cache in the lean decoder and returns ``kept`` (KeptRows): each
     row's cache row, left padding and the count of its leading tokens whose keys and values the cache
@@ -655,6 +663,7 @@ class _LeftPaddedGrid:
         src = torch.cat([torch.as_tensor(of_prompt, dtype=torch.long).repeat_interleave(G),
                          torch.tensor(fill, dtype=torch.long)])
         self.shared = not (Bp == B and torch.equal(src, torch.arange(B)))
+        self.most_rows_per_prompt = int(torch.bincount(src).max()) if B else 0  # of one prefill row (host-side)
         self.src = src.to(device)
         self.pre_tokens = pre.to(device)
         self.pre_left_pad = P - pre_lens.to(device)
@@ -846,10 +855,22 @@ class _Decoding:
         self.notify(backend, 0, "prefill")
         return self.pick(logits, 0)
 
-    def prefill_logits(self, backend) -> torch.Tensor:
-        """[B, vocab] each row's first logits; the cache rows hold their prompts' KV."""
+    def prefix_cells(self, backend, rows: int) -> int:
+        """The cells of a prompt's block of queries when this call's ``rows`` decode rows read each prompt's KV once
+        (generation.shared_prefix_attention: the back-end's rule), else 0."""
         g = self.grid
-        logits = backend.prefill(g.pre_tokens, g.pre_positions[:, :g.P], g.prefill_mask())[:, :self.vocab_size]
+        cells = min(rows, g.most_rows_per_prompt)
+        return cells if g.shared and backend.shares_prefix(self.cfg.shared_prefix_attention, rows, g.P, cells) else 0
+
+    def prefill_logits(self, backend) -> torch.Tensor:
+        """[B, vocab] each row's first logits; the cache rows hold their prompts' KV (or, with shared-prefix
+        attention, read them from the back-end's prompt store)."""
+        g = self.grid
+        cells = self.prefix_cells(backend, g.B)
+        forward = backend.prefill_to_store if cells else backend.prefill
+        logits = forward(g.pre_tokens, g.pre_positions[:, :g.P], g.prefill_mask())[:, :self.vocab_size]
+        if cells:
+            backend.share_prefix(cells, g.pre_left_pad)
         if g.shared:  # every row's cache and first logits from its prompt's prefill row
             backend.share(g.src, g.P)
             logits = logits[g.src]
@@ -1015,6 +1036,9 @@ class _Refill(_Decoding):
     def prefill_logits(self, backend) -> torch.Tensor:
         g = self.grid
         logits = backend.prefill_to_store(g.pre_tokens, g.pre_positions[:, :g.P], g.prefill_mask())
+        cells = self.prefix_cells(backend, self.b)
+        if cells:  # admit names each cache row's store row rather than copying its prompt's KV
+            backend.share_prefix(cells, g.pre_left_pad)
         return logits[:, :self.vocab_size][g.src]
 
     def seat(self, backend) -> torch.Tensor:

@@ -39,6 +39,14 @@ One decoder per job
     caches live for one generation, or, for a multi-turn row's turns, from one to the next (``begin``'s
     ``keep`` and ``carry``; ``extend`` prefills a turn's new tokens onto them; ``release`` frees them).
 
+Shared-prefix decode attention (``share_prefix``; generation.shared_prefix_attention)
+    The G rows of a prompt hold the same prompt block. With the prompts prefilled into the prompt store
+    (``prefill_to_store``), ``share_prefix`` makes the decode steps read each prompt's keys and values once
+    (shared_prefix.shared_prefix_attention: each cache row names its store row, ``prefix_row``, and its cell
+    among that row's queries, ``prefix_cell``; compaction and ``admit`` move them with the rows) and each row's
+    own slots from the prompt block's end on, merging the two softmaxes exactly. Eager and static steps; a
+    captured one never shares (its shapes cannot follow a call's prompt count).
+
 Routes (R3 and the routing metrics): with ``record_routes`` each forward also writes every layer's
 top-k expert ids ([b, s, k], the router's own routing map) into a buffer, so a replayed graph
 records them too; ``last_routes()`` hands them to generation's ``on_forward`` callback.
@@ -91,6 +99,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from megatron_gspo.config.rules import LEAN_MOE_GATHER_TOKENS, lean_decode_limit
 from megatron_gspo.generation.groups import DecodeGroups
+from megatron_gspo.generation.shared_prefix import prefix_cells, shared_prefix_attention
 from megatron_gspo.runtime import comm
 
 log = logging.getLogger("megatron_gspo")
@@ -534,9 +543,8 @@ class LeanDecoder:
         if reason is not None:
             raise ValueError(f"generation.decode_impl=lean does not support {reason}")
         self.m, self.cfg = m, m.config
-        cfg = self.cfg
         self.groups = groups or DecodeGroups()
-        self.groups.check(cfg)
+        self.groups.check(self.cfg)
         self.tp_group = self.groups.tp
         self.layers = list(m.decoder.layers)
         att = self.layers[0].self_attention
@@ -551,10 +559,8 @@ class LeanDecoder:
         self.cos = self.sin = None
         self.batch = self.max_slots = 0
         self._allocate(batch, max_slots, max_position)
-        self.moe = []
-        for layer in self.layers:
-            ok = device_moe_unsupported(layer.mlp) is None
-            self.moe.append(DeviceMoE(layer.mlp, self.groups.expert) if ok else None)
+        self.moe = [DeviceMoE(layer.mlp, self.groups.expert) if device_moe_unsupported(layer.mlp) is None else None
+                    for layer in self.layers]
         # each layer's norms as functions (local modules called; TE's computed here, see norm_op)
         self.norms = []
         for layer in self.layers:
@@ -582,7 +588,9 @@ class LeanDecoder:
         self._hooks = True
         self.routes: Optional[torch.Tensor] = None
         self._prefill_routes: list[torch.Tensor] = []
-        self.store_k = self.store_v = None  # the prompt store of a refilled generation (prefill_to_store)
+        # the prompt store (prefill_to_store); shared-prefix decode attention off (share_prefix: its cells, its bias)
+        self.store_k = self.store_v = self.prefix_bias = None
+        self.prefix_cells = 0
         self._set_record_routes(record_routes)
         self._weights = self._weight_addresses()
         self.keep = False  # this generation's KV caches outlive it (begin's ``keep``)
@@ -681,6 +689,7 @@ class LeanDecoder:
         ``keep``: the next generation carries them over (``begin``'s ``carry``), or ``release`` frees them. The
         prompt store (``prefill_to_store``) is always freed."""
         self.store_k = self.store_v = None
+        self.prefix_cells, self.prefix_bias = 0, None
         if not self.graphs and not keep:
             self.k = self.v = None
 
@@ -731,6 +740,17 @@ class LeanDecoder:
         scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(self.scale).add_(bias)  # [b, ng, np/ng, L]
         return torch.matmul(scores.softmax(dim=-1), v).reshape(b, self.np, 1, hn)
 
+    def _attend_shared(self, i: int, q: torch.Tensor, kv_len: int, bias: torch.Tensor) -> torch.Tensor:
+        """A decode step's attention of layer i with the prompt block read once per prompt: q [n, np, 1, hn],
+        bias [n, 1, 1, kv_len] (the rows' masks) -> [n, np, 1, hn]. The prompt's KV is the store's
+        (``prefill_to_store``), each row's generated suffix its cache row's slots P .. kv_len-1."""
+        n, P = q.shape[0], self.store_k[i].shape[2]
+        ctx = shared_prefix_attention(
+            q[:, :, 0], self.store_k[i], self.store_v[i], self.k[i][:n, :, P:kv_len], self.v[i][:n, :, P:kv_len],
+            self.prefix_row[:n], self.prefix_cell[:n], self.prefix_cells, scale=self.scale,
+            prefix_bias=self.prefix_bias, suffix_bias=bias[:, 0, 0, P:])
+        return ctx[:, :, None]
+
     def _mlp(self, i: int, layer, x: torch.Tensor, routes_out: Optional[torch.Tensor], prefill: bool) -> torch.Tensor:
         """The layer's MLP on x [s, b, h]; its top-k expert ids [b, s, k] go to ``routes_out`` (a
         buffer view, decode) or the prefill list (``routes_out`` None) when routes are recorded."""
@@ -780,7 +800,11 @@ class LeanDecoder:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hn]
             write(self.k[i], self._rope(k, cos, sin))
             write(self.v[i], v)
-            ctx = self._attend(self._rope(q, cos, sin), self.k[i][:b, :, :kv_len], self.v[i][:b, :, :kv_len], bias)
+            q = self._rope(q, cos, sin)
+            if self.prefix_cells and not prefill:  # a decode step over the shared prompt store (shared_prefix.py)
+                ctx = self._attend_shared(i, q, kv_len, bias)
+            else:
+                ctx = self._attend(q, self.k[i][:b, :, :kv_len], self.v[i][:b, :, :kv_len], bias)
             ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
             out = F.linear(ctx, att.linear_proj.weight)
             if self.tp_group is not None:
@@ -956,8 +980,17 @@ class LeanDecoder:
 
     def share(self, src: torch.Tensor, length: int) -> None:
         """After a prefill of the distinct prompts (cache rows 0 .. Bp-1): cache row r takes prefill row
-        ``src[r]``'s keys and values of slots 0 .. length-1 (the prompt block), for the src.numel() rows."""
+        ``src[r]``'s keys and values of slots 0 .. length-1 (the prompt block), for the src.numel() rows.
+        With shared-prefix attention (``share_prefix``) the rows read the prompt store instead: row r's
+        prefix row is src[r], and its KV is copied only where the caches outlive the call (``keep``: the next
+        turn's history)."""
         n = src.numel()
+        if self.prefix_cells:
+            self.prefix_row[:n] = src
+            self.prefix_cell[:n] = prefix_cells(src)
+            if self.keep:
+                self._copy_prompts(self.row_ids[:n], src)
+            return
         for k, v in zip(self.k, self.v):
             k[:n, :, :length] = k[src, :, :length]
             v[:n, :, :length] = v[src, :, :length]
@@ -978,12 +1011,40 @@ class LeanDecoder:
 
     def admit(self, rows: torch.Tensor, src: torch.Tensor, left_pad: torch.Tensor) -> None:
         """Cache rows ``rows`` [n] take prompt-store rows ``src`` [n] (slots 0 .. s-1: the prompt block) and
-        the left padding [n] of the rows that join the decode batch there."""
+        the left padding [n] of the rows that join the decode batch there. With shared-prefix attention the
+        rows read the store's row instead (their prefix row, and a cell among the batch's rows of it)."""
+        self.left_pad[rows] = left_pad
+        if self.prefix_cells:
+            self.prefix_row[rows] = src
+            # every cache row renumbered: the batch's rows come first, so their cells are ranks among themselves
+            # (< cells), whatever rows a compaction left behind them
+            self.prefix_cell.copy_(prefix_cells(self.prefix_row))
+        else:
+            self._copy_prompts(rows, src)
+
+    def _copy_prompts(self, rows: torch.Tensor, src: torch.Tensor) -> None:
+        """Cache rows ``rows`` [n] take prompt-store rows ``src``'s KV (slots 0 .. s-1)."""
         s = self.store_k[0].shape[2]
         for k, v, sk, sv in zip(self.k, self.v, self.store_k, self.store_v):
             k[rows, :, :s] = sk[src]
             v[rows, :, :s] = sv[src]
-        self.left_pad[rows] = left_pad
+
+    def share_prefix(self, cells: int, store_left_pad: torch.Tensor) -> None:
+        """Decode this generation with shared-prefix attention (shared_prefix.py): after ``prefill_to_store``, the
+        rows read their prompt's KV from the store (``share`` / ``admit`` name each row's store row) and their
+        own cache slots from the prompt block's end on. cells: the most cache rows of one prompt at once;
+        store_left_pad [Bp]: each store row's left padding (its slots below it are never attended)."""
+        if self.graphs:
+            raise ValueError("generation.shared_prefix_attention: a captured decode step cannot follow a call's "
+                             "prompt count; use shared_prefix_attention=off or auto with cuda_graphs=true")
+        if self.store_k is None:
+            raise ValueError("lean decode: share_prefix needs the prompts prefilled into the store (prefill_to_store)")
+        P = self.store_k[0].shape[2]
+        self.prefix_cells = cells
+        self.prefix_row = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        self.prefix_cell = torch.zeros_like(self.prefix_row)
+        masked = self.slot_ids[None, :P] < store_left_pad[:, None]
+        self.prefix_bias = self._bias(masked, self.dtype)  # [Bp, P]
 
     def compact(self, order: torch.Tensor, keep: int) -> None:
         """Move cache rows ``order[:keep]`` to the front (generation's finished-row compaction). A generation
@@ -995,9 +1056,13 @@ class LeanDecoder:
                 k[at] = k[order[at]]
                 v[at] = v[order[at]]
             self.left_pad[at] = self.left_pad[order[at]]
+            if self.prefix_cells:
+                self.prefix_row[at], self.prefix_cell[at] = self.prefix_row[order[at]], self.prefix_cell[order[at]]
             return
         idx = order[:keep]
         for k, v in zip(self.k, self.v):
             k[:keep] = k[idx]
             v[:keep] = v[idx]
         self.left_pad[:keep] = self.left_pad[idx]
+        if self.prefix_cells:  # distinct rows keep distinct cells of their prefix row
+            self.prefix_row[:keep], self.prefix_cell[:keep] = self.prefix_row[idx], self.prefix_cell[idx]

@@ -56,7 +56,9 @@ What is counted, and how megatron_gspo actually holds it (model.py / optim.py / 
                max_prompt_length + max_new_tokens - 1 slots, with env.name max_prompt_length +
                env.max_response_tokens - 1: a conversation's KV is kept to its last turn; kv_heads / TP; with
                generation.max_batch_rows below the batch, that many rows, plus a prompt store of
-               max_prompt_length slots per row, live while generating), plus the larger of one
+               max_prompt_length slots per row, live while generating; else, with
+               generation.shared_prefix_attention auto or on and G > 1, a prompt store of
+               max_prompt_length slots per prompt), plus the larger of one
                prefill layer (attention on this rank's heads; the MoE dispatch over the expert-TP x
                EP group in chunks of LEAN_MOE_GATHER_TOKENS gathered tokens: gathered tokens, pairs,
                fp32 partial outputs) and one decode step (the capacity-padded pairs), plus the
@@ -190,20 +192,23 @@ def _lean_moe_bytes(m, tokens: int, ep: int, etp: int, w_bytes: int, imbalance: 
 
 
 def _lean_generation_bytes(m, rows_local: int, seq: int, prompt_len: int, layers: int, tp: int, ep: int, etp: int,
-                           w_bytes: int, imbalance: float, batch_rows: int = 0) -> tuple[float, float]:
+                           w_bytes: int, imbalance: float, batch_rows: int = 0,
+                           shared_prompts: int = 0) -> tuple[float, float]:
     """(KV cache, the larger of one prefill layer's and one decode step's live tensors) of the lean decoder
     over this rank's TP / EP / expert-TP shards: a KV cache of roped keys for this rank's query groups,
     prompt block + max_new_tokens - 1 slots; the prefill's attention on this rank's heads; the MoE
     dispatches (``_lean_moe_bytes``); the last position's vocab-parallel logits gathered over TP (fp32 for
     the sampler). batch_rows: generation.max_batch_rows (0: none): the KV cache and the decode step hold
     that many rows at most, and the prompt store of the refilled batch (each prompt's KV, prompt_len slots,
-    counted for every row: at most one prompt per row) lives for the generation."""
+    counted for every row: at most one prompt per row) lives for the generation. shared_prompts: the prompts whose
+    KV shared-prefix decode attention keeps in that store (generation.shared_prefix_attention; 0: none); the cache
+    rows keep their slots, so the store adds that many prompts' prompt_len slots (the refilled store holds them)."""
     kv_heads_local = max(1, m.num_query_groups // tp)
     per_slot = layers * 2 * kv_heads_local * m.kv_channels * w_bytes
     refill = 0 < batch_rows < rows_local
     cache_rows = batch_rows if refill else rows_local
     kv_cache = per_slot * cache_rows * (seq - 1)
-    store = per_slot * rows_local * prompt_len if refill else 0
+    store = per_slot * (rows_local if refill else shared_prompts) * prompt_len
     h = m.hidden_size
     q, kvd = m.num_attention_heads * m.kv_channels / tp, m.num_query_groups * m.kv_channels / tp
     tokens = rows_local * prompt_len
@@ -222,9 +227,13 @@ def _decoder_bytes(job_cfg, rows_local: int, seq: int, layers: int, w_bytes: int
 
     m, par, prompt = job_cfg.model, job_cfg.parallel, job_cfg.data.max_prompt_length
     tp, ep, etp = par.tensor_model_parallel_size, par.expert_model_parallel_size, par.etp
-    if job_cfg.generation.decode_impl != "megatron" and lean_decode_config_limit(job_cfg) is None:
+    gen = job_cfg.generation
+    if gen.decode_impl != "megatron" and lean_decode_config_limit(job_cfg) is None:
+        # shared-prefix attention (auto or on; never with cuda_graphs) keeps each prompt's KV in a store: G rows a prompt
+        shares = gen.shared_prefix_attention != "off" and not gen.cuda_graphs and gen.n_samples_per_prompt > 1
+        prompts = -(-rows_local // gen.n_samples_per_prompt) if shares else 0
         return ("lean", *_lean_generation_bytes(m, rows_local, seq, prompt, layers, tp, ep, etp, w_bytes, imbalance,
-                                                job_cfg.generation.max_batch_rows))
+                                                gen.max_batch_rows, prompts))
     return ("megatron", *_generation_bytes(m, rows_local, seq, prompt, layers, tp, w_bytes, imbalance))
 
 

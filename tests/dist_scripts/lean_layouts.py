@@ -19,6 +19,9 @@ every rank: the tokens, lengths and stop flags equal the reference rows', the lo
 (fp32), the recorded routes (global expert ids) equal the reference's, and the number of forwards is
 the same on every rank of the lockstep group.
 
+The ``sampled-shared`` case decodes with shared-prefix attention (generation.shared_prefix_attention=on: each
+prompt's KV read once by its rows, eager only) against the one-rank plain decode of ``sampled``.
+
 --gather-tokens N: the MoE dispatch gathers at most N tokens (config.rules.LEAN_MOE_GATHER_TOKENS), so the
 prefill's and the decode steps' dispatches go through in chunks.
 
@@ -56,6 +59,7 @@ VOCAB = 100
 G = 2  # samples per prompt
 PROMPTS = {"uniform": (6, 6, 6, 6, 6), "ragged": (5, 2, 9, 1, 6)}
 # (tp, ep, etp) of each layout
+SHARED = "sampled-shared"  # a case whose reference is the one-rank "sampled" (shared_prefix_attention=off)
 LAYOUTS = {"tp2": (2, 1, 2), "ep2": (1, 2, 1), "etp2": (1, 1, 2), "tp2ep2": (2, 2, 2), "tp2ep4etp1": (2, 4, 1)}
 
 
@@ -72,10 +76,13 @@ def prompts(kind):
 def gen_configs(stops):
     """The cases: greedy (full length) and sampled, with stop tokens (rows end apart) and compaction."""
     common = dict(n_samples_per_prompt=G, decode_impl="lean", seed=3)
+    sampled = GenerationConfig(max_new_tokens=12, temperature=1.0, stop_token_ids=stops, compact_finished_rows=0.25,
+                               finished_check_interval=2, shared_prefix_attention="off", **common)
     return {"greedy": GenerationConfig(max_new_tokens=8, temperature=0.0, n_samples_per_prompt=1,
                                        decode_impl="lean"),
-            "sampled": GenerationConfig(max_new_tokens=12, temperature=1.0, stop_token_ids=stops,
-                                        compact_finished_rows=0.25, finished_check_interval=2, **common)}
+            "sampled": sampled,
+            # shared-prefix decode attention on the shards against the one-rank plain ("sampled") reference
+            SHARED: dataclasses.replace(sampled, shared_prefix_attention="on")}
 
 
 def build(cfg, tp, ep, etp):
@@ -125,7 +132,9 @@ def reference(cfg, ckpt):
     ref["stops"] = torch.bincount(free.tokens[free.response_mask], minlength=VOCAB).topk(2).indices.tolist()
     for kind in PROMPTS:
         for name, gcfg in gen_configs(ref["stops"]).items():
-            ref[kind, name] = run(model, st, prompts(kind), gcfg, range(5))
+            if name != SHARED:
+                ref[kind, name] = run(model, st, prompts(kind), gcfg, range(5))
+        ref[kind, SHARED] = ref[kind, "sampled"]
     lengths = ref["ragged", "sampled"][0].response_lengths
     if not (lengths.min() < lengths.max()):
         fail(f"the reference's rows all end together ({lengths.tolist()}): pick other stop tokens")
@@ -161,6 +170,9 @@ def compare(tag, got, want, rows, g):
     return diff
 
 
+shared_calls: list = []  # the lean decoder's calls of shared_prefix_attention (counted: main)
+
+
 def check(cfg, ckpt, ref, tag):
     tp, ep, etp = LAYOUTS[tag]
     model, st = build(cfg, tp, ep, etp)
@@ -175,9 +187,12 @@ def check(cfg, ckpt, ref, tag):
     worst = compare(f"{tag} auto", run(model, st, prompts("uniform"), auto, rows), ref["uniform", "greedy"], rows, 1)
     for kind in PROMPTS:
         for name, gcfg in gen_configs(ref["stops"]).items():
-            for graphs in (False, True):
+            for graphs in (False,) if name == SHARED else (False, True):  # (captured steps do not share: config)
                 case = f"{tag} {kind} {name} {'graph-ready' if graphs else 'eager'}"
+                shared_calls.clear()
                 got = run(model, st, prompts(kind), gcfg, rows, graphs=graphs)
+                if (name == SHARED) != bool(shared_calls):
+                    fail(f"{case}: {len(shared_calls)} decode attentions shared the prompt's KV")
                 worst = max(worst, compare(case, got, ref[kind, name], rows, gcfg.n_samples_per_prompt))
                 if graphs and not StandInGraph.captures:
                     fail(f"{case}: no decode step was captured")
@@ -223,6 +238,8 @@ def main():
     a = ap.parse_args()
     if a.gather_tokens:
         lean_decoder.LEAN_MOE_GATHER_TOKENS = a.gather_tokens
+    real = lean_decoder.shared_prefix_attention
+    lean_decoder.shared_prefix_attention = lambda *args, **kw: shared_calls.append(1) or real(*args, **kw)
     cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=0.0, vocab_size=VOCAB)
     ckpt = os.path.join(a.dir, "weights")
     ref = reference(cfg, ckpt)
