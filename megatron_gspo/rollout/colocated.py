@@ -258,9 +258,10 @@ class ColocatedSource:
 
 
 def _vllm_engine(cfg, state, model, gen_cfg):
-    """The job's vLLM engine (rollout.engine=vllm; colocated, or a rollout rank's of an async job), sized for the longest prompt and response (a multi-turn row's:
-    its whole conversation), with the rollout.vllm.* settings: this rank's shard of its TP group's engine
-    (vllm_engine.engine_layout_args); each DP replica generates its own rows (local_rows)."""
+    """The job's vLLM engine (rollout.engine=vllm; colocated, or a rollout rank's of an async job), sized for the
+    longest prompt and response (a multi-turn row's: its whole conversation), with the rollout.vllm.* settings:
+    this rank's shard of its TP group's engine (vllm_engine.engine_layout_args); each DP replica generates its
+    own rows (local_rows)."""
     from megatron_gspo.config.rules import env_response_budget
     from megatron_gspo.rollout.vllm_engine import VllmEngine, engine_args_of
 
