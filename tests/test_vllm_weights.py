@@ -118,6 +118,11 @@ R3 = ["loss.name=grpo", "train.routing_replay=R3"]
      r"train.routing_replay=R3 with rollout.engine=vllm at parallel.tensor_model_parallel_size=2: vLLM returns the "
      r"routes on the first rank of its TP group only"),
     (["train.old_logprobs=rollout"], r"train.old_logprobs=rollout with rollout.engine=vllm"),
+    (["parallel.device=cpu", "rollout.vllm.sleep_level=1"],
+     r"rollout.vllm.sleep_level=1 on the CPU: vLLM's sleep mode needs a GPU"),
+    (["parallel.device=cuda", "rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0",
+      "rollout.vllm.sleep_level=2"],
+     r"rollout.vllm.sleep_level=2 with rollout.mode=async: the rollout ranks' engines never make room"),
 ])
 def test_what_the_vllm_engine_does_not_run_is_refused_by_key(overrides, match):
     from megatron_gspo.config import ConfigError, load_job_config
@@ -158,6 +163,22 @@ def test_the_vllm_engine_takes_tp_and_ep_layouts(layout):
     assert load_job_config(None, ["rollout.engine=vllm", *layout]).rollout.engine == "vllm"
 
 
+@pytest.mark.parametrize("overrides, device, level", [
+    ([], "cuda", 2), ([], "cpu", 0),  # null: a colocated engine on a GPU sleeps; vLLM has no sleep mode on a CPU
+    (["rollout.mode=async", "rollout.world_size=1", "rollout.max_staleness=0"], "cuda", 0),  # a rollout rank does not train
+    (["rollout.vllm.sleep_level=1"], "cuda", 1), (["rollout.vllm.sleep_level=0"], "cuda", 0)])
+def test_the_engine_sleeps_between_generations_where_training_takes_its_memory(overrides, device, level):
+    """rollout.vllm.sleep_level's null, resolved on the rank's device (rollout/colocated.py _sleep_level; what
+    a level does to the engine: tests/vllm/test_vllm_engine.py)."""
+    import types
+
+    from megatron_gspo.config import load_job_config
+    from megatron_gspo.rollout.colocated import _sleep_level
+
+    cfg = load_job_config(None, ["rollout.engine=vllm", f"parallel.device={device}", *overrides])
+    assert _sleep_level(cfg, types.SimpleNamespace(device=torch.device(device))) == level
+
+
 def test_the_default_engine_is_megatron_and_vllm_recomputes_the_old_log_probs():
     from megatron_gspo.config import load_job_config, old_logprob_source
 
@@ -195,7 +216,8 @@ def test_a_vllm_job_without_vllm_says_how_to_get_it(tmp_path):
 @pytest.mark.parametrize("key, why", [("seed", "generation.seed"), ("max_model_len", "data.max_prompt_length"),
                                       ("kv_cache_memory_bytes", "rollout.vllm.kv_cache_memory_gib"),
                                       ("enforce_eager", "rollout.vllm.enforce_eager"), ("model", "the job's model"),
-                                      ("enable_return_routed_experts", "train.routing_replay=R3")])
+                                      ("enable_return_routed_experts", "train.routing_replay=R3"),
+                                      ("enable_sleep_mode", "rollout.vllm.sleep_level")])
 def test_engine_args_the_engine_sets_itself_are_refused_in_one_line(key, why):
     from megatron_gspo.config import ConfigError, load_job_config
 

@@ -33,6 +33,7 @@ VLLM_OWNED_ARGS = {
     "tensor_parallel_size": "parallel.tensor_model_parallel_size: one engine per trainer TP group",
     "distributed_executor_backend": "the job's torchrun world (external_launcher under torchrun)",
     "enable_return_routed_experts": "train.routing_replay=R3 (the routes R3 replays)",
+    "enable_sleep_mode": "rollout.vllm.sleep_level",
 }
 
 
@@ -53,6 +54,12 @@ class VllmConfig:
     # On a CPU block_size defaults to 32 (vLLM's CPU default, 128, is longer than a short prompt: the prefix
     # cache shares whole blocks only).
     engine_args: dict = knob(default_factory=dict, resume=Resume.MAY_CHANGE)
+    # Between two generations the engine gives its GPU memory back to training (vLLM's sleep mode): 1 moves
+    # its weights to host memory and drops the KV cache, 2 drops both (every generation starts with a weight
+    # sync anyway, so nothing is lost: the default on a GPU), 0 keeps the engine resident. null: 2 for a
+    # colocated engine on a GPU, 0 elsewhere (vLLM has no sleep mode on a CPU; an async job's rollout ranks
+    # do not train). rollout/vllm_engine.py VllmEngine.rest.
+    sleep_level: Optional[int] = knob(None, resume=Resume.MAY_CHANGE, choices=(None, 0, 1, 2))
 
     def __post_init__(self) -> None:
         validate(self, "rollout.vllm")

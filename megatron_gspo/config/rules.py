@@ -409,6 +409,13 @@ def vllm_engine_limits(job) -> None:
     check(t.old_logprobs != "rollout",
           "train.old_logprobs=rollout with rollout.engine=vllm: the engine's log-probs are the behaviour policy's "
           "under other numerics; the trainer recomputes the old policy's (train.old_logprobs=auto or recompute)")
+    level = job.rollout.vllm.sleep_level
+    check(not level or job.parallel.device != "cpu",
+          f"rollout.vllm.sleep_level={level} on the CPU: vLLM's sleep mode needs a GPU (its CuMem allocator); use "
+          "rollout.vllm.sleep_level=0 or null")
+    check(not level or not job.rollout.is_async,
+          f"rollout.vllm.sleep_level={level} with rollout.mode=async: the rollout ranks' engines never make room for "
+          "training (those ranks do not train); use rollout.vllm.sleep_level=0 or null")
     # TP / EP / DP layouts run: one engine per trainer TP group (rollout.mode=async: per rollout TP group), each
     # DP replica its own rows (rollout/vllm_engine.py engine_layout_args)
 

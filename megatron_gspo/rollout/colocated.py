@@ -215,6 +215,7 @@ class ColocatedSource:
         if sync is not None:
             stats = {**stats, **_engine_stats(self.engine, sync)}
             self.generator.stale = True  # the step's updates follow: an evaluation after them syncs first
+            self.engine.rest()  # (rollout.vllm.sleep_level) the step's training gets the engine's GPU memory
         return self._global_batch(picks, pool, stats, R, G)
 
     def _global_batch(self, picks: list, pool: RolloutRecord, stats: dict, R: int, G: int) -> RolloutRecord:
@@ -271,7 +272,17 @@ def _vllm_engine(cfg, state, model, gen_cfg):
         args["async_scheduling"] = False  # no step may still be running then (vLLM's async scheduling runs ahead)
     return VllmEngine(model, state, cfg.model, seed=gen_cfg.seed, bucket_mb=int(cfg.rollout.weight_sync_bucket_mb),
                       max_model_len=cfg.data.max_prompt_length + response, engine_args=args,
-                      return_routes=cfg.train.routing_replay == "R3")
+                      return_routes=cfg.train.routing_replay == "R3", sleep_level=_sleep_level(cfg, state))
+
+
+def _sleep_level(cfg, state) -> int:
+    """rollout.vllm.sleep_level, null resolved: 2 for a colocated engine on a GPU (its memory goes back to
+    training between generations, and each generation starts with a weight sync), else 0 (no sleep mode on a
+    CPU; an async rollout rank does not train)."""
+    level = cfg.rollout.vllm.sleep_level
+    if level is None:
+        level = 2 if state.device.type == "cuda" and not cfg.rollout.is_async else 0
+    return level
 
 
 def _engine_generator(engine):

@@ -205,11 +205,12 @@ class VllmEngine:
     trainer's TP size, the only one supported so far). ``return_routes``: the engine returns every sample's
     routes (vLLM's ``enable_return_routed_experts``, for R3; its V2 model runner, not on a CPU), kept as
     ``last_routes`` (rollout/vllm_routes.py: per row [n - 1, L, k], L = ``route_layers``, the model's MoE
-    layers)."""
+    layers). ``sleep_level``: vLLM's sleep mode level ``rest`` puts the engine to (0: it stays resident; 1 or 2
+    need a GPU, rollout.vllm.sleep_level)."""
 
     def __init__(self, model, state, model_cfg, *, seed: int = 0, bucket_mb: int = 64,
                  max_model_len: Optional[int] = None, engine_args: Optional[dict] = None,
-                 tensor_parallel_size: Optional[int] = None, return_routes: bool = False) -> None:
+                 tensor_parallel_size: Optional[int] = None, return_routes: bool = False, sleep_level: int = 0) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (module doc)
         try:
             from vllm import LLM
@@ -231,6 +232,8 @@ class VllmEngine:
         self.return_routes = return_routes
         self.route_layers = moe_layer_ids(hf_mapping(model_cfg).hf_config(None, self.dtype))
         self.last_routes: Optional[list[torch.Tensor]] = None  # the last generation's rows' routes (return_routes)
+        self.sleep_level = sleep_level
+        self.asleep = False  # rest() put the engine to sleep; the next sync or generation wakes it
         refusal = _cpu_attention_refusal(model_cfg)
         if refusal:
             raise ConfigError(refusal)
@@ -243,6 +246,8 @@ class VllmEngine:
                         enforce_eager=True, enable_prefix_caching=True)
             if return_routes:
                 args["enable_return_routed_experts"] = True
+            if sleep_level:
+                args["enable_sleep_mode"] = True
             args.update(_cpu_kv_cache(model_cfg, self.dtype, self.max_model_len))
             args.update(_cpu_block_size())
             args.update(_cpu_whole_prefills(self.max_model_len))
@@ -278,11 +283,36 @@ class VllmEngine:
                 n_buckets[0] += 1
                 yield from bucket
 
+        if self.asleep:  # the weights' memory first: the stream fills it; the KV cache's after (vLLM's RLHF order)
+            self.llm.wake_up(tags=["weights"])
         self.llm.apply_model(_unpad_cpu_moe)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs(), "is_checkpoint_format": True})
         self.llm.apply_model(_repack_cpu_moe)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self._reset_prefix_cache()
         return SyncStats(time.perf_counter() - t0, stream.bytes, stream.tensors, n_buckets[0])
+
+    def rest(self) -> None:
+        """Give the engine's GPU memory back between two generations (``sleep_level`` 1: its weights to host
+        memory, 2: dropped; its KV cache and prefix cache dropped either way), so that training has it; the next
+        sync or generation wakes it (``_awake``). Nothing at ``sleep_level`` 0."""
+        if self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+
+    def _awake(self) -> None:
+        """The engine ready to generate: at sleep level 2 its weights were dropped, so they come back through a
+        weight sync (the model's current weights, as they would at the next step anyway); at level 1 from host
+        memory."""
+        if not self.asleep:
+            return
+        if self.sleep_level == 2:
+            self.sync_weights()
+        else:
+            self.llm.wake_up()
+            self.asleep = False
 
     def _reset_prefix_cache(self) -> None:
         """Drop the prefix cache: its KV blocks were computed with the weights before a sync. Not while requests
@@ -373,6 +403,7 @@ class VllmEngine:
         VllmEngineError (naming the engine and the error) when the engine raises or dies."""
         if not requests:
             return []
+        self._awake()  # (rest)
         engine = self.llm.llm_engine
         self._calls += 1
         ids = [f"gspo-{self._calls}-{k}" for k in range(len(requests))]
@@ -447,6 +478,7 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         ids = _check_prompts(sequences, self.vocab_size)
+        self._awake()
         if self._stale_prefixes:
             self._reset_prefix_cache()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False, seed=0)

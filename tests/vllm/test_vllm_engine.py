@@ -270,3 +270,52 @@ def test_routes_for_r3_are_refused_by_vllm_on_the_cpu(job):
     cfg, model, st, engine = job
     with pytest.raises(ValueError, match=r"AuxOutput Connector requires Model Runner V2"):
         VllmEngine(model, st, cfg, return_routes=True, engine_args=dict(kv_cache_memory_bytes=32 << 20))
+
+
+class _SleepOnTheCpu:
+    """vLLM's LLM with its sleep mode as a GPU has it, on the CPU (where vLLM has none): ``sleep(level)`` leaves
+    the weights' memory unusable (zeroed: level 1 keeps a host copy that ``wake_up`` puts back, level 2 none),
+    and every sleep / wake_up call is recorded. The rest is the real engine."""
+
+    def __init__(self, llm) -> None:
+        self.llm, self.calls, self.kept = llm, [], None
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+    def sleep(self, level: int = 1) -> None:
+        self.calls.append(("sleep", level))
+        if level == 1:
+            self.kept = self.llm.apply_model(lambda m: [p.detach().clone() for p in m.parameters()])[0]
+        self.llm.apply_model(lambda m: [p.data.zero_() for p in m.parameters()])
+
+    def wake_up(self, tags=None) -> None:
+        self.calls.append(("wake_up", tags))
+        if self.kept is not None and tags in (None, ["weights"]):
+            kept, self.kept = self.kept, None
+            self.llm.apply_model(lambda m: [p.data.copy_(k) for p, k in zip(m.parameters(), kept)])
+
+
+@pytest.mark.parametrize("level, calls", [
+    (2, [("sleep", 2), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]),  # weights dropped: synced back
+    (1, [("sleep", 1), ("wake_up", None)])])  # weights kept on the host: put back as they were
+def test_an_engine_put_to_sleep_wakes_with_the_models_weights(job, level, calls):
+    """rollout.vllm.sleep_level (a colocated engine on a GPU gives its memory back to training between
+    generations): after ``rest`` the next generation samples from the model's weights again; at level 2 they come
+    back through a weight sync (the engine's own were dropped), at level 1 from the engine's host copy. Without
+    the wake-up the engine would sample from the lost (here: zeroed) weights."""
+    cfg, model, st, engine = job
+    seqs = _batch()
+    engine.sync_weights()  # (an earlier test may have moved the model)
+    llm, engine.llm, engine.sleep_level = engine.llm, _SleepOnTheCpu(engine.llm), level
+    try:
+        engine.rest()
+        engine.rest()  # asleep already: nothing more
+        assert llm.apply_model(lambda m: max(float(p.abs().max()) for p in m.parameters() if p.numel())) == [0.0]
+        gc = GenerationConfig(max_new_tokens=6, n_samples_per_prompt=2, temperature=1.0, pad_token_id=0)
+        out = engine.generate(seqs, gc, seed=7)
+        assert engine.llm.calls == calls and not engine.asleep
+        assert sampled_logprob_diff(model, out) < TOL
+        assert max_diff(engine.prompt_logprobs(seqs), megatron_logprobs(model, seqs)) < TOL
+    finally:
+        engine.llm, engine.sleep_level, engine.asleep = llm, 0, False
