@@ -414,6 +414,15 @@ def run(args) -> dict:
         parallel.destroy()
 
 
+def workload(args, vocab_size: int) -> tuple[dict, GenerationConfig]:
+    """({prompt length: the prompts}, the sampling config): random prompts of ids from 3 on, G samples each,
+    temperature 1, exactly --new-tokens per row (per turn) with ``ignore_eos``."""
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = {L: torch.randint(3, vocab_size, (args.prompts, L), generator=g).tolist() for L in args.prompt_lens}
+    return prompts, GenerationConfig(max_new_tokens=args.new_tokens, temperature=1.0, n_samples_per_prompt=args.samples,
+                                     ignore_eos=True, seed=args.seed + 1)
+
+
 def _one(args, engine, prompts, gen: GenerationConfig, vocab_size: int) -> dict:
     """One measured call (``measure``) or conversation (``measure_turns``, --turns > 1)."""
     if args.turns == 1:
@@ -458,10 +467,7 @@ def _run(args, cfg, par, st) -> dict:
     model = build_model(cfg, par, st)
     rss_model = rss_mb()
     V = cfg.vocab_size
-    g = torch.Generator().manual_seed(args.seed)
-    workloads = {L: torch.randint(3, V, (args.prompts, L), generator=g).tolist() for L in args.prompt_lens}
-    gen = GenerationConfig(max_new_tokens=args.new_tokens, temperature=1.0, n_samples_per_prompt=args.samples,
-                           ignore_eos=True, seed=args.seed + 1)
+    workloads, gen = workload(args, V)
     max_len = max_length(args)
     engines, built_mb, load_start = {}, {}, load_avg()
     try:
