@@ -28,10 +28,21 @@ one run in the vLLM venv measures all three under the same load.
   call's working memory: KV cache, activations; ``/proc/self/clear_refs`` resets the peak per call)
   and what building vLLM's engine added (its copy of the weights and its KV cache); the mean
   log-prob of the sampled tokens (the same model: about equal on every engine); the load average
-  before and after, and at each call.
+  before and after, and at each call;
+* ``--turns`` n > 1: multi-turn conversations in place of single calls (``converse``): each prompt's G samples
+  are G rows of one sample, and every turn is the multi-turn rollout's generate call
+  (rollout/multiturn.py ``generate_turn``) over the rows' whole streams: the lean decoder resumes on the KV
+  it kept (prefilling each row's last sampled token and observation only), megatron's path prefills every
+  stream again, vLLM gets the streams (``EngineGenerator``) and its prefix cache, emptied before each
+  conversation, serves their histories. After every turn but the last each row gets ``--obs-tokens`` fixed
+  observation ids (``observation``: by row and turn, the same on every engine). Every turn samples exactly
+  rows x ``--new-tokens`` (checked, with every stream's length). Reported: generated tokens/s of the
+  conversation (all turns, prefill included), each turn's wall seconds, the embedded engines' prefilled
+  tokens per turn, vLLM's prefix-cache hit rate (the requests' prompt tokens it served), memory as above.
 
     .vllm-venv/bin/python -m benchmarks.rollout_engines --json benchmarks/results/rollout_engines.json
     python -m benchmarks.rollout_engines --engines lean,megatron            # without vLLM
+    .vllm-venv/bin/python -m benchmarks.rollout_engines --turns 3 --obs-tokens 8   # three-turn conversations
 """
 
 from __future__ import annotations
