@@ -525,33 +525,33 @@ def _run(args, cfg, par, st) -> dict:
     return res
 
 
+def _table_row(v: dict) -> tuple:
+    """A single-turn result's cells (``print_table``)."""
+    return (v["tokens_per_s"], v["tokens_per_s_best"], v["tokens_per_cpu_s_best"], v["ttft_s_best"],
+            v["decode_tokens_per_s_best"], v.get("prefill_s", "-"), v["call_rss_mb"], v.get("speed_vs_vllm_best", "-"))
+
+
+def _turns_table_row(v: dict) -> tuple:
+    """A multi-turn result's cells: the turns' seconds, the embedded engines' prefilled tokens per turn or vLLM's
+    prefix-cache hit rate."""
+    fed = " / ".join(map(str, v["prefill_tokens"])) if "prefill_tokens" in v else f"{v['prefix_cache_hit_rate']:.1%} hits"
+    return (v["tokens_per_s"], v["tokens_per_s_best"], v["tokens_per_cpu_s_best"],
+            " / ".join(f"{x:.3f}" for x in v["turn_s_best"]), " / ".join(f"{x:.3f}" for x in v["turn_s"]),
+            fed, v["call_rss_mb"], v.get("speed_vs_vllm_best", "-"))
+
+
 def print_table(res: dict) -> None:
     if "turns" in res["config"]:
-        return print_turns_table(res)
-    cols = ("tokens/s (median)", "tokens/s (best)", "tokens/CPU s (best)", "ttft s (best)", "decode tokens/s (best)",
-            "prefill s (own)", "call RSS MB", "vs vLLM (best)")
+        cols, row = ("tokens/s (median)", "tokens/s (best)", "tokens/CPU s (best)", "turn s (best)", "turn s (median)",
+                     "prefilled tokens / prefix-cache hits", "call RSS MB", "vs vLLM (best)"), _turns_table_row
+    else:
+        cols, row = ("tokens/s (median)", "tokens/s (best)", "tokens/CPU s (best)", "ttft s (best)",
+                     "decode tokens/s (best)", "prefill s (own)", "call RSS MB", "vs vLLM (best)"), _table_row
     print("| prompt | engine | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 2) + "|")
     for L, s in res["results"].items():
         for e, v in s.items():
-            cells = (v["tokens_per_s"], v["tokens_per_s_best"], v["tokens_per_cpu_s_best"], v["ttft_s_best"],
-                     v["decode_tokens_per_s_best"], v.get("prefill_s", "-"), v["call_rss_mb"], v.get("speed_vs_vllm_best", "-"))
-            print(f"| {L} | {e} | " + " | ".join(str(c) for c in cells) + " |")
-
-
-def print_turns_table(res: dict) -> None:
-    cols = ("tokens/s (median)", "tokens/s (best)", "tokens/CPU s (best)", "turn s (best)", "turn s (median)",
-            "prefilled tokens / prefix-cache hits", "call RSS MB", "vs vLLM (best)")
-    print("| prompt | engine | " + " | ".join(cols) + " |")
-    print("|---" * (len(cols) + 2) + "|")
-    for L, s in res["results"].items():
-        for e, v in s.items():
-            fed = (" / ".join(map(str, v["prefill_tokens"])) if "prefill_tokens" in v
-                   else f"{v['prefix_cache_hit_rate']:.1%} hits")
-            cells = (v["tokens_per_s"], v["tokens_per_s_best"], v["tokens_per_cpu_s_best"],
-                     " / ".join(f"{x:.3f}" for x in v["turn_s_best"]), " / ".join(f"{x:.3f}" for x in v["turn_s"]),
-                     fed, v["call_rss_mb"], v.get("speed_vs_vllm_best", "-"))
-            print(f"| {L} | {e} | " + " | ".join(str(c) for c in cells) + " |")
+            print(f"| {L} | {e} | " + " | ".join(str(c) for c in row(v)) + " |")
 
 
 def main(argv=None) -> int:
