@@ -28,10 +28,21 @@ one run in the vLLM venv measures all three under the same load.
   call's working memory: KV cache, activations; ``/proc/self/clear_refs`` resets the peak per call)
   and what building vLLM's engine added (its copy of the weights and its KV cache); the mean
   log-prob of the sampled tokens (the same model: about equal on every engine); the load average
-  before and after, and at each call.
+  before and after, and at each call;
+* ``--turns`` n > 1: multi-turn conversations in place of single calls (``converse``): each prompt's G samples
+  are G rows of one sample, and every turn is the multi-turn rollout's generate call
+  (rollout/multiturn.py ``generate_turn``) over the rows' whole streams: the lean decoder resumes on the KV
+  it kept (prefilling each row's last sampled token and observation only), megatron's path prefills every
+  stream again, vLLM gets the streams (``EngineGenerator``) and its prefix cache, emptied before each
+  conversation, serves their histories. After every turn but the last each row gets ``--obs-tokens`` fixed
+  observation ids (``observation``: by row and turn, the same on every engine). Every turn samples exactly
+  rows x ``--new-tokens`` (checked, with every stream's length). Reported: generated tokens/s of the
+  conversation (all turns, prefill included), each turn's wall seconds, the embedded engines' prefilled
+  tokens per turn, vLLM's prefix-cache hit rate (the requests' prompt tokens it served), memory as above.
 
     .vllm-venv/bin/python -m benchmarks.rollout_engines --json benchmarks/results/rollout_engines.json
     python -m benchmarks.rollout_engines --engines lean,megatron            # without vLLM
+    .vllm-venv/bin/python -m benchmarks.rollout_engines --turns 3 --obs-tokens 8   # three-turn conversations
 """
 
 from __future__ import annotations
@@ -114,8 +125,22 @@ class Embedded:
         self.generator = Generator(model, vocab_size=vocab_size, state=state)
 
     def generate(self, prompts, cfg: GenerationConfig):
-        cfg = dataclasses.replace(cfg, **EMBEDDED_SETTINGS[self.impl])
-        return generate(self.model, prompts, cfg, vocab_size=self.vocab_size, state=self.state, generator=self.generator)
+        return generate(self.model, prompts, self.settings(cfg), vocab_size=self.vocab_size, state=self.state,
+                        generator=self.generator)
+
+    def settings(self, cfg: GenerationConfig) -> GenerationConfig:
+        return dataclasses.replace(cfg, **EMBEDDED_SETTINGS[self.impl])
+
+    @property
+    def turn_generator(self):
+        """What the multi-turn rollout's turns call (``generate`` with keep_kv / resume, ``release_kv``)."""
+        return self.generator
+
+    def begin_conversation(self) -> None:
+        pass
+
+    def prefix_cache_stats(self):
+        return None
 
     def close(self) -> None:
         pass
@@ -135,10 +160,27 @@ class Vllm:
             args["enforce_eager"] = False
         self.engine_args = args
         self.engine = VllmEngine(model, state, model_cfg, seed=seed, max_model_len=max_model_len, engine_args=args)
+        from megatron_gspo.rollout.vllm_engine import EngineGenerator
+
+        self.turn_generator = EngineGenerator(self.engine)  # the job's multi-turn rollout samples on vLLM through it
 
     def generate(self, prompts, cfg: GenerationConfig):
         self.engine.llm.reset_prefix_cache()  # no KV from an earlier call: every call prefills its prompts
         return self.engine.generate(prompts, cfg)
+
+    def settings(self, cfg: GenerationConfig) -> GenerationConfig:
+        return cfg
+
+    def begin_conversation(self) -> None:
+        """No KV from an earlier conversation (a job's weight sync empties the cache every step); within one, the
+        prefix cache serves each turn's history to the next."""
+        self.engine.llm.reset_prefix_cache()
+        self.engine.take_prefix_cache_stats()
+
+    def prefix_cache_stats(self) -> dict:
+        """The prompt tokens of the conversation's requests and how many the prefix cache served."""
+        queries, hits = self.engine.take_prefix_cache_stats()
+        return {"queries": queries, "hits": hits, "hit_rate": round(hits / queries, 4) if queries else 0.0}
 
     def close(self) -> None:
         self.engine.close()
@@ -218,6 +260,95 @@ def summarize(runs: list[dict]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# Multi-turn conversations (--turns > 1)
+# ----------------------------------------------------------------------------------------------
+
+
+def observation(row: int, turn: int, n: int, vocab_size: int) -> list[int]:
+    """The ``n`` observation ids appended to row ``row`` after turn ``turn`` (0-based): fixed, the same on every
+    engine, different by row and turn, from 3 on as the prompts' (no pad or stop id of the random model)."""
+    return [3 + (7919 * (row + 1) + 104729 * (turn + 1) + 31 * j) % (vocab_size - 3) for j in range(n)]
+
+
+def converse(engine, prompts, cfg: GenerationConfig, turns: int, obs_tokens: int, vocab_size: int):
+    """``turns`` turns over each prompt's G samples as the multi-turn rollout runs them: one row of one sample each
+    (keyed by its row), every turn one ``generate_turn`` call over the rows' whole streams (the lean decoder resumes
+    on the KV it kept; megatron's path and vLLM get whole contexts), the row's ``observation`` appended after every
+    turn but the last. Returns (streams, each turn's wall seconds, each turn's GenerationOutput)."""
+    from megatron_gspo.rollout.multiturn import generate_turn
+
+    rows = [list(p) for p in prompts for _ in range(cfg.n_samples_per_prompt)]
+    row_cfg = dataclasses.replace(engine.settings(cfg), n_samples_per_prompt=1)
+    keys, kept, walls, outs = list(range(len(rows))), [None] * len(rows), [], []
+    gen = engine.turn_generator
+    try:
+        for t in range(turns):
+            t0 = time.perf_counter()
+            out = generate_turn(gen, rows, kept, keys, t, row_cfg, cfg.seed)
+            walls.append(time.perf_counter() - t0)
+            kept = [out.kept.select([j]) if out.kept is not None else None for j in range(len(rows))]
+            for j, ids in enumerate(out.responses()):
+                rows[j] = rows[j] + ids + (observation(j, t, obs_tokens, vocab_size) if t < turns - 1 else [])
+            outs.append(out)
+    finally:
+        gen.release_kv()  # the turns' KV, as the multi-turn rollout frees it after its last turn
+    return rows, walls, outs
+
+
+def measure_turns(engine, prompts, cfg: GenerationConfig, turns: int, obs_tokens: int, vocab_size: int) -> dict:
+    """One conversation of ``engine`` (``converse``); the record of one run (see the module doc)."""
+    load = load_avg()
+    engine.begin_conversation()
+    rss0 = rss_mb()
+    reset_peak_rss()
+    c0, t0 = time.process_time(), time.perf_counter()
+    streams, turn_s, outs = converse(engine, prompts, cfg, turns, obs_tokens, vocab_size)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    peak = peak_rss_mb()
+    turn_tokens = [o.num_generated_tokens for o in outs]
+    lps = torch.cat([o.logprobs[o.response_mask] for o in outs])
+    embedded = isinstance(engine, Embedded)
+    return {
+        "wall_s": round(wall, 6), "cpu_s": round(cpu, 6), "rows": len(streams), "tokens": sum(turn_tokens),
+        "tokens_per_s": round(sum(turn_tokens) / wall, 1), "turn_tokens": turn_tokens,
+        "turn_s": [round(x, 6) for x in turn_s], "stream_lengths": sorted({len(x) for x in streams}),
+        # the embedded decoder's own prefill forwards and the tokens they ran (a resumed turn: the new ones only)
+        "prefill_s": [round(o.prefill_s, 6) for o in outs] if embedded else None,
+        "prefill_tokens": [o.prefill_tokens for o in outs] if embedded else None,
+        "prefix_cache": engine.prefix_cache_stats(),
+        "rss_before_mb": round(rss0, 1), "peak_rss_mb": round(peak, 1), "call_rss_mb": round(max(peak - rss0, 0.0), 1),
+        "mean_logprob": round(float(lps.mean()), 4), "threads": torch.get_num_threads(), "load_avg": load,
+    }
+
+
+def summarize_turns(runs: list[dict]) -> dict:
+    """Median and best of a (workload, engine)'s conversations: the whole and each turn."""
+    r0, walls, cpus = runs[0], [r["wall_s"] for r in runs], [r["cpu_s"] for r in runs]
+    turns = range(len(r0["turn_s"]))
+    out = {
+        "rows": r0["rows"], "tokens": r0["tokens"], "turn_tokens": r0["turn_tokens"],
+        "stream_lengths": r0["stream_lengths"],
+        "wall_s": round(statistics.median(walls), 6), "wall_s_best": min(walls),
+        "cpu_s": round(statistics.median(cpus), 6), "cpu_s_best": min(cpus),
+        "tokens_per_s": round(r0["tokens"] / statistics.median(walls), 1),
+        "tokens_per_s_best": round(r0["tokens"] / min(walls), 1),
+        "tokens_per_cpu_s_best": round(r0["tokens"] / min(cpus), 1),
+        "turn_s": [round(statistics.median(r["turn_s"][t] for r in runs), 6) for t in turns],
+        "turn_s_best": [min(r["turn_s"][t] for r in runs) for t in turns],
+        "call_rss_mb": round(statistics.median(r["call_rss_mb"] for r in runs), 1),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        "mean_logprob": round(statistics.mean(r["mean_logprob"] for r in runs), 4),
+    }
+    if r0["prefill_tokens"] is not None:
+        out["prefill_tokens"] = r0["prefill_tokens"]
+        out["prefill_s"] = [round(statistics.median(r["prefill_s"][t] for r in runs), 6) for t in turns]
+    if r0["prefix_cache"] is not None:
+        out["prefix_cache_hit_rate"] = round(statistics.median(r["prefix_cache"]["hit_rate"] for r in runs), 4)
+        out["prefix_cache"] = r0["prefix_cache"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------
 
@@ -234,6 +365,9 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=8, help="G: samples per prompt")
     p.add_argument("--prompt-lens", default="16,512", help="comma-separated: one workload per prompt length")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--turns", type=int, default=1,
+                   help="1: single-turn calls; more: multi-turn conversations of that many turns (module doc)")
+    p.add_argument("--obs-tokens", type=int, default=8, help="observation tokens appended to a row between turns")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -245,6 +379,8 @@ def parse_args(argv=None):
         p.error(f"--prompt-lens: comma-separated integers, got {args.prompt_lens!r}")
     if not args.prompt_lens or min(args.prompt_lens) < 1:
         p.error("--prompt-lens: positive prompt lengths")
+    if args.turns < 1 or args.obs_tokens < 0:
+        p.error(f"--turns: at least 1, --obs-tokens: at least 0; got {args.turns}, {args.obs_tokens}")
     if args.engines == "auto":
         args.engines = ["lean", "megatron"] + (["vllm"] if vllm_available() else [])
     else:
@@ -258,9 +394,14 @@ def parse_args(argv=None):
     return args
 
 
+def max_length(args) -> int:
+    """The longest row: the longest prompt, every turn's new tokens and the observations between them."""
+    return max(args.prompt_lens) + args.turns * args.new_tokens + (args.turns - 1) * args.obs_tokens
+
+
 def model_config(args):
     """The shape's ModelConfig, fp32, long enough for the longest workload."""
-    need = max(args.prompt_lens) + args.new_tokens
+    need = max_length(args)
     if args.shape == "2b-proxy":
         over = dict(precision="fp32", max_position_embeddings=max(need, 1024))
         preset = "qwen3-moe-2b-proxy"
@@ -284,16 +425,61 @@ def run(args) -> dict:
         parallel.destroy()
 
 
+def workload(args, vocab_size: int) -> tuple[dict, GenerationConfig]:
+    """({prompt length: the prompts}, the sampling config): random prompts of ids from 3 on, G samples each,
+    temperature 1, exactly --new-tokens per row (per turn) with ``ignore_eos``."""
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = {L: torch.randint(3, vocab_size, (args.prompts, L), generator=g).tolist() for L in args.prompt_lens}
+    return prompts, GenerationConfig(max_new_tokens=args.new_tokens, temperature=1.0, n_samples_per_prompt=args.samples,
+                                     ignore_eos=True, seed=args.seed + 1)
+
+
+def _one(args, engine, prompts, gen: GenerationConfig, vocab_size: int) -> dict:
+    """One measured call (``measure``) or conversation (``measure_turns``, --turns > 1)."""
+    if args.turns == 1:
+        return measure(engine, prompts, gen)
+    return measure_turns(engine, prompts, gen, args.turns, args.obs_tokens, vocab_size)
+
+
+def _check_work(args, name: str, L: int, rec: dict) -> None:
+    """The same work on every engine, or it is no comparison: rows x new tokens every turn, rows of one length."""
+    rows = args.prompts * args.samples
+    per_turn = rec.get("turn_tokens", [rec["tokens"]])
+    length = [L + args.turns * args.new_tokens + (args.turns - 1) * args.obs_tokens]
+    if per_turn != [rows * args.new_tokens] * args.turns or rec.get("stream_lengths", length) != length:
+        raise SystemExit(f"{name} sampled {per_turn} tokens per turn at prompt length {L} (streams of "
+                         f"{rec.get('stream_lengths')} tokens), not {args.prompts} x {args.samples} x "
+                         f"{args.new_tokens} = {rows * args.new_tokens} per turn (streams of {length[0]})")
+
+
+def _rounds(args, engines: dict, order: list, workloads: dict, gen: GenerationConfig, vocab_size: int) -> dict:
+    """A warm-up call of every engine (it builds its buffers), then the rounds, the engines' order rotated."""
+    for L, prompts in workloads.items():
+        for name in order:
+            _one(args, engines[name], prompts, gen, vocab_size)
+    runs: dict = {L: {e: [] for e in order} for L in workloads}
+    for r in range(args.rounds):
+        rot = order[r % len(order):] + order[:r % len(order)]
+        for L, prompts in workloads.items():
+            for name in rot:
+                rec = _one(args, engines[name], prompts, gen, vocab_size)
+                _check_work(args, name, L, rec)
+                runs[L][name].append(rec)
+                said = (f"ttft {rec['ttft_s']:.3f} s" if args.turns == 1 else
+                        "turns " + " ".join(f"{x:.3f}" for x in rec["turn_s"]) + " s"
+                        + (f", prefix-cache hits {rec['prefix_cache']['hit_rate']:.2f}" if rec["prefix_cache"] else ""))
+                print(f"round {r + 1}/{args.rounds} prompt {L}: {name} {rec['wall_s']:.3f} s "
+                      f"({rec['tokens_per_s']:.0f} tokens/s, {said})", flush=True)
+    return runs
+
+
 def _run(args, cfg, par, st) -> dict:
     rss_start = rss_mb()
     model = build_model(cfg, par, st)
     rss_model = rss_mb()
     V = cfg.vocab_size
-    g = torch.Generator().manual_seed(args.seed)
-    workloads = {L: torch.randint(3, V, (args.prompts, L), generator=g).tolist() for L in args.prompt_lens}
-    gen = GenerationConfig(max_new_tokens=args.new_tokens, temperature=1.0, n_samples_per_prompt=args.samples,
-                           ignore_eos=True, seed=args.seed + 1)
-    max_len = max(args.prompt_lens) + args.new_tokens
+    workloads, gen = workload(args, V)
+    max_len = max_length(args)
     engines, built_mb, load_start = {}, {}, load_avg()
     try:
         # vLLM first: its CPU worker binds the OpenMP threads at start-up, which then holds for every engine
@@ -307,22 +493,7 @@ def _run(args, cfg, par, st) -> dict:
             built_mb[name] = round(rss_mb() - before, 1)
             print(f"built {name}: +{built_mb[name]:.0f} MB resident", flush=True)
         order = [e for e in args.engines]
-        for L, prompts in workloads.items():  # warm-up: the first call of each engine builds its buffers
-            for name in order:
-                engines[name].generate(prompts, gen)
-        runs: dict = {L: {e: [] for e in order} for L in workloads}
-        for r in range(args.rounds):
-            rot = order[r % len(order):] + order[:r % len(order)]
-            for L, prompts in workloads.items():
-                for name in rot:
-                    rec = measure(engines[name], prompts, gen)
-                    expected = args.prompts * args.samples * args.new_tokens
-                    if rec["tokens"] != expected:  # the same work on every engine, or it is no comparison
-                        raise SystemExit(f"{name} sampled {rec['tokens']} tokens at prompt length {L}, not "
-                                         f"{args.prompts} x {args.samples} x {args.new_tokens} = {expected}")
-                    runs[L][name].append(rec)
-                    print(f"round {r + 1}/{args.rounds} prompt {L}: {name} {rec['wall_s']:.3f} s "
-                          f"({rec['tokens_per_s']:.0f} tokens/s, ttft {rec['ttft_s']:.3f} s)", flush=True)
+        runs = _rounds(args, engines, order, workloads, gen, V)
     finally:
         for e in engines.values():
             e.close()
@@ -335,14 +506,15 @@ def _run(args, cfg, par, st) -> dict:
             "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "vocab_size",
             "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size")}, "precision": "fp32",
             "parameters": cfg.num_parameters(),
-            **{k: getattr(args, k) for k in ("engines", "prompts", "samples", "prompt_lens", "new_tokens", "rounds", "seed")}},
+            **{k: getattr(args, k) for k in ("engines", "prompts", "samples", "prompt_lens", "new_tokens", "rounds", "seed")},
+            **({"turns": args.turns, "obs_tokens": args.obs_tokens} if args.turns > 1 else {})},
         "memory": {"rss_start_mb": round(rss_start, 1), "model_mb": round(rss_model - rss_start, 1),
                    "engine_built_mb": built_mb, "peak_reset": reset_peak_rss()},
         "vllm_engine_args": {e: v.engine_args for e, v in engines.items() if isinstance(v, Vllm)},
         "results": {}, "runs": {},
     }
     for L in workloads:
-        s = {e: summarize(runs[L][e]) for e in order}
+        s = {e: (summarize if args.turns == 1 else summarize_turns)(runs[L][e]) for e in order}
         ref = "vllm" if "vllm" in s else None
         for e, v in s.items():
             if ref is not None:
@@ -353,16 +525,33 @@ def _run(args, cfg, par, st) -> dict:
     return res
 
 
+def _table_row(v: dict) -> tuple:
+    """A single-turn result's cells (``print_table``)."""
+    return (v["tokens_per_s"], v["tokens_per_s_best"], v["tokens_per_cpu_s_best"], v["ttft_s_best"],
+            v["decode_tokens_per_s_best"], v.get("prefill_s", "-"), v["call_rss_mb"], v.get("speed_vs_vllm_best", "-"))
+
+
+def _turns_table_row(v: dict) -> tuple:
+    """A multi-turn result's cells: the turns' seconds, the embedded engines' prefilled tokens per turn or vLLM's
+    prefix-cache hit rate."""
+    fed = " / ".join(map(str, v["prefill_tokens"])) if "prefill_tokens" in v else f"{v['prefix_cache_hit_rate']:.1%} hits"
+    return (v["tokens_per_s"], v["tokens_per_s_best"], v["tokens_per_cpu_s_best"],
+            " / ".join(f"{x:.3f}" for x in v["turn_s_best"]), " / ".join(f"{x:.3f}" for x in v["turn_s"]),
+            fed, v["call_rss_mb"], v.get("speed_vs_vllm_best", "-"))
+
+
 def print_table(res: dict) -> None:
-    cols = ("tokens/s (median)", "tokens/s (best)", "tokens/CPU s (best)", "ttft s (best)", "decode tokens/s (best)",
-            "prefill s (own)", "call RSS MB", "vs vLLM (best)")
+    if "turns" in res["config"]:
+        cols, row = ("tokens/s (median)", "tokens/s (best)", "tokens/CPU s (best)", "turn s (best)", "turn s (median)",
+                     "prefilled tokens / prefix-cache hits", "call RSS MB", "vs vLLM (best)"), _turns_table_row
+    else:
+        cols, row = ("tokens/s (median)", "tokens/s (best)", "tokens/CPU s (best)", "ttft s (best)",
+                     "decode tokens/s (best)", "prefill s (own)", "call RSS MB", "vs vLLM (best)"), _table_row
     print("| prompt | engine | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 2) + "|")
     for L, s in res["results"].items():
         for e, v in s.items():
-            cells = (v["tokens_per_s"], v["tokens_per_s_best"], v["tokens_per_cpu_s_best"], v["ttft_s_best"],
-                     v["decode_tokens_per_s_best"], v.get("prefill_s", "-"), v["call_rss_mb"], v.get("speed_vs_vllm_best", "-"))
-            print(f"| {L} | {e} | " + " | ".join(str(c) for c in cells) + " |")
+            print(f"| {L} | {e} | " + " | ".join(str(c) for c in row(v)) + " |")
 
 
 def main(argv=None) -> int:

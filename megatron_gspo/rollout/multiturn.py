@@ -62,6 +62,16 @@ KEY_STRIDE = 1 << 40  # row keys of turn t: key + t * KEY_STRIDE (global row key
 log = logging.getLogger(__name__)
 
 
+def generate_turn(generator, contexts: list, kept: list, keys: list[int], turn: int, cfg, seed: int, **kw):
+    """Turn ``turn``'s generate call over rows (module doc): ``contexts`` their whole streams so far, ``kept`` each
+    row's KeptRows from the turn before (the generator's ``kept``, one row each), ``keys`` their noise keys (this
+    turn draws with key + turn * KEY_STRIDE). Where every row has its KV kept, only the new tokens are prefilled
+    (none on a rank without rows); the call keeps its KV for the next turn. kw: generate's other keywords."""
+    resume = KeptRows.cat(kept) if kept and all(k is not None for k in kept) else None
+    return generator.generate(contexts, cfg, seed=seed, row_keys=[k + turn * KEY_STRIDE for k in keys], keep_kv=True,
+                              resume=resume, **kw)
+
+
 @dataclass
 class Trajectory:
     """One row's conversation as it is built (module doc): the stream and its loss mask and log-probs, the
@@ -192,15 +202,11 @@ class MultiTurnRollout:
     def _generate(self, rows: list[Trajectory], keys: list[int], turn: int, cap: int, seed: int, routing,
                   should_stop):
         """One turn's generate call over ``rows`` (none: this rank steps on generate's dummy rows); (output, routes)."""
-        contexts = [r.tokens for r in rows]
         cfg = dataclasses.replace(self.gen_cfg, max_new_tokens=cap, min_new_tokens=min(self.gen_cfg.min_new_tokens, cap))
-        turn_keys = [k + turn * KEY_STRIDE for k in keys]
         on_forward = routing.on_generation_forward if routing is not None else None
-        # the rows' KV kept by the last turn: only their new tokens are prefilled (none on a rank without rows)
-        resume = KeptRows.cat([r.kv for r in rows]) if rows and all(r.kv is not None for r in rows) else None
         with (routing.generating() if routing is not None else _nothing()):
-            out = self.generator.generate(contexts, cfg, seed=seed, row_keys=turn_keys, on_forward=on_forward,
-                                          keep_kv=True, resume=resume, **(self.gen_kw or {"should_stop": should_stop}))
+            out = generate_turn(self.generator, [r.tokens for r in rows], [r.kv for r in rows], keys, turn, cfg, seed,
+                                on_forward=on_forward, **(self.gen_kw or {"should_stop": should_stop}))
         # (an abandoned turn's routes are never taken; on vLLM it has no rows, so none were recorded)
         routes = (routing.rollout_routes(out) if routing is not None and on_forward is not None and rows
                   and not out.abandoned else None)
