@@ -45,7 +45,9 @@ back-end only) prefills into a prompt store and lets rows join the cache as othe
 Shared-prefix decode attention (generation.shared_prefix_attention, the lean back-end; shared_prefix.py): after
 ``prefill_to_store``, ``share_prefix(cells, store_left_pad)`` makes the decode steps read each prompt's KV from
 the store once per prompt (``share`` / ``admit`` then name each cache row's store row instead of copying);
-``shares_prefix(setting, rows, prompt_slots, cells)`` says whether a call does (the rule of ``auto``).
+``shares_prefix(setting, rows, prompt_slots, cells)`` says whether a call does (the rule of ``auto``). A resumed
+call (``carry``, then ``extend``) shares its rows' first-turn prompts with ``share_kept_prefix(cells, split, rep,
+store_left_pad, group, prompt_end)``: the store is built from one cache row per group (LeanDecoder).
 
 KV kept across calls (a multi-turn row's next turn: generator.py, "KV kept across turns"): a back-end with
 ``resumes`` (the lean one) keeps its cache past a call made with ``keep``, and starts a call made with
@@ -109,6 +111,10 @@ class DecodeBackend:
     def share_prefix(self, cells: int, store_left_pad: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def share_kept_prefix(self, cells: int, split: int, rep: torch.Tensor, store_left_pad: torch.Tensor,
+                          group: torch.Tensor, prompt_end: torch.Tensor) -> None:
+        raise NotImplementedError
+
 
 class LeanBackend(DecodeBackend):
     """A lean_decoder.LeanDecoder (kept across generations by generation.Generator) behind the interface, for
@@ -168,6 +174,9 @@ class LeanBackend(DecodeBackend):
 
     def share_prefix(self, cells, store_left_pad):
         self.dec.share_prefix(cells, store_left_pad)
+
+    def share_kept_prefix(self, cells, split, rep, store_left_pad, group, prompt_end):
+        self.dec.share_kept_prefix(cells, split, rep, store_left_pad, group, prompt_end)
 
 
 def _device_moes(m) -> list:

@@ -286,19 +286,25 @@ class GenerationOutput:
 class KeptRows:
     """Rows whose KV a ``generate(..., keep_kv=True)`` call left in the decoder (module doc, "KV kept across
     turns"), per row [n] long: ``cache_row`` (its row in the kept cache), ``left_pad`` (its left padding there:
-    its token t at slot left_pad + t), ``cached`` (its first ``cached`` tokens' KV is held)."""
+    its token t at slot left_pad + t), ``cached`` (its first ``cached`` tokens' KV is held), ``group`` (its first
+    turn's prompt: rows of one group hold the same KV of their first ``prompt_len`` tokens, which a resumed call
+    reads once per group: module doc, "Shared-prefix decode attention") and ``prompt_len``."""
 
     cache_row: torch.Tensor
     left_pad: torch.Tensor
     cached: torch.Tensor
+    group: torch.Tensor
+    prompt_len: torch.Tensor
+
+    FIELDS = ("cache_row", "left_pad", "cached", "group", "prompt_len")
 
     def select(self, idx: Sequence[int]) -> "KeptRows":
         i = torch.as_tensor(list(idx), dtype=torch.long, device=self.cache_row.device)
-        return KeptRows(self.cache_row[i], self.left_pad[i], self.cached[i])
+        return KeptRows(*(getattr(self, f)[i] for f in self.FIELDS))
 
     @staticmethod
     def cat(parts: Sequence["KeptRows"]) -> "KeptRows":
-        return KeptRows(*(torch.cat([getattr(p, f) for p in parts]) for f in ("cache_row", "left_pad", "cached")))
+        return KeptRows(*(torch.cat([getattr(p, f) for p in parts]) for f in KeptRows.FIELDS))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -670,6 +676,8 @@ class _LeftPaddedGrid:
         self.pre_positions = (slots[None, :] - self.pre_left_pad[:, None]).clamp(min=0)  # [Bp, S - 1] per slot
         # the real prompt tokens run through the prefill: each distinct prompt once (perf/prefill_tokens)
         self.prefill_tokens = int(pre_lens[:U].sum())
+        # each real row's prompt group and prompt length (KeptRows: a resumed call reads a group's prompt once)
+        self.row_group, self.row_prompt_len = self.src[:n_real], self.lens[:n_real]
 
     def _continue(self, resume: Optional[KeptRows], n_new: Optional[torch.Tensor], N: int) -> None:
         """The rows that continue a kept KV (``resume``, their ``n_new`` new tokens; N: the lockstep group's most):
@@ -688,6 +696,32 @@ class _LeftPaddedGrid:
             delta = torch.zeros(B, dtype=torch.long, device=device)
             delta[:n_real] = self.left_pad[:n_real] - resume.left_pad.to(device)
             self.carry = (src, delta)
+            self.row_group, self.row_prompt_len = resume.group.to(device), resume.prompt_len.to(device)
+        self._kept_prompts(n_new is not None and n_real > 0)
+
+    def _kept_prompts(self, resumed: bool) -> None:
+        """Where a resumed call's rows read their first turn's prompt once per group (module doc, "Shared-prefix
+        decode attention"): the split slot ``split`` = min over rows of left_pad + prompt_len, each row's group
+        ``kept_group`` [B] (0 .. Bg-1; a dummy row: 0) and the end of its prompt ``kept_prompt_end`` [B] (its own
+        keys, past the split, start there), each group's cache row ``kept_rep`` [Bg] and left padding in a store
+        right-aligned at the split ``kept_store_pad`` [Bg], and the most rows of one group (host-side).
+        ``kept_shares``: every group's prompt fits left of the split (equal prompt lengths always do)."""
+        self.kept_shares, self.kept_rows_per_group = False, 0
+        if not resumed:
+            return
+        B, n_real = self.B, self.n_real
+        lp, plen = self.left_pad[:n_real].cpu(), self.row_prompt_len.cpu()
+        labels, dense = torch.unique(self.row_group.cpu(), return_inverse=True)
+        Bg = labels.numel()
+        self.split = split = int((lp + plen).min())
+        group_len = torch.zeros(Bg, dtype=torch.long).scatter_reduce(0, dense, plen, "amax", include_self=False)
+        self.kept_shares = split >= int(group_len.max())
+        group = torch.cat([dense, torch.zeros(B - n_real, dtype=torch.long)])
+        self.kept_rows_per_group = int(torch.bincount(group).max())
+        rep = torch.full((Bg,), n_real, dtype=torch.long).scatter_reduce(0, dense, torch.arange(n_real), "amin")
+        end = torch.cat([lp + plen, self.left_pad[n_real:].cpu()])  # a dummy row: no prompt of a group
+        self.kept_group, self.kept_rep, self.kept_prompt_end, self.kept_store_pad = (
+            t.to(self.device) for t in (group, rep, end, split - group_len))
 
     def ragged(self) -> bool:
         """Some real prompt is left-padded (megatron's path then needs per-row RoPE and a padding mask)."""
@@ -847,6 +881,9 @@ class _Decoding:
         t0 = time.perf_counter()
         cols = slice(g.P - g.N, g.P)
         logits = backend.extend(g.tokens[:, cols], g.positions[:, cols], g.P - g.N, new, masked)[:, :self.vocab_size]
+        cells = self.prefix_cells(backend, g.B, resumed=True)
+        if cells:  # the decode steps read each group's first-turn prompt once, from the rows' carried KV
+            backend.share_kept_prefix(cells, g.split, g.kept_rep, g.kept_store_pad, g.kept_group, g.kept_prompt_end)
         if g.device.type == "cuda":
             torch.cuda.synchronize(g.device)
         self.prefill_s = time.perf_counter() - t0
@@ -855,12 +892,15 @@ class _Decoding:
         self.notify(backend, 0, "prefill")
         return self.pick(logits, 0)
 
-    def prefix_cells(self, backend, rows: int) -> int:
+    def prefix_cells(self, backend, rows: int, resumed: bool = False) -> int:
         """The cells of a prompt's block of queries when this call's ``rows`` decode rows read each prompt's KV once
-        (generation.shared_prefix_attention: the back-end's rule), else 0."""
+        (generation.shared_prefix_attention: the back-end's rule), else 0. ``resumed``: the rows continue a kept KV,
+        their first turn's prompts read from a store of ``split`` slots (``_LeftPaddedGrid._kept_prompts``)."""
         g = self.grid
-        cells = min(rows, g.most_rows_per_prompt)
-        return cells if g.shared and backend.shares_prefix(self.cfg.shared_prefix_attention, rows, g.P, cells) else 0
+        shared, most, slots = ((g.kept_shares, g.kept_rows_per_group, g.split) if resumed
+                               else (g.shared, g.most_rows_per_prompt, g.P))
+        cells = min(rows, most)
+        return cells if shared and backend.shares_prefix(self.cfg.shared_prefix_attention, rows, slots, cells) else 0
 
     def prefill_logits(self, backend) -> torch.Tensor:
         """[B, vocab] each row's first logits; the cache rows hold their prompts' KV (or, with shared-prefix
@@ -966,7 +1006,8 @@ class _Decoding:
         g = self.grid
         at = torch.empty_like(self.cache_rows)
         at[self.cache_rows] = torch.arange(g.B, device=g.device)
-        return KeptRows(at[:g.n_real], g.left_pad[:g.n_real].clone(), total - 1)
+        return KeptRows(at[:g.n_real], g.left_pad[:g.n_real].clone(), total - 1, g.row_group.clone(),
+                        g.row_prompt_len.clone())
 
 def _decoding(grid: _LeftPaddedGrid, cfg: GenerationConfig, sync: _Lockstep, vocab_size: int, noise_seed: int,
               on_forward: Optional[OnForward], poll, keeps: bool) -> _Decoding:

@@ -612,6 +612,8 @@ class LeanDecoder:
         if batch != self.batch:
             self.tok_in = torch.zeros(batch, dtype=torch.long, device=dev)
             self.left_pad = torch.zeros(batch, dtype=torch.long, device=dev)
+            # with shared-prefix attention, the slot from which a cache row's own keys are read (share_kept_prefix)
+            self.prompt_end = torch.zeros(batch, dtype=torch.long, device=dev)
             # the slot each cache row's decode step writes (one slot for all rows, except where finished
             # rows were refilled: generation.max_batch_rows)
             self.cur = torch.zeros(batch, dtype=torch.long, device=dev)
@@ -896,6 +898,8 @@ class LeanDecoder:
         cos = self.cos[pos][:, None, None]  # [n, 1, 1, rot]
         sin = self.sin[pos][:, None, None]
         slots = self.slot_ids[:kv_len]
+        if self.prefix_cells:  # the rows' own keys start past their prompt (the store holds it: share_kept_prefix)
+            lp = torch.maximum(lp, self.prompt_end[:n])
         masked = (slots[None, :] < lp[:, None]) | (slots[None, :] > cur[:, None])  # [n, kv_len]: padding, unwritten
         bias = self._bias(masked[:, None, None, :], x.dtype)
 
@@ -1043,8 +1047,32 @@ class LeanDecoder:
         self.prefix_cells = cells
         self.prefix_row = torch.zeros(self.batch, dtype=torch.long, device=self.device)
         self.prefix_cell = torch.zeros_like(self.prefix_row)
+        self.prompt_end.zero_()  # a row's own keys: its slots from the store's width P on
         masked = self.slot_ids[None, :P] < store_left_pad[:, None]
         self.prefix_bias = self._bias(masked, self.dtype)  # [Bp, P]
+
+    def share_kept_prefix(self, cells: int, split: int, rep: torch.Tensor, store_left_pad: torch.Tensor,
+                          group: torch.Tensor, prompt_end: torch.Tensor) -> None:
+        """Decode a resumed generation (``begin``'s ``carry``, then ``extend``) with shared-prefix attention: the n
+        cache rows of a group hold the same KV of their first turn's prompt (row r: slots left_pad[r] ..
+        prompt_end[r] - 1), which a prompt store of ``split`` slots takes from one cache row per group, right-aligned
+        (store row g: cache row rep[g]'s prompt at slots store_left_pad[g] .. split - 1). Every row's prompt ends at
+        or past the split (``split`` = min over rows of prompt_end), so its own keys are its slots from the split
+        on, less its prompt's tail there (masked in the decode step: ``prompt_end``). cells: the most rows of one
+        group; rep / store_left_pad [Bg]; group [n] (each row's store row) and prompt_end [n] long."""
+        Bg = rep.numel()
+        # store slot s of group g holds its cache row's slot s - store_left_pad[g] + left_pad[rep[g]] (a key's RoPE
+        # is its position's, whatever slot holds it; store slots left of the prompt are masked)
+        idx = self.slot_ids[None, :split] - store_left_pad[:, None] + self.left_pad[rep][:, None]
+        idx = idx.clamp(0, self.max_slots - 1)
+        idx = idx[:, None, :, None].expand(Bg, self.ng, split, self.hn)
+        self.store_k = [torch.gather(k[rep], 2, idx) for k in self.k]
+        self.store_v = [torch.gather(v[rep], 2, idx) for v in self.v]
+        self.share_prefix(cells, store_left_pad)
+        n = group.numel()
+        self.prefix_row[:n] = group
+        self.prefix_cell[:n] = prefix_cells(group)
+        self.prompt_end[:n] = prompt_end
 
     def compact(self, order: torch.Tensor, keep: int) -> None:
         """Move cache rows ``order[:keep]`` to the front (generation's finished-row compaction). A generation
@@ -1057,7 +1085,8 @@ class LeanDecoder:
                 v[at] = v[order[at]]
             self.left_pad[at] = self.left_pad[order[at]]
             if self.prefix_cells:
-                self.prefix_row[at], self.prefix_cell[at] = self.prefix_row[order[at]], self.prefix_cell[order[at]]
+                for t in (self.prefix_row, self.prefix_cell, self.prompt_end):
+                    t[at] = t[order[at]]
             return
         idx = order[:keep]
         for k, v in zip(self.k, self.v):
@@ -1065,4 +1094,5 @@ class LeanDecoder:
             v[:keep] = v[idx]
         self.left_pad[:keep] = self.left_pad[idx]
         if self.prefix_cells:  # distinct rows keep distinct cells of their prefix row
-            self.prefix_row[:keep], self.prefix_cell[:keep] = self.prefix_row[idx], self.prefix_cell[idx]
+            for t in (self.prefix_row, self.prefix_cell, self.prompt_end):
+                t[:keep] = t[idx]
