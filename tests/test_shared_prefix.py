@@ -212,6 +212,13 @@ def test_on_gives_the_tokens_logprobs_and_routes_of_off(model, monkeypatch, kw):
         assert got.decode_row_steps < got.response_lengths.numel() * (got.num_forwards - 1)  # compacted or refilled
 
 
+def _splits(out, prompt_len: torch.Tensor) -> bool:
+    """The split rule of a resumed call by hand: its rows' contexts right-aligned (out.prompt_lengths), the split slot
+    is the leftmost end of a row's first-turn prompt (``prompt_len`` [rows]); it shares where every prompt fits left of it."""
+    lens = out.prompt_lengths
+    return int((lens.max() - lens + prompt_len).min()) >= int(prompt_len.max())
+
+
 def test_a_first_turn_with_its_kv_kept_continues_as_with_off(model, monkeypatch):
     """Three turns, the first of 4 rows per prompt with shared-prefix attention and the KV kept (the rows also get
     their prompt's KV copied: the next turns resume on it): the streams and routes of ``off``, log-probs within
@@ -230,7 +237,52 @@ def test_a_first_turn_with_its_kv_kept_continues_as_with_off(model, monkeypatch)
         if setting == "off":
             assert not calls
     got, want = outs["on"], outs["off"]
-    assert len(calls) == (got[4][0].num_forwards - 1) * len(m.decoder.layers)  # the first turn's decode steps only
+    # the first turn's decode steps, and a resumed turn's only where its split slot has room for every prompt
+    shared = [True] + [_splits(o, torch.tensor([4, 1, 9] * 4)) for o in got[4][1:]]
+    assert len(calls) == sum(o.num_forwards - 1 for o, on in zip(got[4], shared) if on) * len(m.decoder.layers)
     assert got[0] == want[0] and len({len(c) for c in got[0]}) > 2
     assert max(abs(a - b) for x, y in zip(got[1], want[1]) for a, b in zip(x, y)) < 2e-6
     assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+
+
+def _three_turns(model, monkeypatch, setting, ps):
+    """``talk`` over three turns with the KV kept (rows 1 and 5 end after turns 1 and 2) -> (its result, how many
+    decode attentions shared the prefix)."""
+    from kv_turns import talk
+
+    m, st = model
+    base = dict(max_new_tokens=5, n_samples_per_prompt=1, seed=3, decode_impl="lean",
+                stop_token_ids=list(range(3, 99, 3)), compact_finished_rows=0.25)
+    calls = _counted(monkeypatch)
+    cfg = GenerationConfig(**base, shared_prefix_attention=setting)
+    out = talk(Generator(m, vocab_size=VOCAB, state=st), m, ps, cfg, list(range(len(ps))), keep=True,
+               end_after={1: 0, 5: 1})
+    return out, len(calls)
+
+
+@pytest.mark.parametrize("lens, shared", [((7, 7, 7), [True, True]), ((8, 7, 8), [True, False])],
+                         ids=["equal-prompts", "unequal-prompts"])
+def test_resumed_turns_share_their_first_turns_prompt_as_with_off(model, monkeypatch, lens, shared):
+    """Three turns with the KV kept, 3 prompts x 4 rows: the resumed turns read each prompt's KV once from a store
+    taken from the rows' kept caches (rows of different history lengths: the prompt right-aligned at the split
+    slot, each row's prompt tail masked in its own keys), with compaction and rows leaving the conversation:
+    streams, stop flags and R3 routes identical to ``off``, log-probs within 2e-6 (9.5e-7 measured). ``on``
+    shares in every decode step and layer of turn 1 and of each resumed turn whose split has room for every
+    prompt (equal prompt lengths: always; 8/7/8 tokens: turn 2, not turn 3, by the rule by hand), ``auto``
+    (these small prompts) in none."""
+    ps = _prompts(lens) * 4
+    (got, n_on), (want, n_off) = (_three_turns(model, monkeypatch, s, ps) for s in ("on", "off"))
+    _, n_auto = _three_turns(model, monkeypatch, "auto", ps)
+    assert got[0] == want[0] and len({len(c) for c in got[0]}) > 5
+    assert all(torch.equal(a.stopped, b.stopped) for a, b in zip(got[4], want[4]))
+    assert max(abs(a - b) for x, y in zip(got[1], want[1]) for a, b in zip(x, y)) < 2e-6
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    outs, layers = got[4], len(model[0].decoder.layers)
+    assert [o.tokens.shape[0] for o in outs] == [12, 11, 10]
+    assert [_splits(o, o_prev.kept.prompt_len[live]) for o, o_prev, live in
+            zip(outs[1:], outs, ([0] + list(range(2, 12)), [i for i in range(11) if i != 4]))] == shared
+    assert n_off == n_auto == 0
+    assert n_on == sum(o.num_forwards - 1 for o, on in zip(outs, [True] + shared) if on) * layers
+    assert any(o.decode_row_steps < o.tokens.shape[0] * (o.num_forwards - 1) for o in outs[1:])  # compacted
+    assert outs[1].kept.group.unique().numel() == 3
+    assert torch.equal(outs[2].kept.prompt_len, torch.tensor([lens[i % 3] for i in range(12) if i not in (1, 5)]))
