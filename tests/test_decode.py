@@ -608,11 +608,13 @@ def _resumed(outs):
             enumerate(outs[:-1])]
 
 
-def test_turns_on_their_kept_kv_over_sharded_weights(run_dist):
+@pytest.mark.parametrize("extra", [(), ("--shared-prefix",)], ids=["plain", "shared-prefix"])
+def test_turns_on_their_kept_kv_over_sharded_weights(run_dist, extra):
     """TP 2, EP 2 and expert-TP 2 on the lean decoder (EP / expert-TP: a rank whose rows all ended steps the
-    resumed turns on dummy rows): three turns with each row's KV kept give the streams, log-probs (within 1e-6)
-    and R3 routes of a prefill of every turn's whole context (tests/dist_scripts/kv_turns_layouts.py)."""
-    p = run_dist("kv_turns_layouts.py", 2, "--layouts", "tp2,ep2,etp2", timeout=900)
+    resumed turns on dummy rows): three turns with each row's KV kept give the streams, log-probs (within 1e-6;
+    2e-6 with shared-prefix attention, whose resumed turns must share) and R3 routes of a prefill of every turn's
+    whole context (tests/dist_scripts/kv_turns_layouts.py)."""
+    p = run_dist("kv_turns_layouts.py", 2, "--layouts", "tp2,ep2,etp2", *extra, timeout=900)
     for tag in ("tp2", "ep2", "etp2"):
         for r in range(2):
             assert f"KVTURNS OK {tag} rank {r}" in p.stdout, p.stdout[-3000:]

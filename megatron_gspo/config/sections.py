@@ -188,9 +188,11 @@ class GenerationConfig:
     # Shared-prefix ("cascade") decode attention in the lean decoder: a prompt's samples read its prompt
     # block's KV once per decode step (one block per prompt, not a copy per sample) and their own generated
     # tokens separately, the two softmaxes merged exactly (megatron_gspo/generation/shared_prefix.py). Tokens
-    # equal the plain step's, log-probs to rounding. "auto": on where it pays on the CPU measured (the decode
-    # batch's copies of the prompt keys per layer >= 3 MiB: shared_prefix.SHARED_PREFIX_MIN_KEY_BYTES), never
-    # with cuda_graphs (its captured shapes cannot follow a call's prompts); "on" / "off" force it.
+    # equal the plain step's, log-probs to rounding. A multi-turn row's resumed turns (KV kept) read their first
+    # turn's prompt once too, where every prompt of the call fits left of the split slot (the leftmost prompt
+    # end; equal prompt lengths always do), else plain attention. "auto": on where it pays on the CPU measured
+    # (the decode batch's copies of the prompt keys per layer >= 3 MiB: shared_prefix.SHARED_PREFIX_MIN_KEY_BYTES),
+    # never with cuda_graphs (its captured shapes cannot follow a call's prompts); "on" / "off" force it.
     shared_prefix_attention: str = knob("auto", resume=Resume.MAY_CHANGE, choices=SHARED_PREFIX_SETTINGS)
 
     def __post_init__(self) -> None:

@@ -63,8 +63,13 @@ Shared-prefix decode attention (``generation.shared_prefix_attention``: the lean
     to the back-end's prompt store (``prefill_to_store``) and nothing is copied: every decode step reads each
     prompt's KV once for its rows (shared_prefix.py: the rows' queries in one GEMM per prompt, each row's own
     generated slots apart, the two softmaxes merged exactly). A call that keeps its KV (``keep_kv``) still copies
-    the prompt into its rows (the next turn resumes on them); a resumed call has no shared prompt. The tokens
-    are those of the plain step, the log-probs equal to rounding (tests/test_shared_prefix.py).
+    the prompt into its rows (the next turn resumes on them). A resumed call shares its rows' first-turn prompts
+    (KeptRows' ``group`` and ``prompt_len``): after the carry and the extend, the store takes each group's prompt
+    from one of its cache rows, right-aligned to the split slot S = min over rows of (left padding + prompt
+    length); a row's own keys are its slots from S on, less its prompt's tail there (masked). The same rule
+    decides (its KV bytes counted over S slots), and only where every group's prompt fits left of S (equal
+    prompt lengths always do); otherwise the resumed call decodes with plain attention. The tokens are those of
+    the plain step, the log-probs equal to rounding (tests/test_shared_prefix.py).
 
 KV kept across turns (multi-turn rows: rollout/multiturn.py)
     A call with ``keep_kv`` leaves its KV cache in the lean decoder and returns ``kept`` (KeptRows): each

@@ -44,8 +44,11 @@ Shared-prefix decode attention (``share_prefix``; generation.shared_prefix_atten
     (``prefill_to_store``), ``share_prefix`` makes the decode steps read each prompt's keys and values once
     (shared_prefix.shared_prefix_attention: each cache row names its store row, ``prefix_row``, and its cell
     among that row's queries, ``prefix_cell``; compaction and ``admit`` move them with the rows) and each row's
-    own slots from the prompt block's end on, merging the two softmaxes exactly. Eager and static steps; a
-    captured one never shares (its shapes cannot follow a call's prompt count).
+    own slots from the prompt block's end on, merging the two softmaxes exactly. A resumed generation
+    (``carry`` + ``extend``) shares its rows' first-turn prompts too (``share_kept_prefix``: the store taken from
+    one kept cache row per prompt, right-aligned to a split slot; each row's prompt tail past it masked in its own
+    keys, ``prompt_end``). Eager and static steps; a captured one never shares (its shapes cannot follow a call's
+    prompt count).
 
 Routes (R3 and the routing metrics): with ``record_routes`` each forward also writes every layer's
 top-k expert ids ([b, s, k], the router's own routing map) into a buffer, so a replayed graph
