@@ -711,7 +711,7 @@ class _LeftPaddedGrid:
         keys, past the split, start there), each group's cache row ``kept_rep`` [Bg] and left padding in a store
         right-aligned at the split ``kept_store_pad`` [Bg], and the most rows of one group (host-side).
         ``kept_shares``: every group's prompt fits left of the split (equal prompt lengths always do)."""
-        self.kept_shares, self.kept_rows_per_group = False, 0
+        self.kept_shares, self.kept_rows_per_group, self.split = False, 0, 0
         if not resumed:
             return
         B, n_real = self.B, self.n_real
