@@ -4,8 +4,10 @@ The merged attention against plain attention over each row's concatenated KV (fp
 suffixes, suffix lengths that differ by row, logits far past exp's fp32 range); a merge broken on purpose
 (no max subtraction, a wrong normalizer) fails that check; the lean decoder with ``on`` gives the tokens,
 stop flags and R3 routes of ``off`` and log-probs within 2e-6 (fp32), with compaction, a refilled batch and
-a first turn whose KV is kept for the next; the rule of ``auto`` and the config's refusals. Over TP / EP
-shards: tests/dist_scripts/lean_layouts.py (its ``sampled-shared`` case, tests/test_decode.py)."""
+a first turn whose KV is kept for the next, and resumed turns that share their first turn's prompt (rows of
+different history lengths, the split rule by hand); the rule of ``auto`` and the config's refusals. Over TP / EP
+shards: tests/dist_scripts/lean_layouts.py (its ``sampled-shared`` case) and kv_turns_layouts.py
+(``--shared-prefix``), both run by tests/test_decode.py."""
 
 import pytest
 import torch
