@@ -119,14 +119,14 @@ def shared_prefix_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: t
     n, np_, hn = q.shape
     Bp, ng, Lp = prefix_k.shape[0], prefix_k.shape[1], prefix_k.shape[2]
     hg = np_ // ng
+    at = prefix_row * cells + cell  # each row's place in the grid of its prefix row's queries
     # the prefix: each prefix row's cells x heads-per-group queries in one GEMM per KV group
-    grid = q.new_zeros(Bp * cells, np_, hn).index_copy_(0, prefix_row * cells + cell, q)
+    grid = q.new_zeros(Bp * cells, np_, hn).index_copy_(0, at, q)
     grid = grid.view(Bp, cells, ng, hg, hn).transpose(1, 2).reshape(Bp, ng, cells * hg, hn)
     o_pre, lse_pre = _block_partial(grid, prefix_k, prefix_v, None if prefix_bias is None else prefix_bias[:, None, None, :],
                                     scale)  # [Bp, ng, cells*hg, hn], [Bp, ng, cells*hg]
     o_pre = o_pre.view(Bp, ng, cells, hg, hn).transpose(1, 2).reshape(Bp * cells, np_, hn)
     lse_pre = lse_pre.view(Bp, ng, cells, hg).transpose(1, 2).reshape(Bp * cells, np_)
-    at = prefix_row * cells + cell
     o_pre, lse_pre = o_pre.index_select(0, at), lse_pre.index_select(0, at)  # [n, np, hn], [n, np]
     # the suffix: each row's own keys
     s_suf = torch.matmul(q.view(n, ng, hg, hn), suffix_k.transpose(-1, -2)).mul_(scale)  # [n, ng, hg, Ls]
