@@ -291,13 +291,17 @@ def _engine_generator(engine):
     return EngineGenerator(engine)
 
 
-def _engine_stats(engine, sync) -> dict:
-    """The step's engine metrics: the bytes its weight sync moved, and the share of its requests' prompt tokens
-    (a row's prompt, or a conversation so far) that the engine's prefix cache served (the prompt's KV computed
-    once for its G samples, a conversation's reused by its next turn)."""
-    queries, hits = engine.take_prefix_cache_stats()
-    return {"rollout/weight_sync_bytes": float(sync.bytes),
+def engine_metrics(sync_bytes: float, queries: int, hits: int) -> dict:
+    """A step's vLLM engine metrics (colocated, and an async job's from its rollout ranks: rollout/remote.py): the
+    bytes its weight syncs moved, and the share of its requests' prompt tokens (``queries``: a row's prompt, or a
+    conversation so far) that the engine's prefix cache served (``hits``: the prompt's KV computed once for its G
+    samples, a conversation's reused by its next turn)."""
+    return {"rollout/weight_sync_bytes": float(sync_bytes),
             "rollout/prefix_cache_hit_rate": hits / queries if queries else 0.0}
+
+
+def _engine_stats(engine, sync) -> dict:
+    return engine_metrics(sync.bytes, *engine.take_prefix_cache_stats())
 
 
 @dataclass

@@ -115,10 +115,10 @@ class RemoteSource:
             "async/partial_dropped_rows": float(raw["dropped"]),
             "async/mid_generation_updates": float(raw["updates"]),
         }
-        if self.cfg.rollout.engine == "vllm":  # as a colocated job on vLLM logs them (rollout/colocated.py)
-            queries = raw["prefix_queries"]
-            stats["rollout/weight_sync_bytes"] = float(raw["engine_sync_bytes"])
-            stats["rollout/prefix_cache_hit_rate"] = raw["prefix_hits"] / queries if queries else 0.0
+        if self.cfg.rollout.engine == "vllm":  # as a colocated job on vLLM logs them
+            from megatron_gspo.rollout.colocated import engine_metrics
+
+            stats.update(engine_metrics(raw["engine_sync_bytes"], raw["prefix_queries"], raw["prefix_hits"]))
         # step, gen_s and data_state are the whole step's (select keeps them); the tokens are this rank's
         return dataclasses.replace(mine, gen_tokens=int(mine.loss_mask.sum().item()),  # sampled: a multi-turn row's turns
                                    **{k: getattr(full, k) if st.dp_rank == 0 else 0 for k in COUNTS if k != "gen_tokens"},
