@@ -34,12 +34,16 @@ TINY_YAML = str(Path("launch") / "recipes" / "tiny_cpu.yaml")
 MARKER = "GSPO_TEST_MARKER"
 
 
-def marked(marker: str) -> list[psutil.Process]:
-    """Live (non-zombie) processes whose environment carries ``marker``."""
+def marked(marker: str, env_key: str | None = None) -> list[psutil.Process]:
+    """Live (non-zombie) processes whose environment carries ``marker`` (and ``env_key`` when given).
+    The environment is read once, here, where a process that ends meanwhile is skipped: read again by a
+    caller it could be gone (psutil.NoSuchProcess)."""
     out = []
     for p in psutil.process_iter():
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(MARKER) == marker:
+            env = p.environ()
+            if p.status() != psutil.STATUS_ZOMBIE and env.get(MARKER) == marker and (env_key is None or env_key in env):
+                p.env = env
                 out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -66,8 +70,7 @@ class Run:
 
     def ranks(self) -> list[psutil.Process]:
         tr = self.torchrun()
-        return sorted((p for p in marked(self.marker) if p.ppid() == tr.pid and "RANK" in p.environ()),
-                      key=lambda p: int(p.environ()["RANK"]))
+        return sorted((p for p in marked(self.marker, "RANK") if p.ppid() == tr.pid), key=lambda p: int(p.env["RANK"]))
 
     def wait(self, timeout: float = 400) -> tuple[int, str]:
         try:
@@ -201,7 +204,7 @@ def test_a_signal_during_start_up_ends_with_nothing_to_save_and_79(tmp_path):
     step 1 with "nothing to save yet" and exit 79; no traceback, no checkpoint, nothing left behind."""
     run = launcher(tmp_path, "s")
     deadline = time.time() + 120
-    while not [p for p in marked(run.marker) if "RANK" in p.environ()]:  # a rank process exists
+    while not marked(run.marker, "RANK"):  # a rank process exists
         assert run.p.poll() is None and time.time() < deadline, run.log_path.read_text()[-3000:]
         time.sleep(0.05)
     run.p.send_signal(signal.SIGUSR1)
