@@ -482,8 +482,8 @@ def test_the_prefill_runs_once_per_distinct_prompt_and_counts_its_tokens(model, 
 def test_one_prefill_per_prompt_over_sharded_weights(run_dist):
     """TP 2, EP 2 (ranks with different numbers of distinct prompts: the lockstep group's prefill has filler
     rows) and expert-TP 2, lean and megatron's path: a prompt's samples prefilled once give the rollouts of a
-    prefill per row, bit for bit (expert-TP: the log-probs within 1e-6, as two rows of one prompt were
-    before; tests/dist_scripts/shared_prefill.py)."""
+    prefill per row, bit for bit (EP and expert-TP: the log-probs within 1e-6, the expert GEMMs' rounding of
+    a row depending on their size; tests/dist_scripts/shared_prefill.py)."""
     p = run_dist("shared_prefill.py", 2, "--layouts", "tp2,ep2,etp2", timeout=900)
     for tag in ("tp2", "ep2", "etp2"):
         for impl in ("lean", "megatron"):

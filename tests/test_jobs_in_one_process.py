@@ -17,7 +17,8 @@ from megatron_gspo.config import load_job_config
 
 # short jobs of the demo's task; three shapes, shallow first (a stale tracker is too short for the next)
 BASE = ["parallel.device=cpu", "train.num_steps=2", "train.sft_steps=0", "train.tensorboard=false", "eval.interval=0",
-        "train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "train.micro_batch_size=8",
+        "train.prompts_per_step=4", "generation.n_samples_per_prompt=4", "generation.max_new_tokens=8",
+        "train.micro_batch_size=8",
         "reward.name=digit_match"]
 SHAPES = {
     "tiny": [],
