@@ -41,6 +41,14 @@ def rel_err(got, ref):
     return float((num / den) ** 0.5)
 
 
+def run_jobs(run_dist, root, nproc, jobs, name, job_timeout=120):
+    """Run ``jobs`` (run_job.py argument lists) one after another in one torchrun of ``nproc`` ranks (run_job.py
+    --jobs): one start-up, one rendezvous for them all."""
+    spec = root / f"{name}.json"
+    spec.write_text(json.dumps([list(map(str, j)) for j in jobs]))
+    run_dist("run_job.py", nproc, "--jobs", str(spec), timeout=300 + job_timeout * len(jobs))
+
+
 @pytest.fixture(scope="module")
 def grads(tmp_path_factory, run_dist):
     """layout -> directory with grads_{policy,aux}_mb<N> (see run_job.save_gradients)."""
@@ -57,24 +65,26 @@ def grads(tmp_path_factory, run_dist):
         "one_global": (1, "128,64", [megatron + "global_aux_loss"]),
         "ep2_global": (2, "64", [megatron + "global_aux_loss", "parallel.expert_model_parallel_size=2"]),
     }
+    jobs = {1: [], 2: []}  # world size -> its jobs
     for name, (n, sizes, extra) in runs.items():
-        run_dist("run_job.py", n, "--out", str(root / name), "--grads", sizes, "--", *GRAD_JOB, *extra)
+        jobs[n].append(["--out", root / name, "--grads", sizes, "--", *GRAD_JOB, *extra])
     # a token budget under EP=2: the ranks' own plans differ, the agreed one runs (rollout.agreed_length_profile);
     # ragged rows (stop tokens) so that the budget cuts them differently (the two DP ranks' own plans of the
     # first minibatch: 8 and 9 micro-batches); reference: one rank, same job
     ragged = ["generation.max_new_tokens=12", "generation.stop_token_ids=[3,7,11,1,5]",
               "train.max_tokens_per_micro_batch=130"]
-    run_dist("run_job.py", 1, "--out", str(root / "one_budget"), "--planned-grad", "--", *GRAD_JOB, *ragged)
+    jobs[1].append(["--out", root / "one_budget", "--planned-grad", "--", *GRAD_JOB, *ragged])
     for name, layout in (("ep2_budget", "parallel.expert_model_parallel_size=2"),
                          ("etp2_budget", "parallel.expert_tensor_parallel_size=2"),
                          # plain DP 2 (no lockstep group): megatron's statistics need one plan over DP
                          ("dp2_budget_aux", megatron + "aux_loss"), ("dp2_budget_global", megatron + "global_aux_loss")):
         aux = ["--planned-aux"] if "aux_loss" in layout else []  # megatron's statistics: their gradient too
-        p = run_dist("run_job.py", 2, "--out", str(root / name), "--planned-grad", *aux, "--", *GRAD_JOB, *ragged, layout)
-        (root / name / "plans.txt").write_text(p.stdout)
+        jobs[2].append(["--out", root / name, "--planned-grad", *aux, "--", *GRAD_JOB, *ragged, layout])
     for kind in ("aux", "global"):  # one rank: the reference of the DP 2 runs' aux gradient
-        run_dist("run_job.py", 1, "--out", str(root / f"one_budget_{kind}"), "--planned-grad", "--planned-aux", "--",
-                 *GRAD_JOB, *ragged, megatron + ("aux_loss" if kind == "aux" else "global_aux_loss"))
+        jobs[1].append(["--out", root / f"one_budget_{kind}", "--planned-grad", "--planned-aux", "--",
+                        *GRAD_JOB, *ragged, megatron + ("aux_loss" if kind == "aux" else "global_aux_loss")])
+    for n, js in jobs.items():
+        run_jobs(run_dist, root, n, js, f"jobs{n}")
     return root
 
 
@@ -96,10 +106,10 @@ def family_grads(tmp_path_factory, run_dist):
     """GSPO's successors through the real trainer: one rank (micro-batches of 128 and 32 rows) and DP=2
     (64 rows per rank), the first minibatch's policy gradient of each loss."""
     root = tmp_path_factory.mktemp("family_grads")
-    for loss in FAMILY:
-        job = [*GRAD_JOB, f"loss.name={loss}"]
-        run_dist("run_job.py", 1, "--out", str(root / f"{loss}_one"), "--grads", "128,32", "--", *job)
-        run_dist("run_job.py", 2, "--out", str(root / f"{loss}_dp2"), "--grads", "64", "--", *job)
+    run_jobs(run_dist, root, 1, [["--out", root / f"{loss}_one", "--grads", "128,32", "--", *GRAD_JOB,
+                                  f"loss.name={loss}"] for loss in FAMILY], "jobs1")
+    run_jobs(run_dist, root, 2, [["--out", root / f"{loss}_dp2", "--grads", "64", "--", *GRAD_JOB,
+                                  f"loss.name={loss}"] for loss in FAMILY], "jobs2")
     return root
 
 
@@ -119,13 +129,13 @@ def test_successor_losses_gradient_is_independent_of_micro_batch_size_and_dp(fam
     assert rel_err(_tensors(family_grads / f"{other}_one" / "grads_policy_mb128"), ref) > 1e-3
 
 
-def _plans(path):
-    """Each rank's printed plan (run_job.save_planned_gradient): (rank, own counts, own widths, agreed counts,
-    agreed widths) as strings."""
+def _plans(run):
+    """Each rank's plan (run_job.save_planned_gradient: plan.rank<r>.txt in the run's directory): (rank, own counts,
+    own widths, agreed counts, agreed widths) as strings."""
     import re
 
-    return re.findall(r"\[rank (\d)\] plan: own (\[.*?\]) widths (\[.*?\]); agreed (\[.*?\]) widths (\[.*?\])",
-                      path.read_text())
+    text = "".join(p.read_text() for p in sorted(run.glob("plan.rank*.txt")))
+    return re.findall(r"\[rank (\d)\] plan: own (\[.*?\]) widths (\[.*?\]); agreed (\[.*?\]) widths (\[.*?\])", text)
 
 
 @pytest.mark.parametrize("layout", ["ep2", "etp2"])
@@ -134,7 +144,7 @@ def test_token_budget_under_expert_parallelism_gives_the_one_rank_gradient(grads
     joined by the experts' token dispatch): each rank's own plan of its rows differs in micro-batch count or
     widths (ragged rows: stop tokens), the agreed plan is the same on both ranks, and the first minibatch's
     policy gradient is the one-rank gradient of the same job."""
-    plans = _plans(grads / f"{layout}_budget" / "plans.txt")
+    plans = _plans(grads / f"{layout}_budget")
     assert len(plans) == 2
     own = {(r[1], r[2]) for r in plans}
     agreed = {(r[3], r[4]) for r in plans}
@@ -154,7 +164,7 @@ def test_token_budget_under_data_parallelism_with_megatron_aux_loss_gives_the_on
     (BatchPreparer.plan_group; before, the collective mismatched and the job died). The aux loss runs as
     configured, its gradient scaled by 0: the first minibatch's policy gradient is the one-rank gradient;
     its own gradient has the one-rank gradient's weight."""
-    plans = _plans(grads / f"dp2_budget_{kind}" / "plans.txt")
+    plans = _plans(grads / f"dp2_budget_{kind}")
     assert len(plans) == 2
     assert {eval(r[1])[0] for r in plans} == {8, 9}, plans  # the ranks' own first-minibatch micro-batch counts
     assert len({(r[3], r[4]) for r in plans}) == 1, plans  # one agreed plan
@@ -226,16 +236,19 @@ LAYOUTS = {  # name: (ranks, overrides); every layout but tp2 has DP = 2 replica
 
 @pytest.fixture(scope="module")
 def trajectories(tmp_path_factory, run_dist):
-    """layout name (or "one") -> the directory of its run, each run once, when a test first asks for it."""
+    """layout name (or "one") -> the directory of its run, each run once, when a test first asks for it: with it
+    the other layouts of its world size, in the same torchrun (run_jobs)."""
     root = tmp_path_factory.mktemp("traj")
     done = set()
 
     def run(name):
         if name not in done:
-            n, extra = (1, []) if name == "one" else LAYOUTS[name]
-            run_dist("run_job.py", n, "--out", str(root / name), *(["--check-replicas"] if n > 1 else []), "--",
-                     *TRAJ_JOB, *extra, timeout=900)
-            done.add(name)
+            n = 1 if name == "one" else LAYOUTS[name][0]
+            names = ["one"] if n == 1 else [k for k, (m, _) in LAYOUTS.items() if m == n and k not in done]
+            run_jobs(run_dist, root, n, [["--out", root / k, *(["--check-replicas"] if n > 1 else []), "--", *TRAJ_JOB,
+                                          *([] if k == "one" else LAYOUTS[k][1])] for k in names], f"jobs_{name}",
+                     job_timeout=600)
+            done.update(names)
         return root / name
 
     return run

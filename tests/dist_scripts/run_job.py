@@ -1,6 +1,11 @@
 """Run a training job in-process under torchrun and leave evidence for a layout comparison.
 
     torchrun --nproc-per-node N run_job.py --out DIR [--check-replicas] [--grads 128,32] -- overrides...
+    torchrun --nproc-per-node N run_job.py --jobs JOBS.json
+
+``--jobs``: a JSON list of such argument lists (each "--out DIR ... -- overrides..."), run one after another in
+these processes (one start-up, one process group; each job its own Trainer and megatron groups, closed before
+the next: the way several jobs share a process, tests/test_jobs_in_one_process.py). Synchronous jobs only.
 
 Writes to DIR (rank 0 unless said otherwise):
   metrics.jsonl              the trainer's per-step metrics (train.output_dir=DIR)
@@ -8,6 +13,7 @@ Writes to DIR (rank 0 unless said otherwise):
   weights/                   final weights, torch_dist (global keys: comparable across layouts)
   grads_<kind>_mb<N>/        (--grads N,M,..) gradients of a first minibatch instead of training (save_gradients)
   grads_<kind>_planned/      (--planned-grad [--planned-aux]) the same on the rollout's own micro-batch plan
+  plan.rank<r>.txt           (--planned-grad, every rank) the rank's own plan of its rows next to the agreed one
   replicas.json              (--check-replicas) the largest difference of any replicated parameter and of
                              its optimizer state across data-parallel replicas (0.0 = bit-identical)
 
@@ -224,13 +230,19 @@ def save_planned_gradient(trainer, out_dir, aux=False):
     # the load-balancing loss runs as configured (the plan it needs, its collectives in aux_loss_scales and in
     # megatron's routers) but its gradient is scaled by 0: the saved gradient is the policy's alone
     loop.set_aux_loss_scale = lambda scale, device: set_aux_loss_scale(0.0, device)
-    t = trainer.cfg.train
-    batch = trainer.prepare(trainer.source.collect(trainer.step))
-    own = plan_micro_batches(batch.seq_lengths.tolist(), t.num_minibatches, t.micro_batch_size,
-                             t.max_tokens_per_micro_batch, trainer.state.tp if trainer.state.sequence_parallel else 1)
-    print(f"[rank {trainer.state.rank}] plan: own {[len(m) for m in own[1]]} widths {own[2]}; "
-          f"agreed {[len(m) for m in batch.minibatches]} widths {batch.widths}", flush=True)
-    trainer.accumulate_gradients(batch, batch.minibatches[0], MetricAccumulator())
+    try:
+        t = trainer.cfg.train
+        batch = trainer.prepare(trainer.source.collect(trainer.step))
+        own = plan_micro_batches(batch.seq_lengths.tolist(), t.num_minibatches, t.micro_batch_size,
+                                 t.max_tokens_per_micro_batch, trainer.state.tp if trainer.state.sequence_parallel else 1)
+        line = (f"[rank {trainer.state.rank}] plan: own {[len(m) for m in own[1]]} widths {own[2]}; "
+                f"agreed {[len(m) for m in batch.minibatches]} widths {batch.widths}")
+        print(line, flush=True)
+        with open(os.path.join(out_dir, f"plan.rank{trainer.state.rank}.txt"), "w", encoding="utf-8") as f:
+            f.write(line + "\n")
+        trainer.accumulate_gradients(batch, batch.minibatches[0], MetricAccumulator())
+    finally:  # megatron's own again (the next job of --jobs runs in this process)
+        loop.set_aux_loss_scale = set_aux_loss_scale
     model = trainer.model
     weights = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
@@ -240,7 +252,6 @@ def save_planned_gradient(trainer, out_dir, aux=False):
         return
     for p, w in zip(model.parameters(), weights):
         p.data.copy_(w)
-    loop.set_aux_loss_scale = set_aux_loss_scale
     source = trainer.source
     source.row_gen_cfg = dataclasses.replace(source.row_gen_cfg, temperature=0.0)
     trainer.prepare.temperature = 1.0
@@ -252,8 +263,8 @@ def save_planned_gradient(trainer, out_dir, aux=False):
     save_model(model, os.path.join(out_dir, "grads_aux_planned"))
 
 
-def main():
-    argv = sys.argv[1:]
+def run(argv, jobs=False):
+    """One job of ``argv`` (the module doc's arguments). ``jobs``: one of --jobs' list (synchronous only)."""
     split = argv.index("--") if "--" in argv else len(argv)
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -271,6 +282,9 @@ def main():
     cfg = load_job_config(DEMO_CONFIG, overrides)
     os.makedirs(a.out, exist_ok=True)
     configure_logging(cfg)  # as train.main does: the trainer's and the rollout ranks' lines
+    if jobs and (cfg.rollout.mode != "colocated" or any((a.kill_in_push, a.silence_trainer_at, a.sigterm_rollout_at,
+                                                         a.kill_rollout_after, a.hold_sigterm))):
+        raise SystemExit("run_job.py --jobs: synchronous jobs without faults only (each job exits the process)")
     if role_of(cfg) == ROLLOUT:  # rollout.mode=async: this rank generates for the trainer's ranks
         with open(os.path.join(a.out, f"rank{os.environ['RANK']}.pid"), "w", encoding="utf-8") as f:
             f.write(str(os.getpid()))  # for --kill-rollout-after
@@ -308,6 +322,21 @@ def main():
         save_model(trainer.model, os.path.join(a.out, "weights"))
     finally:
         trainer.close()
+        if not jobs:
+            parallel.destroy()
+
+
+def main():
+    argv = sys.argv[1:]
+    if argv[:1] != ["--jobs"]:
+        run(argv)
+        return
+    with open(argv[1], encoding="utf-8") as f:
+        jobs = json.load(f)
+    try:
+        for job in jobs:  # the process group stays up; each Trainer sets up megatron's groups for its layout
+            run(job, jobs=True)
+    finally:
         parallel.destroy()
 
 
