@@ -38,6 +38,17 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 300, check: boo
     return p
 
 
+def torchrun_jobs(nproc: int, jobs: list, spec: str, job_timeout: int = 120) -> subprocess.CompletedProcess:
+    """Several dist-script runs (each ``[script, arg, ...]``) one after another in one torchrun of ``nproc`` ranks
+    (tests/dist_scripts/jobs.py): one start-up and one rendezvous for them all. ``spec``: where the list is
+    written (a .json path)."""
+    import json
+
+    with open(spec, "w", encoding="utf-8") as f:
+        json.dump([list(map(str, j)) for j in jobs], f)
+    return torchrun("jobs.py", nproc, str(spec), timeout=300 + job_timeout * len(jobs))
+
+
 # Test files whose subject does not depend on the megatron-core release installed: the launcher and the GPU
 # kit's shell, docs and text, rewards, tasks, data, tokenizers, environments, and the losses' pure math. They
 # carry the ``mcore_agnostic`` marker, which the fast tier under megatron-core 0.19.2 in .ci/run deselects
@@ -69,7 +80,7 @@ def pytest_collection_modifyitems(config, items):
     no_vllm = pytest.mark.skip(reason="needs vLLM in this interpreter: tests/test_vllm_tier.py runs tests/vllm/ in the "
                                       "venv of .ci/setup-vllm-venv instead")
     for item in items:
-        if "run_dist" in getattr(item, "fixturenames", ()):
+        if {"run_dist", "run_dist_jobs"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
         if os.path.basename(str(item.fspath)) in MCORE_AGNOSTIC_FILES:
             item.add_marker(pytest.mark.mcore_agnostic)
@@ -132,6 +143,11 @@ def in_process_tests_state_their_device():
 @pytest.fixture(scope="session")
 def run_dist():
     return torchrun
+
+
+@pytest.fixture(scope="session")
+def run_dist_jobs():
+    return torchrun_jobs
 
 
 @pytest.fixture

@@ -41,16 +41,13 @@ def rel_err(got, ref):
     return float((num / den) ** 0.5)
 
 
-def run_jobs(run_dist, root, nproc, jobs, name, job_timeout=120):
-    """Run ``jobs`` (run_job.py argument lists) one after another in one torchrun of ``nproc`` ranks (run_job.py
-    --jobs): one start-up, one rendezvous for them all."""
-    spec = root / f"{name}.json"
-    spec.write_text(json.dumps([list(map(str, j)) for j in jobs]))
-    run_dist("run_job.py", nproc, "--jobs", str(spec), timeout=300 + job_timeout * len(jobs))
+def run_jobs(run_dist_jobs, root, nproc, jobs, name, job_timeout=120):
+    """run_job.py with each of ``jobs`` (argument lists), one after another in one torchrun of ``nproc`` ranks."""
+    run_dist_jobs(nproc, [["run_job.py", *j] for j in jobs], root / f"{name}.json", job_timeout)
 
 
 @pytest.fixture(scope="module")
-def grads(tmp_path_factory, run_dist):
+def grads(tmp_path_factory, run_dist_jobs):
     """layout -> directory with grads_{policy,aux}_mb<N> (see run_job.save_gradients)."""
     root = tmp_path_factory.mktemp("grads")
     megatron = "model.moe_router_load_balancing_type="  # megatron's own statistics; the default is per sequence
@@ -84,7 +81,7 @@ def grads(tmp_path_factory, run_dist):
         jobs[1].append(["--out", root / f"one_budget_{kind}", "--planned-grad", "--planned-aux", "--",
                         *GRAD_JOB, *ragged, megatron + ("aux_loss" if kind == "aux" else "global_aux_loss")])
     for n, js in jobs.items():
-        run_jobs(run_dist, root, n, js, f"jobs{n}")
+        run_jobs(run_dist_jobs, root, n, js, f"jobs{n}")
     return root
 
 
@@ -102,13 +99,13 @@ FAMILY = ("sapo", "cispo", "gmpo", "luspo")
 
 
 @pytest.fixture(scope="module")
-def family_grads(tmp_path_factory, run_dist):
+def family_grads(tmp_path_factory, run_dist_jobs):
     """GSPO's successors through the real trainer: one rank (micro-batches of 128 and 32 rows) and DP=2
     (64 rows per rank), the first minibatch's policy gradient of each loss."""
     root = tmp_path_factory.mktemp("family_grads")
-    run_jobs(run_dist, root, 1, [["--out", root / f"{loss}_one", "--grads", "128,32", "--", *GRAD_JOB,
+    run_jobs(run_dist_jobs, root, 1, [["--out", root / f"{loss}_one", "--grads", "128,32", "--", *GRAD_JOB,
                                   f"loss.name={loss}"] for loss in FAMILY], "jobs1")
-    run_jobs(run_dist, root, 2, [["--out", root / f"{loss}_dp2", "--grads", "64", "--", *GRAD_JOB,
+    run_jobs(run_dist_jobs, root, 2, [["--out", root / f"{loss}_dp2", "--grads", "64", "--", *GRAD_JOB,
                                   f"loss.name={loss}"] for loss in FAMILY], "jobs2")
     return root
 
@@ -235,7 +232,7 @@ LAYOUTS = {  # name: (ranks, overrides); every layout but tp2 has DP = 2 replica
 
 
 @pytest.fixture(scope="module")
-def trajectories(tmp_path_factory, run_dist):
+def trajectories(tmp_path_factory, run_dist_jobs):
     """layout name (or "one") -> the directory of its run, each run once, when a test first asks for it: with it
     the other layouts of its world size, in the same torchrun (run_jobs)."""
     root = tmp_path_factory.mktemp("traj")
@@ -245,7 +242,7 @@ def trajectories(tmp_path_factory, run_dist):
         if name not in done:
             n = 1 if name == "one" else LAYOUTS[name][0]
             names = ["one"] if n == 1 else [k for k, (m, _) in LAYOUTS.items() if m == n and k not in done]
-            run_jobs(run_dist, root, n, [["--out", root / k, *(["--check-replicas"] if n > 1 else []), "--", *TRAJ_JOB,
+            run_jobs(run_dist_jobs, root, n, [["--out", root / k, *(["--check-replicas"] if n > 1 else []), "--", *TRAJ_JOB,
                                           *([] if k == "one" else LAYOUTS[k][1])] for k in names], f"jobs_{name}",
                      job_timeout=600)
             done.update(names)

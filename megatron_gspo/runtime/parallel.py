@@ -335,14 +335,15 @@ def reset_megatron_globals() -> None:
         RotaryEmbedding.forward.cache_clear()
 
 
-def destroy() -> None:
+def destroy(keep_world: bool = False) -> None:
     """Tear down megatron's groups and torch.distributed, and what a job left in megatron's globals
-    (tests and re-initialization)."""
+    (tests and re-initialization). ``keep_world``: torch.distributed's default group stays up for the next
+    job of these same ranks (several jobs in one torchrun; its rendezvous cannot be done twice)."""
     from megatron.core import parallel_state as mps
 
     reset_megatron_globals()
     if mps.model_parallel_is_initialized():
         mps.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_world:
         dist.destroy_process_group()
     compat.restore()  # the CPU workarounds parallel.initialize applied (compat.apply)

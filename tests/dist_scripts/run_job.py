@@ -1,11 +1,6 @@
 """Run a training job in-process under torchrun and leave evidence for a layout comparison.
 
     torchrun --nproc-per-node N run_job.py --out DIR [--check-replicas] [--grads 128,32] -- overrides...
-    torchrun --nproc-per-node N run_job.py --jobs JOBS.json
-
-``--jobs``: a JSON list of such argument lists (each "--out DIR ... -- overrides..."), run one after another in
-these processes (one start-up, one process group; each job its own Trainer and megatron groups, closed before
-the next: the way several jobs share a process, tests/test_jobs_in_one_process.py). Synchronous jobs only.
 
 Writes to DIR (rank 0 unless said otherwise):
   metrics.jsonl              the trainer's per-step metrics (train.output_dir=DIR)
@@ -241,7 +236,7 @@ def save_planned_gradient(trainer, out_dir, aux=False):
         with open(os.path.join(out_dir, f"plan.rank{trainer.state.rank}.txt"), "w", encoding="utf-8") as f:
             f.write(line + "\n")
         trainer.accumulate_gradients(batch, batch.minibatches[0], MetricAccumulator())
-    finally:  # megatron's own again (the next job of --jobs runs in this process)
+    finally:  # megatron's own again (jobs.py may run another job in this process)
         loop.set_aux_loss_scale = set_aux_loss_scale
     model = trainer.model
     weights = [p.detach().clone() for p in model.parameters()]
@@ -263,8 +258,8 @@ def save_planned_gradient(trainer, out_dir, aux=False):
     save_model(model, os.path.join(out_dir, "grads_aux_planned"))
 
 
-def run(argv, jobs=False):
-    """One job of ``argv`` (the module doc's arguments). ``jobs``: one of --jobs' list (synchronous only)."""
+def main():
+    argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -282,9 +277,6 @@ def run(argv, jobs=False):
     cfg = load_job_config(DEMO_CONFIG, overrides)
     os.makedirs(a.out, exist_ok=True)
     configure_logging(cfg)  # as train.main does: the trainer's and the rollout ranks' lines
-    if jobs and (cfg.rollout.mode != "colocated" or any((a.kill_in_push, a.silence_trainer_at, a.sigterm_rollout_at,
-                                                         a.kill_rollout_after, a.hold_sigterm))):
-        raise SystemExit("run_job.py --jobs: synchronous jobs without faults only (each job exits the process)")
     if role_of(cfg) == ROLLOUT:  # rollout.mode=async: this rank generates for the trainer's ranks
         with open(os.path.join(a.out, f"rank{os.environ['RANK']}.pid"), "w", encoding="utf-8") as f:
             f.write(str(os.getpid()))  # for --kill-rollout-after
@@ -322,21 +314,6 @@ def run(argv, jobs=False):
         save_model(trainer.model, os.path.join(a.out, "weights"))
     finally:
         trainer.close()
-        if not jobs:
-            parallel.destroy()
-
-
-def main():
-    argv = sys.argv[1:]
-    if argv[:1] != ["--jobs"]:
-        run(argv)
-        return
-    with open(argv[1], encoding="utf-8") as f:
-        jobs = json.load(f)
-    try:
-        for job in jobs:  # the process group stays up; each Trainer sets up megatron's groups for its layout
-            run(job, jobs=True)
-    finally:
         parallel.destroy()
 
 
