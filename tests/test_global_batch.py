@@ -231,15 +231,17 @@ def _rollouts(d):
 
 
 @pytest.fixture(scope="module")
-def ds_trajectories(tmp_path_factory, run_dist):
-    """DP 1 straight; DP 2 and DP 4 stopped after step 2 (checkpoint) and resumed to step 4."""
+def ds_trajectories(tmp_path_factory, run_dist, run_dist_jobs):
+    """DP 1 straight; DP 2 and DP 4 stopped after step 2 (checkpoint) and resumed to step 4 (the resumed job a new
+    Trainer in the same torchrun: jobs.py)."""
     root = tmp_path_factory.mktemp("ds_traj")
     run_dist("run_job.py", 1, "--out", str(root / "dp1"), "--", *DS_JOB, timeout=900)
     for n in (2, 4):
         ckpt = [f"checkpoint.save={root}/dp{n}/ckpt", "checkpoint.save_interval=2"]
-        run_dist("run_job.py", n, "--out", str(root / f"dp{n}"), "--", *DS_JOB, *ckpt, "train.num_steps=2", timeout=900)
-        run_dist("run_job.py", n, "--out", str(root / f"dp{n}"), "--check-replicas", "--", *DS_JOB, *ckpt,
-                 "checkpoint.resume=true", timeout=900)
+        out = ["run_job.py", "--out", root / f"dp{n}"]
+        run_dist_jobs(n, [[*out, "--", *DS_JOB, *ckpt, "train.num_steps=2"],
+                          [*out, "--check-replicas", "--", *DS_JOB, *ckpt, "checkpoint.resume=true"]],
+                      root / f"jobs{n}.json", job_timeout=450)
     return root
 
 

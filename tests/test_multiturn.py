@@ -300,17 +300,23 @@ DIST_LAYOUTS = {  # name: (ranks, overrides)
 }
 
 
-def run_layouts(root, run_dist, job, layouts):
-    """``job`` on one rank (``root/one``) and under each of ``layouts`` (name: (ranks, overrides)): ``root``."""
-    run_dist("run_job.py", 1, "--out", str(root / "one"), "--", *job, timeout=600)
-    for name, (n, extra) in layouts.items():
-        run_dist("run_job.py", n, "--out", str(root / name), "--", *job, *extra, timeout=600)
+def run_layouts(root, run_dist, run_dist_jobs, job, layouts):
+    """``job`` on one rank (``root/one``) and under each of ``layouts`` (name: (ranks, overrides)): ``root``. The
+    synchronous runs of a world size share one torchrun (jobs.py); an asynchronous one has its own."""
+    runs = {"one": (1, []), **layouts}
+    sync = {k: v for k, v in runs.items() if "rollout.mode=async" not in v[1]}
+    for n in sorted({m for m, _ in sync.values()}):
+        run_dist_jobs(n, [["run_job.py", "--out", root / k, "--", *job, *extra] for k, (m, extra) in sync.items()
+                          if m == n], root / f"jobs{n}.json", job_timeout=600)
+    for name, (n, extra) in runs.items():
+        if name not in sync:
+            run_dist("run_job.py", n, "--out", str(root / name), "--", *job, *extra, timeout=600)
     return root
 
 
 @pytest.fixture(scope="module")
-def dist_runs(tmp_path_factory, run_dist):
-    return run_layouts(tmp_path_factory.mktemp("multiturn_layouts"), run_dist, DIST_JOB, DIST_LAYOUTS)
+def dist_runs(tmp_path_factory, run_dist, run_dist_jobs):
+    return run_layouts(tmp_path_factory.mktemp("multiturn_layouts"), run_dist, run_dist_jobs, DIST_JOB, DIST_LAYOUTS)
 
 
 def _trained_rows(d):
@@ -442,8 +448,9 @@ LOCKSTEP_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def lockstep_runs(tmp_path_factory, run_dist):
-    return run_layouts(tmp_path_factory.mktemp("multiturn_lockstep"), run_dist, LOCKSTEP_JOB, LOCKSTEP_LAYOUTS)
+def lockstep_runs(tmp_path_factory, run_dist, run_dist_jobs):
+    return run_layouts(tmp_path_factory.mktemp("multiturn_lockstep"), run_dist, run_dist_jobs, LOCKSTEP_JOB,
+                       LOCKSTEP_LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", list(LOCKSTEP_LAYOUTS))
