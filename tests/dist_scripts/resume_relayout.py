@@ -26,11 +26,14 @@ def main() -> None:
     trainer.optimizer, trainer.scheduler, trainer.step = setup_optimizer(  # loads weights, Adam moments, scheduler and data position
         trainer.cfg, trainer.state, trainer.ddp, trainer.checkpoints, trainer.sampler, trainer.ref_model, trainer.step)
     assert trainer.step > 0, "nothing was resumed"
-    cfg.checkpoint.save = a.dst
-    trainer.save()
-    st = trainer.state
-    print(f"RELAYOUT rank {st.rank} tp={st.tp} ep={st.ep} dp={st.dp} step={trainer.step}", flush=True)
-    parallel.destroy()
+    try:
+        cfg.checkpoint.save = a.dst
+        trainer.save()
+        st = trainer.state
+        print(f"RELAYOUT {a.dst} rank {st.rank} tp={st.tp} ep={st.ep} dp={st.dp} step={trainer.step}", flush=True)
+    finally:
+        trainer.close()
+        parallel.destroy()
 
 
 if __name__ == "__main__":
