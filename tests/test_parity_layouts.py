@@ -4,6 +4,8 @@ give the single-rank logits, log-probs, entropy (also from the fused output-laye
 odd sequence length, which sequence parallel under TP=2 pads) and the single-rank gradients of a
 scalar loss (checked here, tensor by tensor on global keys)."""
 
+import re
+
 import pytest
 import torch
 
@@ -22,18 +24,24 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, run_dist):
+def reference(tmp_path_factory, run_dist, run_dist_jobs):
+    """The one-rank reference, then every layout's check (those of a world size in one torchrun: jobs.py):
+    (the directory, each world size's output)."""
     d = tmp_path_factory.mktemp("parity")
     run_dist("parity.py", 1, "--mode", "ref", "--dir", str(d))
-    return d
+    out = {}
+    for n in sorted({n for n, _ in LAYOUTS.values()}):
+        out[n] = run_dist_jobs(n, [["parity.py", "--mode", "check", "--dir", d, "--tag", k, *args]
+                                   for k, (m, args) in LAYOUTS.items() if m == n], d / f"jobs{n}.json").stdout
+    return d, out
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_rank(reference, run_dist, layout):
-    nproc, args = LAYOUTS[layout]
-    p = run_dist("parity.py", nproc, "--mode", "check", "--dir", str(reference), "--tag", layout, *args)
+def test_layout_matches_single_rank(reference, layout):
+    reference, out = reference
+    nproc, _ = LAYOUTS[layout]
     # every rank printed its comparison of logits / lp / ent / odd-length logits (SP padding)
-    assert p.stdout.count("max abs diff") == 4 * nproc, p.stdout
+    assert len(re.findall(rf"\[rank \d\] {layout} \S+ max abs diff", out[nproc])) == 4 * nproc, out[nproc]
     # the initial weights this layout drew from the seed are the one-rank model's, bit for bit
     init_ref = dist_checkpoint_to_tensors(str(reference / "weights"))
     init_got = dist_checkpoint_to_tensors(str(reference / f"init_{layout}"))
