@@ -369,10 +369,25 @@ def test_cuda_graphs_are_captured_thread_local(model, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("nproc, layouts, extra", [(2, "tp2,ep2,etp2", ["--gather-tokens", "6"]),
-                                                   (4, "tp2ep2,tp2ep4etp1,ep2", ["--host-syncs", "tp2ep2"])],
+@pytest.fixture(scope="module")
+def two_rank_decodes(tmp_path_factory, run_dist_jobs):
+    """The 2-rank runs of this file's dist scripts in one torchrun (jobs.py): name -> what their ranks printed."""
+    root = tmp_path_factory.mktemp("decode_2ranks")
+    runs = {
+        "lean": ["lean_layouts.py", "--dir", root / "lean", "--layouts", "tp2,ep2,etp2", "--gather-tokens", "6"],
+        "shared_prefill": ["shared_prefill.py", "--layouts", "tp2,ep2,etp2"],
+        "refill": ["refill_layouts.py", "--dir", root / "refill", "--layouts", "ep2,tp2"],
+        "kv_turns plain": ["kv_turns_layouts.py", "--layouts", "tp2,ep2,etp2"],
+        "kv_turns shared-prefix": ["kv_turns_layouts.py", "--layouts", "tp2,ep2,etp2", "--shared-prefix"],
+    }
+    for d in ("lean", "refill"):
+        (root / d).mkdir()
+    return dict(zip(runs, run_dist_jobs(2, list(runs.values()), root / "jobs.json", job_timeout=450)))
+
+
+@pytest.mark.parametrize("nproc, layouts", [(2, "tp2,ep2,etp2"), (4, "tp2ep2,tp2ep4etp1,ep2")],
                          ids=["2-ranks-chunked-dispatch", "4-ranks"])
-def test_lean_decoding_over_sharded_weights_gives_the_single_rank_rollouts(run_dist, tmp_path, nproc, layouts, extra):
+def test_lean_decoding_over_sharded_weights_gives_the_single_rank_rollouts(run_dist, request, tmp_path, nproc, layouts):
     """The lean decoder on TP / EP / TP x EP / expert-TP shards (and the 30B recipes' shape in small: TP 2 x
     EP 4 with expert-TP 1, the EP group spanning TP and data-parallel ranks) against one rank on the same
     weights: uniform and ragged prompts, greedy and sampled with rows ending apart and compaction, eager and
@@ -381,13 +396,17 @@ def test_lean_decoding_over_sharded_weights_gives_the_single_rank_rollouts(run_d
     of a lockstep group stepping together (EP 2 on 4 ranks: two groups of 2, not the world), and at TP 2 x
     EP 2 one host sync per finished_check_interval decode steps. On 2 ranks the MoE dispatch gathers at
     most 6 tokens: the prefill and the decode steps go through the expert group in chunks."""
-    p = run_dist("lean_layouts.py", nproc, "--dir", str(tmp_path), "--layouts", layouts, *extra, timeout=900)
+    if nproc == 2:
+        printed = request.getfixturevalue("two_rank_decodes")["lean"]
+    else:
+        printed = run_dist("lean_layouts.py", nproc, "--dir", str(tmp_path), "--layouts", layouts, "--host-syncs",
+                           "tp2ep2", timeout=900).stdout
     for tag in layouts.split(","):
         for r in range(nproc):
-            assert f"LEAN OK {tag} rank {r}" in p.stdout, p.stdout[-3000:]
+            assert f"LEAN OK {tag} rank {r}" in printed, printed[-3000:]
     if nproc == 4:
-        assert p.stdout.count("LEAN SYNCS tp2ep2") == 4 and "per_step=0.250 steps=16" in p.stdout, p.stdout[-3000:]
-        assert "ep2: dp 4, prompts [0], lockstep ranks [0, 1]," in p.stdout, p.stdout[-3000:]
+        assert printed.count("LEAN SYNCS tp2ep2") == 4 and "per_step=0.250 steps=16" in printed, printed[-3000:]
+        assert "ep2: dp 4, prompts [0], lockstep ranks [0, 1]," in printed, printed[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -479,16 +498,16 @@ def test_the_prefill_runs_once_per_distinct_prompt_and_counts_its_tokens(model, 
     assert distinct_prompts([[1, 2], [3], [1, 2], [3], [4]]) == ([0, 1, 4], [0, 1, 0, 1, 2])
 
 
-def test_one_prefill_per_prompt_over_sharded_weights(run_dist):
+def test_one_prefill_per_prompt_over_sharded_weights(two_rank_decodes):
     """TP 2, EP 2 (ranks with different numbers of distinct prompts: the lockstep group's prefill has filler
     rows) and expert-TP 2, lean and megatron's path: a prompt's samples prefilled once give the rollouts of a
     prefill per row, bit for bit (EP and expert-TP: the log-probs within 1e-6, the expert GEMMs' rounding of
     a row depending on their size; tests/dist_scripts/shared_prefill.py)."""
-    p = run_dist("shared_prefill.py", 2, "--layouts", "tp2,ep2,etp2", timeout=900)
+    printed = two_rank_decodes["shared_prefill"]
     for tag in ("tp2", "ep2", "etp2"):
         for impl in ("lean", "megatron"):
             for r in range(2):
-                assert f"SHARED OK {tag} {impl} rank {r}" in p.stdout, p.stdout[-3000:]
+                assert f"SHARED OK {tag} {impl} rank {r}" in printed, printed[-3000:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -553,15 +572,15 @@ def test_max_batch_rows_is_refused_where_it_cannot_run(model):
     assert one.decode_row_steps == big.decode_row_steps
 
 
-def test_a_refilled_batch_over_sharded_weights_gives_the_single_rank_rollouts(run_dist, tmp_path):
+def test_a_refilled_batch_over_sharded_weights_gives_the_single_rank_rollouts(two_rank_decodes):
     """EP 2 (data-parallel ranks of 4 and 6 rows: queues of different lengths, one lockstep group) and TP 2,
     max_batch_rows=3, eager and graph-ready: the tokens, log-probs (2e-5) and routes of one rank's one-batch
     generation (tests/dist_scripts/refill_layouts.py)."""
-    p = run_dist("refill_layouts.py", 2, "--dir", str(tmp_path), "--layouts", "ep2,tp2", timeout=900)
+    printed = two_rank_decodes["refill"]
     for tag in ("ep2", "tp2"):
         for mode in ("eager", "graph-ready"):
             for r in range(2):
-                assert f"REFILL OK {tag} {mode} rank {r}" in p.stdout, p.stdout[-3000:]
+                assert f"REFILL OK {tag} {mode} rank {r}" in printed, printed[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["lean", "graphs", "megatron"])
@@ -608,13 +627,13 @@ def _resumed(outs):
             enumerate(outs[:-1])]
 
 
-@pytest.mark.parametrize("extra", [(), ("--shared-prefix",)], ids=["plain", "shared-prefix"])
-def test_turns_on_their_kept_kv_over_sharded_weights(run_dist, extra):
+@pytest.mark.parametrize("attention", ["plain", "shared-prefix"])
+def test_turns_on_their_kept_kv_over_sharded_weights(two_rank_decodes, attention):
     """TP 2, EP 2 and expert-TP 2 on the lean decoder (EP / expert-TP: a rank whose rows all ended steps the
     resumed turns on dummy rows): three turns with each row's KV kept give the streams, log-probs (within 1e-6;
     2e-6 with shared-prefix attention, whose resumed turns must share) and R3 routes of a prefill of every turn's
     whole context (tests/dist_scripts/kv_turns_layouts.py)."""
-    p = run_dist("kv_turns_layouts.py", 2, "--layouts", "tp2,ep2,etp2", *extra, timeout=900)
+    printed = two_rank_decodes[f"kv_turns {attention}"]
     for tag in ("tp2", "ep2", "etp2"):
         for r in range(2):
-            assert f"KVTURNS OK {tag} rank {r}" in p.stdout, p.stdout[-3000:]
+            assert f"KVTURNS OK {tag} rank {r}" in printed, printed[-3000:]

@@ -236,19 +236,22 @@ def main():
     ap.add_argument("--gather-tokens", type=int, default=None,
                     help="LEAN_MOE_GATHER_TOKENS for the layouts: small, the MoE dispatch goes in chunks")
     a = ap.parse_args()
+    saved = lean_decoder.LEAN_MOE_GATHER_TOKENS, lean_decoder.shared_prefix_attention
     if a.gather_tokens:
         lean_decoder.LEAN_MOE_GATHER_TOKENS = a.gather_tokens
     real = lean_decoder.shared_prefix_attention
     lean_decoder.shared_prefix_attention = lambda *args, **kw: shared_calls.append(1) or real(*args, **kw)
-    cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=0.0, vocab_size=VOCAB)
-    ckpt = os.path.join(a.dir, "weights")
-    ref = reference(cfg, ckpt)
-    for tag in a.layouts.split(","):
-        model, st = check(cfg, ckpt, ref, tag)
-        if tag == a.host_syncs:
-            count_syncs(model, st, tag)
+    try:
+        cfg = model_config_from_preset("tiny", moe_aux_loss_coeff=0.0, vocab_size=VOCAB)
+        ckpt = os.path.join(a.dir, "weights")
+        ref = reference(cfg, ckpt)
+        for tag in a.layouts.split(","):
+            model, st = check(cfg, ckpt, ref, tag)
+            if tag == a.host_syncs:
+                count_syncs(model, st, tag)
+    finally:  # as they were (tests/dist_scripts/jobs.py may run another script in this process)
+        lean_decoder.LEAN_MOE_GATHER_TOKENS, lean_decoder.shared_prefix_attention = saved
     parallel.destroy()
-
 
 if __name__ == "__main__":
     main()

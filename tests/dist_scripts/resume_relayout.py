@@ -30,7 +30,7 @@ def main() -> None:
         cfg.checkpoint.save = a.dst
         trainer.save()
         st = trainer.state
-        print(f"RELAYOUT {a.dst} rank {st.rank} tp={st.tp} ep={st.ep} dp={st.dp} step={trainer.step}", flush=True)
+        print(f"RELAYOUT rank {st.rank} tp={st.tp} ep={st.ep} dp={st.dp} step={trainer.step}", flush=True)
     finally:
         trainer.close()
         parallel.destroy()
