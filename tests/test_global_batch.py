@@ -283,17 +283,14 @@ def _weights(path):
     return {k: v for k, v in dist_checkpoint_to_tensors(str(path)).items() if isinstance(v, torch.Tensor)}
 
 
-def test_r3_with_dynamic_sampling_at_dp2_replays_every_kept_rows_own_routes(tmp_path, run_dist):
+def test_r3_with_dynamic_sampling_at_dp2_replays_every_kept_rows_own_routes(tmp_path, run_dist_jobs):
     """DP 2, dynamic sampling over rounds, the kept rows dealt to the other rank with their routes: R3's
     old-log-prob pass replays each row's routes and gives back its sampling log-probs (another row's
     routes would move them far beyond float noise); without replay and without an old-log-prob pass the
     first minibatch, on-policy, changes no route against the rows' own rollout routes."""
-    found = []
-    for mode in ("R3", "ref"):
-        p = run_dist("global_batch.py", 2, "--mode", mode, "--", f"train.output_dir={tmp_path}/{mode}", timeout=900)
-        # two ranks print into one pipe: a line and its newline are two writes, so one rank's line can land in the
-        # middle of the other's; the JSON objects are flat, so each is found whole wherever it landed
-        found += re.findall(r"GLOBAL_BATCH (\{[^{}]*\})", p.stdout)
+    printed = run_dist_jobs(2, [["global_batch.py", "--mode", mode, "--", f"train.output_dir={tmp_path}/{mode}"]
+                                for mode in ("R3", "ref")], tmp_path / "jobs.json", job_timeout=450)
+    found = re.findall(r"GLOBAL_BATCH (\{[^{}]*\})", "".join(printed))
     assert len(found) == 4, found
     for obj in found:
         r = json.loads(obj)
