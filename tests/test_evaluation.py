@@ -145,7 +145,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def evaluations(tmp_path_factory, run_dist_jobs):
-    """name of RUNS -> each rank's eval.rank<R>.json. Every run of a world size in one torchrun (jobs.py)."""
+    """name of RUNS -> each rank's DIR/eval.rank<R>.json (eval_shard.py). Every run of a world size in one torchrun (jobs.py)."""
     root = tmp_path_factory.mktemp("eval_shard")
     out = {name: root / name.replace(" ", "_") for name in RUNS}
     for n in (1, 2):

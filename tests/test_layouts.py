@@ -127,11 +127,11 @@ def test_successor_losses_gradient_is_independent_of_micro_batch_size_and_dp(fam
 
 
 def _plans(run):
-    """Each rank's plan (run_job.save_planned_gradient: plan.rank<r>.txt in the run's directory): (rank, own counts,
+    """Each rank's plan (run_job.save_planned_gradient: plan_rank<r>.txt in the run's directory): (rank, own counts,
     own widths, agreed counts, agreed widths) as strings."""
     import re
 
-    text = "".join(p.read_text() for p in sorted(run.glob("plan.rank*.txt")))
+    text = "".join(p.read_text() for p in sorted(run.glob("plan_rank*.txt")))
     return re.findall(r"\[rank (\d)\] plan: own (\[.*?\]) widths (\[.*?\]); agreed (\[.*?\]) widths (\[.*?\])", text)
 
 

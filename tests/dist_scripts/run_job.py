@@ -8,7 +8,7 @@ Writes to DIR (rank 0 unless said otherwise):
   weights/                   final weights, torch_dist (global keys: comparable across layouts)
   grads_<kind>_mb<N>/        (--grads N,M,..) gradients of a first minibatch instead of training (save_gradients)
   grads_<kind>_planned/      (--planned-grad [--planned-aux]) the same on the rollout's own micro-batch plan
-  plan.rank<r>.txt           (--planned-grad, every rank) the rank's own plan of its rows next to the agreed one
+  plan_rank<r>.txt           (--planned-grad, every rank) the rank's own plan of its rows next to the agreed one
   replicas.json              (--check-replicas) the largest difference of any replicated parameter and of
                              its optimizer state across data-parallel replicas (0.0 = bit-identical)
 
@@ -233,7 +233,7 @@ def save_planned_gradient(trainer, out_dir, aux=False):
         line = (f"[rank {trainer.state.rank}] plan: own {[len(m) for m in own[1]]} widths {own[2]}; "
                 f"agreed {[len(m) for m in batch.minibatches]} widths {batch.widths}")
         print(line, flush=True)
-        with open(os.path.join(out_dir, f"plan.rank{trainer.state.rank}.txt"), "w", encoding="utf-8") as f:
+        with open(os.path.join(out_dir, f"plan_rank{trainer.state.rank}.txt"), "w", encoding="utf-8") as f:
             f.write(line + "\n")
         trainer.accumulate_gradients(batch, batch.minibatches[0], MetricAccumulator())
     finally:  # megatron's own again (jobs.py may run another job in this process)
