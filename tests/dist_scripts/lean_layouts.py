@@ -253,5 +253,6 @@ def main():
         lean_decoder.LEAN_MOE_GATHER_TOKENS, lean_decoder.shared_prefix_attention = saved
     parallel.destroy()
 
+
 if __name__ == "__main__":
     main()
