@@ -5,13 +5,14 @@ the comparison read from machine_info."""
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 
 import pytest
 
 from megatron_gspo.runtime.plotting import pyplot, save_figure, smooth
-from megatron_gspo.runtime.sysinfo import current_rss, load_avg, machine_info, peak_rss, reset_peak_rss
+from megatron_gspo.runtime.sysinfo import cpu_id, current_rss, load_avg, machine_info, peak_rss, reset_peak_rss
 
 
 @pytest.mark.parametrize("module", ["megatron_gspo.runtime.sysinfo", "megatron_gspo.runtime.plotting"])
@@ -63,6 +64,19 @@ def test_machine_info_serves_benchmarks_and_comparison():
     assert m["memory_gb"] > 0 and len(m["load_avg_at_start"]) == len(load_avg()) == 3
     if not torch.cuda.is_available():
         assert m["gpus"] == "none (CPU)" and machine_info()["device"] == "cpu"
+
+
+def test_cpu_id_reads_the_generation_and_vector_sets_of_the_first_cpu(tmp_path):
+    block = ("processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"
+             "model name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: fpu sse avx {flags} fma\n\n")
+    f = tmp_path / "cpuinfo"
+    f.write_text(block.format(n=0, flags="avx2 avx512f") + block.format(n=1, flags="avx2 avx512f amx_tile"))
+    assert cpu_id(str(f)) == "family 25 model 1 stepping 1; avx2 fma avx512f"  # the first CPU's block only
+    f.write_text("processor\t: 0\nflags\t\t: sse avx\n")
+    assert cpu_id(str(f)) is None  # no generation, no listed vector set
+    assert cpu_id(str(tmp_path / "missing")) is None
+    if os.path.exists("/proc/cpuinfo") and platform.machine() == "x86_64":
+        assert machine_info("cpu")["cpu_id"] == cpu_id() and "family" in cpu_id()
 
 
 def test_save_figure_writes_and_closes(tmp_path):

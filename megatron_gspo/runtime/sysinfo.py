@@ -145,6 +145,32 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# the vector instruction sets a CPU kernel may be built for (oneDNN, MKL and vLLM's CPU ops pick by them)
+_VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu_id(cpuinfo: str = "/proc/cpuinfo") -> Optional[str]:
+    """The CPU's generation and vector instruction sets, e.g. ``"family 25 model 1 stepping 1; avx2 fma"``.
+
+    A cloud VM's ``model name`` is often a bare "AMD EPYC": two hosts of different generations (and
+    different kernels chosen by the libraries) read the same there. None where /proc/cpuinfo has none
+    of these fields (not Linux x86)."""
+    fields: dict = {}
+    try:
+        with open(cpuinfo, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first CPU's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return None
+    gen = " ".join(f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields)
+    flags = set(fields.get("flags", "").split())
+    isa = " ".join(f for f in _VECTOR_FLAGS if f in flags)
+    return "; ".join(x for x in (gen.replace("cpu family", "family"), isa) if x) or None
+
+
 def package_version(dist: str) -> Optional[str]:
     """Installed version of a distribution (``megatron-core``), or None when it is not installed."""
     from importlib import metadata
@@ -162,6 +188,7 @@ def machine_info(device: Optional[str] = None) -> dict:
     visible, else "cpu"). Keys:
 
     * ``cpu_model``: the CPU's name (``cpu_model()``);
+    * ``cpu_id``: its generation and vector instruction sets (``cpu_id()``);
     * ``cpu_cores``: logical CPUs of the machine (``os.cpu_count()``);
     * ``cpu_cores_usable``: logical CPUs this process may run on (its affinity mask; under a job
       scheduler or taskset fewer than ``cpu_cores``);
@@ -185,6 +212,7 @@ def machine_info(device: Optional[str] = None) -> dict:
     cores = os.cpu_count()
     info = {
         "cpu_model": cpu_model(),
+        "cpu_id": cpu_id(),
         "cpu_cores": cores,
         "cpu_cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores,
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
