@@ -38,25 +38,32 @@ def torchrun(script: str, nproc: int, *args: str, timeout: int = 300, check: boo
     return p
 
 
-def torchrun_jobs(nproc: int, jobs: list, spec, job_timeout: int = 120) -> list[str]:
-    """Several dist-script runs (each ``[script, arg, ...]``) one after another in one torchrun of ``nproc`` ranks
-    (tests/dist_scripts/jobs.py): one start-up and one rendezvous for them all. ``spec``: where the list is
-    written (a .json path). Returns what each job printed, its ranks' output one after another in rank order."""
+def torchrun_jobs(runs: dict, where, job_timeout: int = 120) -> dict:
+    """Dist-script runs, ``{name: (ranks, [script, arg, ...])}``, those of one world size one after another in one
+    torchrun of that many ranks (tests/dist_scripts/jobs.py: one start-up and one rendezvous for them all), in the
+    dict's order, the world sizes in ascending order. ``where``: the directory of the job lists (``jobs<ranks>.json``).
+    Returns ``{name: what the run printed}``, its ranks' output one after another in rank order."""
     import json
 
-    with open(spec, "w", encoding="utf-8") as f:
-        json.dump([list(map(str, j)) for j in jobs], f)
+    out = {}
+    for nproc in sorted({n for n, _ in runs.values()}):
+        names = [k for k, (n, _) in runs.items() if n == nproc]
+        jobs = [list(map(str, runs[k][1])) for k in names]
+        spec = os.path.join(str(where), f"jobs{nproc}.json")
+        with open(spec, "w", encoding="utf-8") as f:
+            json.dump(jobs, f)
 
-    def printed(i):
-        paths = [f"{spec}.{i}.rank{r}.out" for r in range(nproc)]
-        return "".join(open(p, encoding="utf-8").read() for p in paths if os.path.exists(p))
+        def printed(i):
+            paths = [f"{spec}.{i}.rank{r}.out" for r in range(nproc)]
+            return "".join(open(p, encoding="utf-8").read() for p in paths if os.path.exists(p))
 
-    p = torchrun("jobs.py", nproc, str(spec), timeout=300 + job_timeout * len(jobs), check=False)
-    if p.returncode != 0:
-        last = max((i for i in range(len(jobs)) if os.path.exists(f"{spec}.{i}.rank0.out")), default=0)
-        raise AssertionError(f"torchrun jobs.py {spec} failed (rc={p.returncode}) in job {last} {jobs[last][:1]}:\n"
-                             f"{printed(last)[-4000:]}\n{p.stdout[-2000:]}\n{p.stderr[-6000:]}")
-    return [printed(i) for i in range(len(jobs))]
+        p = torchrun("jobs.py", nproc, spec, timeout=300 + job_timeout * len(jobs), check=False)
+        if p.returncode != 0:
+            last = max((i for i in range(len(jobs)) if os.path.exists(f"{spec}.{i}.rank0.out")), default=0)
+            raise AssertionError(f"torchrun jobs.py {spec} failed (rc={p.returncode}) in job {last} {names[last]!r} "
+                                 f"{jobs[last][:1]}:\n{printed(last)[-4000:]}\n{p.stdout[-2000:]}\n{p.stderr[-6000:]}")
+        out.update((k, printed(i)) for i, k in enumerate(names))
+    return out
 
 
 # Test files whose subject does not depend on the megatron-core release installed: the launcher and the GPU

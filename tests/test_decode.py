@@ -382,7 +382,7 @@ def two_rank_decodes(tmp_path_factory, run_dist_jobs):
     }
     for d in ("lean", "refill"):
         (root / d).mkdir()
-    return dict(zip(runs, run_dist_jobs(2, list(runs.values()), root / "jobs.json", job_timeout=450)))
+    return run_dist_jobs({k: (2, job) for k, job in runs.items()}, root, job_timeout=450)
 
 
 @pytest.mark.parametrize("nproc, layouts", [(2, "tp2,ep2,etp2"), (4, "tp2ep2,tp2ep4etp1,ep2")],

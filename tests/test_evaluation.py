@@ -148,9 +148,8 @@ def evaluations(tmp_path_factory, run_dist_jobs):
     """name of RUNS -> each rank's DIR/eval.rank<R>.json (eval_shard.py). Every run of a world size in one torchrun (jobs.py)."""
     root = tmp_path_factory.mktemp("eval_shard")
     out = {name: root / name.replace(" ", "_") for name in RUNS}
-    for n in (1, 2):
-        run_dist_jobs(n, [["eval_shard.py", "--out", out[k], *opts, "--", *SHARD_JOB, *extra]
-                          for k, (m, opts, extra) in RUNS.items() if m == n], root / f"jobs{n}.json", job_timeout=300)
+    run_dist_jobs({k: (n, ["eval_shard.py", "--out", out[k], *opts, "--", *SHARD_JOB, *extra])
+                   for k, (n, opts, extra) in RUNS.items()}, root, job_timeout=300)
     return {k: [json.load(open(out[k] / f"eval.rank{r}.json")) for r in range(RUNS[k][0])] for k in RUNS}
 
 

@@ -236,12 +236,13 @@ def ds_trajectories(tmp_path_factory, run_dist, run_dist_jobs):
     Trainer in the same torchrun: jobs.py)."""
     root = tmp_path_factory.mktemp("ds_traj")
     run_dist("run_job.py", 1, "--out", str(root / "dp1"), "--", *DS_JOB, timeout=900)
+    jobs = {}
     for n in (2, 4):
         ckpt = [f"checkpoint.save={root}/dp{n}/ckpt", "checkpoint.save_interval=2"]
         out = ["run_job.py", "--out", root / f"dp{n}"]
-        run_dist_jobs(n, [[*out, "--", *DS_JOB, *ckpt, "train.num_steps=2"],
-                          [*out, "--check-replicas", "--", *DS_JOB, *ckpt, "checkpoint.resume=true"]],
-                      root / f"jobs{n}.json", job_timeout=450)
+        jobs[f"dp{n} to step 2"] = (n, [*out, "--", *DS_JOB, *ckpt, "train.num_steps=2"])
+        jobs[f"dp{n} resumed"] = (n, [*out, "--check-replicas", "--", *DS_JOB, *ckpt, "checkpoint.resume=true"])
+    run_dist_jobs(jobs, root, job_timeout=450)
     return root
 
 
@@ -288,9 +289,9 @@ def test_r3_with_dynamic_sampling_at_dp2_replays_every_kept_rows_own_routes(tmp_
     old-log-prob pass replays each row's routes and gives back its sampling log-probs (another row's
     routes would move them far beyond float noise); without replay and without an old-log-prob pass the
     first minibatch, on-policy, changes no route against the rows' own rollout routes."""
-    printed = run_dist_jobs(2, [["global_batch.py", "--mode", mode, "--", f"train.output_dir={tmp_path}/{mode}"]
-                                for mode in ("R3", "ref")], tmp_path / "jobs.json", job_timeout=450)
-    found = re.findall(r"GLOBAL_BATCH (\{[^{}]*\})", "".join(printed))
+    printed = run_dist_jobs({mode: (2, ["global_batch.py", "--mode", mode, "--", f"train.output_dir={tmp_path}/{mode}"])
+                             for mode in ("R3", "ref")}, tmp_path, job_timeout=450)
+    found = re.findall(r"GLOBAL_BATCH (\{[^{}]*\})", "".join(printed.values()))
     assert len(found) == 4, found
     for obj in found:
         r = json.loads(obj)

@@ -41,11 +41,6 @@ def rel_err(got, ref):
     return float((num / den) ** 0.5)
 
 
-def run_jobs(run_dist_jobs, root, nproc, jobs, name, job_timeout=120):
-    """run_job.py with each of ``jobs`` (argument lists), one after another in one torchrun of ``nproc`` ranks."""
-    run_dist_jobs(nproc, [["run_job.py", *j] for j in jobs], root / f"{name}.json", job_timeout)
-
-
 @pytest.fixture(scope="module")
 def grads(tmp_path_factory, run_dist_jobs):
     """layout -> directory with grads_{policy,aux}_mb<N> (see run_job.save_gradients)."""
@@ -62,26 +57,25 @@ def grads(tmp_path_factory, run_dist_jobs):
         "one_global": (1, "128,64", [megatron + "global_aux_loss"]),
         "ep2_global": (2, "64", [megatron + "global_aux_loss", "parallel.expert_model_parallel_size=2"]),
     }
-    jobs = {1: [], 2: []}  # world size -> its jobs
-    for name, (n, sizes, extra) in runs.items():
-        jobs[n].append(["--out", root / name, "--grads", sizes, "--", *GRAD_JOB, *extra])
+    jobs = {name: (n, ["run_job.py", "--out", root / name, "--grads", sizes, "--", *GRAD_JOB, *extra])
+            for name, (n, sizes, extra) in runs.items()}
     # a token budget under EP=2: the ranks' own plans differ, the agreed one runs (rollout.agreed_length_profile);
     # ragged rows (stop tokens) so that the budget cuts them differently (the two DP ranks' own plans of the
     # first minibatch: 8 and 9 micro-batches); reference: one rank, same job
     ragged = ["generation.max_new_tokens=12", "generation.stop_token_ids=[3,7,11,1,5]",
               "train.max_tokens_per_micro_batch=130"]
-    jobs[1].append(["--out", root / "one_budget", "--planned-grad", "--", *GRAD_JOB, *ragged])
+    jobs["one_budget"] = (1, ["run_job.py", "--out", root / "one_budget", "--planned-grad", "--", *GRAD_JOB, *ragged])
     for name, layout in (("ep2_budget", "parallel.expert_model_parallel_size=2"),
                          ("etp2_budget", "parallel.expert_tensor_parallel_size=2"),
                          # plain DP 2 (no lockstep group): megatron's statistics need one plan over DP
                          ("dp2_budget_aux", megatron + "aux_loss"), ("dp2_budget_global", megatron + "global_aux_loss")):
         aux = ["--planned-aux"] if "aux_loss" in layout else []  # megatron's statistics: their gradient too
-        jobs[2].append(["--out", root / name, "--planned-grad", *aux, "--", *GRAD_JOB, *ragged, layout])
+        jobs[name] = (2, ["run_job.py", "--out", root / name, "--planned-grad", *aux, "--", *GRAD_JOB, *ragged, layout])
     for kind in ("aux", "global"):  # one rank: the reference of the DP 2 runs' aux gradient
-        jobs[1].append(["--out", root / f"one_budget_{kind}", "--planned-grad", "--planned-aux", "--",
-                        *GRAD_JOB, *ragged, megatron + ("aux_loss" if kind == "aux" else "global_aux_loss")])
-    for n, js in jobs.items():
-        run_jobs(run_dist_jobs, root, n, js, f"jobs{n}")
+        jobs[f"one_budget_{kind}"] = (1, ["run_job.py", "--out", root / f"one_budget_{kind}", "--planned-grad",
+                                          "--planned-aux", "--", *GRAD_JOB, *ragged,
+                                          megatron + ("aux_loss" if kind == "aux" else "global_aux_loss")])
+    run_dist_jobs(jobs, root)
     return root
 
 
@@ -103,10 +97,9 @@ def family_grads(tmp_path_factory, run_dist_jobs):
     """GSPO's successors through the real trainer: one rank (micro-batches of 128 and 32 rows) and DP=2
     (64 rows per rank), the first minibatch's policy gradient of each loss."""
     root = tmp_path_factory.mktemp("family_grads")
-    run_jobs(run_dist_jobs, root, 1, [["--out", root / f"{loss}_one", "--grads", "128,32", "--", *GRAD_JOB,
-                                  f"loss.name={loss}"] for loss in FAMILY], "jobs1")
-    run_jobs(run_dist_jobs, root, 2, [["--out", root / f"{loss}_dp2", "--grads", "64", "--", *GRAD_JOB,
-                                  f"loss.name={loss}"] for loss in FAMILY], "jobs2")
+    run_dist_jobs({f"{loss}_{name}": (n, ["run_job.py", "--out", root / f"{loss}_{name}", "--grads", sizes, "--",
+                                           *GRAD_JOB, f"loss.name={loss}"])
+                   for name, n, sizes in (("one", 1, "128,32"), ("dp2", 2, "64")) for loss in FAMILY}, root)
     return root
 
 
@@ -242,9 +235,9 @@ def trajectories(tmp_path_factory, run_dist_jobs):
         if name not in done:
             n = 1 if name == "one" else LAYOUTS[name][0]
             names = ["one"] if n == 1 else [k for k, (m, _) in LAYOUTS.items() if m == n and k not in done]
-            run_jobs(run_dist_jobs, root, n, [["--out", root / k, *(["--check-replicas"] if n > 1 else []), "--", *TRAJ_JOB,
-                                          *([] if k == "one" else LAYOUTS[k][1])] for k in names], f"jobs_{name}",
-                     job_timeout=600)
+            run_dist_jobs({k: (n, ["run_job.py", "--out", root / k, *(["--check-replicas"] if n > 1 else []), "--",
+                                   *TRAJ_JOB, *([] if k == "one" else LAYOUTS[k][1])]) for k in names}, root,
+                          job_timeout=600)
             done.update(names)
         return root / name
 

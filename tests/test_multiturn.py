@@ -305,9 +305,8 @@ def run_layouts(root, run_dist, run_dist_jobs, job, layouts):
     synchronous runs of a world size share one torchrun (jobs.py); an asynchronous one has its own."""
     runs = {"one": (1, []), **layouts}
     sync = {k: v for k, v in runs.items() if "rollout.mode=async" not in v[1]}
-    for n in sorted({m for m, _ in sync.values()}):
-        run_dist_jobs(n, [["run_job.py", "--out", root / k, "--", *job, *extra] for k, (m, extra) in sync.items()
-                          if m == n], root / f"jobs{n}.json", job_timeout=600)
+    run_dist_jobs({k: (n, ["run_job.py", "--out", root / k, "--", *job, *extra]) for k, (n, extra) in sync.items()},
+                  root, job_timeout=600)
     for name, (n, extra) in runs.items():
         if name not in sync:
             run_dist("run_job.py", n, "--out", str(root / name), "--", *job, *extra, timeout=600)

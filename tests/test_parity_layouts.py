@@ -27,13 +27,8 @@ def reference(tmp_path_factory, run_dist, run_dist_jobs):
     (the directory, each world size's output)."""
     d = tmp_path_factory.mktemp("parity")
     run_dist("parity.py", 1, "--mode", "ref", "--dir", str(d))
-    out = {}
-    for n in sorted({n for n, _ in LAYOUTS.values()}):
-        names = [k for k, (m, _) in LAYOUTS.items() if m == n]
-        printed = run_dist_jobs(n, [["parity.py", "--mode", "check", "--dir", d, "--tag", k, *LAYOUTS[k][1]]
-                                    for k in names], d / f"jobs{n}.json")
-        out.update(zip(names, printed))
-    return d, out
+    return d, run_dist_jobs({k: (n, ["parity.py", "--mode", "check", "--dir", d, "--tag", k, *args])
+                             for k, (n, args) in LAYOUTS.items()}, d)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

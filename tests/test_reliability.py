@@ -265,9 +265,8 @@ def relayouts(ep2_checkpoint, tmp_path_factory, run_dist_jobs):
     (the saved root by layout, the ranks' output)."""
     tmp = tmp_path_factory.mktemp("relayout")
     dst = {name: str(tmp / name) for name in RELAYOUTS}
-    printed = run_dist_jobs(4, [["resume_relayout.py", "--src", ep2_checkpoint, "--dst", dst[k], *JOB, *layout]
-                                for k, layout in RELAYOUTS.items()], tmp / "jobs.json", job_timeout=300)
-    return dst, dict(zip(RELAYOUTS, printed))
+    return dst, run_dist_jobs({k: (4, ["resume_relayout.py", "--src", ep2_checkpoint, "--dst", dst[k], *JOB, *layout])
+                               for k, layout in RELAYOUTS.items()}, tmp, job_timeout=300)
 
 
 @pytest.mark.parametrize("layout", list(RELAYOUTS))
