@@ -165,10 +165,11 @@ def cpu_id(cpuinfo: str = "/proc/cpuinfo") -> Optional[str]:
                 fields[key.strip()] = value.strip()
     except OSError:
         return None
-    gen = " ".join(f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields)
+    gen = " ".join(f"{name} {fields[key]}" for key, name in (("cpu family", "family"), ("model", "model"),
+                                                              ("stepping", "stepping")) if key in fields)
     flags = set(fields.get("flags", "").split())
     isa = " ".join(f for f in _VECTOR_FLAGS if f in flags)
-    return "; ".join(x for x in (gen.replace("cpu family", "family"), isa) if x) or None
+    return "; ".join(x for x in (gen, isa) if x) or None
 
 
 def package_version(dist: str) -> Optional[str]:
