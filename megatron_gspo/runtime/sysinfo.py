@@ -133,16 +133,25 @@ def load_avg() -> list[float]:
         return []
 
 
-def cpu_model() -> str:
-    """The CPU's marketing name (/proc/cpuinfo), else what ``platform`` knows."""
+def _cpuinfo(path: str = "/proc/cpuinfo") -> dict:
+    """/proc/cpuinfo's fields, each key's first value (the first CPU's, where every CPU has a block); {} where
+    there is no such file."""
+    fields: dict = {}
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, sep, value = line.partition(":")
+                if sep:
+                    fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (/proc/cpuinfo), else what ``platform`` knows."""
+    fields = _cpuinfo()
+    return fields["model name"] if "model name" in fields else platform.processor() or platform.machine()
 
 
 # the vector instruction sets a CPU kernel may be built for (oneDNN, MKL and vLLM's CPU ops pick by them)
@@ -155,16 +164,7 @@ def cpu_id(cpuinfo: str = "/proc/cpuinfo") -> Optional[str]:
     A cloud VM's ``model name`` is often a bare "AMD EPYC": two hosts of different generations (and
     different kernels chosen by the libraries) read the same there. None where /proc/cpuinfo has none
     of these fields (not Linux x86)."""
-    fields: dict = {}
-    try:
-        with open(cpuinfo, encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first CPU's block is enough
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
-        return None
+    fields = _cpuinfo(cpuinfo)
     gen = " ".join(f"{name} {fields[key]}" for key, name in (("cpu family", "family"), ("model", "model"),
                                                               ("stepping", "stepping")) if key in fields)
     flags = set(fields.get("flags", "").split())
